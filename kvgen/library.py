@@ -1,0 +1,90 @@
+"""Find, load and check a set of spec files: the built-in library plus user folders."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvgen.errors import Problem, SpecError
+from kvgen.loader import Document, load_document
+from kvgen.model import Spec, build_spec
+from kvgen.passes import UNDEFINED, check_library, check_spec
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUILTIN_SPECS = REPO_ROOT / "specs"
+TEMPLATES = REPO_ROOT / "templates"
+
+
+@dataclass(frozen=True)
+class Library:
+    """Every spec of a build, by name, in a stable order."""
+
+    specs: tuple[Spec, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {s.name: s for s in self.specs})
+
+    def __getitem__(self, name: str) -> Spec:
+        by_name: dict[str, Spec] = self._by_name  # type: ignore[attr-defined]
+        if name in by_name:
+            return by_name[name]
+        for spec in self.specs:
+            if name in spec.aliases:
+                return spec
+        raise KeyError(f"no layout named {name!r}; known: {', '.join(sorted(by_name))}")
+
+    @property
+    def paged(self) -> tuple[Spec, ...]:
+        return tuple(s for s in self.specs if s.is_paged)
+
+    @property
+    def objects(self) -> tuple[Spec, ...]:
+        return tuple(s for s in self.specs if not s.is_paged)
+
+    def formats(self) -> list[tuple[str, int]]:
+        """(name, LMCache code) of every memory format, UNDEFINED first, by code."""
+        found = {(s.format, s.code) for s in self.objects if s.format is not None and s.code is not None}
+        return [(UNDEFINED, 0), *sorted(found, key=lambda fc: (fc[1], fc[0]))]
+
+
+def spec_files(dirs: Iterable[Path]) -> list[Path]:
+    files: list[Path] = []
+    for d in dirs:
+        if d.is_file():
+            files.append(d)
+        elif d.is_dir():
+            files.extend(sorted(p for p in d.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file()))
+        else:
+            raise FileNotFoundError(f"spec folder {d} does not exist")
+    return files
+
+
+def load_specs(files: Sequence[Path]) -> list[tuple[Spec, Document]]:
+    """Load and check each file on its own; raise one SpecError with the problems of all files."""
+    problems: list[Problem] = []
+    entries: list[tuple[Spec, Document]] = []
+    for path in files:
+        try:
+            doc = load_document(path)
+        except SpecError as exc:
+            problems.extend(exc.problems)
+            continue
+        spec = build_spec(doc)
+        found = check_spec(spec, doc)
+        problems.extend(found)
+        if not found:
+            entries.append((spec, doc))
+    if problems:
+        raise SpecError(problems)
+    return entries
+
+
+def load_library(extra_dirs: Sequence[Path] = (), *, builtin: bool = True) -> Library:
+    """The built-in specs plus those under `extra_dirs`, checked across files."""
+    dirs = ([BUILTIN_SPECS] if builtin else []) + list(extra_dirs)
+    entries = load_specs(spec_files(dirs))
+    problems = check_library(entries)
+    if problems:
+        raise SpecError(problems)
+    return Library(tuple(sorted((s for s, _ in entries), key=lambda s: (s.kind != "paged", s.name))))
