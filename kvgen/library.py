@@ -48,29 +48,35 @@ class Library:
         return [(UNDEFINED, 0), *sorted(found, key=lambda fc: (fc[1], fc[0]))]
 
 
-def spec_files(dirs: Iterable[Path]) -> list[Path]:
-    files: list[Path] = []
+SpecFile = tuple[Path, str]  # the file and its origin, named from its spec folder
+
+
+def spec_files(dirs: Iterable[Path]) -> list[SpecFile]:
+    """Every *.yaml / *.yml under `dirs` (or the file itself), in a stable order."""
+    files: list[SpecFile] = []
     for d in dirs:
         if d.is_file():
-            files.append(d)
+            files.append((d, d.name))
         elif d.is_dir():
-            files.extend(sorted(p for p in d.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file()))
+            found = sorted(p for p in d.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file())
+            files.extend((p, f"{d.resolve().name}/{p.relative_to(d).as_posix()}") for p in found)
         else:
             raise FileNotFoundError(f"spec folder {d} does not exist")
     return files
 
 
-def load_specs(files: Sequence[Path]) -> list[tuple[Spec, Document]]:
+def load_specs(files: Sequence[Path | SpecFile]) -> list[tuple[Spec, Document]]:
     """Load and check each file on its own; raise one SpecError with the problems of all files."""
     problems: list[Problem] = []
     entries: list[tuple[Spec, Document]] = []
-    for path in files:
+    for item in files:
+        path, origin = item if isinstance(item, tuple) else (item, item.name)
         try:
             doc = load_document(path)
         except SpecError as exc:
             problems.extend(exc.problems)
             continue
-        spec = build_spec(doc)
+        spec = build_spec(doc, origin)
         found = check_spec(spec, doc)
         problems.extend(found)
         if not found:

@@ -66,6 +66,8 @@ class Spec:
     code: int | None
     accepts: tuple[str, ...]
     source: str
+    #: Where the spec came from, stable across machines (`specs/vllm/mla.yaml`).
+    origin: str
     digest: str
 
     @property
@@ -107,7 +109,7 @@ def _dim(value: object) -> Dim:
     return Dim((str(value),))
 
 
-def build_spec(doc: Document) -> Spec:
+def build_spec(doc: Document, origin: str | None = None) -> Spec:
     """Typed view of a document that passed the schema."""
     d = doc.data
     return Spec(
@@ -126,5 +128,6 @@ def build_spec(doc: Document) -> Spec:
         code=d.get("code"),
         accepts=tuple(d.get("accepts", ())),
         source=doc.file,
+        origin=origin or doc.file,
         digest=hashlib.sha256(doc.text).hexdigest(),
     )

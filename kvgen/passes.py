@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from kvgen import SPEC_FORMAT_VERSION
-from kvgen.errors import Problem, YamlPath
+from kvgen.errors import Problem, YamlPath, format_path
 from kvgen.loader import Document
-from kvgen.model import OPTIONAL_AXES, Spec
+from kvgen.model import Spec
 
 Pass = Callable[[Spec, Document], list[Problem]]
 
@@ -44,8 +44,8 @@ def check_axes_once(spec: Spec, doc: Document) -> list[Problem]:
     out = []
     for axis, path in occurrences(spec):
         if axis in seen:
-            first = ".".join(map(str, seen[axis]))
-            out.append(doc.problem(path, f"axis {axis} appears twice (first at {first}); each axis once"))
+            out.append(doc.problem(path, f"axis {axis} appears twice (first at {format_path(seen[axis])}); "
+                                         "each axis may appear once"))
         else:
             seen[axis] = path
     return out
@@ -115,8 +115,10 @@ def check_extents(spec: Spec, doc: Document) -> list[Problem]:
     known |= {d.axes[0] for d in spec.dims if len(d.axes) == 1}
     out = []
     for i, dim in enumerate(spec.dims):
-        if dim.is_fused and not dim.is_slot:
-            unknown = [a for a in dim.axes if a not in known]
+        # A fused group with B or N is either the slot axis [B, N] or check_fused's problem.
+        if dim.is_fused and not {"B", "N"} & set(dim.axes):
+            # Deduplicated: a repeated axis ([H, H]) is check_axes_once's problem, not this one's.
+            unknown = list(dict.fromkeys(a for a in dim.axes if a not in known))
             if len(unknown) > 1:
                 out.append(doc.problem(("dims", i), f"cannot tell {' and '.join(unknown)} apart in "
                                                     f"{dim.render()}; give all but one in sizes"))

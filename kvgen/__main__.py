@@ -1,0 +1,5 @@
+import sys
+
+from kvgen.cli import main
+
+sys.exit(main())

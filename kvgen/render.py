@@ -1,0 +1,97 @@
+"""Render copy plans and the library tables into Python source (Jinja2, StrictUndefined).
+
+Every string a spec contributes reaches a module only as a Python literal (the `py`
+filter) or after the schema restricted it to an identifier-like pattern; each module is
+parsed and compiled before it may be written.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+from collections.abc import Sequence
+from functools import cache
+
+import jinja2
+
+from kvgen import __version__
+from kvgen.errors import BuildError
+from kvgen.library import TEMPLATES, Library
+from kvgen.model import Dim
+from kvgen.plan import CopyPlan, format_transitions
+
+#: The runtime interface generated code is written for (kvgen.runtime.ABI).
+ABI = 1
+DIGEST_PREFIX = "# kvgen-body-sha256: "
+
+
+def py_literal(value: object, indent: int | None = None) -> str:
+    """A Python literal for plain data: strings, numbers, None and tuples of them.
+    With `indent`, a long tuple gets one item per line (continuation at that indent)."""
+    if isinstance(value, (list, tuple)):
+        items = [py_literal(v) for v in value]
+        flat = "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+        if indent is None or len(flat) <= 72:
+            return flat
+        pad = " " * (indent + 4)
+        return "(\n" + "".join(f"{pad}{item},\n" for item in items) + " " * indent + ")"
+    if value is None or isinstance(value, (bool, int, str)):
+        return repr(value)
+    raise TypeError(f"cannot render {type(value).__name__} as a literal")
+
+
+def dims_literal(dims: Sequence[Dim]) -> str:
+    return py_literal([d.axes for d in dims])
+
+
+@cache
+def environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.filters["py"] = py_literal
+    env.filters["dims_py"] = dims_literal
+    env.globals.update(version=__version__, abi=ABI)
+    return env
+
+
+def seal(name: str, text: str) -> str:
+    """Check the module parses and compiles, then record a digest of its body so that a
+    later hand edit can be told apart from a stale build."""
+    try:
+        compile(ast.parse(text, filename=name), name, "exec")
+    except SyntaxError as exc:
+        raise BuildError(f"generated {name} is not valid Python ({exc.msg}, line {exc.lineno}); "
+                         "this is a kvgen bug: please report it with the specs involved") from None
+    return f"{DIGEST_PREFIX}{body_digest(text)}\n{text}"
+
+
+def body_digest(body: str) -> str:
+    return hashlib.sha256(body.encode("utf-8")).hexdigest()
+
+
+def unseal(text: str) -> tuple[str | None, str]:
+    """(recorded digest, body) of a generated file; digest None when the line is missing."""
+    first, _, body = text.partition("\n")
+    if first.startswith(DIGEST_PREFIX):
+        return first[len(DIGEST_PREFIX):], body
+    return None, text
+
+
+def render_connector(plan: CopyPlan) -> str:
+    return environment().get_template("connector.py.j2").render(plan=plan)
+
+
+def render_package(library: Library, plans: Sequence[CopyPlan]) -> dict[str, str]:
+    """Every file of a generated package, by file name."""
+    files = {f"{plan.module}.py": render_connector(plan) for plan in plans}
+    env = environment()
+    files["formats.py"] = env.get_template("formats.py.j2").render(
+        library=library, transitions=format_transitions(library))
+    files["__init__.py"] = env.get_template("init.py.j2").render(library=library, plans=plans)
+    return {name: seal(name, text) for name, text in sorted(files.items())}

@@ -1,0 +1,32 @@
+"""kvgen.runtime: the small library that generated connectors import (with torch).
+
+It holds what every connector shares: memory objects and format labels, reading a
+cache's geometry, per-chunk slot work, device backends and the connector base classes.
+"""
+
+from kvgen.runtime.connector import ChunkConnector, LayerwiseConnector
+from kvgen.runtime.devices import Backend, available_devices, backend_for, register_backend
+from kvgen.runtime.errors import KVLayoutError
+from kvgen.runtime.layout import Geometry, ObjectLayout, PagedLayout, read_geometry
+from kvgen.runtime.memory import UNDEFINED, Format, MemoryObj, Metadata, format_name
+from kvgen.runtime.ops import bits, put_tokens, take_tokens
+from kvgen.runtime.slots import Chunk, plan_chunk
+
+#: Version of the interface between generated modules and this runtime. A generated
+#: module states the version it was written for and refuses to load under another.
+ABI = 1
+
+
+def require_abi(version: int, module: str) -> None:
+    """Called by every generated module at import: refuse code generated for another runtime."""
+    if version != ABI:
+        raise ImportError(f"{module} was generated for kvgen runtime ABI {version}, but this kvgen "
+                          f"runtime speaks ABI {ABI}: run `kvgen build` again")
+
+
+__all__ = [
+    "ABI", "UNDEFINED", "Backend", "Chunk", "ChunkConnector", "Format", "Geometry", "KVLayoutError",
+    "LayerwiseConnector", "MemoryObj", "Metadata", "ObjectLayout", "PagedLayout", "available_devices",
+    "backend_for", "bits", "format_name", "plan_chunk", "put_tokens", "read_geometry", "register_backend",
+    "require_abi", "take_tokens",
+]

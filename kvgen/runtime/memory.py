@@ -1,0 +1,67 @@
+"""Memory objects and format labels, compatible with LMCache's duck types.
+
+A memory object is anything with `.tensor` and `.metadata.fmt`. A format label is
+None (fresh object), a kvgen `Format`, or any enum member: kvgen compares labels by
+`.name`, so LMCache's own `MemoryFormat` enum works unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+UNDEFINED = "UNDEFINED"
+
+
+@dataclass(frozen=True)
+class Format:
+    """A memory format label: the name LMCache uses and its integer code."""
+
+    name: str
+    value: int
+
+    def __eq__(self, other: object) -> bool:
+        return format_name(other) == self.name if other is not None else False
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
+def format_name(fmt: Any) -> str:
+    """The label's name; None (a fresh object) reads as UNDEFINED."""
+    if fmt is None:
+        return UNDEFINED
+    name = getattr(fmt, "name", None)
+    if not isinstance(name, str):
+        raise TypeError(f"memory format must be None or have a .name, got {fmt!r}")
+    return name
+
+
+def relabel(current: Any, target: Format) -> Any:
+    """The label to store after a write: a member of the caller's own enum when it has one."""
+    if isinstance(current, enum.Enum):
+        try:
+            return type(current)[target.name]
+        except KeyError:
+            pass
+    return target
+
+
+@dataclass
+class Metadata:
+    fmt: Any = None
+
+
+@dataclass
+class MemoryObj:
+    """The plain memory object: a tensor and its format label."""
+
+    tensor: torch.Tensor
+    metadata: Metadata = field(default_factory=Metadata)
+
+    def __init__(self, tensor: torch.Tensor, fmt: Any = None):
+        self.tensor = tensor
+        self.metadata = Metadata(fmt)

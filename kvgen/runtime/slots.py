@@ -1,0 +1,118 @@
+"""Per-chunk slot work, done once per chunk and shared by every layer's copy.
+
+A chunk's tokens split into a *block path* (a run of whole, in-order blocks, moved a
+block at a time) and a *token path* (everything else: partial blocks at either end,
+scattered slots, folded slot axes). Tokens with slot < 0, and tokens a load is told to
+skip, are in neither and are never touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvgen.runtime.errors import KVLayoutError
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What one chunk moves. Token-path fields are None when the path is empty."""
+
+    num_tokens: int
+    #: How many tokens the chunk moves (the rest have slot < 0 or are skipped).
+    moved: int
+    #: Token path: positions in the chunk (None: all of 0..num_tokens-1, in order) and slots.
+    tok: torch.Tensor | None
+    slots: torch.Tensor | None
+    blk: torch.Tensor | None
+    off: torch.Tensor | None
+    #: Block path: chunk tokens [block_start, block_start + block_tokens) fill `block_ids`.
+    block_ids: torch.Tensor | None
+    block_start: int
+    block_tokens: int
+
+    @property
+    def covers_all(self) -> bool:
+        return self.moved == self.num_tokens
+
+    @property
+    def has_tokens(self) -> bool:
+        return self.slots is not None
+
+    @property
+    def has_blocks(self) -> bool:
+        return self.block_ids is not None
+
+
+def _aligned_run(slots: torch.Tensor, lo: int, hi: int, n: int) -> tuple[int, int, torch.Tensor] | None:
+    """The longest run of whole in-order blocks in tokens [lo, hi), if the tokens are
+    consecutive slots within each block: (first token, token count, block ids)."""
+    head = (-int(slots[lo]) % n)
+    first = lo + head
+    count = (hi - first) // n
+    if count <= 0:
+        return None
+    run = slots[first:first + count * n].view(count, n)
+    starts = run[:, :1]
+    steps = torch.arange(n, device=slots.device, dtype=slots.dtype)
+    if not bool(((starts % n == 0) & (run == starts + steps).all(dim=1, keepdim=True)).all()):
+        return None
+    return first, count * n, starts.squeeze(1) // n
+
+
+def plan_chunk(
+    slot_mapping: torch.Tensor,
+    start: int,
+    end: int,
+    *,
+    num_slots: int,
+    block_size: int | None,
+    offset: int = 0,
+    skip: int = 0,
+) -> Chunk:
+    """Slots of tokens [start, end) of a sequence; `slot_mapping[i - offset]` holds token i's
+    slot (SGLang passes a partial mapping and its offset); the first `skip` tokens of the
+    chunk are left alone (vLLM's skip_prefix_n_tokens)."""
+    n = end - start
+    lo_map, hi_map = start - offset, end - offset
+    if n < 0 or lo_map < 0 or hi_map > slot_mapping.shape[0]:
+        raise KVLayoutError(
+            f"tokens [{start}, {end}) with offset {offset} need slot_mapping[{lo_map}:{hi_map}], "
+            f"but slot_mapping has {slot_mapping.shape[0]} entries")
+    if not 0 <= skip <= n:
+        raise KVLayoutError(f"skip_prefix_n_tokens must be in [0, {n}] for a chunk of {n} tokens, got {skip}")
+    slots = slot_mapping[lo_map:hi_map].long()
+    empty = Chunk(n, 0, None, None, None, None, None, 0, 0)
+    if n == 0:
+        return empty
+    valid = slots >= 0
+    if skip:
+        valid[:skip] = False
+    count = int(valid.sum())
+    if count == 0:
+        return empty
+    highest = int(slots.max())
+    if highest >= num_slots:
+        raise KVLayoutError(f"slot {highest} is outside the cache, which has {num_slots} slots "
+                            f"(valid slots: 0..{num_slots - 1}, or < 0 to skip a token)")
+
+    lo = int(valid.to(torch.int8).argmax())
+    contiguous = bool(valid[lo:lo + count].all())
+    run = _aligned_run(slots, lo, lo + count, block_size) if contiguous and block_size else None
+
+    if run is None:
+        token_pos = None if count == n else valid.nonzero().squeeze(1)
+        block_ids, block_start, block_tokens = None, 0, 0
+    else:
+        block_start, block_tokens, block_ids = run
+        ranges = [(lo, block_start), (block_start + block_tokens, lo + count)]
+        parts = [torch.arange(a, b, device=slots.device) for a, b in ranges if b > a]
+        token_pos = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=slots.device)
+
+    if token_pos is not None and token_pos.numel() == 0:
+        tok_slots = blk = off = None
+    else:
+        tok_slots = slots if token_pos is None else slots[token_pos]
+        blk, off = (tok_slots // block_size, tok_slots % block_size) if block_size else (None, None)
+    return Chunk(n, count, token_pos, tok_slots, blk, off, block_ids, block_start, block_tokens)
