@@ -1,0 +1,30 @@
+"""Shared fixtures: the device every connector test runs on.
+
+KVGEN_TEST_DEVICES=cpu,cuda picks devices; by default CPU plus every CUDA / XPU device
+present. A device that is asked for but absent is skipped, never silently replaced.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvgen.runtime import available_devices
+
+
+def _devices() -> list[str]:
+    asked = os.environ.get("KVGEN_TEST_DEVICES")
+    return [d.strip() for d in asked.split(",") if d.strip()] if asked else available_devices()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "device" in metafunc.fixturenames:
+        metafunc.parametrize("device", _devices(), indirect=True)
+
+
+@pytest.fixture
+def device(request: pytest.FixtureRequest) -> str:
+    if request.param not in available_devices():
+        pytest.skip(f"device {request.param} is not available here")
+    return request.param

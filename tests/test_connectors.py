@@ -1,0 +1,136 @@
+"""Every generated connector, store and load, against the reference interpreter.
+
+Cache elements carry the code of their coordinates (layer, kv, slot, head, c) and
+objects carry codes of their own positions, so a K/V swap, a transposed head or a
+misplaced token changes bits that the comparison sees. Comparisons are bitwise.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import generated
+from harness import (
+    EXT, SCENARIOS, Scenario, block_table_mapping, clone_tree, connector_load, connector_store, make_cache,
+    make_objects, reference_load, reference_store, same_bits, tensors_of,
+)
+from kvgen.library import load_library
+from kvgen.plan import plan_library
+from kvgen.runtime import KVLayoutError
+
+LIBRARY = load_library()
+PLANS = {p.module: p for p in plan_library(LIBRARY)}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES.append(torch.float8_e4m3fn)
+
+CASES = [(m, s, torch.float32) for m in PLANS for s in SCENARIOS]
+CASES += [(m, "partial_blocks", d) for m in PLANS for d in DTYPES[1:]]
+
+
+def _ids(case: tuple) -> str:
+    return f"{case[0]}-{case[1]}-{str(case[2]).removeprefix('torch.')}"
+
+
+def _setup(module: str, scenario: str, dtype: torch.dtype, device: str):
+    plan = PLANS[module]
+    sc = SCENARIOS[scenario]
+    rng = random.Random(f"{module}/{scenario}")
+    mapping_list = sc.mapping(rng, EXT)
+    mapping = torch.tensor(mapping_list, dtype=torch.long, device=device)
+    connector = generated.get(plan.paged.name, plan.obj.name)(device=device)
+    cache = make_cache(plan.paged, dtype, device, sc.strided)
+    connector.bind(cache)
+    return plan, sc, mapping_list, mapping, connector, cache
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_store_matches_reference(case: tuple, device: str) -> None:
+    plan, sc, mapping_list, mapping, connector, cache = _setup(*case, device)
+    lengths = [e - s for s, e in zip(sc.starts, sc.ends)]
+    objs = make_objects(connector, connector.layerwise, lengths, case[2], device, salt=7)
+    expected = make_objects(connector, connector.layerwise, lengths, case[2], device, salt=7)
+    before = clone_tree(cache)
+
+    yields = connector_store(connector, objs, sc, cache, mapping)
+    reference_store(plan.paged, plan.obj, cache, expected, sc, mapping_list)
+
+    got = [o.tensor for c in objs for o in (c if isinstance(c, list) else [c])]
+    want = [o.tensor for c in expected for o in (c if isinstance(c, list) else [c])]
+    assert same_bits(got, want), "stored object differs from the reference"
+    assert same_bits(cache, before), "a store changed the cache"
+    assert yields == (EXT["L"] + 1 if connector.layerwise else 0)
+    fmts = {(o.metadata.fmt.name) for c in objs for o in (c if isinstance(c, list) else [c])}
+    assert fmts == {plan.obj.format}
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_load_matches_reference(case: tuple, device: str) -> None:
+    plan, sc, mapping_list, mapping, connector, cache = _setup(*case, device)
+    lengths = [e - s for s, e in zip(sc.starts, sc.ends)]
+    objs = make_objects(connector, connector.layerwise, lengths, case[2], device, salt=500, fmt=connector.format)
+    expected = clone_tree(cache)
+
+    yields = connector_load(connector, objs, sc, cache, mapping)
+    reference_load(plan.paged, plan.obj, expected, objs, sc, mapping_list)
+
+    assert same_bits(cache, expected), "loaded cache differs from the reference"
+    assert yields == (EXT["L"] + 2 if connector.layerwise else 0)
+
+
+@pytest.mark.parametrize("module", list(PLANS))
+def test_round_trip_into_zeroed_cache(module: str, device: str) -> None:
+    plan, sc, mapping_list, mapping, connector, cache = _setup(module, "partial_blocks", torch.float32, device)
+    lengths = [e - s for s, e in zip(sc.starts, sc.ends)]
+    objs = make_objects(connector, connector.layerwise, lengths, torch.float32, device, salt=3)
+    connector_store(connector, objs, sc, cache, mapping)
+
+    target = clone_tree(cache)
+    for t in tensors_of(target):
+        t.zero_()
+    expected = clone_tree(target)
+    connector_load(connector, objs, sc, target, mapping)
+    reference_load(plan.paged, plan.obj, expected, objs, sc, mapping_list)
+    assert same_bits(target, expected)
+    moved = [s for s in mapping_list[sc.starts[0]:sc.ends[0]] if s >= 0]
+    assert moved and any(t.abs().sum() > 0 for t in tensors_of(target))
+
+
+@pytest.mark.parametrize("module", [m for m in PLANS if m.startswith(("vllm_flash_attn_nhd", "sglang_mha"))])
+def test_skip_prefix_and_offset(module: str, device: str) -> None:
+    """vLLM's skip_prefix_n_tokens leaves the first tokens alone; SGLang's offset shifts a
+    partial slot mapping."""
+    plan = PLANS[module]
+    rng = random.Random(module)
+    full = block_table_mapping(24, rng, EXT)
+    offset = 8
+    sc = Scenario("offset", (8, 16), (16, 24), lambda r, e: full[offset:], offset=offset)
+    partial = torch.tensor(full[offset:], device=device)
+    connector = generated.get(plan.paged.name, plan.obj.name)(device=device)
+    cache = make_cache(plan.paged, torch.float32, device)
+    connector.bind(cache)
+    objs = make_objects(connector, connector.layerwise, [8, 8], torch.float32, device, salt=9,
+                        fmt=connector.format)
+    expected = clone_tree(cache)
+    connector_load(connector, objs, sc, cache, partial, skip=3)
+    reference_load(plan.paged, plan.obj, expected, objs, sc, full[offset:], skip=3)
+    assert same_bits(cache, expected)
+    untouched = make_cache(plan.paged, torch.float32, device)
+    # the skipped tokens' slots still hold the original cache codes
+    ref_only_skip = clone_tree(untouched)
+    reference_load(plan.paged, plan.obj, ref_only_skip, objs, sc, full[offset:], skip=0)
+    assert not same_bits(ref_only_skip, expected), "skip must change what is written"
+
+
+def test_store_refuses_foreign_format_label(device: str) -> None:
+    connector = generated.get("vllm_flash_attn_nhd", "kv_2ltd")(device=device)
+    cache = make_cache(LIBRARY["vllm_flash_attn_nhd"], torch.float32, device)
+    connector.bind(cache)
+    obj = make_objects(connector, False, [4], torch.float32, device, salt=1, fmt=connector.format)[0]
+    mla = type(connector.format)("KV_MLA_FMT", 6)
+    obj.metadata.fmt = mla
+    with pytest.raises(KVLayoutError, match="cannot store KV_2LTD into an object labelled KV_MLA_FMT"):
+        connector.from_gpu(obj, 0, 4, kvcaches=cache, slot_mapping=torch.arange(4, device=device))
