@@ -56,7 +56,7 @@ def leaf(tree: Any, path: Sequence[int]) -> torch.Tensor:
 def _logical(spec: Spec, ext: Extents) -> Iterator[dict[str, int]]:
     ranges = {a.lower(): range(ext[a] if spec.has(a) else 1) for a in ("L", "KV", "H", "C")}
     for values in itertools.product(*ranges.values()):
-        yield dict(zip(ranges, values))
+        yield dict(zip(ranges, values, strict=False))
 
 
 def _read(tree: Any, spec: Spec, paths: list[tuple[int, ...]]) -> dict[tuple[int, ...], Any]:

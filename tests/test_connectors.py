@@ -11,12 +11,23 @@ import random
 
 import pytest
 import torch
+from harness import (
+    EXT,
+    SCENARIOS,
+    Scenario,
+    block_table_mapping,
+    clone_tree,
+    connector_load,
+    connector_store,
+    make_cache,
+    make_objects,
+    reference_load,
+    reference_store,
+    same_bits,
+    tensors_of,
+)
 
 import generated
-from harness import (
-    EXT, SCENARIOS, Scenario, block_table_mapping, clone_tree, connector_load, connector_store, make_cache,
-    make_objects, reference_load, reference_store, same_bits, tensors_of,
-)
 from kvgen.library import load_library
 from kvgen.plan import plan_library
 from kvgen.runtime import KVLayoutError
@@ -50,7 +61,7 @@ def _setup(module: str, scenario: str, dtype: torch.dtype, device: str):
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_store_matches_reference(case: tuple, device: str) -> None:
     plan, sc, mapping_list, mapping, connector, cache = _setup(*case, device)
-    lengths = [e - s for s, e in zip(sc.starts, sc.ends)]
+    lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=False)]
     objs = make_objects(connector, connector.layerwise, lengths, case[2], device, salt=7)
     expected = make_objects(connector, connector.layerwise, lengths, case[2], device, salt=7)
     before = clone_tree(cache)
@@ -70,7 +81,7 @@ def test_store_matches_reference(case: tuple, device: str) -> None:
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_load_matches_reference(case: tuple, device: str) -> None:
     plan, sc, mapping_list, mapping, connector, cache = _setup(*case, device)
-    lengths = [e - s for s, e in zip(sc.starts, sc.ends)]
+    lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=False)]
     objs = make_objects(connector, connector.layerwise, lengths, case[2], device, salt=500, fmt=connector.format)
     expected = clone_tree(cache)
 
@@ -84,7 +95,7 @@ def test_load_matches_reference(case: tuple, device: str) -> None:
 @pytest.mark.parametrize("module", list(PLANS))
 def test_round_trip_into_zeroed_cache(module: str, device: str) -> None:
     plan, sc, mapping_list, mapping, connector, cache = _setup(module, "partial_blocks", torch.float32, device)
-    lengths = [e - s for s, e in zip(sc.starts, sc.ends)]
+    lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=False)]
     objs = make_objects(connector, connector.layerwise, lengths, torch.float32, device, salt=3)
     connector_store(connector, objs, sc, cache, mapping)
 

@@ -1,0 +1,60 @@
+"""The command line as a user meets it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvgen.cli import main
+
+
+def test_list_json_shows_the_whole_library(capsys) -> None:
+    assert main(["list", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    names = set(data["layouts"])
+    for name in ("vllm_flash_attn_nhd", "vllm_flashinfer_hnd", "vllm_kv_tuple", "vllm_mla", "vllm_cross_layer",
+                 "vllm_packed_nhd", "vllm_blocks_first_hnd", "vllm_rbln", "sglang_mha", "sglang_mla",
+                 "trtllm_pool", "vllm_heads_first", "vllm_blocks_heads_first",
+                 "kv_2ltd", "kv_t2d", "kv_2td", "kv_mla", "kv_mla_layer"):
+        assert name in names
+    assert data["layouts"]["kv_2ltd"]["format"] == "KV_2LTD"
+    assert {"paged": "sglang_mha", "object": "kv_t2d"}.items() <= next(
+        c for c in data["connectors"] if c["module"] == "sglang_mha__kv_t2d").items()
+
+
+def test_explain(capsys) -> None:
+    assert main(["explain", "SGLANG_MHA"]) == 0
+    out = capsys.readouterr().out
+    assert "KV -> L -> [(B N) H C]" in out
+    assert "kvcaches[kv][l][slot, h, c]" in out
+    assert "sglang_mha__kv_t2d (layerwise)" in out
+
+
+def test_explain_unknown_lists_names(capsys) -> None:
+    assert main(["explain", "nope"]) == 1
+    assert "known: " in capsys.readouterr().err
+
+
+def test_validate_reports_every_problem_without_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kvgen: 1\nname: Bad-Name\nkind: paged\nsummary: x\ndims: [KV, Q, N]\nfoo: 1\n")
+    proc = subprocess.run([sys.executable, "-m", "kvgen", "validate", str(bad)], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(str(bad.name)) or "bad.yaml:" in ln]
+    assert len(lines) >= 3, proc.stderr
+
+
+def test_validate_ok(capsys) -> None:
+    spec = Path(__file__).parent.parent / "specs" / "vllm" / "flash_attn_nhd.yaml"
+    assert main(["validate", str(spec)]) == 0
+    assert "vllm_flash_attn_nhd" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["check"], ["list"]])
+def test_commands_succeed_on_the_repository(argv: list[str]) -> None:
+    assert main(argv) == 0

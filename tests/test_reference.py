@@ -1,0 +1,75 @@
+"""The reference interpreter itself, checked by hand-written torch indexing per engine."""
+
+from __future__ import annotations
+
+import torch
+from harness import EXT, make_cache
+
+from kvgen import reference
+from kvgen.library import load_library
+
+LIB = load_library()
+N, H, C = EXT["N"], EXT["H"], EXT["C"]
+SLOTS = [13, 2, 40, 7]
+
+
+def _store(paged: str, obj: str) -> tuple[object, torch.Tensor | list[torch.Tensor]]:
+    spec = LIB[paged]
+    cache = make_cache(spec, torch.float32, "cpu")
+    o = LIB[obj]
+    shape = reference.leaf_shape(o, {**EXT, "T": len(SLOTS)})
+    out = [torch.zeros(shape) for _ in range(EXT["L"])] if o.lists else torch.zeros(shape)
+    reference.store(spec, o, EXT, cache, out, SLOTS, 0, len(SLOTS))
+    return cache, out
+
+
+def test_flash_attn_nhd_to_kv_2ltd() -> None:
+    cache, out = _store("vllm_flash_attn_nhd", "kv_2ltd")
+    for t, s in enumerate(SLOTS):
+        for layer in range(EXT["L"]):
+            for kv in range(2):
+                want = cache[layer][kv, s // N, s % N].reshape(H * C)
+                assert torch.equal(out[kv, layer, t], want)
+
+
+def test_flashinfer_hnd_to_kv_t2d() -> None:
+    cache, out = _store("vllm_flashinfer_hnd", "kv_t2d")
+    for t, s in enumerate(SLOTS):
+        for layer in range(EXT["L"]):
+            for kv in range(2):
+                assert torch.equal(out[layer][t, kv], cache[layer][s // N, kv, :, s % N].reshape(H * C))
+
+
+def test_packed_content_holds_k_first() -> None:
+    cache, out = _store("vllm_packed_nhd", "kv_2ltd")
+    for t, s in enumerate(SLOTS):
+        k = cache[0][s // N, s % N, :, :C]
+        v = cache[0][s // N, s % N, :, C:]
+        assert torch.equal(out[0, 0, t], k.reshape(-1))
+        assert torch.equal(out[1, 0, t], v.reshape(-1))
+
+
+def test_sglang_mha_folded_slots() -> None:
+    cache, out = _store("sglang_mha", "kv_2ltd")
+    k_list, v_list = cache
+    for t, s in enumerate(SLOTS):
+        assert torch.equal(out[0, 2, t], k_list[2][s].reshape(-1))
+        assert torch.equal(out[1, 2, t], v_list[2][s].reshape(-1))
+
+
+def test_trtllm_pool_hnd_inside_block() -> None:
+    cache, out = _store("trtllm_pool", "kv_2ltd")
+    for t, s in enumerate(SLOTS):
+        assert torch.equal(out[1, 1, t], cache[s // N, 1, 1, :, s % N].reshape(-1))
+
+
+def test_mla_single_plane() -> None:
+    cache, out = _store("vllm_mla", "kv_mla")
+    for t, s in enumerate(SLOTS):
+        assert torch.equal(out[0, 2, t], cache[2][s // N, s % N])
+
+
+def test_codes_are_unique_per_element() -> None:
+    cache = make_cache(LIB["vllm_flash_attn_nhd"], torch.bfloat16, "cpu")
+    codes = torch.cat([t.view(torch.int16).flatten() for t in cache])
+    assert codes.unique().numel() == codes.numel()
