@@ -15,6 +15,8 @@ from functools import cache
 import jinja2
 
 from kvgen import __version__
+from kvgen import convert
+from kvgen.convert import plan_converters
 from kvgen.errors import BuildError
 from kvgen.library import TEMPLATES, Library
 from kvgen.model import Dim
@@ -92,6 +94,8 @@ def render_package(library: Library, plans: Sequence[CopyPlan]) -> dict[str, str
     files = {f"{plan.module}.py": render_connector(plan) for plan in plans}
     env = environment()
     files["formats.py"] = env.get_template("formats.py.j2").render(
-        library=library, transitions=format_transitions(library))
+        library=library, transitions=format_transitions(library), converters=plan_converters(library),
+        strip=convert.strip_singletons, add=convert.add_singletons, layer_dim=convert.layer_dim,
+        permute=convert.permute)
     files["__init__.py"] = env.get_template("init.py.j2").render(library=library, plans=plans)
     return {name: seal(name, text) for name, text in sorted(files.items())}

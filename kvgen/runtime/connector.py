@@ -9,6 +9,7 @@ exactly as they were.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Generator, Sequence
 from typing import Any, ClassVar
 
@@ -16,7 +17,7 @@ import torch
 
 from kvgen.runtime.devices import Backend, backend_for, on_stream
 from kvgen.runtime.errors import KVLayoutError
-from kvgen.runtime.layout import Geometry, ObjectLayout, PagedLayout, describe, read_geometry
+from kvgen.runtime.layout import Geometry, ObjectLayout, PagedLayout, broadcast_dims, describe, read_geometry
 from kvgen.runtime.memory import Format, format_name, relabel
 from kvgen.runtime.slots import Chunk, plan_chunk
 
@@ -49,9 +50,10 @@ class _Base:
         key = _cache_key(kvcaches)
         if key != self._key:
             geometry = read_geometry(self.layout, kvcaches)
-            if self.device is not None and geometry.device != self.device:
-                raise KVLayoutError(f"{self.layout.name}: kvcaches are on {geometry.device}, "
-                                    f"but this connector was made for {self.device}")
+            if self.device is not None and not _same_device(geometry.device, self.device):
+                raise KVLayoutError(f"{self.layout.name}: kvcaches must be "
+                                    f"{self.layout.arrow(geometry.extents())} on {self.device} (the "
+                                    f"connector's device), got {describe(kvcaches)} on {geometry.device}")
             self._geometry, self._key = geometry, key
         assert self._geometry is not None
         return self._geometry
@@ -85,14 +87,28 @@ class _Base:
         return f"{self.memory.name} {self.memory.arrow(ext)} {str(g.dtype).removeprefix('torch.')}"
 
     def _check_object(self, obj: Any, g: Geometry, num_tokens: int, *, storing: bool) -> torch.Tensor:
+        expected = self._expected(g, num_tokens)
         tensor = getattr(obj, "tensor", None)
-        if not isinstance(tensor, torch.Tensor) or not hasattr(obj, "metadata"):
-            raise KVLayoutError(f"expected a memory object with .tensor and .metadata.fmt, got {describe(obj)}")
+        metadata = getattr(obj, "metadata", None)
+        if not isinstance(tensor, torch.Tensor) or not hasattr(metadata, "fmt"):
+            raise KVLayoutError(f"expected a memory object with .tensor ({expected}) and .metadata.fmt, "
+                                f"got {describe(obj)}"
+                                + (f" with .tensor {describe(tensor)}" if hasattr(obj, "tensor") else ""))
         shape = self._shape(g, num_tokens)
         if tuple(tensor.shape) != shape or tensor.dtype != g.dtype:
-            raise KVLayoutError(f"memory object must be {self._expected(g, num_tokens)} "
+            raise KVLayoutError(f"memory object must be {expected} "
                                 f"(shape {list(shape)}), got {describe(tensor)}")
-        current = format_name(obj.metadata.fmt)
+        if tensor.device.type == "meta":
+            raise KVLayoutError(f"memory object {expected} must have storage, got a tensor on {tensor.device}")
+        if storing and broadcast_dims(tensor):
+            raise KVLayoutError(f"memory object {expected} has dims {broadcast_dims(tensor)} with stride 0 "
+                                "(an expanded view): distinct tokens would share memory; store into a "
+                                "tensor with its own storage")
+        try:
+            current = format_name(metadata.fmt)
+        except TypeError:
+            raise KVLayoutError(f"memory object format label must be None or have a .name "
+                                f"(expected {self.memory.format}), got {metadata.fmt!r}") from None
         if storing:
             if current != self.memory.format and current not in self.memory.accepts:
                 allowed = ", ".join([self.memory.format, *self.memory.accepts])
@@ -100,50 +116,57 @@ class _Base:
                                     f"{current}; allowed labels before a store: {allowed}")
         elif current != self.memory.format:
             raise KVLayoutError(f"cannot load an object labelled {current}: this connector reads "
-                                f"{self.memory.format}")
+                                f"{self.memory.format} ({expected})")
         return tensor
 
-    def _slot_mapping(self, slot_mapping: Any) -> torch.Tensor:
+    def _slot_mapping(self, slot_mapping: Any, g: Geometry) -> torch.Tensor:
+        """The slot mapping as a 1-D signed integer tensor on the cache's device."""
         if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
-            raise KVLayoutError(f"slot_mapping must be a 1-D integer tensor, got {describe(slot_mapping)}")
-        if slot_mapping.dtype.is_floating_point or slot_mapping.dtype in (torch.bool, torch.uint8):
-            raise KVLayoutError(f"slot_mapping must hold signed integers, got {slot_mapping.dtype}")
+            raise KVLayoutError(f"slot_mapping must be a 1-D integer tensor (one slot per token, < 0 to "
+                                f"skip), got {describe(slot_mapping)}")
+        dtype = slot_mapping.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype in (torch.bool, torch.uint8):
+            raise KVLayoutError(f"slot_mapping must hold signed integers (int64 or int32), got "
+                                f"{describe(slot_mapping)}")
+        if slot_mapping.device.type == "meta":
+            raise KVLayoutError(f"slot_mapping must be on the cpu or on {g.device}, got {describe(slot_mapping)}")
+        if slot_mapping.device != g.device:
+            slot_mapping = slot_mapping.to(g.device)
         return slot_mapping
 
     def _chunks(self, g: Geometry, slot_mapping: Any, starts: Sequence[int], ends: Sequence[int],
                 offset: int, skip: int) -> list[Chunk]:
+        starts, ends = _positions("starts", starts), _positions("ends", ends)
         if len(starts) != len(ends):
-            raise KVLayoutError(f"got {len(starts)} starts but {len(ends)} ends")
-        mapping = self._slot_mapping(slot_mapping)
-        return [plan_chunk(mapping, int(s), int(e), num_slots=g.S, block_size=g.N, offset=offset, skip=skip)
-                for s, e in zip(starts, ends)]
+            raise KVLayoutError(f"expected one end per start, got {len(starts)} starts {list(starts)} but "
+                                f"{len(ends)} ends {list(ends)}")
+        offset, skip = _integer("offset", offset), _integer("skip_prefix_n_tokens", skip)
+        mapping = self._slot_mapping(slot_mapping, g)
+        return [plan_chunk(mapping, s, e, num_slots=g.S, block_size=g.N, offset=offset, skip=skip)
+                for s, e in zip(starts, ends, strict=True)]
 
     # -- moving one object's tensor ---------------------------------------------------
 
     def _staging_for(self, tensor: torch.Tensor, g: Geometry) -> torch.Tensor:
-        """A tensor on the cache's device shaped like `tensor` (itself when already there)."""
-        if tensor.device == g.device:
-            return tensor
+        """Where a copy works: the object itself when it lives with the cache; else (and
+        always with use_gpu) a tensor on the cache's device, copied to or from the object
+        in one step. With use_gpu that tensor is one reusable staging buffer."""
         if not self.use_gpu:
+            if tensor.device == g.device:
+                return tensor
             return torch.empty(tensor.shape, dtype=tensor.dtype, device=g.device)
         need = tensor.numel() * tensor.element_size()
-        have = self._staging.numel() if self._staging is not None else 0
-        if need > have:
-            limit = self.staging_bytes
-            if limit is not None and need > limit:
-                raise KVLayoutError(f"staging buffer too small: this transfer needs {need} bytes, "
-                                    f"the cap is {limit} bytes (staging_bytes)")
+        if self._staging is None or self._staging.numel() < need:
             self._staging = torch.empty(need, dtype=torch.uint8, device=g.device)
-        assert self._staging is not None
         return self._staging[:need].view(tensor.dtype).view(tensor.shape)
 
-    def _check_staging(self, tensors: Sequence[torch.Tensor], g: Geometry) -> None:
+    def _check_staging(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Refuse, before anything moves, a transfer the capped staging buffer cannot hold."""
         if self.use_gpu and self.staging_bytes is not None:
-            for t in tensors:
-                need = t.numel() * t.element_size()
-                if t.device != g.device and need > self.staging_bytes:
-                    raise KVLayoutError(f"staging buffer too small: this transfer needs {need} bytes, "
-                                        f"the cap is {self.staging_bytes} bytes (staging_bytes)")
+            need = max((t.numel() * t.element_size() for t in tensors), default=0)
+            if need > self.staging_bytes:
+                raise KVLayoutError(f"staging buffer too small: a chunk needs {need} bytes, "
+                                    f"{self.staging_bytes} bytes are available (staging_bytes)")
 
     def _shape(self, g: Geometry, num_tokens: int) -> tuple[int, ...]:
         raise NotImplementedError
@@ -167,7 +190,7 @@ class ChunkConnector(_Base):
         chunks = self._chunks(g, slot_mapping, starts, ends, offset, 0)
         self._check_count(memory_objs, chunks)
         tensors = [self._check_object(o, g, ck.num_tokens, storing=True) for o, ck in zip(memory_objs, chunks)]
-        self._check_staging(tensors, g)
+        self._check_staging(tensors)
         for obj, tensor, ck in zip(memory_objs, tensors, chunks):
             work = self._staging_for(tensor, g)
             if work is not tensor and not ck.covers_all:
@@ -186,7 +209,7 @@ class ChunkConnector(_Base):
         chunks = self._chunks(g, slot_mapping, starts, ends, offset, skip_prefix_n_tokens)
         self._check_count(memory_objs, chunks)
         tensors = [self._check_object(o, g, ck.num_tokens, storing=False) for o, ck in zip(memory_objs, chunks)]
-        self._check_staging(tensors, g)
+        self._check_staging(tensors)
         for tensor, ck in zip(tensors, chunks):
             work = self._staging_for(tensor, g)
             if work is not tensor:
@@ -196,8 +219,9 @@ class ChunkConnector(_Base):
 
     @staticmethod
     def _check_count(memory_objs: Sequence[Any], chunks: Sequence[Chunk]) -> None:
-        if len(memory_objs) != len(chunks):
-            raise KVLayoutError(f"got {len(memory_objs)} memory objects for {len(chunks)} chunks")
+        if not isinstance(memory_objs, Sequence) or len(memory_objs) != len(chunks):
+            raise KVLayoutError(f"expected a list of {len(chunks)} memory objects (one per chunk), "
+                                f"got {describe(memory_objs)}")
 
     def _store(self, tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk) -> None:
         raise NotImplementedError
@@ -227,12 +251,16 @@ class LayerwiseConnector(_Base):
         after the final synchronization (L + 1 yields)."""
         g = self.bind(kvcaches)
         chunks = self._chunks(g, slot_mapping, starts, ends, offset, 0)
-        if len(memory_objs) != g.L or any(len(objs) != len(chunks) for objs in memory_objs):
-            raise KVLayoutError(f"expected memory_objs[{g.L} layers][{len(chunks)} chunks], "
-                                f"got {describe(memory_objs)}")
+        if (not isinstance(memory_objs, Sequence) or len(memory_objs) != g.L
+                or any(not isinstance(objs, Sequence) or len(objs) != len(chunks) for objs in memory_objs)):
+            shape = [len(o) if isinstance(o, Sequence) else type(o).__name__ for o in memory_objs] \
+                if isinstance(memory_objs, Sequence) else type(memory_objs).__name__
+            raise KVLayoutError(f"expected memory_objs[{g.L} layers][{len(chunks)} chunks] of "
+                                f"{self._expected(g, 0).replace('T=0', 'T')} objects, got {describe(memory_objs)} "
+                                f"(objects per layer: {shape})")
         tensors = [[self._check_object(o, g, ck.num_tokens, storing=True) for o, ck in zip(objs, chunks)]
                    for objs in memory_objs]
-        self._check_staging([t for row in tensors for t in row], g)
+        self._check_staging([t for row in tensors for t in row])
         stream = self._stream("store")
         for layer in range(g.L):
             with on_stream(self.backend, stream):
@@ -260,11 +288,11 @@ class LayerwiseConnector(_Base):
         stream = self._stream("load")
         objs = yield
         for layer in range(g.L):
-            if objs is None or len(objs) != len(chunks):
-                raise KVLayoutError(f"layer {layer}: send() one memory object per chunk "
+            if not isinstance(objs, Sequence) or len(objs) != len(chunks):
+                raise KVLayoutError(f"layer {layer}: send() a list of one memory object per chunk "
                                     f"({len(chunks)}), got {describe(objs)}")
             tensors = [self._check_object(o, g, ck.num_tokens, storing=False) for o, ck in zip(objs, chunks)]
-            self._check_staging(tensors, g)
+            self._check_staging(tensors)
             with on_stream(self.backend, stream):
                 for tensor, ck in zip(tensors, chunks):
                     work = self._staging_for(tensor, g)
@@ -296,5 +324,32 @@ def _cache_key(kvcaches: Any) -> tuple[Any, ...]:
     while isinstance(node, (list, tuple)) and node:
         node = node[0]
     if isinstance(node, torch.Tensor):
-        return (id(kvcaches), node.data_ptr(), tuple(node.shape), tuple(node.stride()), node.dtype)
+        return (id(kvcaches), node.device, node.data_ptr(), tuple(node.shape), tuple(node.stride()), node.dtype)
     return (id(kvcaches),)
+
+
+def _same_device(actual: torch.device, wanted: torch.device) -> bool:
+    """Whether a cache on `actual` suits a connector made for `wanted`: `cuda` (no index)
+    takes any CUDA device, `cuda:1` only that one."""
+    return actual.type == wanted.type and (wanted.index is None or actual.index == wanted.index)
+
+
+def _integer(what: str, value: Any) -> int:
+    """`value` as an int (ints, integer numpy/torch scalars), else KVLayoutError."""
+    if isinstance(value, bool):
+        raise KVLayoutError(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise KVLayoutError(f"{what} must be an integer, got {type(value).__name__} {value!r}") from None
+
+
+def _positions(what: str, values: Any) -> list[int]:
+    """Chunk starts or ends: a sequence (or 1-D tensor) of integers."""
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype.is_complex:
+            raise KVLayoutError(f"{what} must be a list of integers, got {describe(values)}")
+        values = values.tolist()
+    if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
+        raise KVLayoutError(f"{what} must be a list of integers (one per chunk), got {type(values).__name__}")
+    return [_integer(f"{what}[{i}]", v) for i, v in enumerate(values)]

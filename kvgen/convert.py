@@ -1,0 +1,91 @@
+"""Memory-format converters between object specs holding the same KV content.
+
+An object's dims are *atoms* (an axis or a fused group such as (H C)); two objects
+convert when they share their atoms apart from L, which one holds as a dim and the
+other as a per-layer list. A converter selects or stacks layers and permutes atoms;
+it returns views where the target is a plain slice of the source, copies otherwise.
+No torch here: this plans the generated code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import permutations
+
+from kvgen.library import Library
+from kvgen.model import Spec
+
+Atom = tuple[str, ...]
+
+
+def atoms(spec: Spec) -> tuple[Atom, ...]:
+    return tuple(d.axes for d in spec.dims if not d.is_singleton)
+
+
+def _content(spec: Spec) -> frozenset[Atom]:
+    return frozenset(a for a in atoms(spec) if a != ("L",))
+
+
+@dataclass(frozen=True)
+class Converter:
+    src: Spec
+    dst: Spec
+    #: "view" when every result is a slice of the source's memory, else "copy".
+    kind: str
+    #: Source dims in the order of the target's (per-layer) dims, with L dropped.
+    order: tuple[int, ...]
+
+    @property
+    def function(self) -> str:
+        return f"{self.src.name}_to_{self.dst.name}"
+
+    @property
+    def direction(self) -> str:
+        return ("split" if not self.src.lists and self.dst.lists
+                else "stack" if self.src.lists and not self.dst.lists else "per_layer")
+
+
+def _plan(src: Spec, dst: Spec) -> Converter | None:
+    if src is dst or _content(src) != _content(dst) or not {src.lists, dst.lists} <= {(), ("L",)}:
+        return None
+    if not src.lists and not dst.lists:
+        return None  # whole <-> whole of one content would be the same format
+    src_dims = [d for d in src.dims if not d.is_singleton and d.axes != ("L",)]
+    dst_dims = [d for d in dst.dims if not d.is_singleton and d.axes != ("L",)]
+    order = tuple(src_dims.index(d) for d in dst_dims)
+    kind = "copy"
+    if not src.lists and dst.lists and order == tuple(sorted(order)):
+        # a layer of the source is contiguous when only singletons stand before L
+        lead = next(i for i, d in enumerate(src.dims) if d.axes == ("L",))
+        if all(d.is_singleton for d in src.dims[:lead]):
+            kind = "view"
+    return Converter(src, dst, kind, order)
+
+
+def plan_converters(library: Library) -> list[Converter]:
+    out = [c for a, b in permutations(library.objects, 2) if (c := _plan(a, b)) is not None]
+    return sorted(out, key=lambda c: c.function)
+
+
+def _whole(c: Converter) -> Spec:
+    return c.dst if c.src.lists else c.src
+
+
+def strip_singletons(c: Converter) -> str:
+    """`.select(0, 0)` for each singleton dim of the whole-chunk side, last first."""
+    dims = _whole(c).dims
+    return "".join(f".select({i}, 0)" for i in range(len(dims) - 1, -1, -1) if dims[i].is_singleton)
+
+
+def add_singletons(c: Converter) -> str:
+    dims = _whole(c).dims
+    return "".join(f".unsqueeze({i})" for i, d in enumerate(dims) if d.is_singleton)
+
+
+def layer_dim(c: Converter) -> int:
+    """Position of L among the whole-chunk side's non-singleton dims."""
+    return [d.axes for d in _whole(c).dims if not d.is_singleton].index(("L",))
+
+
+def permute(order: tuple[int, ...]) -> str:
+    return "" if order == tuple(sorted(order)) else f".permute({', '.join(map(str, order))})"

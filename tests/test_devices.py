@@ -1,0 +1,183 @@
+"""Streams, synchronization and staging, proven on CPU with a recording fake backend
+(and for real by the connector tests wherever CUDA or XPU is present)."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import generated
+from harness import (
+    EXT, SCENARIOS, block_table_mapping, clone_tree, connector_store, make_cache, make_objects, reference_load,
+    reference_store, same_bits,
+)
+from kvgen.library import load_library
+from kvgen.runtime import KVLayoutError, backend_for
+from kvgen.runtime.devices import CpuBackend
+
+LIB = load_library()
+
+
+class RecordingBackend(CpuBackend):
+    """CPU semantics, but every stream operation and staged copy is written down."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+        self.current = "main"
+        self.count = 0
+
+    def new_stream(self) -> str:
+        self.count += 1
+        return f"stream{self.count}"
+
+    def current_stream(self) -> str:
+        return self.current
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: Any) -> Iterator[None]:
+        before, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = before
+
+    def wait_stream(self, waiter: Any, stream: Any) -> None:
+        self.events.append(("wait", waiter, stream))
+
+    def synchronize(self, stream: Any) -> None:
+        self.events.append(("sync", stream))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.events.append(("copy", self.current))
+        dst.copy_(src)
+
+
+def _layerwise(backend: RecordingBackend, use_gpu: bool = True) -> tuple[Any, Any, torch.Tensor]:
+    conn = generated.get("vllm_flash_attn_nhd", "kv_t2d")(backend=backend, use_gpu=use_gpu)
+    cache = make_cache(LIB["vllm_flash_attn_nhd"], torch.float32, "cpu")
+    conn.bind(cache)
+    return conn, cache, torch.tensor(block_table_mapping(16, random.Random(1), EXT))
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_layerwise_store_stream_order(sync: bool) -> None:
+    backend = RecordingBackend()
+    conn, cache, mapping = _layerwise(backend)
+    objs = make_objects(conn, True, [16], torch.float32, "cpu", salt=1)
+    per_layer = [[chunk[layer] for chunk in objs] for layer in range(EXT["L"])]
+    gen = conn.batched_from_gpu(per_layer, [0], [16], kvcaches=cache, slot_mapping=mapping, sync=sync)
+    for layer in range(EXT["L"]):
+        next(gen)
+        # each layer: the store stream first waits for the compute stream, then copies on it
+        assert backend.events[-2:] == [("wait", "stream1", "main"), ("copy", "stream1")]
+    next(gen)
+    assert backend.events[-1] == (("sync", "stream1") if sync else ("wait", "main", "stream1"))
+    with pytest.raises(StopIteration):
+        next(gen)
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_layerwise_load_stream_order(sync: bool) -> None:
+    backend = RecordingBackend()
+    conn, cache, mapping = _layerwise(backend)
+    objs = make_objects(conn, True, [16], torch.float32, "cpu", salt=1, fmt=conn.format)
+    gen = conn.batched_to_gpu([0], [16], kvcaches=cache, slot_mapping=mapping, sync=sync)
+    next(gen)
+    assert backend.events == []  # priming moves nothing
+    for layer in range(EXT["L"]):
+        gen.send([objs[0][layer]])
+        want = [("wait", "stream1", "main"), ("copy", "stream1")]
+        if sync:  # the compute stream may not read layer l before its load is done
+            want.append(("wait", "main", "stream1"))
+        assert backend.events[-len(want):] == want
+    next(gen)
+    assert backend.events[-1] == (("sync", "stream1") if sync else ("wait", "main", "stream1"))
+
+
+def test_whole_connector_synchronizes_current_stream() -> None:
+    backend = RecordingBackend()
+    conn = generated.get("vllm_flash_attn_nhd", "kv_2ltd")(backend=backend)
+    cache = make_cache(LIB["vllm_flash_attn_nhd"], torch.float32, "cpu")
+    conn.bind(cache)
+    obj = make_objects(conn, False, [8], torch.float32, "cpu", salt=2)[0]
+    conn.from_gpu(obj, 0, 8, kvcaches=cache, slot_mapping=torch.arange(8))
+    assert backend.events == [("sync", "main")]
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_interleaved_store_and_load_generators(sync: bool) -> None:
+    """A store of one cache and a load of another, stepped alternately, both exact."""
+    paged, obj = LIB["vllm_flashinfer_hnd"], LIB["kv_2td"]
+    sc = SCENARIOS["noncontiguous_chunks"]
+    mapping_list = sc.mapping(random.Random(3), EXT)
+    mapping = torch.tensor(mapping_list)
+    conn = generated.get(paged.name, obj.name)()
+    src, dst = make_cache(paged, torch.float32, "cpu"), make_cache(paged, torch.float32, "cpu")
+    conn.bind(src)
+    lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=True)]
+    stored = make_objects(conn, True, lengths, torch.float32, "cpu", salt=4)
+    want_stored = make_objects(conn, True, lengths, torch.float32, "cpu", salt=4)
+    loaded = make_objects(conn, True, lengths, torch.float32, "cpu", salt=900, fmt=conn.format)
+    want_dst = clone_tree(dst)
+
+    store = conn.batched_from_gpu([[c[layer] for c in stored] for layer in range(EXT["L"])], sc.starts, sc.ends,
+                                  kvcaches=src, slot_mapping=mapping, sync=sync)
+    load = conn.batched_to_gpu(sc.starts, sc.ends, kvcaches=dst, slot_mapping=mapping, sync=sync)
+    next(load)
+    for layer in range(EXT["L"]):
+        next(store)
+        load.send([c[layer] for c in loaded])
+    next(store)
+    next(load)
+
+    reference_store(paged, obj, src, want_stored, sc, mapping_list)
+    reference_load(paged, obj, want_dst, loaded, sc, mapping_list)
+    assert same_bits([[o.tensor for o in c] for c in stored], [[o.tensor for o in c] for c in want_stored])
+    assert same_bits(dst, want_dst)
+
+
+@pytest.mark.parametrize("module", ["vllm_flash_attn_hnd__kv_2ltd", "sglang_mha__kv_t2d"])
+def test_staging_buffer_matches_direct_copy(module: str) -> None:
+    """use_gpu gathers into one staging tensor first; the result is the same, -1 tokens
+    included (they keep the object's bytes)."""
+    paged, obj = module.split("__")
+    sc = SCENARIOS["minus1_prefix"]
+    mapping = torch.tensor(sc.mapping(random.Random(5), EXT))
+    results = []
+    for use_gpu in (False, True):
+        conn = generated.get(paged, obj)(use_gpu=use_gpu)
+        cache = make_cache(LIB[paged], torch.float32, "cpu")
+        conn.bind(cache)
+        objs = make_objects(conn, conn.layerwise, [16], torch.float32, "cpu", salt=6)
+        connector_store(conn, objs, sc, cache, mapping)
+        results.append(objs)
+    tensors = [[o.tensor for o in (c if isinstance(c, list) else [c])] for r in results for c in r]
+    assert same_bits(tensors[0], tensors[1])
+
+
+def test_staging_cap_refuses_before_writing() -> None:
+    conn = generated.get("vllm_flash_attn_nhd", "kv_2ltd")(use_gpu=True, staging_bytes=1024)
+    cache = make_cache(LIB["vllm_flash_attn_nhd"], torch.float32, "cpu")
+    conn.bind(cache)
+    obj = make_objects(conn, False, [16], torch.float32, "cpu", salt=8)[0]
+    before_obj, before_cache = obj.tensor.clone(), clone_tree(cache)
+    need = obj.tensor.numel() * 4
+    with pytest.raises(KVLayoutError, match=f"a chunk needs {need} bytes, 1024 bytes are available"):
+        conn.from_gpu(obj, 0, 16, kvcaches=cache, slot_mapping=torch.arange(16))
+    assert torch.equal(obj.tensor, before_obj) and same_bits(cache, before_cache)
+    assert obj.metadata.fmt is None
+
+
+def test_backends_by_device_type() -> None:
+    assert backend_for("cpu").name == "cpu"
+    assert backend_for("cuda").name == "cuda"  # constructing needs no device
+    assert backend_for("xpu").name == "xpu"
+    with pytest.raises(ValueError, match="known: cpu, cuda, xpu"):
+        backend_for("meta")
