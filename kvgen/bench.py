@@ -217,13 +217,16 @@ class Target:
 
 
 def _generated() -> Any:
-    try:
-        return importlib.import_module("generated")
-    except ModuleNotFoundError:
-        from kvgen.library import REPO_ROOT
+    """The generated package: installed as kvgen.generated, else the repository's generated/."""
+    for name in ("kvgen.generated", "generated"):
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            pass
+    from kvgen.library import REPO_ROOT
 
-        sys.path.insert(0, str(REPO_ROOT))
-        return importlib.import_module("generated")
+    sys.path.insert(0, str(REPO_ROOT))
+    return importlib.import_module("generated")
 
 
 def select_targets(library: Any, gen: Any, layouts: Sequence[str], objects: Sequence[str]) -> list[Target]:
@@ -370,6 +373,7 @@ class _Transfers:
         from kvgen.runtime import MemoryObj
 
         self.c, self.naive, self.cache, self.mapping, self.T = connector, naive, cache, mapping, num_tokens
+        self.cache_device = device
         shape = connector.get_shape(num_tokens)
         count = connector.geometry.L if connector.layerwise else 1
         tensors = [torch.empty(shape, dtype=dtype, device=device) for _ in range(count)]
@@ -411,12 +415,11 @@ class _Transfers:
         self.naive_store()
         return _same_bits(self.tensors(), self.naive_objs)
 
-    def check_load(self, seed: int) -> bool:
-        import torch
+    def check_load(self) -> bool:
+        from kvgen.runtime import bits
 
-        gen = torch.Generator().manual_seed(seed)
         for t in _tensors(self.tensors()):
-            _fill_random(t, gen)  # object data distinct from the cache's
+            bits(t).bitwise_not_()  # after check_store: every element now differs from its cache slot
         twin = _clone(self.cache)
         self.load()
         self.naive.load(self.tensors(), 0, self.T, twin, self.mapping)
@@ -448,12 +451,61 @@ def machine_facts(device: str) -> dict[str, Any]:
     return facts
 
 
+def check_cost(target: Target, cls: type, cache: Any, mappings: dict[int, Any], device: Any) -> CheckCost:
+    """Per-call cost of the runtime's input checks: bind on a fresh connector (reads and
+    checks the cache's geometry), bind again with the same cache (cached), plan_chunk."""
+    from kvgen.runtime import plan_chunk
+
+    warm = cls(device=device)
+    g = warm.bind(cache)
+    fresh = _micro(lambda c: c.bind(cache), 50, setup=lambda: cls(device=device))
+    cached = _micro(lambda: warm.bind(cache), 500)
+    plan = {str(t): _micro(lambda m=m, t=t: plan_chunk(m, 0, t, num_slots=g.S, block_size=g.N), 50)
+            for t, m in mappings.items()}
+    return CheckCost(target.layout, target.obj, fresh, cached, plan)
+
+
+def measure(target: Target, xfer: _Transfers, sync: Callable[[], None], args: argparse.Namespace) -> list[Row]:
+    """Store and load rows of one connector and token count: check, then time."""
+    import torch
+
+    src = torch.empty(xfer.nbytes, dtype=torch.uint8, device=xfer.cache_device)
+    dst = torch.empty_like(src)
+
+    def memcpy() -> None:
+        dst.copy_(src)
+
+    rows = []
+    for direction in ("store", "load"):
+        if direction == "store":
+            same = xfer.check_store()
+            fns = {"kvgen": xfer.store, "memcpy": memcpy, "naive": xfer.naive_store}
+        else:
+            same = xfer.check_load()
+            fns = {"kvgen": xfer.load, "memcpy": memcpy, "naive": xfer.naive_load}
+        sec = _median_seconds(fns, sync, args.warmup, args.repeats)
+        gb = {k: xfer.nbytes / s / 1e9 for k, s in sec.items()}
+        rows.append(Row(target.layout, target.obj, target.mode, xfer.T, direction, xfer.nbytes, sec["kvgen"],
+                        gb["kvgen"], gb["memcpy"], gb["kvgen"] / gb["memcpy"], gb["naive"], gb["kvgen"] / gb["naive"],
+                        same))
+    return rows
+
+
+def _random_tensor(shape: tuple[int, ...], dtype: Any, device: Any, gen: Any) -> Any:
+    import torch
+
+    t = torch.empty(shape, dtype=dtype, device=device)
+    _fill_random(t, gen)
+    return t
+
+
 def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure everything `args` selects; returns the figures as plain data."""
     import torch
 
     from kvgen.library import load_library
-    from kvgen.runtime import backend_for, plan_chunk
+    from kvgen.reference import leaf_shape, nest
+    from kvgen.runtime import backend_for
 
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
@@ -475,60 +527,28 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     checks: list[CheckCost] = []
     rng = random.Random(args.seed)
     tgen = torch.Generator().manual_seed(args.seed)
-    done = 0
 
     for layout in dict.fromkeys(t.layout for t in targets):
         paged = library[layout]
         ext = extents(paged, args, num_blocks)
-        from kvgen.reference import leaf_shape, nest
-
         shape = leaf_shape(paged, ext)
-
-        def make_leaf(path: tuple[int, ...], shape: tuple[int, ...] = shape) -> Any:
-            t = torch.empty(shape, dtype=dtype, device=device)
-            _fill_random(t, tgen)
-            return t
-
-        cache = nest(paged, ext, make_leaf)
+        cache = nest(paged, ext, lambda path, shape=shape: _random_tensor(shape, dtype, device, tgen))
         mappings = {t: torch.tensor(slot_mapping(t, num_blocks, args.block_size, args.alloc, rng),
                                     dtype=torch.long, device=device) for t in tokens}
         for target in (t for t in targets if t.layout == layout):
             cls = gen.get(target.layout, target.obj)
             connector = cls(device=device)
-            g = connector.bind(cache)
+            connector.bind(cache)
             naive = NaiveConnector(paged, library[target.obj], ext)
-
-            fresh = _micro(lambda c: c.bind(cache), 50, setup=lambda cls=cls: cls(device=device))
-            cached = _micro(lambda: connector.bind(cache), 500)
-            plan = {str(t): _micro(lambda m=mappings[t], t=t: plan_chunk(m, 0, t, num_slots=g.S, block_size=g.N), 50)
-                    for t in tokens}
-            checks.append(CheckCost(target.layout, target.obj, fresh, cached, plan))
-
+            checks.append(check_cost(target, cls, cache, mappings, device))
             for t in tokens:
                 xfer = _Transfers(connector, naive, cache, mappings[t], t, device, dtype)
-                src = torch.empty(xfer.nbytes, dtype=torch.uint8, device=device)
-                dst = torch.empty_like(src)
-                memcpy = lambda dst=dst, src=src: dst.copy_(src)  # noqa: E731
-                for direction in ("store", "load"):
-                    if direction == "store":
-                        same = xfer.check_store()
-                        fns = {"kvgen": xfer.store, "memcpy": memcpy, "naive": xfer.naive_store}
-                    else:
-                        same = xfer.check_load(args.seed + t)
-                        fns = {"kvgen": xfer.load, "memcpy": memcpy, "naive": xfer.naive_load}
-                    sec = _median_seconds(fns, sync, args.warmup, args.repeats)
-                    gb = {k: xfer.nbytes / s / 1e9 for k, s in sec.items()}
-                    row = Row(target.layout, target.obj, target.mode, t, direction, xfer.nbytes, sec["kvgen"],
-                              gb["kvgen"], gb["memcpy"], gb["kvgen"] / gb["memcpy"], gb["naive"],
-                              gb["kvgen"] / gb["naive"], same)
+                for row in measure(target, xfer, sync, args):
                     rows.append(row)
-                    done += 1
                     if progress:
-                        progress(f"[{done}/{total}] {row.layout} {row.obj} T={t} {direction}: {row.gbps:.2f} GB/s "
-                                 f"(memcpy {row.memcpy_gbps:.2f}, naive {row.naive_gbps:.2f}, "
-                                 f"naive==kvgen {'yes' if same else 'NO'})")
-                del xfer, src, dst
-        del cache
+                        progress(f"[{len(rows)}/{total}] {row.layout} {row.obj} T={t} {row.dir}: "
+                                 f"{row.gbps:.2f} GB/s (memcpy {row.memcpy_gbps:.2f}, naive {row.naive_gbps:.2f}, "
+                                 f"naive==kvgen {'yes' if row.naive_matches else 'NO'})")
 
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
               if k not in ("run", "command", "json", "plot", "quiet")}
@@ -543,9 +563,10 @@ def table(headers: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
     right = [i for i, h in enumerate(headers) if "/s" in h or h.startswith("x ") or h in ("tokens",) or "us" in h]
 
     def line(values: Sequence[str]) -> str:
-        return "  ".join(v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths)))
+        cells = [v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths, strict=True))]
+        return "  ".join(cells).rstrip()
 
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(c) for c in cells)]).rstrip()
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(c) for c in cells)])
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

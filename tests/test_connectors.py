@@ -27,7 +27,7 @@ from harness import (
     tensors_of,
 )
 
-import generated
+from kvgen import generated
 from kvgen.library import load_library
 from kvgen.plan import plan_library
 from kvgen.runtime import KVLayoutError

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-import generated
-from generated import formats
+from kvgen import generated
+from kvgen.generated import formats
 from harness import EXT, clone_tree, make_cache, same_bits
 from kvgen.runtime import MemoryObj
 

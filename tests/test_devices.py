@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-import generated
+from kvgen import generated
 from harness import (
     EXT, SCENARIOS, block_table_mapping, clone_tree, connector_store, make_cache, make_objects, reference_load,
     reference_store, same_bits,

@@ -6,7 +6,7 @@ import enum
 
 import pytest
 
-from generated import formats
+from kvgen.generated import formats
 
 
 class LMCacheMemoryFormat(enum.Enum):  # a stand-in for LMCache's own enum
