@@ -49,25 +49,45 @@ class View:
 
 
 @dataclass(frozen=True)
+class BlockPath:
+    """Whole blocks of a chunk, moved by index over B.
+
+    Row mode: extra loops fix every axis outside the block's contiguous content, so each
+    op moves whole rows (a block's N x ... values) with one memcpy per block. Otherwise
+    one N-d op per leaf, the object viewed (permuted) in the cache's dim order."""
+
+    loops: tuple[Loop, ...]
+    rows: bool
+    #: The object chunk's whole blocks viewed with B, N split from T.
+    blocks: View
+    #: Index suffixes selecting the loop axes on x and on `blocks`.
+    cache_select: str
+    object_select: str
+    #: B dim in x for the N-d op.
+    dim: int
+
+
+@dataclass(frozen=True)
 class CopyPlan:
     paged: Spec
     obj: Spec
     mode: str
     loops: tuple[Loop, ...]
+    #: True when both sides end in C, so copies may move C as wide integer words.
+    widen: bool
     #: Canonical view of the whole object tensor `o` (made once per chunk).
     object_view: View
     #: Canonical view of one cache leaf `x`, inside the loops.
     cache_view: View
-    #: Object view inside the loops, before alignment (`o` with loop axes fixed), bound
-    #: to `y` when loops select from it.
+    #: Object view inside the loops (`o` with loop axes fixed), bound to `y` when loops
+    #: select from it.
     object_part: View
-    #: Token path: index applied to the cache view and the object in the result's order.
+    #: Token path: index applied to x, and the object in the order torch gives x[index].
     token_index: str
     token_object: View
-    #: Block path (None for folded slot axes): B dim of the cache view and the object
-    #: view of the chunk's whole blocks, split and permuted to the cache's order.
-    block_dim: int | None
-    block_object: str | None
+    #: Token rows: a folded slot axis first in x and T first in the object.
+    token_rows: bool
+    block: BlockPath | None
     #: Object shape, as expressions over `g` and `num_tokens`.
     shape: tuple[str, ...]
 
@@ -86,13 +106,16 @@ class CopyPlan:
     @property
     def strategy(self) -> str:
         """One line for people: what the generated copy does."""
-        loops = " x ".join(f"{lp.axis}" for lp in self.loops)
-        per = f"per {loops} leaf" if loops else "one op across all layers"
-        if self.block_dim is not None:
-            how = f"whole blocks by index_select over B (dim {self.block_dim}), partial blocks by token gather"
+        loops = " x ".join(lp.axis for lp in self.loops)
+        per = f"per {loops} leaf" if loops else "all layers at once"
+        if self.block is None:
+            how = "tokens as rows by slot" if self.token_rows else "tokens by slot"
+        elif self.block.rows:
+            extra = " x ".join(lp.axis for lp in self.block.loops)
+            how = "whole blocks as rows" + (f" per {extra}" if extra else "") + ", partial blocks by token"
         else:
-            how = "token rows by index over the folded slot axis"
-        return f"{per}: {how}"
+            how = f"whole blocks by one op over B (dim {self.block.dim}), partial blocks by token"
+        return f"{per}: {how}" + ("; C in wide words" if self.widen else "")
 
 
 def compatible(paged: Spec, obj: Spec) -> bool:
@@ -111,7 +134,7 @@ def mode_of(obj: Spec) -> str:
     return LAYERWISE if obj.lists else WHOLE
 
 
-def canonical(base: str, dims: tuple[Dim, ...]) -> View:
+def canonical(base: str, dims: tuple[Dim, ...], extent: dict[str, str] = EXTENT) -> View:
     """Split fused dims and drop singletons, last dim first so earlier indices hold."""
     expr = base
     for i in range(len(dims) - 1, -1, -1):
@@ -119,7 +142,7 @@ def canonical(base: str, dims: tuple[Dim, ...]) -> View:
         if dim.is_singleton:
             expr += f".select({i}, 0)"
         elif dim.is_fused and not dim.is_slot:
-            sizes = ", ".join(EXTENT[a] for a in dim.axes)
+            sizes = ", ".join(extent[a] for a in dim.axes)
             expr += f".unflatten({i}, ({sizes}))"
     axes: list[str] = []
     for dim in dims:
@@ -128,6 +151,12 @@ def canonical(base: str, dims: tuple[Dim, ...]) -> View:
         else:
             axes.extend(dim.axes)
     return View(expr, tuple(axes))
+
+
+def ends_in_c(spec: Spec) -> bool:
+    """The innermost value of a leaf is one of C's, so C can be moved in wider words."""
+    last = [d for d in spec.dims if not d.is_singleton]
+    return bool(last) and spec.dims[-1] == last[-1] and last[-1].axes[-1] == "C"
 
 
 def index_suffix(axes: tuple[str, ...], fixed: dict[str, str]) -> str:
@@ -165,6 +194,25 @@ def shape_exprs(obj: Spec) -> tuple[str, ...]:
     return tuple("1" if d.is_singleton else " * ".join(extent(a) for a in d.axes) for d in obj.dims)
 
 
+def _block_path(cache: View, part: View, y: str) -> BlockPath:
+    t = part.axes.index("T")
+    split = (*part.axes[:t], "B", "N", *part.axes[t + 1:])
+    blocks = View(f"{y}.narrow({t}, ck.block_start, ck.block_tokens).unflatten({t}, (-1, g.N))", split)
+    # Row mode: loop over the axes standing before B in either view and over the other
+    # list-like axes (L, KV) inside the block; what remains must match in order.
+    b = cache.axes.index("B")
+    loop_axes = [a for a in cache.axes if a != "B" and (cache.axes.index(a) < b or split.index(a) < t
+                                                       or a in LOOP_VARS)]
+    rest_cache = [a for a in cache.axes if a not in loop_axes]
+    rest_obj = [a for a in split if a not in loop_axes]
+    if rest_cache == rest_obj and rest_cache[:2] == ["B", "N"]:
+        fixed = {a: LOOP_VARS.get(a, f"i{a.lower()}") for a in loop_axes}
+        loops = tuple(Loop(fixed[a], a, EXTENT[a]) for a in loop_axes)
+        return BlockPath(loops, True, blocks, index_suffix(cache.axes, fixed), index_suffix(split, fixed), 0)
+    ordered = View(blocks.expr + permute_suffix(split, cache.axes), cache.axes)
+    return BlockPath((), False, ordered, "", "", b)
+
+
 def make_plan(paged: Spec, obj: Spec) -> CopyPlan:
     if not compatible(paged, obj):
         raise ValueError(f"{paged.name} and {obj.name} do not hold the same KV content")
@@ -176,9 +224,12 @@ def make_plan(paged: Spec, obj: Spec) -> CopyPlan:
                  *(Loop(LOOP_VARS[a], a, EXTENT[a]) for a in paged.lists if a != "L"))
     fixed = {lp.axis: lp.var for lp in loops}
 
+    widen = ends_in_c(paged) and ends_in_c(obj)
+    extent = {**EXTENT, "C": "w.C"} if widen else EXTENT
+    raw = "{}.view(w.dtype)" if widen else "runtime.bits({})"
     leaf = "kvcaches" + "".join(f"[{LOOP_VARS[a]}]" for a in paged.lists)
-    cache = select(canonical(f"runtime.bits({leaf})", paged.dims), fixed)
-    whole_obj = canonical("runtime.bits(tensor)", obj.dims)
+    cache = select(canonical(raw.format(leaf), paged.dims, extent), fixed)
+    whole_obj = canonical(raw.format("tensor"), obj.dims, extent)
     part = select(View("o", whole_obj.axes), fixed)
 
     # The object inside the loops gets a name of its own when loops select from it.
@@ -188,19 +239,12 @@ def make_plan(paged: Spec, obj: Spec) -> CopyPlan:
     token_index = index_suffix(cache.axes, {a: index_names[a] for a in slot_axes})
     result = indexed_order(cache.axes, slot_axes)
     token_object = View(y + permute_suffix(part.axes, result), result)
-
-    block_dim = block_object = None
-    if slot_axes == ("B", "N"):
-        t = part.axes.index("T")
-        split = (*part.axes[:t], "B", "N", *part.axes[t + 1:])
-        block_dim = cache.axes.index("B")
-        block_object = (f"{y}.narrow({t}, ck.block_start, ck.block_tokens)"
-                        f".unflatten({t}, (-1, g.N)){permute_suffix(split, cache.axes)}")
+    token_rows = slot_axes == (SLOT,) and cache.axes[0] == SLOT and result[0] == "T"
 
     return CopyPlan(
-        paged=paged, obj=obj, mode=mode, loops=loops, object_view=whole_obj, cache_view=cache,
-        object_part=part, token_index=token_index, token_object=token_object,
-        block_dim=block_dim, block_object=block_object, shape=shape_exprs(obj),
+        paged=paged, obj=obj, mode=mode, loops=loops, widen=widen, object_view=whole_obj, cache_view=cache,
+        object_part=part, token_index=token_index, token_object=token_object, token_rows=token_rows,
+        block=_block_path(cache, part, y) if slot_axes == ("B", "N") else None, shape=shape_exprs(obj),
     )
 
 

@@ -60,6 +60,7 @@ SCENARIOS = {
         Scenario("partial_blocks", (2,), (15,), lambda r, e: block_table_mapping(15, r, e)),
         Scenario("minus1_prefix", (0,), (16,), _prefix_hit),
         Scenario("noncontiguous_chunks", (0, 7, 19), (4, 13, 25), lambda r, e: block_table_mapping(25, r, e)),
+        Scenario("consecutive_blocks", (0,), (16,), lambda r, e: [e["N"] * 3 + i for i in range(16)]),
         Scenario("strided_cache", (0,), (16,), lambda r, e: block_table_mapping(16, r, e), strided=True),
     )
 }

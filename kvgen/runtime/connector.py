@@ -20,6 +20,7 @@ from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, ObjectLayout, PagedLayout, broadcast_dims, describe, read_geometry
 from kvgen.runtime.memory import Format, format_name, relabel
 from kvgen.runtime.slots import Chunk, plan_chunk
+from kvgen.runtime.words import Words, widest, words
 
 
 class _Base:
@@ -27,6 +28,8 @@ class _Base:
     memory: ClassVar[ObjectLayout]
     strategy: ClassVar[str]
     layerwise: ClassVar[bool]
+    #: Whether the generated copies may move C as wider integer words (both sides end in C).
+    widen: ClassVar[bool] = False
 
     def __init__(self, device: torch.device | str | None = None, *, use_gpu: bool = False,
                  staging_bytes: int | None = None, backend: Backend | None = None):
@@ -41,6 +44,8 @@ class _Base:
         self._geometry: Geometry | None = None
         self._staging: torch.Tensor | None = None
         self._streams: dict[str, Any] = {}
+        self._words_key: tuple[Any, ...] | None = None
+        self._cache_width = 0
         self.format = Format(self.memory.format, self.memory.code)
 
     # -- geometry ---------------------------------------------------------------------
@@ -82,8 +87,9 @@ class _Base:
 
     # -- checks (all before any write) ------------------------------------------------
 
-    def _expected(self, g: Geometry, num_tokens: int) -> str:
-        ext = {**g.extents(), "T": num_tokens}
+    def _expected(self, g: Geometry, num_tokens: int | None) -> str:
+        """`kv_2ltd [KV=2 L=32 T=256 (H=8 C=128)] bfloat16`; T left open when None."""
+        ext = g.extents() if num_tokens is None else {**g.extents(), "T": num_tokens}
         return f"{self.memory.name} {self.memory.arrow(ext)} {str(g.dtype).removeprefix('torch.')}"
 
     def _check_object(self, obj: Any, g: Geometry, num_tokens: int, *, storing: bool) -> torch.Tensor:
@@ -126,7 +132,7 @@ class _Base:
                                 f"skip), got {describe(slot_mapping)}")
         dtype = slot_mapping.dtype
         if dtype.is_floating_point or dtype.is_complex or dtype in (torch.bool, torch.uint8):
-            raise KVLayoutError(f"slot_mapping must hold signed integers (int64 or int32), got "
+            raise KVLayoutError(f"slot_mapping must hold signed integers (int64, int32, ...), got "
                                 f"{describe(slot_mapping)}")
         if slot_mapping.device.type == "meta":
             raise KVLayoutError(f"slot_mapping must be on the cpu or on {g.device}, got {describe(slot_mapping)}")
@@ -168,6 +174,15 @@ class _Base:
                 raise KVLayoutError(f"staging buffer too small: a chunk needs {need} bytes, "
                                     f"{self.staging_bytes} bytes are available (staging_bytes)")
 
+    def _words(self, tensor: torch.Tensor, kvcaches: Any, g: Geometry) -> Words:
+        """The widest copy unit both the bound cache and this object tensor allow."""
+        if self._words_key != self._key:
+            leaves = _leaves(kvcaches)
+            self._cache_width = widest(leaves, g.C) if self.widen else leaves[0].element_size()
+            self._words_key = self._key
+        width = widest([tensor], g.C, self._cache_width) if self.widen else tensor.element_size()
+        return words(width, tensor.element_size(), g.C)
+
     def _shape(self, g: Geometry, num_tokens: int) -> tuple[int, ...]:
         raise NotImplementedError
 
@@ -195,7 +210,7 @@ class ChunkConnector(_Base):
             work = self._staging_for(tensor, g)
             if work is not tensor and not ck.covers_all:
                 self.backend.copy(work, tensor)  # so skipped tokens come back unchanged
-            self._store(work, kvcaches, g, ck)
+            self._store(work, kvcaches, g, ck, self._words(work, kvcaches, g))
             if work is not tensor:
                 self.backend.copy(tensor, work)
             obj.metadata.fmt = relabel(obj.metadata.fmt, self.format)
@@ -214,7 +229,7 @@ class ChunkConnector(_Base):
             work = self._staging_for(tensor, g)
             if work is not tensor:
                 self.backend.copy(work, tensor)
-            self._load(work, kvcaches, g, ck)
+            self._load(work, kvcaches, g, ck, self._words(work, kvcaches, g))
         self.backend.synchronize(self.backend.current_stream())
 
     @staticmethod
@@ -223,10 +238,10 @@ class ChunkConnector(_Base):
             raise KVLayoutError(f"expected a list of {len(chunks)} memory objects (one per chunk), "
                                 f"got {describe(memory_objs)}")
 
-    def _store(self, tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk) -> None:
+    def _store(self, tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk, w: Words) -> None:
         raise NotImplementedError
 
-    def _load(self, tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk) -> None:
+    def _load(self, tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk, w: Words) -> None:
         raise NotImplementedError
 
 
@@ -256,7 +271,7 @@ class LayerwiseConnector(_Base):
             shape = [len(o) if isinstance(o, Sequence) else type(o).__name__ for o in memory_objs] \
                 if isinstance(memory_objs, Sequence) else type(memory_objs).__name__
             raise KVLayoutError(f"expected memory_objs[{g.L} layers][{len(chunks)} chunks] of "
-                                f"{self._expected(g, 0).replace('T=0', 'T')} objects, got {describe(memory_objs)} "
+                                f"{self._expected(g, None)} objects, got {describe(memory_objs)} "
                                 f"(objects per layer: {shape})")
         tensors = [[self._check_object(o, g, ck.num_tokens, storing=True) for o, ck in zip(objs, chunks)]
                    for objs in memory_objs]
@@ -268,7 +283,7 @@ class LayerwiseConnector(_Base):
                     work = self._staging_for(tensor, g)
                     if work is not tensor and not ck.covers_all:
                         self.backend.copy(work, tensor)
-                    self._store_layer(layer, work, kvcaches, g, ck)
+                    self._store_layer(layer, work, kvcaches, g, ck, self._words(work, kvcaches, g))
                     if work is not tensor:
                         self.backend.copy(tensor, work)
             yield
@@ -298,7 +313,7 @@ class LayerwiseConnector(_Base):
                     work = self._staging_for(tensor, g)
                     if work is not tensor:
                         self.backend.copy(work, tensor)
-                    self._load_layer(layer, work, kvcaches, g, ck)
+                    self._load_layer(layer, work, kvcaches, g, ck, self._words(work, kvcaches, g))
             if sync:
                 self.backend.wait_stream(self.backend.current_stream(), stream)
             objs = yield
@@ -311,11 +326,19 @@ class LayerwiseConnector(_Base):
         else:
             self.backend.wait_stream(self.backend.current_stream(), stream)
 
-    def _store_layer(self, layer: int, tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk) -> None:
+    def _store_layer(self, layer: int, tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk,
+                     w: Words) -> None:
         raise NotImplementedError
 
-    def _load_layer(self, layer: int, tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk) -> None:
+    def _load_layer(self, layer: int, tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk,
+                    w: Words) -> None:
         raise NotImplementedError
+
+
+def _leaves(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    return [t for sub in tree for t in _leaves(sub)]
 
 
 def _cache_key(kvcaches: Any) -> tuple[Any, ...]:

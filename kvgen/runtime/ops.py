@@ -26,3 +26,63 @@ def put_tokens(dst: torch.Tensor, dim: int, tok: torch.Tensor | None, src: torch
 def take_tokens(src: torch.Tensor, dim: int, tok: torch.Tensor | None) -> torch.Tensor:
     """The token positions `tok` of `src` along `dim` (all of them when None)."""
     return src if tok is None else src.index_select(dim, tok)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor | None:
+    """`t` as [rows, row] when each row (all dims after the first) is one contiguous run."""
+    if t.dim() > 1 and t.shape[0] > 0 and t[0].is_contiguous():
+        return t.view(t.shape[0], -1)
+    return None
+
+
+def take_rows(src: torch.Tensor, index: torch.Tensor | slice, out: torch.Tensor) -> None:
+    """out[i] = src[index[i]] along dim 0, one memcpy per row when rows are contiguous."""
+    if isinstance(index, slice):
+        out.copy_(src[index])
+        return
+    src2, out2 = _rows(src), _rows(out)
+    if src2 is not None and out2 is not None:
+        torch.index_select(src2, 0, index, out=out2)
+    else:
+        torch.index_select(src, 0, index, out=out)
+
+
+def put_rows(dst: torch.Tensor, index: torch.Tensor | slice, src: torch.Tensor) -> None:
+    """dst[index[i]] = src[i] along dim 0, row-wise when rows are contiguous."""
+    if isinstance(index, slice):
+        dst[index].copy_(src)
+        return
+    dst2, src2 = _rows(dst), _rows(src)
+    if dst2 is not None and src2 is not None:
+        dst2.index_copy_(0, index, src2)
+    else:
+        dst.index_copy_(0, index, src)
+
+
+def gather_slots(src: torch.Tensor, slots: torch.Tensor, dst: torch.Tensor, tok: torch.Tensor | None) -> None:
+    """dst[tok[i]] = src[slots[i]] (dst[i] when tok is None), slots and tokens on dim 0."""
+    if tok is None:
+        take_rows(src, slots, dst)
+    else:
+        dst.index_copy_(0, tok, src.index_select(0, slots))
+
+
+def scatter_slots(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor, tok: torch.Tensor | None) -> None:
+    """dst[slots[i]] = src[tok[i]] (src[i] when tok is None), slots and tokens on dim 0."""
+    put_rows(dst, slots, src if tok is None else src.index_select(0, tok))
+
+
+def take_index(src: torch.Tensor, dim: int, index: torch.Tensor | slice, out: torch.Tensor) -> None:
+    """out = src.index_select(dim, index), written in place; a slice is one plain copy."""
+    if isinstance(index, slice):
+        out.copy_(src.narrow(dim, index.start, index.stop - index.start))
+    else:
+        torch.index_select(src, dim, index, out=out)
+
+
+def put_index(dst: torch.Tensor, dim: int, index: torch.Tensor | slice, src: torch.Tensor) -> None:
+    """dst.index_copy_(dim, index, src); a slice is one plain copy."""
+    if isinstance(index, slice):
+        dst.narrow(dim, index.start, index.stop - index.start).copy_(src)
+    else:
+        dst.index_copy_(dim, index, src)

@@ -27,8 +27,9 @@ class Chunk:
     slots: torch.Tensor | None
     blk: torch.Tensor | None
     off: torch.Tensor | None
-    #: Block path: chunk tokens [block_start, block_start + block_tokens) fill `block_ids`.
-    block_ids: torch.Tensor | None
+    #: Block path: chunk tokens [block_start, block_start + block_tokens) fill `block_ids`,
+    #: a slice when the blocks are consecutive (one plain copy), else an index tensor.
+    block_ids: torch.Tensor | slice | None
     block_start: int
     block_tokens: int
 
@@ -45,7 +46,7 @@ class Chunk:
         return self.block_ids is not None
 
 
-def _aligned_run(slots: torch.Tensor, lo: int, hi: int, n: int) -> tuple[int, int, torch.Tensor] | None:
+def _aligned_run(slots: torch.Tensor, lo: int, hi: int, n: int) -> tuple[int, int, torch.Tensor | slice] | None:
     """The longest run of whole in-order blocks in tokens [lo, hi), if the tokens are
     consecutive slots within each block: (first token, token count, block ids)."""
     head = (-int(slots[lo]) % n)
@@ -58,7 +59,11 @@ def _aligned_run(slots: torch.Tensor, lo: int, hi: int, n: int) -> tuple[int, in
     steps = torch.arange(n, device=slots.device, dtype=slots.dtype)
     if not bool(((starts % n == 0) & (run == starts + steps).all(dim=1, keepdim=True)).all()):
         return None
-    return first, count * n, starts.squeeze(1) // n
+    ids = starts.squeeze(1) // n
+    first_id = int(ids[0])
+    if int(ids[-1]) - first_id == count - 1 and bool((ids[1:] - ids[:-1] == 1).all()):
+        return first, count * n, slice(first_id, first_id + count)
+    return first, count * n, ids
 
 
 def plan_chunk(
@@ -76,10 +81,15 @@ def plan_chunk(
     chunk are left alone (vLLM's skip_prefix_n_tokens)."""
     n = end - start
     lo_map, hi_map = start - offset, end - offset
-    if n < 0 or lo_map < 0 or hi_map > slot_mapping.shape[0]:
+    have = slot_mapping.shape[0]
+    if n < 0:
+        raise KVLayoutError(f"a chunk must have start <= end, got start {start} and end {end}")
+    if lo_map < 0 or hi_map > have:
+        where = (f"start {start} is before the first token the mapping holds ({offset})" if lo_map < 0
+                 else f"end {end} is beyond the last token the mapping holds ({offset + have - 1})")
         raise KVLayoutError(
             f"tokens [{start}, {end}) with offset {offset} need slot_mapping[{lo_map}:{hi_map}], "
-            f"but slot_mapping has {slot_mapping.shape[0]} entries")
+            f"but slot_mapping has {have} entries: {where}")
     if not 0 <= skip <= n:
         raise KVLayoutError(f"skip_prefix_n_tokens must be in [0, {n}] for a chunk of {n} tokens, got {skip}")
     slots = slot_mapping[lo_map:hi_map].long()

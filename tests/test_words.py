@@ -1,0 +1,38 @@
+"""Copy units: wide words move every bit pattern unchanged, NaNs included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvgen.runtime import put_rows, take_rows
+from kvgen.runtime.words import widest, words
+
+
+def every_pattern() -> torch.Tensor:
+    """All 65536 16-bit patterns (every bf16/fp16 NaN and infinity among them), shuffled."""
+    g = torch.Generator().manual_seed(0)
+    raw = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    return raw[torch.randperm(raw.numel(), generator=g)]
+
+
+@pytest.mark.parametrize("width", [2, 4, 8, 16])
+def test_index_ops_keep_bits(width: int) -> None:
+    raw = every_pattern().view(-1, 64)  # 1024 rows of 128 bytes
+    w = words(width, 2, 64)
+    src = raw.view(w.dtype)
+    index = torch.randperm(src.shape[0])
+    out = torch.empty_like(src)
+    take_rows(src, index, out)
+    assert torch.equal(out.view(torch.int16), raw[index])
+    back = torch.empty_like(src)
+    put_rows(back, index, out)
+    assert torch.equal(back.view(torch.int16), raw)
+
+
+def test_widest_respects_strides_and_content() -> None:
+    t = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
+    assert widest([t], 128) == 16
+    assert widest([t], 4) == 8            # 4 bf16 values per head: 8 bytes
+    assert widest([t[:, :, 1:]], 127) == 2   # odd content: element by element
+    assert widest([t.transpose(0, 2)], 128) == 2  # last dim not contiguous
