@@ -14,8 +14,7 @@ from functools import cache
 
 import jinja2
 
-from kvgen import __version__
-from kvgen import convert
+from kvgen import __version__, convert
 from kvgen.convert import plan_converters
 from kvgen.errors import BuildError
 from kvgen.library import TEMPLATES, Library
@@ -37,8 +36,14 @@ def py_literal(value: object, indent: int | None = None) -> str:
             return flat
         pad = " " * (indent + 4)
         return "(\n" + "".join(f"{pad}{item},\n" for item in items) + " " * indent + ")"
-    if value is None or isinstance(value, (bool, int, str)):
-        return repr(value)
+    # The base types' own repr, so that a subclass (an IntEnum, a str subclass) cannot
+    # print anything but the plain literal of its value.
+    if value is None or isinstance(value, bool):
+        return repr(bool(value)) if value is not None else "None"
+    if isinstance(value, int):
+        return int.__repr__(value)
+    if isinstance(value, str):
+        return str.__repr__(value)
     raise TypeError(f"cannot render {type(value).__name__} as a literal")
 
 

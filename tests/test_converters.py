@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 import torch
+from harness import EXT, clone_tree, make_cache, same_bits
 
 from kvgen import generated
 from kvgen.generated import formats
-from harness import EXT, clone_tree, make_cache, same_bits
 from kvgen.runtime import MemoryObj
 
 L, T, H, C = 3, 5, 2, 4

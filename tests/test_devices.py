@@ -10,12 +10,20 @@ from typing import Any
 
 import pytest
 import torch
+from harness import (
+    EXT,
+    SCENARIOS,
+    block_table_mapping,
+    clone_tree,
+    connector_store,
+    make_cache,
+    make_objects,
+    reference_load,
+    reference_store,
+    same_bits,
+)
 
 from kvgen import generated
-from harness import (
-    EXT, SCENARIOS, block_table_mapping, clone_tree, connector_store, make_cache, make_objects, reference_load,
-    reference_store, same_bits,
-)
 from kvgen.library import load_library
 from kvgen.runtime import KVLayoutError, backend_for
 from kvgen.runtime.devices import CpuBackend
@@ -73,7 +81,7 @@ def test_layerwise_store_stream_order(sync: bool) -> None:
     objs = make_objects(conn, True, [16], torch.float32, "cpu", salt=1)
     per_layer = [[chunk[layer] for chunk in objs] for layer in range(EXT["L"])]
     gen = conn.batched_from_gpu(per_layer, [0], [16], kvcaches=cache, slot_mapping=mapping, sync=sync)
-    for layer in range(EXT["L"]):
+    for _layer in range(EXT["L"]):
         next(gen)
         # each layer: the store stream first waits for the compute stream, then copies on it
         assert backend.events[-2:] == [("wait", "stream1", "main"), ("copy", "stream1")]

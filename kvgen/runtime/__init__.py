@@ -10,7 +10,15 @@ from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, ObjectLayout, PagedLayout, read_geometry
 from kvgen.runtime.memory import UNDEFINED, Format, MemoryObj, Metadata, format_name
 from kvgen.runtime.ops import (
-    bits, gather_slots, put_index, put_rows, put_tokens, scatter_slots, take_index, take_rows, take_tokens,
+    bits,
+    gather_slots,
+    put_index,
+    put_rows,
+    put_tokens,
+    scatter_slots,
+    take_index,
+    take_rows,
+    take_tokens,
 )
 from kvgen.runtime.slots import Chunk, plan_chunk
 from kvgen.runtime.words import Words
@@ -31,5 +39,6 @@ __all__ = [
     "ABI", "UNDEFINED", "Backend", "Chunk", "ChunkConnector", "Format", "Geometry", "KVLayoutError",
     "LayerwiseConnector", "MemoryObj", "Metadata", "ObjectLayout", "PagedLayout", "available_devices",
     "backend_for", "bits", "format_name", "plan_chunk", "put_tokens", "read_geometry", "register_backend",
-    "require_abi", "take_tokens", "Words", "gather_slots", "scatter_slots", "take_rows", "put_rows", "take_index", "put_index",
+    "require_abi", "take_tokens", "Words", "gather_slots", "scatter_slots", "take_rows", "put_rows",
+    "take_index", "put_index",
 ]

@@ -204,9 +204,10 @@ class ChunkConnector(_Base):
         g = self.bind(kvcaches)
         chunks = self._chunks(g, slot_mapping, starts, ends, offset, 0)
         self._check_count(memory_objs, chunks)
-        tensors = [self._check_object(o, g, ck.num_tokens, storing=True) for o, ck in zip(memory_objs, chunks)]
+        tensors = [self._check_object(o, g, ck.num_tokens, storing=True)
+                   for o, ck in zip(memory_objs, chunks, strict=True)]
         self._check_staging(tensors)
-        for obj, tensor, ck in zip(memory_objs, tensors, chunks):
+        for obj, tensor, ck in zip(memory_objs, tensors, chunks, strict=True):
             work = self._staging_for(tensor, g)
             if work is not tensor and not ck.covers_all:
                 self.backend.copy(work, tensor)  # so skipped tokens come back unchanged
@@ -223,9 +224,10 @@ class ChunkConnector(_Base):
         g = self.bind(kvcaches)
         chunks = self._chunks(g, slot_mapping, starts, ends, offset, skip_prefix_n_tokens)
         self._check_count(memory_objs, chunks)
-        tensors = [self._check_object(o, g, ck.num_tokens, storing=False) for o, ck in zip(memory_objs, chunks)]
+        tensors = [self._check_object(o, g, ck.num_tokens, storing=False)
+                   for o, ck in zip(memory_objs, chunks, strict=True)]
         self._check_staging(tensors)
-        for tensor, ck in zip(tensors, chunks):
+        for tensor, ck in zip(tensors, chunks, strict=True):
             work = self._staging_for(tensor, g)
             if work is not tensor:
                 self.backend.copy(work, tensor)
@@ -273,13 +275,13 @@ class LayerwiseConnector(_Base):
             raise KVLayoutError(f"expected memory_objs[{g.L} layers][{len(chunks)} chunks] of "
                                 f"{self._expected(g, None)} objects, got {describe(memory_objs)} "
                                 f"(objects per layer: {shape})")
-        tensors = [[self._check_object(o, g, ck.num_tokens, storing=True) for o, ck in zip(objs, chunks)]
+        tensors = [[self._check_object(o, g, ck.num_tokens, storing=True) for o, ck in zip(objs, chunks, strict=True)]
                    for objs in memory_objs]
         self._check_staging([t for row in tensors for t in row])
         stream = self._stream("store")
         for layer in range(g.L):
             with on_stream(self.backend, stream):
-                for tensor, ck in zip(tensors[layer], chunks):
+                for tensor, ck in zip(tensors[layer], chunks, strict=True):
                     work = self._staging_for(tensor, g)
                     if work is not tensor and not ck.covers_all:
                         self.backend.copy(work, tensor)
@@ -306,10 +308,11 @@ class LayerwiseConnector(_Base):
             if not isinstance(objs, Sequence) or len(objs) != len(chunks):
                 raise KVLayoutError(f"layer {layer}: send() a list of one memory object per chunk "
                                     f"({len(chunks)}), got {describe(objs)}")
-            tensors = [self._check_object(o, g, ck.num_tokens, storing=False) for o, ck in zip(objs, chunks)]
+            tensors = [self._check_object(o, g, ck.num_tokens, storing=False)
+                       for o, ck in zip(objs, chunks, strict=True)]
             self._check_staging(tensors)
             with on_stream(self.backend, stream):
-                for tensor, ck in zip(tensors, chunks):
+                for tensor, ck in zip(tensors, chunks, strict=True):
                     work = self._staging_for(tensor, g)
                     if work is not tensor:
                         self.backend.copy(work, tensor)

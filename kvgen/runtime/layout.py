@@ -82,13 +82,26 @@ class ObjectLayout:
 
 
 def describe(value: Any, depth: int = 0) -> str:
-    """A short account of what a caller passed: `list of 4 x tensor[2, 8, 16, 2, 4] bfloat16`."""
+    """A short account of what a caller passed: `list of 4 x tensor[2, 8, 16, 2, 4] bfloat16`
+    (tensors off the CPU name their device)."""
     if isinstance(value, torch.Tensor):
-        return f"tensor[{', '.join(map(str, value.shape))}] {str(value.dtype).removeprefix('torch.')}"
+        where = "" if value.device.type == "cpu" else f" on {value.device}"
+        return f"tensor[{', '.join(map(str, value.shape))}] {str(value.dtype).removeprefix('torch.')}{where}"
     if isinstance(value, (list, tuple)) and depth < 3:
         inner = describe(value[0], depth + 1) if value else "nothing"
         return f"{type(value).__name__} of {len(value)} x {inner}"
     return type(value).__name__
+
+
+def _placed(t: torch.Tensor) -> str:
+    """`tensor[2, 8] float32 on cpu`: a tensor with its device, whichever it is."""
+    return f"tensor[{', '.join(map(str, t.shape))}] {str(t.dtype).removeprefix('torch.')} on {t.device}"
+
+
+def broadcast_dims(t: torch.Tensor) -> list[int]:
+    """Dims of `t` whose elements share memory (stride 0 over more than one element, as
+    `expand` makes): writing through them would overwrite one element with another."""
+    return [i for i, (n, s) in enumerate(zip(t.shape, t.stride(), strict=True)) if n > 1 and s == 0]
 
 
 def _leaves(layout: PagedLayout, kvcaches: Any, fail: Any) -> tuple[list[torch.Tensor], dict[str, int]]:
@@ -116,26 +129,36 @@ def read_geometry(layout: PagedLayout, kvcaches: Any) -> Geometry:
     """Check `kvcaches` against the layout and return its extents, or raise KVLayoutError
     naming the expected layout and what was received."""
 
+    expected = layout.arrow(dict(layout.sizes))
+
     def fail(why: str) -> None:
-        raise KVLayoutError(f"{layout.name}: kvcaches do not match {layout.arrow()}: {why} "
+        raise KVLayoutError(f"{layout.name}: kvcaches must be {expected}: {why} "
                             f"(got {describe(kvcaches)})")
 
     leaves, ext = _leaves(layout, kvcaches, fail)
     first = leaves[0]
     for leaf in leaves[1:]:
         if leaf.shape != first.shape or leaf.dtype != first.dtype or leaf.device != first.device:
-            fail(f"every tensor must have one shape, dtype and device; found {describe(first)} on "
-                 f"{first.device} and {describe(leaf)} on {leaf.device}")
+            fail(f"every tensor must have one shape, dtype and device; found {_placed(first)} and "
+                 f"{_placed(leaf)}")
     if first.dim() != len(layout.dims):
-        fail(f"tensors must have {len(layout.dims)} dims, got {first.dim()}")
+        fail(f"tensors must have {len(layout.dims)} dims, got {first.dim()} "
+             f"(tensor[{', '.join(map(str, first.shape))}])")
     dtype_name = str(first.dtype).removeprefix("torch.")
     if dtype_name not in layout.dtypes:
         fail(f"dtype {dtype_name} is not one of {', '.join(layout.dtypes)}")
+    if first.device.type == "meta":
+        fail("cache tensors must have storage, got tensors on the meta device")
+    for leaf in leaves:
+        shared = broadcast_dims(leaf)
+        if shared:
+            fail(f"dims {shared} of a cache tensor have stride 0 (an expanded view), so distinct "
+                 "slots would share memory; pass a tensor with its own storage")
 
     fixed = dict(layout.sizes)
     slots = None
     fused: list[tuple[tuple[str, ...], int]] = []
-    for axes, extent in zip(layout.dims, first.shape):
+    for axes, extent in zip(layout.dims, first.shape, strict=True):
         if not axes:
             if extent != 1:
                 fail(f"a singleton dim has extent {extent}")
@@ -152,13 +175,15 @@ def read_geometry(layout: PagedLayout, kvcaches: Any) -> Geometry:
     for axes, extent in fused:
         unknown = [a for a in axes if a not in ext]
         known = math.prod(ext[a] for a in axes if a in ext)
-        if len(unknown) == 1 and extent % known == 0:
+        if len(unknown) == 1 and known > 0 and extent % known == 0:
             ext[unknown[0]] = extent // known
         if math.prod(ext.get(a, 0) for a in axes) != extent:
-            fail(f"fused dim ({' '.join(axes)}) has extent {extent}, which does not split as declared")
+            fail(f"fused dim ({' '.join(axes)}) has extent {extent}, which does not split as declared "
+                 f"(known: {', '.join(f'{a}={ext[a]}' for a in axes if a in ext) or 'nothing'})")
     if slots is None:
         slots = ext["B"] * ext["N"]
-    if slots <= 0 or any(ext.get(a, 1) <= 0 for a in ("L", "H", "C")):
-        fail("every extent must be positive")
+    empty = [f"{a}={v}" for a, v in ext.items() if v <= 0] + ([f"{slots} slots"] if slots <= 0 else [])
+    if empty:
+        fail(f"every extent must be positive, got {', '.join(empty)}")
     return Geometry(L=ext["L"], KV=ext.get("KV", 1), H=ext.get("H", 1), C=ext["C"], N=ext.get("N"),
                     S=slots, dtype=first.dtype, device=first.device)

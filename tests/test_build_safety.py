@@ -1,0 +1,320 @@
+"""`kvgen build` never leaves a half-written package, `kvgen check` tells every kind of
+drift apart, builds are byte-for-byte reproducible, and the generator never needs torch."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import itertools
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvgen.build
+from kvgen import __version__
+from kvgen.build import DEFAULT_OUT, build, check, render
+from kvgen.errors import BuildError
+from kvgen.library import BUILTIN_SPECS, REPO_ROOT, load_library
+from kvgen.render import DIGEST_PREFIX, body_digest, unseal
+
+SAMPLE = "vllm_flash_attn_nhd__kv_2ltd.py"
+_PACKAGES = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def files() -> dict[str, str]:
+    return render()
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def leftovers(parent: Path, name: str) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(f".{name}."))
+
+
+def import_package(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Import `folder` as a package under a fresh name, with every module, and make a connector."""
+    package = f"kvgen_safety_{next(_PACKAGES)}"
+    root = folder.parent / f"importroot{package}"
+    shutil.copytree(folder, root / package)
+    monkeypatch.syspath_prepend(str(root))
+    try:
+        pkg = importlib.import_module(package)
+        for path in sorted((root / package).glob("*.py")):
+            if path.name != "__init__.py":
+                importlib.import_module(f"{package}.{path.stem}")
+        assert pkg.connector("vllm_flash_attn_nhd", "kv_2ltd", "cpu").layout.name == "vllm_flash_attn_nhd"
+    finally:
+        for mod in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+            del sys.modules[mod]
+
+
+# -- interrupted builds -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fail_at", [1, 5, "last"])
+def test_failed_write_keeps_previous_output(fail_at: int | str, files: dict[str, str], tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "generated"
+    build(out)
+    (out / "__pycache__").mkdir()  # a previous import's cache stays out of the way too
+    before = snapshot(out)
+    real_write = Path.write_text
+    calls = itertools.count(1)
+    stop = len(files) if fail_at == "last" else fail_at
+
+    def flaky(self: Path, *args: object, **kwargs: object) -> int:
+        if next(calls) == stop:
+            raise OSError(28, "No space left on device")
+        return real_write(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "write_text", flaky)
+    with pytest.raises(OSError, match="No space left"):
+        build(out)
+    monkeypatch.setattr(Path, "write_text", real_write)
+    assert snapshot(out) == before
+    assert leftovers(tmp_path, "generated") == [], "staging or backup folders were left behind"
+    assert check(out).ok
+    import_package(out, monkeypatch)
+
+
+def test_failed_render_keeps_previous_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "generated"
+    build(out)
+    before = snapshot(out)
+
+    def broken(*args: object, **kwargs: object) -> dict[str, str]:
+        raise BuildError("template exploded")
+
+    monkeypatch.setattr(kvgen.build, "render_package", broken)
+    with pytest.raises(BuildError, match="template exploded"):
+        build(out)
+    assert snapshot(out) == before
+    assert leftovers(tmp_path, "generated") == []
+
+
+def test_invalid_spec_keeps_previous_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "generated"
+    build(out)
+    before = snapshot(out)
+    bad = tmp_path / "specs"
+    bad.mkdir()
+    (bad / "broken.yaml").write_text("kvgen: 1\nname: Broken\n")
+    with pytest.raises(ValueError):  # SpecError
+        build(out, [bad])
+    assert snapshot(out) == before
+
+
+def test_interrupt_between_renames_restores_previous_output(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old folder is moved aside before the new one moves in; if that second rename
+    fails, the old folder comes back."""
+    out = tmp_path / "generated"
+    build(out)
+    before = snapshot(out)
+    real_rename = os.rename
+    calls = itertools.count(1)
+
+    def flaky(src: object, dst: object) -> None:
+        if next(calls) == 2:  # staging -> out
+            raise OSError(18, "Invalid cross-device link")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(kvgen.build.os, "rename", flaky)
+    with pytest.raises(OSError, match="cross-device"):
+        build(out)
+    monkeypatch.setattr(kvgen.build.os, "rename", real_rename)
+    assert snapshot(out) == before
+    assert leftovers(tmp_path, "generated") == []
+    import_package(out, monkeypatch)
+
+
+def test_keyboard_interrupt_mid_write_leaves_nothing_behind(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "fresh"
+    real_write = Path.write_text
+    calls = itertools.count(1)
+
+    def interrupted(self: Path, *args: object, **kwargs: object) -> int:
+        if next(calls) == 3:
+            raise KeyboardInterrupt
+        return real_write(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "write_text", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build(out)
+    assert not out.exists(), "a first build that failed must not leave a partial folder"
+    assert leftovers(tmp_path, "fresh") == []
+
+
+def test_build_replaces_exactly(tmp_path: Path, files: dict[str, str]) -> None:
+    """A build leaves exactly its files: stray files and old modules are gone."""
+    out = tmp_path / "generated"
+    out.mkdir()
+    (out / "old_layout__kv_2ltd.py").write_text("# from a spec since deleted\n")
+    (out / "notes.txt").write_text("hand-written")
+    build(out)
+    assert sorted(p.name for p in out.iterdir()) == sorted(files)
+
+
+# -- kvgen check ----------------------------------------------------------------------------
+
+
+def test_check_reports_each_kind_of_drift(tmp_path: Path) -> None:
+    out = tmp_path / "generated"
+    build(out)
+    assert check(out).ok and check(out).lines() == []
+
+    sample = out / SAMPLE
+    sample.write_text(sample.read_text().replace("for layer in range(g.L):", "for layer in range(g.L - 1):", 1))
+    undigested = out / "formats.py"
+    undigested.write_text(unseal(undigested.read_text())[1])  # digest line removed: also a hand edit
+    old = out / "sglang_mha__kv_2ltd.py"
+    recorded, body = unseal(old.read_text())
+    body = body.replace("runtime.require_abi(1", "runtime.require_abi(1", 1) + "\n# from an older template\n"
+    old.write_text(f"{DIGEST_PREFIX}{body_digest(body)}\n{body}")  # sealed by kvgen, just not this one
+    (out / "vllm_mla__kv_mla.py").unlink()
+    (out / "scratch.py").write_text("print('hi')\n")
+    (out / "__pycache__").mkdir()
+
+    report = check(out)
+    assert not report.ok
+    assert report.edited == sorted([SAMPLE, "formats.py"])
+    assert report.stale == ["sglang_mha__kv_2ltd.py"]
+    assert report.missing == ["vllm_mla__kv_mla.py"]
+    assert report.stray == ["scratch.py"]
+    text = "\n".join(report.lines())
+    for expected in (f"edited by hand: {SAMPLE}", "out of date (specs or templates changed): sglang_mha__kv_2ltd.py",
+                     "missing: vllm_mla__kv_mla.py", "stray file, not written by kvgen build: scratch.py"):
+        assert expected in text
+
+
+def test_check_sees_changed_specs_as_stale(tmp_path: Path) -> None:
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    source = (BUILTIN_SPECS / "vllm/flash_attn_nhd.yaml").read_text()
+    mine = (source.replace("name: vllm_flash_attn_nhd", "name: my_layout").replace("aliases: [NHD]\n", "")
+            .replace("engines: [vllm/FLASH_ATTN]\n", ""))
+    (specs / "mine.yaml").write_text(mine)
+    out = tmp_path / "generated"
+    build(out, [specs])
+    assert check(out, [specs]).ok
+    assert check(out).stray == sorted(p.name for p in out.glob("my_layout__*.py"))
+
+    (specs / "mine.yaml").write_text(mine.replace("summary: vLLM", "summary: Changed, vLLM"))
+    report = check(out, [specs])
+    assert report.stale and not report.edited and not report.missing and not report.stray
+    assert all(n.startswith("my_layout__") or n == "__init__.py" for n in report.stale)
+
+
+def test_check_of_missing_folder(tmp_path: Path, files: dict[str, str]) -> None:
+    report = check(tmp_path / "nowhere")
+    assert report.missing == sorted(files) and not report.ok
+
+
+def test_cli_check_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvgen.cli import main
+
+    out = tmp_path / "generated"
+    assert main(["build", "--out", str(out)]) == 0
+    assert main(["check", "--out", str(out)]) == 0
+    (out / SAMPLE).write_text((out / SAMPLE).read_text() + "# hand edit\n")
+    assert main(["check", "--out", str(out)]) == 1
+    assert f"edited by hand: {SAMPLE}" in capsys.readouterr().err
+
+
+def test_committed_package_is_current() -> None:
+    report = check(DEFAULT_OUT)
+    assert report.ok, "generated/ differs from `kvgen build`:\n" + "\n".join(report.lines())
+
+
+# -- reproducibility ------------------------------------------------------------------------
+
+
+def test_rebuilds_are_byte_identical(tmp_path: Path) -> None:
+    build(tmp_path / "a")
+    build(tmp_path / "b")
+    build(tmp_path / "b")  # over an existing build too
+    assert snapshot(tmp_path / "a") == snapshot(tmp_path / "b")
+
+
+_DIGEST_SCRIPT = (
+    "import hashlib, json; from kvgen.build import render; "
+    "print(json.dumps({k: hashlib.sha256(v.encode()).hexdigest() for k, v in render().items()}))"
+)
+
+
+def test_render_does_not_depend_on_hash_seed_or_cwd(files: dict[str, str], tmp_path: Path) -> None:
+    import json
+
+    want = {k: hashlib.sha256(v.encode()).hexdigest() for k, v in files.items()}
+    for seed in ("1", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO_ROOT)}
+        done = subprocess.run([sys.executable, "-c", _DIGEST_SCRIPT], capture_output=True, text=True,
+                              env=env, cwd=tmp_path, check=True, timeout=120)
+        assert json.loads(done.stdout) == want, f"render differs under PYTHONHASHSEED={seed}"
+
+
+def test_generator_never_imports_torch(tmp_path: Path) -> None:
+    script = (
+        "import sys; from pathlib import Path\n"
+        "from kvgen.build import build, check, render\n"
+        "from kvgen.library import load_library\n"
+        "from kvgen.plan import plan_library\n"
+        "plan_library(load_library()); render()\n"
+        f"build(Path({str(tmp_path / 'out')!r})); assert check(Path({str(tmp_path / 'out')!r})).ok\n"
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+        "assert not bad, bad\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+# -- what every generated file says about itself --------------------------------------------
+
+
+def test_every_file_has_the_do_not_edit_header(files: dict[str, str]) -> None:
+    library = load_library()
+    by_origin = {s.origin: s for s in library.specs}
+    for name, text in files.items():
+        lines = text.splitlines()
+        assert re.fullmatch(r"# kvgen-body-sha256: [0-9a-f]{64}", lines[0]), name
+        assert lines[1] == f"# DO NOT EDIT: generated by kvgen {__version__} from", name
+        sources = []
+        for line in lines[2:]:
+            m = re.fullmatch(r"#   (\S+) \(sha256 ([0-9a-f]{16})\)", line)
+            if not m:
+                break
+            spec = by_origin[m.group(1)]
+            assert spec.digest.startswith(m.group(2)), f"{name}: stale digest for {m.group(1)}"
+            assert hashlib.sha256((REPO_ROOT / m.group(1)).read_bytes()).hexdigest() == spec.digest
+            sources.append(spec)
+        assert sources, f"{name}: names no source spec"
+        assert lines[2 + len(sources)].startswith("# Change the specs or templates/"), name
+        if "__" in name.removesuffix(".py").strip("_"):
+            paged, obj = name.removesuffix(".py").split("__")
+            assert [s.name for s in sources] == [paged, obj], name
+        elif name == "__init__.py":
+            assert len(sources) == len(library.specs)
+        elif name == "formats.py":
+            assert {s.name for s in sources} == {s.name for s in library.objects}
+
+
+def test_generated_package_passes_ruff(tmp_path: Path) -> None:
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed")
+    out = tmp_path / "generated"
+    build(out)
+    done = subprocess.run([ruff, "check", "--no-cache", "--config", str(REPO_ROOT / "pyproject.toml"), str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
