@@ -37,7 +37,8 @@ class Converter:
 
     @property
     def function(self) -> str:
-        return f"{self.src.name}_to_{self.dst.name}"
+        # Names never hold "__", so this is unique per pair (like connector modules).
+        return f"{self.src.name}__{self.dst.name}"
 
     @property
     def direction(self) -> str:

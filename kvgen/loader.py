@@ -258,7 +258,7 @@ def _build(doc: Document, node: yaml.Node, path: YamlPath) -> Any:
         return [_build(doc, item, (*path, i)) for i, item in enumerate(node.value)]
     try:
         return yaml.SafeLoader("").construct_object(node)
-    except (yaml.YAMLError, ValueError, KeyError) as exc:
+    except (yaml.YAMLError, ValueError, KeyError, IndexError) as exc:
         # An explicit tag on text that is not of that type, e.g. `!!int abc`.
         raise SpecError([doc.problem(path, f"{_short(node.value)} is not a valid "
                                            f"{_short_tag(node.tag)}")]) from exc

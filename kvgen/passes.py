@@ -16,6 +16,9 @@ from kvgen.model import Spec
 
 Pass = Callable[[Spec, Document], list[Problem]]
 
+#: The label of a freshly allocated memory object (LMCache's code 0).
+UNDEFINED = "UNDEFINED"
+
 #: Container levels an engine can hand over: a list per layer, a (K, V) pair.
 LIST_AXES = ("L", "KV")
 
@@ -133,9 +136,19 @@ def check_accepts_self(spec: Spec, doc: Document) -> list[Problem]:
     return []
 
 
+def check_reserved_format(spec: Spec, doc: Document) -> list[Problem]:
+    """UNDEFINED (code 0) labels a fresh object; no object spec may claim either."""
+    out = []
+    if spec.format == UNDEFINED:
+        out.append(doc.problem(("format",), f"{UNDEFINED} is reserved for fresh objects; name the format"))
+    if spec.code == 0:
+        out.append(doc.problem(("code",), f"code 0 is reserved for {UNDEFINED}; use 1..255"))
+    return out
+
+
 PASSES: tuple[Pass, ...] = (
     check_version, check_axes_once, check_kind_axes, check_fused, check_lists,
-    check_sizes, check_extents, check_accepts_self,
+    check_sizes, check_extents, check_accepts_self, check_reserved_format,
 )
 
 
@@ -182,6 +195,3 @@ def check_library(entries: Sequence[tuple[Spec, Document]], known_formats: Seque
                                                        f"{', '.join(sorted(valid))}"))
     return out
 
-
-#: The label of a freshly allocated memory object (LMCache's code 0).
-UNDEFINED = "UNDEFINED"

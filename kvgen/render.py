@@ -47,6 +47,13 @@ def py_literal(value: object, indent: int | None = None) -> str:
     raise TypeError(f"cannot render {type(value).__name__} as a literal")
 
 
+def comment_text(text: str) -> str:
+    """Text safe inside a `#` comment: printable ASCII as is, anything else escaped."""
+    if text.isascii() and text.isprintable():
+        return text
+    return ascii(text)
+
+
 def dims_literal(dims: Sequence[Dim]) -> str:
     return py_literal([d.axes for d in dims])
 
@@ -63,6 +70,7 @@ def environment() -> jinja2.Environment:
     )
     env.filters["py"] = py_literal
     env.filters["dims_py"] = dims_literal
+    env.filters["comment"] = comment_text
     env.globals.update(version=__version__, abi=ABI)
     return env
 

@@ -116,7 +116,7 @@ def library_names(library: Library) -> set[str]:
     """Identifiers a library may add legitimately: its formats (enum members) and converter
     functions named from two object names."""
     names = {fmt for fmt, _ in library.formats()}
-    names |= {f"{a.name}_to_{b.name}" for a, b in itertools.permutations(library.objects, 2)}
+    names |= {f"{a.name}__{b.name}" for a, b in itertools.permutations(library.objects, 2)}
     return names
 
 
