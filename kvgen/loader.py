@@ -276,6 +276,7 @@ _PATTERN_WORDS = {
     "^[A-Z][A-Z0-9_]*$": "uppercase letters, digits and underscores, starting with a letter "
                          "(e.g. KV_2LTD)",
     "^[a-z][a-z0-9_.-]*/[A-Za-z0-9_.-]+$": "engine/BACKEND (e.g. vllm/FLASH_ATTN)",
+    "^[^\\n]*(?!\\n)$": "a single line (no line break, not even a trailing one)",
 }
 
 
