@@ -469,8 +469,10 @@ def measure(target: Target, xfer: _Transfers, sync: Callable[[], None], args: ar
     """Store and load rows of one connector and token count: check, then time."""
     import torch
 
-    src = torch.empty(xfer.nbytes, dtype=torch.uint8, device=xfer.cache_device)
-    dst = torch.empty_like(src)
+    # Both buffers are written first: reading never-touched memory maps the zero page and
+    # would make the plain copy look faster than any real copy can be.
+    src = torch.ones(xfer.nbytes, dtype=torch.uint8, device=xfer.cache_device)
+    dst = torch.zeros_like(src)
 
     def memcpy() -> None:
         dst.copy_(src)

@@ -21,6 +21,7 @@ from harness import (
     connector_store,
     make_cache,
     make_objects,
+    obj_tensors,
     reference_load,
     reference_store,
     same_bits,
@@ -110,13 +111,13 @@ def test_round_trip_into_zeroed_cache(module: str, device: str) -> None:
     assert moved and any(t.abs().sum() > 0 for t in tensors_of(target))
 
 
-@pytest.mark.parametrize("module", [m for m in PLANS if m.startswith(("vllm_flash_attn_nhd", "sglang_mha"))])
+@pytest.mark.parametrize("module", list(PLANS))
 def test_skip_prefix_and_offset(module: str, device: str) -> None:
-    """vLLM's skip_prefix_n_tokens leaves the first tokens alone; SGLang's offset shifts a
-    partial slot mapping."""
+    """vLLM's skip_prefix_n_tokens leaves a chunk's first tokens alone on load; SGLang's
+    offset says where a partial slot mapping starts. Both, on two chunks, with -1 slots."""
     plan = PLANS[module]
-    rng = random.Random(module)
-    full = block_table_mapping(24, rng, EXT)
+    full = block_table_mapping(24, random.Random(module), EXT)
+    full[9] = -1
     offset = 8
     sc = Scenario("offset", (8, 16), (16, 24), lambda r, e: full[offset:], offset=offset)
     partial = torch.tensor(full[offset:], device=device)
@@ -129,11 +130,41 @@ def test_skip_prefix_and_offset(module: str, device: str) -> None:
     connector_load(connector, objs, sc, cache, partial, skip=3)
     reference_load(plan.paged, plan.obj, expected, objs, sc, full[offset:], skip=3)
     assert same_bits(cache, expected)
-    untouched = make_cache(plan.paged, torch.float32, device)
-    # the skipped tokens' slots still hold the original cache codes
-    ref_only_skip = clone_tree(untouched)
-    reference_load(plan.paged, plan.obj, ref_only_skip, objs, sc, full[offset:], skip=0)
-    assert not same_bits(ref_only_skip, expected), "skip must change what is written"
+    # skipping changes what is written: without it the reference writes more
+    unskipped = make_cache(plan.paged, torch.float32, device)
+    reference_load(plan.paged, plan.obj, unskipped, objs, sc, full[offset:], skip=0)
+    assert not same_bits(unskipped, expected)
+
+    stored = make_objects(connector, connector.layerwise, [8, 8], torch.float32, device, salt=11)
+    want = make_objects(connector, connector.layerwise, [8, 8], torch.float32, device, salt=11)
+    connector_store(connector, stored, sc, cache, partial)
+    reference_store(plan.paged, plan.obj, cache, want, sc, full[offset:])
+    assert same_bits([obj_tensors(o) for o in stored], [obj_tensors(o) for o in want])
+
+
+@pytest.mark.parametrize("module", [m for m in PLANS if PLANS[m].mode == "layerwise"])
+def test_empty_work_keeps_yield_counts(module: str, device: str) -> None:
+    """No tokens to move (all slots -1, or an empty chunk) still yields L + 1 / L + 2 times."""
+    plan = PLANS[module]
+    connector = generated.get(plan.paged.name, plan.obj.name)(device=device)
+    cache = make_cache(plan.paged, torch.float32, device)
+    connector.bind(cache)
+    before = clone_tree(cache)
+    mapping = torch.full((4,), -1, device=device)
+    sc = Scenario("empty", (0, 4), (4, 4), lambda r, e: [-1] * 4)
+    objs = make_objects(connector, True, [4, 0], torch.float32, device, salt=2, fmt=connector.format)
+    assert connector_store(connector, objs, sc, cache, mapping) == EXT["L"] + 1
+    assert connector_load(connector, objs, sc, cache, mapping) == EXT["L"] + 2
+    assert same_bits(cache, before)
+
+
+def test_capabilities_refuse_at_creation() -> None:
+    assert generated.CAPABILITIES[("vllm_flash_attn_nhd", "KV_T2D", "layerwise", "xpu")]
+    with pytest.raises(KeyError, match="vllm_mla pairs with: kv_mla, kv_mla_layer"):
+        generated.connector("vllm_mla", "kv_2ltd")
+    with pytest.raises(KeyError, match="not supported on tpu"):
+        generated.connector("NHD", "kv_2ltd", device="tpu")
+    assert generated.connector("NHD", "kv_2ltd").layout.name == "vllm_flash_attn_nhd"
 
 
 def test_store_refuses_foreign_format_label(device: str) -> None:
