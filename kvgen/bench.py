@@ -19,20 +19,19 @@ over S) each layer's plane of the object back at the same slots.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import importlib.util
 import json
 import os
-import platform
-import random
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # kept out of import time: `kvgen build` imports this module for its CLI
+    import random
 
 #: Defaults from the issue: every MHA layout against kv_2ltd, the MLA layouts against
 #: kv_mla, and each with its layerwise partner (kv_t2d, kv_mla_layer).
@@ -314,6 +313,8 @@ def _median_seconds(fns: dict[str, Callable[[], None]], sync: Callable[[], None]
             fn()
             sync()
             times[key].append(time.perf_counter() - t0)
+    import statistics
+
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -325,6 +326,8 @@ def _micro(fn: Callable[[], Any], iters: int, setup: Callable[[], Any] | None = 
         t0 = time.perf_counter()
         fn(arg) if setup else fn()
         samples.append(time.perf_counter() - t0)
+    import statistics
+
     return statistics.median(samples) * 1e6
 
 
@@ -432,6 +435,9 @@ class _Transfers:
 
 
 def machine_facts(device: str) -> dict[str, Any]:
+    import datetime
+    import platform
+
     import torch
 
     from kvgen import __version__
@@ -527,6 +533,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     total = len(targets) * len(tokens) * 2
     rows: list[Row] = []
     checks: list[CheckCost] = []
+    import random
+
     rng = random.Random(args.seed)
     tgen = torch.Generator().manual_seed(args.seed)
 

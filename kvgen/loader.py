@@ -10,7 +10,6 @@ import json
 import re
 from dataclasses import dataclass, field
 from functools import cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +51,17 @@ class Document:
         return Problem(self.file, line, col, shown, message)
 
 
+#: The published JSON Schema for spec files, shipped inside the package.
+SCHEMA_PATH = Path(__file__).resolve().parent / "schema" / "spec.schema.json"
+
+
 @cache
 def schema() -> dict[str, Any]:
-    """The published JSON Schema for spec files (kvgen/schema/spec.schema.json)."""
-    text = resources.files("kvgen").joinpath("schema/spec.schema.json").read_text("utf-8")
-    return json.loads(text)
+    return json.loads(SCHEMA_PATH.read_text("utf-8"))
 
 
 def schema_path() -> Path:
-    return Path(str(resources.files("kvgen").joinpath("schema/spec.schema.json")))
+    return SCHEMA_PATH
 
 
 def _mark(mark: yaml.Mark | None) -> tuple[int, int]:
@@ -88,8 +89,7 @@ def parse_yaml(path: Path) -> Document:
                     "save it as UTF-8") from None
 
     try:
-        _scan_events(file, text)
-        nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
+        nodes = _compose(file, text)
     except yaml.MarkedYAMLError as exc:
         raise _syntax_error(file, text, exc) from None
     except yaml.reader.ReaderError as exc:
@@ -114,14 +114,31 @@ def parse_yaml(path: Path) -> Document:
     return doc
 
 
-def _scan_events(file: str, text: str) -> None:
+#: libyaml's parser where PyYAML was built with it (the usual wheels are): the same events
+#: and nodes, several times faster. Anything it refuses is parsed again by PyYAML's own
+#: parser, whose messages say more, and so is text PyYAML's reader would refuse.
+_FAST_LOADER = getattr(yaml, "CSafeLoader", None)
+
+
+def _compose(file: str, text: str) -> list[yaml.Node]:
+    if _FAST_LOADER is not None and not yaml.reader.Reader.NON_PRINTABLE.search(text):
+        try:
+            _scan_events(file, text, _FAST_LOADER)
+            return list(yaml.compose_all(text, Loader=_FAST_LOADER))
+        except yaml.YAMLError:
+            pass
+    _scan_events(file, text, yaml.SafeLoader)
+    return list(yaml.compose_all(text, Loader=yaml.SafeLoader))
+
+
+def _scan_events(file: str, text: str, loader: Any) -> None:
     """Reject anchors, aliases and deep nesting on the event stream, before anything is composed.
 
     Aliases can multiply memory once constructed (a billion-laughs file), and PyYAML's
     composer recurses once per nesting level, so both are refused on the flat event stream.
     """
     depth = 0
-    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+    for event in yaml.parse(text, Loader=loader):
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
             raise _fail(file, _mark(event.start_mark),
                         "YAML anchors and aliases are not allowed in specs (write values out)")

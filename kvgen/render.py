@@ -7,10 +7,11 @@ parsed and compiled before it may be written.
 
 from __future__ import annotations
 
-import ast
 import hashlib
+import os
 from collections.abc import Sequence
 from functools import cache
+from pathlib import Path
 
 import jinja2
 
@@ -58,10 +59,22 @@ def dims_literal(dims: Sequence[Dim]) -> str:
     return py_literal([d.axes for d in dims])
 
 
+def _bytecode_cache() -> jinja2.BytecodeCache | None:
+    """Compiled templates kept between runs (Jinja checks each against its source), in the
+    user's cache folder; without a writable one, templates are compiled every run."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvgen" / "jinja"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return jinja2.FileSystemBytecodeCache(str(root)) if os.access(root, os.W_OK) else None
+
+
 @cache
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        bytecode_cache=_bytecode_cache(),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
@@ -79,7 +92,7 @@ def seal(name: str, text: str) -> str:
     """Check the module parses and compiles, then record a digest of its body so that a
     later hand edit can be told apart from a stale build."""
     try:
-        compile(ast.parse(text, filename=name), name, "exec")
+        compile(text, name, "exec", dont_inherit=True)  # parses to an AST, then to bytecode
     except SyntaxError as exc:
         raise BuildError(f"generated {name} is not valid Python ({exc.msg}, line {exc.lineno}); "
                          "this is a kvgen bug: please report it with the specs involved") from None
