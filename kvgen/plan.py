@@ -50,20 +50,19 @@ class View:
 
 @dataclass(frozen=True)
 class BlockPath:
-    """Whole blocks of a chunk, moved by index over B.
+    """Whole blocks of a chunk, moved by one index op over B per loop step.
 
-    Row mode: extra loops fix every axis outside the block's contiguous content, so each
-    op moves whole rows (a block's N x ... values) with one memcpy per block. Otherwise
-    one N-d op per leaf, the object viewed (permuted) in the cache's dim order."""
+    The object's whole blocks are viewed in the cache's dim order; loops fix the axes that
+    a cache block holds but the object keeps outside its tokens (L and KV of cross-layer
+    blocks, K/V packed in content), so each op's inner dims are in the same order on
+    both sides and, where memory allows, each block moves as one contiguous row."""
 
     loops: tuple[Loop, ...]
-    rows: bool
-    #: The object chunk's whole blocks viewed with B, N split from T.
+    #: The object chunk's whole blocks, B and N split from T, in x's dim order.
     blocks: View
-    #: Index suffixes selecting the loop axes on x and on `blocks`.
-    cache_select: str
-    object_select: str
-    #: B dim in x for the N-d op.
+    #: Index suffix selecting the loop axes, the same on x and on `blocks`.
+    select: str
+    #: B dim of x and `blocks` after the selection.
     dim: int
 
 
@@ -110,12 +109,11 @@ class CopyPlan:
         per = f"per {loops} leaf" if loops else "all layers at once"
         if self.block is None:
             how = "tokens as rows by slot" if self.token_rows else "tokens by slot"
-        elif self.block.rows:
-            extra = " x ".join(lp.axis for lp in self.block.loops)
-            how = "whole blocks as rows" + (f" per {extra}" if extra else "") + ", partial blocks by token"
         else:
-            how = f"whole blocks by one op over B (dim {self.block.dim}), partial blocks by token"
-        return f"{per}: {how}" + ("; C in wide words" if self.widen else "")
+            extra = " x ".join(lp.axis for lp in self.block.loops)
+            how = (f"whole blocks by index over B (dim {self.block.dim})" + (f" per {extra}" if extra else "")
+                   + ", the rest by slot")
+        return f"{per}: {how}" + ("; wide words" if self.widen else "")
 
 
 def compatible(paged: Spec, obj: Spec) -> bool:
@@ -197,20 +195,14 @@ def shape_exprs(obj: Spec) -> tuple[str, ...]:
 def _block_path(cache: View, part: View, y: str) -> BlockPath:
     t = part.axes.index("T")
     split = (*part.axes[:t], "B", "N", *part.axes[t + 1:])
-    blocks = View(f"{y}.narrow({t}, ck.block_start, ck.block_tokens).unflatten({t}, (-1, g.N))", split)
-    # Row mode: loop over the axes standing before B in either view and over the other
-    # list-like axes (L, KV) inside the block; what remains must match in order.
+    blocks = View(f"{y}.narrow({t}, ck.block_start, ck.block_tokens).unflatten({t}, (-1, g.N))"
+                  f"{permute_suffix(split, cache.axes)}", cache.axes)
     b = cache.axes.index("B")
-    loop_axes = [a for a in cache.axes if a != "B" and (cache.axes.index(a) < b or split.index(a) < t
-                                                       or a in LOOP_VARS)]
-    rest_cache = [a for a in cache.axes if a not in loop_axes]
-    rest_obj = [a for a in split if a not in loop_axes]
-    if rest_cache == rest_obj and rest_cache[:2] == ["B", "N"]:
-        fixed = {a: LOOP_VARS.get(a, f"i{a.lower()}") for a in loop_axes}
-        loops = tuple(Loop(fixed[a], a, EXTENT[a]) for a in loop_axes)
-        return BlockPath(loops, True, blocks, index_suffix(cache.axes, fixed), index_suffix(split, fixed), 0)
-    ordered = View(blocks.expr + permute_suffix(split, cache.axes), cache.axes)
-    return BlockPath((), False, ordered, "", "", b)
+    inside = cache.axes[b + 1:]
+    loop_axes = [a for a in inside if a not in split[t + 1:]]
+    fixed = {a: LOOP_VARS.get(a, f"i{a.lower()}") for a in loop_axes}
+    loops = tuple(Loop(fixed[a], a, EXTENT[a]) for a in loop_axes)
+    return BlockPath(loops, blocks, index_suffix(cache.axes, fixed), b)
 
 
 def make_plan(paged: Spec, obj: Spec) -> CopyPlan:

@@ -73,16 +73,21 @@ def scatter_slots(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor, tok
 
 
 def take_index(src: torch.Tensor, dim: int, index: torch.Tensor | slice, out: torch.Tensor) -> None:
-    """out = src.index_select(dim, index), written in place; a slice is one plain copy."""
+    """out = src.index_select(dim, index), written in place: one plain copy for a slice,
+    one memcpy per row for contiguous rows over dim 0."""
     if isinstance(index, slice):
         out.copy_(src.narrow(dim, index.start, index.stop - index.start))
+    elif dim == 0:
+        take_rows(src, index, out)
     else:
         torch.index_select(src, dim, index, out=out)
 
 
 def put_index(dst: torch.Tensor, dim: int, index: torch.Tensor | slice, src: torch.Tensor) -> None:
-    """dst.index_copy_(dim, index, src); a slice is one plain copy."""
+    """dst.index_copy_(dim, index, src), likewise."""
     if isinstance(index, slice):
         dst.narrow(dim, index.start, index.stop - index.start).copy_(src)
+    elif dim == 0:
+        put_rows(dst, index, src)
     else:
         dst.index_copy_(dim, index, src)
