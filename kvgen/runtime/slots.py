@@ -46,23 +46,24 @@ class Chunk:
         return self.block_ids is not None
 
 
-def _aligned_run(slots: torch.Tensor, lo: int, hi: int, n: int) -> tuple[int, int, torch.Tensor | slice] | None:
+def _aligned_run(slots: torch.Tensor, lo: int, hi: int, n: int, first_slot: int
+                 ) -> tuple[int, int, torch.Tensor | slice] | None:
     """The longest run of whole in-order blocks in tokens [lo, hi), if the tokens are
-    consecutive slots within each block: (first token, token count, block ids)."""
-    head = (-int(slots[lo]) % n)
-    first = lo + head
+    consecutive slots within each block: (first token, token count, block ids), the ids a
+    slice when the blocks themselves are consecutive."""
+    first = lo + (-first_slot % n)
     count = (hi - first) // n
     if count <= 0:
         return None
     run = slots[first:first + count * n].view(count, n)
-    starts = run[:, :1]
+    ids = run[:, 0] // n
+    # Block b holds slots b*N .. b*N + N-1, in order: one comparison covers every token.
     steps = torch.arange(n, device=slots.device, dtype=slots.dtype)
-    if not bool(((starts % n == 0) & (run == starts + steps).all(dim=1, keepdim=True)).all()):
+    if not torch.equal(run, ids[:, None] * n + steps):
         return None
-    ids = starts.squeeze(1) // n
-    first_id = int(ids[0])
-    if int(ids[-1]) - first_id == count - 1 and bool((ids[1:] - ids[:-1] == 1).all()):
-        return first, count * n, slice(first_id, first_id + count)
+    first_id, last_id = int(ids[0]), int(ids[-1])
+    if last_id - first_id == count - 1 and torch.equal(ids, torch.arange(first_id, last_id + 1, device=ids.device)):
+        return first, count * n, slice(first_id, last_id + 1)
     return first, count * n, ids
 
 
@@ -96,23 +97,27 @@ def plan_chunk(
     empty = Chunk(n, 0, None, None, None, None, None, 0, 0)
     if n == 0:
         return empty
-    valid = slots >= 0
-    if skip:
-        valid[:skip] = False
-    count = int(valid.sum())
-    if count == 0:
-        return empty
-    highest = int(slots.max())
-    if highest >= num_slots:
-        raise KVLayoutError(f"slot {highest} is outside the cache, which has {num_slots} slots "
+    low, high = torch.stack(torch.aminmax(slots)).tolist()  # one host sync
+    if high >= num_slots:
+        raise KVLayoutError(f"slot {high} is outside the cache, which has {num_slots} slots "
                             f"(valid slots: 0..{num_slots - 1}, or < 0 to skip a token)")
-
-    lo = int(valid.to(torch.int8).argmax())
-    contiguous = bool(valid[lo:lo + count].all())
-    run = _aligned_run(slots, lo, lo + count, block_size) if contiguous and block_size else None
+    if low >= 0 and not skip:  # the common case: every token moves
+        valid, count, lo, contiguous = None, n, 0, True
+    else:
+        valid = slots >= 0
+        if skip:
+            valid[:skip] = False
+        count = int(valid.sum())
+        if count == 0:
+            return empty
+        lo = int(valid.to(torch.int8).argmax())
+        contiguous = bool(valid[lo:lo + count].all())
+    run = None
+    if contiguous and block_size:
+        run = _aligned_run(slots, lo, lo + count, block_size, int(slots[lo]))
 
     if run is None:
-        token_pos = None if count == n else valid.nonzero().squeeze(1)
+        token_pos = None if valid is None or count == n else valid.nonzero().squeeze(1)
         block_ids, block_start, block_tokens = None, 0, 0
     else:
         block_start, block_tokens, block_ids = run
