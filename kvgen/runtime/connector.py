@@ -22,6 +22,10 @@ from kvgen.runtime.memory import Format, format_name, relabel
 from kvgen.runtime.slots import Chunk, plan_chunk
 from kvgen.runtime.words import Words, widest, words
 
+#: Widest copy word per device type. 16-byte words are complex128, which Intel GPUs
+#: without native FP64 may not index, so other devices stop at 8-byte integers.
+MAX_WORD = {"cpu": 16, "cuda": 16}
+
 
 class _Base:
     layout: ClassVar[PagedLayout]
@@ -178,7 +182,8 @@ class _Base:
         """The widest copy unit both the bound cache and this object tensor allow."""
         if self._words_key != self._key:
             leaves = _leaves(kvcaches)
-            self._cache_width = widest(leaves, g.C) if self.widen else leaves[0].element_size()
+            limit = MAX_WORD.get(g.device.type, 8)
+            self._cache_width = widest(leaves, g.C, limit) if self.widen else leaves[0].element_size()
             self._words_key = self._key
         width = widest([tensor], g.C, self._cache_width) if self.widen else tensor.element_size()
         return words(width, tensor.element_size(), g.C)
