@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvgen.errors import BuildError
-from kvgen.library import REPO_ROOT, load_library
+from kvgen.library import data_dir, load_library
 from kvgen.plan import plan_library
 from kvgen.render import body_digest, render_package, unseal
 
-DEFAULT_OUT = REPO_ROOT / "generated"
+DEFAULT_OUT = data_dir("generated")
 _IGNORED = {"__pycache__"}
 
 

@@ -12,8 +12,17 @@ from kvgen.model import Spec, build_spec
 from kvgen.passes import UNDEFINED, check_library, check_spec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-BUILTIN_SPECS = REPO_ROOT / "specs"
-TEMPLATES = REPO_ROOT / "templates"
+
+
+def data_dir(name: str) -> Path:
+    """A folder of the checkout (specs/, templates/, generated/), or its installed copy
+    inside the package (kvgen/specs, ...) when kvgen was installed from a wheel."""
+    checkout = REPO_ROOT / name
+    return checkout if checkout.is_dir() else Path(__file__).resolve().parent / name
+
+
+BUILTIN_SPECS = data_dir("specs")
+TEMPLATES = data_dir("templates")
 
 
 @dataclass(frozen=True)
