@@ -614,6 +614,13 @@ def main(args: argparse.Namespace) -> int:
         print("kvgen bench: --plot needs matplotlib, which is not installed; "
               "install it with `pip install 'kvgen[plot]'` (or drop --plot)", file=sys.stderr)
         return 2
+    from kvgen.runtime import available_devices
+
+    present = available_devices()
+    if args.device.split(":")[0] not in present:
+        print(f"kvgen bench: device {args.device} is not available here (present: {', '.join(present)})",
+              file=sys.stderr)
+        return 2
     progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     try:
         result = run(args, progress)

@@ -9,6 +9,7 @@ c), objects codes of their own positions; comparisons are bitwise.
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,7 +194,6 @@ def check_pair(package: Any, paged: Spec, obj: Spec, device: str, scenario: Scen
 
 def _import_package(out: Path) -> Any:
     import importlib
-    import sys
 
     out = out.resolve()
     if str(out.parent) not in sys.path:
@@ -209,7 +209,13 @@ def main(args: Any) -> int:
     package = _import_package(args.out)
     library = load_library()
     plans = [p for p in plan_library(library) if not args.only or args.only in p.module]
-    devices = args.device or available_devices()
+    present = available_devices()
+    devices = args.device or present
+    missing = [d for d in devices if d not in present]
+    if missing:
+        print(f"kvgen verify: device {', '.join(missing)} is not available here "
+              f"(present: {', '.join(present)})", file=sys.stderr)
+        return 1
     scenarios = list(SCENARIOS.values())
     rows, failures = [], 0
     print(f"{'layout':<24} {'object':<13} {'mode':<9} {'device':<6} {'store ok':<8} {'load ok':<8}")

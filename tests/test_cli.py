@@ -58,3 +58,13 @@ def test_validate_ok(capsys) -> None:
 @pytest.mark.parametrize("argv", [["check"], ["list"]])
 def test_commands_succeed_on_the_repository(argv: list[str]) -> None:
     assert main(argv) == 0
+
+
+@pytest.mark.parametrize("argv,code", [(["verify", "--device", "cuda"], 1), (["bench", "--device", "cuda"], 2)])
+def test_absent_device_is_refused_plainly(argv: list[str], code: int, capsys) -> None:
+    from kvgen.runtime import available_devices
+
+    if "cuda" in available_devices():
+        pytest.skip("CUDA is present here")
+    assert main(argv) == code
+    assert "device cuda is not available here (present: cpu" in capsys.readouterr().err
