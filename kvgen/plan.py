@@ -58,7 +58,10 @@ class BlockPath:
     both sides and, where memory allows, each block moves as one contiguous row."""
 
     loops: tuple[Loop, ...]
-    #: The object chunk's whole blocks, B and N split from T, in x's dim order.
+    #: The object chunk's whole blocks with B and N split from T (`ob`, once per chunk).
+    base: str
+    base_axes: tuple[str, ...]
+    #: `ob` inside the loops, in x's dim order.
     blocks: View
     #: Index suffix selecting the loop axes, the same on x and on `blocks`.
     select: str
@@ -192,17 +195,24 @@ def shape_exprs(obj: Spec) -> tuple[str, ...]:
     return tuple("1" if d.is_singleton else " * ".join(extent(a) for a in d.axes) for d in obj.dims)
 
 
-def _block_path(cache: View, part: View, y: str) -> BlockPath:
-    t = part.axes.index("T")
-    split = (*part.axes[:t], "B", "N", *part.axes[t + 1:])
-    blocks = View(f"{y}.narrow({t}, ck.block_start, ck.block_tokens).unflatten({t}, (-1, g.N))"
-                  f"{permute_suffix(split, cache.axes)}", cache.axes)
+def _split_t(axes: tuple[str, ...]) -> tuple[str, ...]:
+    t = axes.index("T")
+    return (*axes[:t], "B", "N", *axes[t + 1:])
+
+
+def _block_path(cache: View, whole: View, fixed: dict[str, str]) -> BlockPath:
+    # The chunk's whole blocks are split out of T once per chunk (`ob`); each loop step
+    # selects its part and orders it like x.
+    t = whole.axes.index("T")
+    base = f"o.narrow({t}, ck.block_start, ck.block_tokens).unflatten({t}, (-1, g.N))"
+    part = select(View("ob", _split_t(whole.axes)), fixed)
+    blocks = View(part.expr + permute_suffix(part.axes, cache.axes), cache.axes)
     b = cache.axes.index("B")
     inside = cache.axes[b + 1:]
-    loop_axes = [a for a in inside if a not in split[t + 1:]]
-    fixed = {a: LOOP_VARS.get(a, f"i{a.lower()}") for a in loop_axes}
-    loops = tuple(Loop(fixed[a], a, EXTENT[a]) for a in loop_axes)
-    return BlockPath(loops, blocks, index_suffix(cache.axes, fixed), b)
+    loop_axes = [a for a in inside if a not in part.axes[part.axes.index("N"):]]
+    inner = {a: LOOP_VARS.get(a, f"i{a.lower()}") for a in loop_axes}
+    loops = tuple(Loop(inner[a], a, EXTENT[a]) for a in loop_axes)
+    return BlockPath(loops, base, _split_t(whole.axes), blocks, index_suffix(cache.axes, inner), b)
 
 
 def make_plan(paged: Spec, obj: Spec) -> CopyPlan:
@@ -236,7 +246,7 @@ def make_plan(paged: Spec, obj: Spec) -> CopyPlan:
     return CopyPlan(
         paged=paged, obj=obj, mode=mode, loops=loops, widen=widen, object_view=whole_obj, cache_view=cache,
         object_part=part, token_index=token_index, token_object=token_object, token_rows=token_rows,
-        block=_block_path(cache, part, y) if slot_axes == ("B", "N") else None, shape=shape_exprs(obj),
+        block=_block_path(cache, whole_obj, fixed) if slot_axes == ("B", "N") else None, shape=shape_exprs(obj),
     )
 
 
