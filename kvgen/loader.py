@@ -60,9 +60,6 @@ def schema() -> dict[str, Any]:
     return json.loads(SCHEMA_PATH.read_text("utf-8"))
 
 
-def schema_path() -> Path:
-    return SCHEMA_PATH
-
 
 def _mark(mark: yaml.Mark | None) -> tuple[int, int]:
     return (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)

@@ -10,8 +10,6 @@ from kvgen.loader import Document
 
 #: Axis letters: layer, K/V selector, block, slot-in-block, head, content, token-in-chunk.
 AXES = ("L", "KV", "B", "N", "H", "C", "T")
-#: The order in which kvgen names logical coordinates, e.g. in `kvgen explain`.
-LOGICAL_ORDER = ("L", "KV", "B", "N", "T", "H", "C")
 #: Axes whose extent is 1 when a layout leaves them out (MLA has one plane and no heads).
 OPTIONAL_AXES = ("KV", "H")
 DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
