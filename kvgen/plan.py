@@ -6,10 +6,14 @@ whatever the strides, so strided caches stay correct), fixes the axes that Pytho
 containers hold with loops, and lines the object view up with the cache view:
 
 * block path: whole blocks of the chunk move with one `index_select` / `index_copy_`
-  over the B dim, the object's T dim split into (blocks, N) to match;
+  over the B dim (a plain slice copy when the blocks are consecutive), the object's T
+  dim split into (blocks, N) to match;
 * token path: the remaining tokens (partial blocks, folded slot axes, arbitrary slot
   mappings) move by advanced indexing, the object permuted into the order torch gives
-  the indexed result.
+  the indexed result, or as rows by slot over a folded slot axis.
+
+When both sides end in C, values move as wide integer words (up to 16 bytes), chosen per
+call by the runtime from the strides it meets.
 
 Everything here is string and tuple work on specs; torch is never imported.
 """
