@@ -189,3 +189,19 @@ def test_backends_by_device_type() -> None:
     assert backend_for("xpu").name == "xpu"
     with pytest.raises(ValueError, match="known: cpu, cuda, xpu"):
         backend_for("meta")
+
+
+def test_generated_code_talks_to_devices_only_through_the_runtime() -> None:
+    """One connector serves every device: no generated module names a device API."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(generated.__file__).parent
+    for path in folder.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        imports = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imports |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert imports <= {"__future__", "enum", "importlib", "typing", "collections.abc", "torch", "kvgen"}, path
+        attrs = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                 and isinstance(node.value, ast.Name) and node.value.id == "torch"}
+        assert not attrs & {"cuda", "xpu", "mps"}, f"{path.name} uses torch.{attrs & {'cuda', 'xpu', 'mps'}}"
