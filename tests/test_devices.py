@@ -205,3 +205,11 @@ def test_generated_code_talks_to_devices_only_through_the_runtime() -> None:
         attrs = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                  and isinstance(node.value, ast.Name) and node.value.id == "torch"}
         assert not attrs & {"cuda", "xpu", "mps"}, f"{path.name} uses torch.{attrs & {'cuda', 'xpu', 'mps'}}"
+
+
+def test_layerwise_connector_points_whole_calls_at_the_generators() -> None:
+    conn = generated.get("vllm_flash_attn_nhd", "kv_t2d")()
+    with pytest.raises(TypeError, match=r"use the generator batched_from_gpu\(memory_objs\[layer\]\[chunk\]"):
+        conn.from_gpu(None, 0, 1)
+    with pytest.raises(TypeError, match=r"use the generator batched_to_gpu\(starts, ends, \.\.\.\) and send\(\)"):
+        conn.to_gpu(None, 0, 1)
