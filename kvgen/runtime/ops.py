@@ -59,7 +59,8 @@ def put_rows(dst: torch.Tensor, index: torch.Tensor | slice, src: torch.Tensor) 
         dst.index_copy_(0, index, src)
 
 
-def gather_slots(src: torch.Tensor, slots: torch.Tensor, dst: torch.Tensor, tok: torch.Tensor | None) -> None:
+def gather_slots(src: torch.Tensor, slots: torch.Tensor | slice, dst: torch.Tensor,
+                 tok: torch.Tensor | None) -> None:
     """dst[tok[i]] = src[slots[i]] (dst[i] when tok is None), slots and tokens on dim 0."""
     if tok is None:
         take_rows(src, slots, dst)
@@ -67,7 +68,8 @@ def gather_slots(src: torch.Tensor, slots: torch.Tensor, dst: torch.Tensor, tok:
         dst.index_copy_(0, tok, src.index_select(0, slots))
 
 
-def scatter_slots(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor, tok: torch.Tensor | None) -> None:
+def scatter_slots(dst: torch.Tensor, slots: torch.Tensor | slice, src: torch.Tensor,
+                  tok: torch.Tensor | None) -> None:
     """dst[slots[i]] = src[tok[i]] (src[i] when tok is None), slots and tokens on dim 0."""
     put_rows(dst, slots, src if tok is None else src.index_select(0, tok))
 

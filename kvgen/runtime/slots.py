@@ -24,7 +24,8 @@ class Chunk:
     moved: int
     #: Token path: positions in the chunk (None: all of 0..num_tokens-1, in order) and slots.
     tok: torch.Tensor | None
-    slots: torch.Tensor | None
+    #: (a slice when a folded slot axis gets consecutive slots: one plain copy)
+    slots: torch.Tensor | slice | None
     blk: torch.Tensor | None
     off: torch.Tensor | None
     #: Block path: chunk tokens [block_start, block_start + block_tokens) fill `block_ids`,
@@ -127,6 +128,9 @@ def plan_chunk(
 
     if token_pos is not None and token_pos.numel() == 0:
         tok_slots = blk = off = None
+    elif block_size is None and valid is None and high - low == n - 1 and torch.equal(
+            slots, torch.arange(low, high + 1, device=slots.device)):
+        tok_slots, blk, off = slice(low, high + 1), None, None  # a folded axis's consecutive slots
     else:
         tok_slots = slots if token_pos is None else slots[token_pos]
         blk, off = (tok_slots // block_size, tok_slots % block_size) if block_size else (None, None)
