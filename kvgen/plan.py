@@ -103,7 +103,7 @@ class CopyPlan:
 
     @property
     def part_name(self) -> str:
-        return "y" if self.object_part.expr != "o" else "o"
+        return _part_name(self.object_part)
 
     @property
     def token_dim(self) -> int:
@@ -121,6 +121,11 @@ class CopyPlan:
             how = (f"whole blocks by index over B (dim {self.block.dim})" + (f" per {extra}" if extra else "")
                    + ", the rest by slot")
         return f"{per}: {how}" + ("; wide words" if self.widen else "")
+
+
+def _part_name(part: View) -> str:
+    """The object inside the loops gets a name of its own (`y`) when loops select from it."""
+    return "y" if part.expr != "o" else "o"
 
 
 def compatible(paged: Spec, obj: Spec) -> bool:
@@ -238,8 +243,7 @@ def make_plan(paged: Spec, obj: Spec) -> CopyPlan:
     whole_obj = canonical(raw.format("tensor"), obj.dims, extent)
     part = select(View("o", whole_obj.axes), fixed)
 
-    # The object inside the loops gets a name of its own when loops select from it.
-    y = "y" if part.expr != "o" else "o"
+    y = _part_name(part)
     slot_axes = (SLOT,) if SLOT in cache.axes else ("B", "N")
     index_names = {SLOT: "ck.slots", "B": "ck.blk", "N": "ck.off"}
     token_index = index_suffix(cache.axes, {a: index_names[a] for a in slot_axes})

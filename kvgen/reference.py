@@ -102,8 +102,7 @@ def _move(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, slo
     mapping = [int(s) for s in slot_mapping]
     obj_ext = {**ext, "T": end - start}
     cache_vals = _read(kvcaches, paged, leaf_paths(paged, ext))
-    obj_tree = objects if obj.lists else objects
-    obj_vals = _read(obj_tree, obj, leaf_paths(obj, obj_ext))
+    obj_vals = _read(objects, obj, leaf_paths(obj, obj_ext))
     for t, slot in tokens(mapping, start, end, offset, skip):
         for coords in _logical(paged, ext):
             cpath, cidx = element_address(paged, {**coords, "slot": slot}, ext)
@@ -114,7 +113,7 @@ def _move(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, slo
                 c_list[c_last] = o_list[o_last]
             else:
                 o_list[o_last] = c_list[c_last]
-    _write_back(kvcaches if to_cache else obj_tree, cache_vals if to_cache else obj_vals)
+    _write_back(kvcaches if to_cache else objects, cache_vals if to_cache else obj_vals)
 
 
 # -- coordinate-encoding test data ----------------------------------------------------

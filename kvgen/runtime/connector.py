@@ -10,7 +10,8 @@ exactly as they were.
 from __future__ import annotations
 
 import operator
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -21,6 +22,9 @@ from kvgen.runtime.layout import Geometry, ObjectLayout, PagedLayout, broadcast_
 from kvgen.runtime.memory import Format, format_name, relabel
 from kvgen.runtime.slots import Chunk, plan_chunk
 from kvgen.runtime.words import Words, widest, words
+
+#: A generated copy: (object tensor, kvcaches, geometry, chunk, copy words).
+Copy = Callable[[torch.Tensor, Any, Geometry, Chunk, Words], None]
 
 #: Widest copy word per device type. 16-byte words are complex128, which Intel GPUs
 #: without native FP64 may not index, so other devices stop at 8-byte integers.
@@ -170,6 +174,22 @@ class _Base:
             self._staging = torch.empty(need, dtype=torch.uint8, device=g.device)
         return self._staging[:need].view(tensor.dtype).view(tensor.shape)
 
+    def _staged_store(self, copy: Copy, tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk) -> None:
+        """Run a generated store into `tensor`, through the staging tensor where one is used."""
+        work = self._staging_for(tensor, g)
+        if work is not tensor and not ck.covers_all:
+            self.backend.copy(work, tensor)  # so skipped tokens come back unchanged
+        copy(work, kvcaches, g, ck, self._words(work, kvcaches, g))
+        if work is not tensor:
+            self.backend.copy(tensor, work)
+
+    def _staged_load(self, copy: Copy, tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk) -> None:
+        """Run a generated load from `tensor`, through the staging tensor where one is used."""
+        work = self._staging_for(tensor, g)
+        if work is not tensor:
+            self.backend.copy(work, tensor)
+        copy(work, kvcaches, g, ck, self._words(work, kvcaches, g))
+
     def _check_staging(self, tensors: Sequence[torch.Tensor]) -> None:
         """Refuse, before anything moves, a transfer the capped staging buffer cannot hold."""
         if self.use_gpu and self.staging_bytes is not None:
@@ -213,12 +233,7 @@ class ChunkConnector(_Base):
                    for o, ck in zip(memory_objs, chunks, strict=True)]
         self._check_staging(tensors)
         for obj, tensor, ck in zip(memory_objs, tensors, chunks, strict=True):
-            work = self._staging_for(tensor, g)
-            if work is not tensor and not ck.covers_all:
-                self.backend.copy(work, tensor)  # so skipped tokens come back unchanged
-            self._store(work, kvcaches, g, ck, self._words(work, kvcaches, g))
-            if work is not tensor:
-                self.backend.copy(tensor, work)
+            self._staged_store(self._store, tensor, kvcaches, g, ck)
             obj.metadata.fmt = relabel(obj.metadata.fmt, self.format)
         self.backend.synchronize(self.backend.current_stream())
 
@@ -233,10 +248,7 @@ class ChunkConnector(_Base):
                    for o, ck in zip(memory_objs, chunks, strict=True)]
         self._check_staging(tensors)
         for tensor, ck in zip(tensors, chunks, strict=True):
-            work = self._staging_for(tensor, g)
-            if work is not tensor:
-                self.backend.copy(work, tensor)
-            self._load(work, kvcaches, g, ck, self._words(work, kvcaches, g))
+            self._staged_load(self._load, tensor, kvcaches, g, ck)
         self.backend.synchronize(self.backend.current_stream())
 
     @staticmethod
@@ -287,12 +299,7 @@ class LayerwiseConnector(_Base):
         for layer in range(g.L):
             with on_stream(self.backend, stream):
                 for tensor, ck in zip(tensors[layer], chunks, strict=True):
-                    work = self._staging_for(tensor, g)
-                    if work is not tensor and not ck.covers_all:
-                        self.backend.copy(work, tensor)
-                    self._store_layer(layer, work, kvcaches, g, ck, self._words(work, kvcaches, g))
-                    if work is not tensor:
-                        self.backend.copy(tensor, work)
+                    self._staged_store(partial(self._store_layer, layer), tensor, kvcaches, g, ck)
             yield
         self._finish(stream, sync)
         for objs in memory_objs:
@@ -318,10 +325,7 @@ class LayerwiseConnector(_Base):
             self._check_staging(tensors)
             with on_stream(self.backend, stream):
                 for tensor, ck in zip(tensors, chunks, strict=True):
-                    work = self._staging_for(tensor, g)
-                    if work is not tensor:
-                        self.backend.copy(work, tensor)
-                    self._load_layer(layer, work, kvcaches, g, ck, self._words(work, kvcaches, g))
+                    self._staged_load(partial(self._load_layer, layer), tensor, kvcaches, g, ck)
             if sync:
                 self.backend.wait_stream(self.backend.current_stream(), stream)
             objs = yield
