@@ -29,7 +29,7 @@ def main() -> None:
         base = median_seconds([sys.executable, "-c", "import yaml, jinja2, jsonschema"], runs)
         build = median_seconds([kvgen, "build", "--out", f"{tmp}/generated"], runs)
         torch_free = subprocess.run(
-            [sys.executable, "-c", "import sys; from kvgen.build import render; render(); "
+            [sys.executable, "-c", "import sys; from kvgen.emit.build import render; render(); "
              "print('torch' in sys.modules)"], capture_output=True, text=True, check=True).stdout.strip()
     print(f"import yaml, jinja2, jsonschema: {base:.3f} s (median of {runs})")
     print(f"kvgen build (whole library):      {build:.3f} s = {build / base:.2f} x")

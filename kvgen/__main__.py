@@ -1,5 +1,5 @@
 import sys
 
-from kvgen.cli import main
+from kvgen.tools.cli import main
 
 sys.exit(main())

@@ -1,4 +1,13 @@
-"""Spec problems: one precise type, always located in a file, line, column and YAML path."""
+"""kvgen's errors: one base type, one subtype per stage a user can get wrong.
+
+KVGenError
+  SpecError      a spec file is wrong (every problem, each with FILE:LINE:COL and YAML path)
+  BuildError     a build could not complete (the previous output is left as it was)
+  KVLayoutError  a cache, memory object, slot mapping or name does not fit, at run time
+
+Every public entry point raises only these for bad input; TypeError stays for calls with
+the wrong signature. No torch here: the runtime and the generator both import this.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +40,11 @@ class Problem:
         return f"{self.file}:{self.line}:{self.col}: {format_path(self.path)}: {self.message}"
 
 
-class SpecError(ValueError):
+class KVGenError(Exception):
+    """Base of every error kvgen raises for bad input."""
+
+
+class SpecError(KVGenError, ValueError):
     """One or more problems in one or more spec files.
 
     Raised with every problem found, not only the first, so a user fixes a file in one go.
@@ -44,8 +57,13 @@ class SpecError(ValueError):
         super().__init__("\n".join(str(p) for p in self.problems))
 
 
-class BuildError(RuntimeError):
+class BuildError(KVGenError, RuntimeError):
     """A build that could not complete; the previous output is left as it was."""
+
+
+class KVLayoutError(KVGenError, ValueError):
+    """A cache, memory object, slot mapping, name or device that does not match what a
+    connector was generated for; raised before anything is written."""
 
 
 def display_path(path: Path) -> str:

@@ -1,6 +1,6 @@
-"""Test helpers: the machinery lives in kvgen.verify, shared with `kvgen verify`."""
+"""Test helpers: the machinery lives in kvgen.oracle.scenarios, shared with `kvgen verify`."""
 
-from kvgen.verify import (  # noqa: F401
+from kvgen.oracle.scenarios import (  # noqa: F401
     EXT,
     SCENARIOS,
     Scenario,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from kvgen.cli import main
 from kvgen.runtime import MemoryObj
+from kvgen.tools.cli import main
 
 # Heads outermost, K/V packed inside each head's content: a layout not in the library.
 SPEC = """\

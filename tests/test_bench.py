@@ -10,10 +10,11 @@ import random
 import pytest
 import torch
 
-from kvgen import bench, generated
-from kvgen.cli import main
-from kvgen.library import load_library
-from kvgen.reference import leaf_shape, nest
+from kvgen import generated
+from kvgen.oracle.reference import leaf_shape, nest
+from kvgen.spec.library import load_library
+from kvgen.tools import bench
+from kvgen.tools.cli import main
 
 TINY = ["-L", "2", "--heads", "2", "--head-size", "8", "--block-size", "4", "--warmup", "0", "--repeats", "1"]
 

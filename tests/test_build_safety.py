@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-import kvgen.build
+import kvgen.emit.build
 from kvgen import __version__
-from kvgen.build import DEFAULT_OUT, build, check, render
+from kvgen.emit.build import DEFAULT_OUT, build, check, render
+from kvgen.emit.render import DIGEST_PREFIX, body_digest, unseal
 from kvgen.errors import BuildError
-from kvgen.library import BUILTIN_SPECS, REPO_ROOT, load_library
-from kvgen.render import DIGEST_PREFIX, body_digest, unseal
+from kvgen.spec.library import BUILTIN_SPECS, REPO_ROOT, load_library
 
 SAMPLE = "vllm_flash_attn_nhd__kv_2ltd.py"
 _PACKAGES = itertools.count()
@@ -93,7 +93,7 @@ def test_failed_render_keeps_previous_output(tmp_path: Path, monkeypatch: pytest
     def broken(*args: object, **kwargs: object) -> dict[str, str]:
         raise BuildError("template exploded")
 
-    monkeypatch.setattr(kvgen.build, "render_package", broken)
+    monkeypatch.setattr(kvgen.emit.build, "render_package", broken)
     with pytest.raises(BuildError, match="template exploded"):
         build(out)
     assert snapshot(out) == before
@@ -127,10 +127,10 @@ def test_interrupt_between_renames_restores_previous_output(tmp_path: Path,
             raise OSError(18, "Invalid cross-device link")
         real_rename(src, dst)
 
-    monkeypatch.setattr(kvgen.build.os, "rename", flaky)
+    monkeypatch.setattr(kvgen.emit.build.os, "rename", flaky)
     with pytest.raises(OSError, match="cross-device"):
         build(out)
-    monkeypatch.setattr(kvgen.build.os, "rename", real_rename)
+    monkeypatch.setattr(kvgen.emit.build.os, "rename", real_rename)
     assert snapshot(out) == before
     assert leftovers(tmp_path, "generated") == []
     import_package(out, monkeypatch)
@@ -220,7 +220,7 @@ def test_check_of_missing_folder(tmp_path: Path, files: dict[str, str]) -> None:
 
 
 def test_cli_check_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvgen.cli import main
+    from kvgen.tools.cli import main
 
     out = tmp_path / "generated"
     assert main(["build", "--out", str(out)]) == 0
@@ -246,7 +246,7 @@ def test_rebuilds_are_byte_identical(tmp_path: Path) -> None:
 
 
 _DIGEST_SCRIPT = (
-    "import hashlib, json; from kvgen.build import render; "
+    "import hashlib, json; from kvgen.emit.build import render; "
     "print(json.dumps({k: hashlib.sha256(v.encode()).hexdigest() for k, v in render().items()}))"
 )
 
@@ -265,9 +265,9 @@ def test_render_does_not_depend_on_hash_seed_or_cwd(files: dict[str, str], tmp_p
 def test_generator_never_imports_torch(tmp_path: Path) -> None:
     script = (
         "import sys; from pathlib import Path\n"
-        "from kvgen.build import build, check, render\n"
-        "from kvgen.library import load_library\n"
-        "from kvgen.plan import plan_library\n"
+        "from kvgen.emit.build import build, check, render\n"
+        "from kvgen.spec.library import load_library\n"
+        "from kvgen.plan.copy import plan_library\n"
         "plan_library(load_library()); render()\n"
         f"build(Path({str(tmp_path / 'out')!r})); assert check(Path({str(tmp_path / 'out')!r})).ok\n"
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"

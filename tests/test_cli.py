@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgen.cli import main
+from kvgen.tools.cli import main
 
 
 def test_list_json_shows_the_whole_library(capsys) -> None:

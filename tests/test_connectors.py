@@ -29,9 +29,9 @@ from harness import (
 )
 
 from kvgen import generated
-from kvgen.library import load_library
-from kvgen.plan import plan_library
+from kvgen.plan.copy import plan_library
 from kvgen.runtime import KVLayoutError
+from kvgen.spec.library import load_library
 
 LIBRARY = load_library()
 PLANS = {p.module: p for p in plan_library(LIBRARY)}

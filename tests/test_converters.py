@@ -67,7 +67,7 @@ def test_stored_whole_loads_layerwise() -> None:
     layout = "vllm_flash_attn_hnd"
     spec = generated.LAYOUTS[layout]
     assert spec["kind"] == "paged"
-    from kvgen.library import load_library
+    from kvgen.spec.library import load_library
 
     paged = load_library()[layout]
     cache = make_cache(paged, torch.float32, "cpu")

@@ -24,9 +24,9 @@ from harness import (
 )
 
 from kvgen import generated
-from kvgen.library import load_library
 from kvgen.runtime import KVLayoutError, backend_for
 from kvgen.runtime.devices import CpuBackend
+from kvgen.spec.library import load_library
 
 LIB = load_library()
 

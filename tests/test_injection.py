@@ -37,11 +37,11 @@ from harness import SCENARIOS, connector_store, make_cache, make_objects, refere
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgen.build import render, write_atomically
+from kvgen.emit.build import render, write_atomically
+from kvgen.emit.render import py_literal, render_package, unseal
 from kvgen.errors import BuildError, SpecError
-from kvgen.library import BUILTIN_SPECS, Library, load_library
-from kvgen.plan import plan_library
-from kvgen.render import py_literal, render_package, unseal
+from kvgen.plan.copy import plan_library
+from kvgen.spec.library import BUILTIN_SPECS, Library, load_library
 
 CORPUS = Path(__file__).parent / "specs_hostile"
 SINGLE = sorted(CORPUS.glob("*.yaml"))

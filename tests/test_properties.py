@@ -5,7 +5,7 @@
     sizes that make them solvable, an optional folded slot axis [B, N] and singleton dims.
     Each is paired with a built-in LMCache object, its connector rendered and executed as a
     module, and a store and a load with a random slot mapping are compared bit for bit with
-    kvgen.reference.
+    kvgen.oracle.reference.
 (b) Random invalid input (any text, any bytes, YAML-ish token soup, valid specs with random
     mutations) never makes the loader fail with anything but a SpecError; what it accepts
     also plans and renders.
@@ -25,11 +25,11 @@ from harness import EXT, Scenario, clone_tree, make_cache, make_objects, referen
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from kvgen.emit.render import render_connector, render_package, seal
 from kvgen.errors import SpecError
-from kvgen.library import BUILTIN_SPECS, load_library, spec_files
-from kvgen.loader import load_document
-from kvgen.plan import compatible, make_plan, plan_library
-from kvgen.render import render_connector, render_package, seal
+from kvgen.plan.copy import compatible, make_plan, plan_library
+from kvgen.spec.library import BUILTIN_SPECS, load_library, spec_files
+from kvgen.spec.loader import load_document
 
 OBJECTS = {name: BUILTIN_SPECS / "lmcache" / f"{name}.yaml" for name in ("kv_2ltd", "kv_t2d", "kv_2td")}
 SLOTS = EXT["B"] * EXT["N"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from harness import EXT, make_cache
 
-from kvgen import reference
-from kvgen.library import load_library
+from kvgen.oracle import reference
+from kvgen.spec.library import load_library
 
 LIB = load_library()
 N, H, C = EXT["N"], EXT["H"], EXT["C"]

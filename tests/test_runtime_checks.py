@@ -22,13 +22,13 @@ import torch
 from harness import EXT, block_table_mapping, make_cache, make_objects
 
 from kvgen import generated
-from kvgen.library import load_library
 from kvgen.runtime import KVLayoutError, MemoryObj
 from kvgen.runtime import layout as runtime_layout
 from kvgen.runtime.connector import _same_device
 from kvgen.runtime.layout import arrow
 from kvgen.runtime.memory import Format
 from kvgen.runtime.ops import bits
+from kvgen.spec.library import load_library
 
 LIBRARY = load_library()
 PAIRS = [

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvgen.errors import SpecError
-from kvgen.library import load_library, load_specs
-from kvgen.loader import MAX_SPEC_BYTES
+from kvgen.spec.library import load_library, load_specs
+from kvgen.spec.loader import MAX_SPEC_BYTES
 
 CORPUS = Path(__file__).parent / "specs_err"
 SINGLE = sorted(CORPUS.glob("*.yaml"))

@@ -1,5 +1,5 @@
-"""The one error type connectors raise for bad input, before anything is written."""
+"""The error connectors raise for bad input, before anything is written (see kvgen.errors)."""
 
+from kvgen.errors import KVGenError, KVLayoutError
 
-class KVLayoutError(ValueError):
-    """A cache, memory object or slot mapping that does not match the declared layout."""
+__all__ = ["KVGenError", "KVLayoutError"]

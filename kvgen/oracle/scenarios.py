@@ -1,26 +1,22 @@
-"""`kvgen verify`: run generated connectors against the reference interpreter.
-
-Also the machinery the test suite uses: small coordinate-coded caches and objects,
-slot-mapping scenarios, and one transfer run through a connector and through the
-reference. Cache elements carry the code of their coordinates (layer, kv, slot, head,
+"""Test scenarios shared by the test suite and `kvgen verify`: small coordinate-coded
+caches and objects, slot-mapping scenarios, and one transfer run through a connector and
+through the reference. Cache elements carry the code of their coordinates (layer, kv, slot, head,
 c), objects codes of their own positions; comparisons are bitwise.
 """
 
 from __future__ import annotations
 
 import random
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvgen import reference
-from kvgen.model import Spec
+from kvgen.oracle import reference
 from kvgen.runtime import MemoryObj
 from kvgen.runtime.ops import bits
+from kvgen.spec.model import Spec
 
 #: Small geometry: 3 layers, 2 heads, 4 values per head, 12 blocks of 4 slots.
 EXT = {"L": 3, "KV": 2, "H": 2, "C": 4, "N": 4, "B": 12}
@@ -164,8 +160,6 @@ def reference_load(paged: Spec, obj: Spec, cache: Any, objs: list[Any], sc: Scen
         reference.load(paged, obj, EXT, cache, obj_tensors(o), mapping, s, e, sc.offset, skip)
 
 
-# -- kvgen verify -----------------------------------------------------------------------
-
 def check_pair(package: Any, paged: Spec, obj: Spec, device: str, scenario: Scenario,
                dtype: torch.dtype = torch.float32) -> tuple[bool, bool]:
     """(store ok, load ok) of one generated connector against the reference."""
@@ -190,44 +184,3 @@ def check_pair(package: Any, paged: Spec, obj: Spec, device: str, scenario: Scen
     connector_load(connector, objs, scenario, cache, mapping)
     reference_load(paged, obj, expected, objs, scenario, mapping_list)
     return store_ok, same_bits(cache, expected)
-
-
-def _import_package(out: Path) -> Any:
-    import importlib
-
-    out = out.resolve()
-    if str(out.parent) not in sys.path:
-        sys.path.insert(0, str(out.parent))
-    return importlib.import_module(out.name)
-
-
-def main(args: Any) -> int:
-    from kvgen.library import load_library
-    from kvgen.plan import plan_library
-    from kvgen.runtime import available_devices
-
-    package = _import_package(args.out)
-    library = load_library()
-    plans = [p for p in plan_library(library) if not args.only or args.only in p.module]
-    present = available_devices()
-    devices = args.device or present
-    missing = [d for d in devices if d not in present]
-    if missing:
-        print(f"kvgen verify: device {', '.join(missing)} is not available here "
-              f"(present: {', '.join(present)})", file=sys.stderr)
-        return 1
-    scenarios = list(SCENARIOS.values())
-    rows, failures = [], 0
-    print(f"{'layout':<24} {'object':<13} {'mode':<9} {'device':<6} {'store ok':<8} {'load ok':<8}")
-    for device in devices:
-        for plan in plans:
-            results = [check_pair(package, plan.paged, plan.obj, device, sc) for sc in scenarios]
-            store_ok = all(r[0] for r in results)
-            load_ok = all(r[1] for r in results)
-            failures += (not store_ok) + (not load_ok)
-            rows.append((plan.paged.name, plan.obj.name, plan.mode, device, store_ok, load_ok))
-            print(f"{plan.paged.name:<24} {plan.obj.name:<13} {plan.mode:<9} {device:<6} "
-                  f"{'yes' if store_ok else 'NO':<8} {'yes' if load_ok else 'NO':<8}", flush=True)
-    print(f"\n{len(rows)} connector runs on {', '.join(devices)} ({len(scenarios)} slot scenarios each): "
-          f"{len(rows) * 2 - failures} checks passed, {failures} failed")
-    return 1 if failures else 0

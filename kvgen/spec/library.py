@@ -7,18 +7,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvgen.errors import Problem, SpecError
-from kvgen.loader import Document, load_document
-from kvgen.model import Spec, build_spec
-from kvgen.passes import UNDEFINED, check_library, check_spec
+from kvgen.spec.loader import Document, load_document
+from kvgen.spec.model import Spec, build_spec
+from kvgen.spec.passes import UNDEFINED, check_library, check_spec
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+#: The kvgen package folder, and the checkout around it (when run from one).
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+REPO_ROOT = PACKAGE_DIR.parent
 
 
 def data_dir(name: str) -> Path:
     """A folder of the checkout (specs/, templates/, generated/), or its installed copy
     inside the package (kvgen/specs, ...) when kvgen was installed from a wheel."""
     checkout = REPO_ROOT / name
-    return checkout if checkout.is_dir() else Path(__file__).resolve().parent / name
+    return checkout if checkout.is_dir() else PACKAGE_DIR / name
 
 
 BUILTIN_SPECS = data_dir("specs")

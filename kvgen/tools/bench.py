@@ -8,7 +8,7 @@ baseline written the usual way. Repeats of the three are interleaved so drift in
 machine's state hits all three alike. Before timing, each row checks once that the naive
 baseline and the connector leave identical bits (object after a store, cache after a load).
 
-The naive baseline reads only the spec facts (`kvgen.library`), never the planner or the
+The naive baseline reads only the spec facts (`kvgen.spec.library`), never the planner or the
 generated code: per layer and per K/V plane it views the cache leaf as [B, N, H, C] (or
 [S, H, C] for SGLang's folded slot axis), gathers the chunk's tokens with
 `view[slot // N, slot % N]` (`index_select` over S), `torch.stack`s the planes and layers
@@ -222,7 +222,7 @@ def _generated() -> Any:
             return importlib.import_module(name)
         except ModuleNotFoundError:
             pass
-    from kvgen.library import REPO_ROOT
+    from kvgen.spec.library import REPO_ROOT
 
     sys.path.insert(0, str(REPO_ROOT))
     return importlib.import_module("generated")
@@ -511,9 +511,9 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     """Measure everything `args` selects; returns the figures as plain data."""
     import torch
 
-    from kvgen.library import load_library
-    from kvgen.reference import leaf_shape, nest
+    from kvgen.oracle.reference import leaf_shape, nest
     from kvgen.runtime import backend_for
+    from kvgen.spec.library import load_library
 
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 from kvgen import SPEC_FORMAT_VERSION
 from kvgen.errors import Problem, YamlPath, format_path
-from kvgen.loader import Document
-from kvgen.model import Spec
+from kvgen.spec.loader import Document
+from kvgen.spec.model import Spec
 
 Pass = Callable[[Spec, Document], list[Problem]]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import permutations
 
-from kvgen.library import Library
-from kvgen.model import Spec
+from kvgen.spec.library import Library
+from kvgen.spec.model import Spec
 
 Atom = tuple[str, ...]
 

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import jinja2
 
-from kvgen import __version__, convert
-from kvgen.convert import plan_converters
+from kvgen import __version__
 from kvgen.errors import BuildError
-from kvgen.library import TEMPLATES, Library
-from kvgen.model import Dim
-from kvgen.plan import CopyPlan, format_transitions
+from kvgen.plan import convert
+from kvgen.plan.convert import plan_converters
+from kvgen.plan.copy import CopyPlan, format_transitions
+from kvgen.spec.library import TEMPLATES, Library
+from kvgen.spec.model import Dim
 
 #: The runtime interface generated code is written for (kvgen.runtime.ABI).
 ABI = 1

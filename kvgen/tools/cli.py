@@ -18,7 +18,7 @@ def _specs_arg(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from kvgen.build import build
+    from kvgen.emit.build import build
 
     files = build(args.out, args.specs)
     print(f"wrote {len(files)} files to {args.out}")
@@ -26,7 +26,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from kvgen.build import check
+    from kvgen.emit.build import check
 
     report = check(args.out, args.specs)
     if report.ok:
@@ -39,8 +39,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from kvgen.library import load_specs
-    from kvgen.passes import check_library
+    from kvgen.spec.library import load_specs
+    from kvgen.spec.passes import check_library
 
     entries = load_specs([(f, f.name) for f in args.files])
     problems = check_library(entries)
@@ -52,8 +52,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from kvgen.library import load_library
-    from kvgen.plan import plan_library
+    from kvgen.plan.copy import plan_library
+    from kvgen.spec.library import load_library
 
     library = load_library(args.specs)
     plans = plan_library(library)
@@ -84,9 +84,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from kvgen.address import symbolic_address
-    from kvgen.library import load_library
-    from kvgen.plan import plan_library
+    from kvgen.oracle.address import symbolic_address
+    from kvgen.plan.copy import plan_library
+    from kvgen.spec.library import load_library
 
     library = load_library(args.specs)
     try:
@@ -113,19 +113,19 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from kvgen.verify import main as verify_main
+    from kvgen.tools.verify import main as verify_main
 
     return verify_main(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvgen.bench import main as bench_main
+    from kvgen.tools.bench import main as bench_main
 
     return bench_main(args)
 
 
 def parser() -> argparse.ArgumentParser:
-    from kvgen.build import DEFAULT_OUT
+    from kvgen.emit.build import DEFAULT_OUT
 
     ap = argparse.ArgumentParser(prog="kvgen", description=__doc__)
     ap.add_argument("--version", action="version", version=f"kvgen {__version__}")
@@ -162,7 +162,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser("bench", help="measure store/load bandwidth against memcpy and a naive connector")
-    from kvgen.bench import add_arguments
+    from kvgen.tools.bench import add_arguments
 
     add_arguments(p)
     p.set_defaults(run=cmd_bench)

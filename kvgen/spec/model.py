@@ -6,7 +6,7 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvgen.loader import Document
+from kvgen.spec.loader import Document
 
 #: Axis letters: layer, K/V selector, block, slot-in-block, head, content, token-in-chunk.
 AXES = ("L", "KV", "B", "N", "H", "C", "T")

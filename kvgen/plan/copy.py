@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import product
 
-from kvgen.library import Library
-from kvgen.model import Dim, Spec
+from kvgen.spec.library import Library
+from kvgen.spec.model import Dim, Spec
 
 WHOLE = "whole"
 LAYERWISE = "layerwise"

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvgen.emit.render import body_digest, render_package, unseal
 from kvgen.errors import BuildError
-from kvgen.library import data_dir, load_library
-from kvgen.plan import plan_library
-from kvgen.render import body_digest, render_package, unseal
+from kvgen.plan.copy import plan_library
+from kvgen.spec.library import data_dir, load_library
 
 DEFAULT_OUT = data_dir("generated")
 _IGNORED = {"__pycache__"}

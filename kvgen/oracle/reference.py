@@ -1,6 +1,6 @@
 """The reference interpreter: a slow, obviously correct store and load, element by element.
 
-It reads the specs through `kvgen.address` only (never the planner or generated code),
+It reads the specs through `kvgen.oracle.address` only (never the planner or generated code),
 works on plain Python lists of the tensors' bits, and so says what any connector must
 produce. Tests and `kvgen verify` compare every generated connector with it.
 """
@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from kvgen.address import element_address
-from kvgen.model import Spec
+from kvgen.oracle.address import element_address
 from kvgen.runtime.ops import bits
+from kvgen.spec.model import Spec
 
 Extents = Mapping[str, int]
 

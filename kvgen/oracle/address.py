@@ -1,14 +1,14 @@
 """Where one KV element lives: the plain arithmetic of a spec, element by element.
 
 This is the definition the generated copies are checked against (through
-kvgen.reference); it shares nothing with the planner. No torch here.
+kvgen.oracle.reference); it shares nothing with the planner. No torch here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvgen.model import Spec
+from kvgen.spec.model import Spec
 
 #: Logical coordinates of an element: l, kv, h, c, and slot (paged) or t (object).
 Coords = Mapping[str, int]

@@ -1,0 +1,1 @@
+"""User-facing tools over the pipeline: the CLI, `kvgen verify` and `kvgen bench`."""
