@@ -107,6 +107,10 @@ def check_sizes(spec: Spec, doc: Document) -> list[Problem]:
                                    key=True))
         elif axis == "KV" and value != 2:
             out.append(doc.problem(path, f"KV holds K and V, so its size is 2, not {value}"))
+    if "KV" in spec.axes and spec.size("KV") is None:
+        # Every object format fixes KV at 2: a cache read with KV=3 would fill objects wrongly.
+        out.append(doc.problem(_path_of(spec, "KV"), "KV holds K and V: add `sizes: {KV: 2}` so a cache "
+                                                     "with another K/V extent is refused"))
     return out
 
 
