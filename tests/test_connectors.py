@@ -160,9 +160,9 @@ def test_empty_work_keeps_yield_counts(module: str, device: str) -> None:
 
 def test_capabilities_refuse_at_creation() -> None:
     assert generated.CAPABILITIES[("vllm_flash_attn_nhd", "KV_T2D", "layerwise", "xpu")]
-    with pytest.raises(KeyError, match="vllm_mla pairs with: kv_mla, kv_mla_layer"):
+    with pytest.raises(KVLayoutError, match="vllm_mla pairs with: kv_mla, kv_mla_layer"):
         generated.connector("vllm_mla", "kv_2ltd")
-    with pytest.raises(KeyError, match="not supported on tpu"):
+    with pytest.raises(KVLayoutError, match="not generated for device 'tpu'"):
         generated.connector("NHD", "kv_2ltd", device="tpu")
     assert generated.connector("NHD", "kv_2ltd").layout.name == "vllm_flash_attn_nhd"
 

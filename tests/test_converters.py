@@ -10,7 +10,7 @@ from harness import EXT, clone_tree, make_cache, same_bits
 
 from kvgen import generated
 from kvgen.generated import formats
-from kvgen.runtime import MemoryObj
+from kvgen.runtime import KVLayoutError, MemoryObj
 
 L, T, H, C = 3, 5, 2, 4
 SHAPES = {
@@ -58,7 +58,7 @@ def test_view_converter_shares_memory() -> None:
 
 
 def test_unknown_conversion_lists_known() -> None:
-    with pytest.raises(KeyError, match="known: "):
+    with pytest.raises(KVLayoutError, match="known: "):
         formats.convert(sample("kv_2ltd"), "kv_2ltd", "kv_mla")
 
 

@@ -7,6 +7,7 @@ import enum
 import pytest
 
 from kvgen.generated import formats
+from kvgen.runtime import KVLayoutError
 
 
 class LMCacheMemoryFormat(enum.Enum):  # a stand-in for LMCache's own enum
@@ -43,5 +44,5 @@ def test_refused(current, target) -> None:
 
 
 def test_not_a_format() -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(KVLayoutError, match="must be None or have a .name"):
         formats.check_transition("KV_2LTD", formats.MemoryFormat.KV_2LTD)

@@ -41,6 +41,7 @@ from kvgen.emit.build import render, write_atomically
 from kvgen.emit.render import py_literal, render_package, unseal
 from kvgen.errors import BuildError, SpecError
 from kvgen.plan.copy import plan_library
+from kvgen.plan.package import plan_package
 from kvgen.spec.library import BUILTIN_SPECS, Library, load_library
 
 CORPUS = Path(__file__).parent / "specs_hostile"
@@ -249,7 +250,7 @@ def test_hostile_spec(case: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert not (tmp_path / MARKER).exists(), "loading a spec ran code"
         return
     library = load_library(files, builtin=False)
-    generated = render_package(library, plan_library(library))
+    generated = render_package(plan_package(library))
     assert len(generated) > 2, "the case yields no connector; give it a companion it pairs with"
     assert_inert(generated, library)
     assert_values_round_trip(generated, library)
@@ -259,7 +260,7 @@ def test_hostile_spec(case: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 def test_keyword_names_only_in_file_names_and_literals() -> None:
     """Keywords and shadowing names become module file names and string literals, nothing else."""
     library = load_library(sorted((CORPUS / "multi" / "keyword_names").glob("*.yaml")), builtin=False)
-    files = render_package(library, plan_library(library))
+    files = render_package(plan_package(library))
     assert {"class__import.py", "torch__lambda.py", "print__open.py", "runtime__import.py"} <= set(files)
     hostile = {s.name for s in library.specs}
     for name, text in files.items():
@@ -359,7 +360,7 @@ def test_free_text_fields_are_literals_even_unchecked(text: str, tmp_path: Path,
         if s.is_paged else dataclasses.replace(s, summary=text)
         for s in library.specs)
     library = Library(specs)
-    files = render_package(library, plan_library(library))
+    files = render_package(plan_package(library))
     assert_inert(files, library)
     assert_values_round_trip(files, library)
     import_and_run(files, library, tmp_path, monkeypatch)

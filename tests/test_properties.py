@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 
 from kvgen.emit.render import render_connector, render_package, seal
 from kvgen.errors import SpecError
-from kvgen.plan.copy import compatible, make_plan, plan_library
+from kvgen.plan.copy import compatible, make_plan
+from kvgen.plan.package import connector_plan, plan_package
 from kvgen.spec.library import BUILTIN_SPECS, load_library, spec_files
 from kvgen.spec.loader import load_document
 
@@ -109,7 +110,7 @@ def test_random_layouts_match_the_reference(spec: dict[str, Any], obj_name: str,
     paged, obj = library["prop_paged"], library[obj_name]
     assert compatible(paged, obj)
     plan = make_plan(paged, obj)
-    text = seal(f"{plan.module}.py", render_connector(plan))
+    text = seal(f"{plan.module}.py", render_connector(connector_plan(plan)))
     connector = load_module(text, plan.module).Connector(device="cpu")
     mapping = torch.tensor(mapping_list)
     lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=True)]
@@ -166,7 +167,7 @@ def load_or_refuse(files: list[Path]) -> None:
         for problem in exc.problems:
             assert "\n" not in str(problem), f"a problem spans lines: {problem!r}"
         return
-    render_package(library, plan_library(library))
+    render_package(plan_package(library))
 
 
 def write_and_load(contents: list[bytes]) -> None:

@@ -22,10 +22,9 @@ import torch
 from harness import EXT, block_table_mapping, make_cache, make_objects
 
 from kvgen import generated
+from kvgen.notation import format_layout as arrow
 from kvgen.runtime import KVLayoutError, MemoryObj
-from kvgen.runtime import layout as runtime_layout
 from kvgen.runtime.connector import _same_device
-from kvgen.runtime.layout import arrow
 from kvgen.runtime.memory import Format
 from kvgen.runtime.ops import bits
 from kvgen.spec.library import load_library
@@ -279,13 +278,13 @@ def test_disallowed_dtype(case: Case, direction: str, dtype: torch.dtype) -> Non
 
 def test_dtype_outside_the_spec_list() -> None:
     """A layout that declares `dtypes` refuses the others, even ones another layout allows."""
-    from kvgen.runtime import PagedLayout, read_geometry
+    from kvgen.runtime import CacheReader, PagedLayout
 
     spec = PagedLayout(name="bf16_only", lists=("L",), dims=(("KV",), ("B",), ("N",), ("H",), ("C",)),
                        sizes=(("KV", 2),), dtypes=("bfloat16",))
     with pytest.raises(KVLayoutError, match=r"bf16_only: kvcaches must be L -> \[KV=2 B N H C\]: dtype float16 "
                                             r"is not one of bfloat16 \(got list of 2 x tensor\[2, 3, 4, 1, 8\]"):
-        read_geometry(spec, [torch.zeros(2, 3, 4, 1, 8, dtype=torch.float16)] * 2)
+        CacheReader(spec, [torch.zeros(2, 3, 4, 1, 8, dtype=torch.float16)] * 2).leaves()
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
@@ -343,8 +342,8 @@ def test_validation_runs_once_per_cache(monkeypatch: pytest.MonkeyPatch) -> None
     """Checking a cache is per registered cache, not per call or token."""
     case = make_case(("vllm_flash_attn_nhd", "kv_2ltd"))
     calls = []
-    real = runtime_layout.read_geometry
-    monkeypatch.setattr("kvgen.runtime.connector.read_geometry", lambda *a: calls.append(1) or real(*a))
+    real = type(case.conn).read_geometry
+    monkeypatch.setattr(type(case.conn), "read_geometry", staticmethod(lambda c: calls.append(1) or real(c)))
     for _ in range(3):
         case.run("store", case.objects("store"))
     assert calls == []  # bound in make_case already

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvgen.emit.render import body_digest, render_package, unseal
 from kvgen.errors import BuildError
-from kvgen.plan.copy import plan_library
+from kvgen.plan.package import plan_package
 from kvgen.spec.library import data_dir, load_library
 
 DEFAULT_OUT = data_dir("generated")
@@ -25,7 +25,7 @@ _IGNORED = {"__pycache__"}
 
 def render(extra_specs: Sequence[Path] = (), *, builtin: bool = True) -> dict[str, str]:
     library = load_library(extra_specs, builtin=builtin)
-    return render_package(library, plan_library(library))
+    return render_package(plan_package(library))
 
 
 def write_atomically(out: Path, files: dict[str, str]) -> None:

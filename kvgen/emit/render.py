@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -17,11 +16,8 @@ import jinja2
 
 from kvgen import __version__
 from kvgen.errors import BuildError
-from kvgen.plan import convert
-from kvgen.plan.convert import plan_converters
-from kvgen.plan.copy import CopyPlan, format_transitions
-from kvgen.spec.library import TEMPLATES, Library
-from kvgen.spec.model import Dim
+from kvgen.plan.package import ConnectorPlan, PackagePlan
+from kvgen.spec.library import TEMPLATES
 
 #: The runtime interface generated code is written for (kvgen.runtime.ABI).
 ABI = 1
@@ -56,10 +52,6 @@ def comment_text(text: str) -> str:
     return ascii(text)
 
 
-def dims_literal(dims: Sequence[Dim]) -> str:
-    return py_literal([d.axes for d in dims])
-
-
 def _bytecode_cache() -> jinja2.BytecodeCache | None:
     """Compiled templates kept between runs (Jinja checks each against its source), in the
     user's cache folder; without a writable one, templates are compiled every run."""
@@ -83,7 +75,6 @@ def environment() -> jinja2.Environment:
         autoescape=False,
     )
     env.filters["py"] = py_literal
-    env.filters["dims_py"] = dims_literal
     env.filters["comment"] = comment_text
     env.globals.update(version=__version__, abi=ABI)
     return env
@@ -112,17 +103,14 @@ def unseal(text: str) -> tuple[str | None, str]:
     return None, text
 
 
-def render_connector(plan: CopyPlan) -> str:
-    return environment().get_template("connector.py.j2").render(plan=plan)
+def render_connector(c: ConnectorPlan) -> str:
+    return environment().get_template("connector.py.j2").render(c=c)
 
 
-def render_package(library: Library, plans: Sequence[CopyPlan]) -> dict[str, str]:
-    """Every file of a generated package, by file name."""
-    files = {f"{plan.module}.py": render_connector(plan) for plan in plans}
+def render_package(plan: PackagePlan) -> dict[str, str]:
+    """Every file of a generated package, by file name, sealed."""
     env = environment()
-    files["formats.py"] = env.get_template("formats.py.j2").render(
-        library=library, transitions=format_transitions(library), converters=plan_converters(library),
-        strip=convert.strip_singletons, add=convert.add_singletons, layer_dim=convert.layer_dim,
-        permute=convert.permute)
-    files["__init__.py"] = env.get_template("init.py.j2").render(library=library, plans=plans)
+    files = {f"{c.module}.py": render_connector(c) for c in plan.connectors}
+    files["formats.py"] = env.get_template("formats.py.j2").render(plan=plan)
+    files["__init__.py"] = env.get_template("init.py.j2").render(plan=plan)
     return {name: seal(name, text) for name, text in sorted(files.items())}

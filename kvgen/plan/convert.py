@@ -13,9 +13,24 @@ from dataclasses import dataclass
 from itertools import permutations
 
 from kvgen.spec.library import Library
-from kvgen.spec.model import Spec
+from kvgen.spec.model import Spec, Vocabulary
 
 Atom = tuple[str, ...]
+
+
+class Conversion(Vocabulary):
+    """What a converter's result is: views of the source's memory, or copies."""
+
+    VIEW = "view"
+    COPY = "copy"
+
+
+class Direction(Vocabulary):
+    """Whole-chunk to per-layer (split), per-layer to whole (stack), or per layer on both sides."""
+
+    SPLIT = "split"
+    STACK = "stack"
+    PER_LAYER = "per_layer"
 
 
 def atoms(spec: Spec) -> tuple[Atom, ...]:
@@ -30,8 +45,8 @@ def _content(spec: Spec) -> frozenset[Atom]:
 class Converter:
     src: Spec
     dst: Spec
-    #: "view" when every result is a slice of the source's memory, else "copy".
-    kind: str
+    #: VIEW when every result is a slice of the source's memory, else COPY.
+    kind: Conversion
     #: Source dims in the order of the target's (per-layer) dims, with L dropped.
     order: tuple[int, ...]
 
@@ -41,9 +56,38 @@ class Converter:
         return f"{self.src.name}__{self.dst.name}"
 
     @property
-    def direction(self) -> str:
-        return ("split" if not self.src.lists and self.dst.lists
-                else "stack" if self.src.lists and not self.dst.lists else "per_layer")
+    def direction(self) -> Direction:
+        if not self.src.lists and self.dst.lists:
+            return Direction.SPLIT
+        return Direction.STACK if self.src.lists and not self.dst.lists else Direction.PER_LAYER
+
+    @property
+    def signature(self) -> str:
+        """`def name(param: type) -> type:` of the generated function."""
+        arg = "tensor: torch.Tensor" if self.direction is Direction.SPLIT else "tensors: Sequence[torch.Tensor]"
+        result = "torch.Tensor" if self.direction is Direction.STACK else "list[torch.Tensor]"
+        return f"def {self.function}({arg}) -> {result}:"
+
+    @property
+    def doc(self) -> str:
+        return (f"{self.src.format} {self.src.arrow()} -> {self.dst.format} {self.dst.arrow()} "
+                f"({self.kind.value}).")
+
+    @property
+    def body(self) -> tuple[str, ...]:
+        """The generated function's statements."""
+        turn = permute(self.order)
+        copy = ".contiguous()" if self.kind is Conversion.COPY else ""
+        if self.direction is Direction.PER_LAYER:
+            return (f"return [t{turn}.contiguous() for t in tensors]",)
+        dim = layer_dim(self)
+        if self.direction is Direction.SPLIT:
+            strip = strip_singletons(self)
+            src = "src" if strip else "tensor"
+            head = [f"src = tensor{strip}"] if strip else []
+            return (*head, f"return [{src}.select({dim}, layer){turn}{copy} for layer in range({src}.shape[{dim}])]")
+        items = f"[t{turn} for t in tensors]" if turn else "list(tensors)"
+        return (f"return torch.stack({items}, dim={dim}){add_singletons(self)}",)
 
 
 def _plan(src: Spec, dst: Spec) -> Converter | None:
@@ -54,12 +98,12 @@ def _plan(src: Spec, dst: Spec) -> Converter | None:
     src_dims = [d for d in src.dims if not d.is_singleton and d.axes != ("L",)]
     dst_dims = [d for d in dst.dims if not d.is_singleton and d.axes != ("L",)]
     order = tuple(src_dims.index(d) for d in dst_dims)
-    kind = "copy"
+    kind = Conversion.COPY
     if not src.lists and dst.lists and order == tuple(sorted(order)):
         # a layer of the source is contiguous when only singletons stand before L
         lead = next(i for i, d in enumerate(src.dims) if d.axes == ("L",))
         if all(d.is_singleton for d in src.dims[:lead]):
-            kind = "view"
+            kind = Conversion.VIEW
     return Converter(src, dst, kind, order)
 
 

@@ -24,10 +24,17 @@ from dataclasses import dataclass
 from itertools import product
 
 from kvgen.spec.library import Library
-from kvgen.spec.model import Dim, Spec
+from kvgen.spec.model import Dim, Spec, Vocabulary
 
-WHOLE = "whole"
-LAYERWISE = "layerwise"
+
+class Mode(Vocabulary):
+    """Whole-chunk objects (every layer in one) or per-layer objects moved by generators."""
+
+    WHOLE = "whole"
+    LAYERWISE = "layerwise"
+
+
+WHOLE, LAYERWISE = Mode.WHOLE, Mode.LAYERWISE
 
 #: Name of the loop variable for each axis a Python container can hold.
 LOOP_VARS = {"L": "layer", "KV": "kv"}
@@ -77,7 +84,7 @@ class BlockPath:
 class CopyPlan:
     paged: Spec
     obj: Spec
-    mode: str
+    mode: Mode
     loops: tuple[Loop, ...]
     #: True when both sides end in C, so copies may move C as wide integer words.
     widen: bool
@@ -140,7 +147,7 @@ def compatible(paged: Spec, obj: Spec) -> bool:
     return bool(set(paged.dtypes) & set(obj.dtypes))
 
 
-def mode_of(obj: Spec) -> str:
+def mode_of(obj: Spec) -> Mode:
     return LAYERWISE if obj.lists else WHOLE
 
 
@@ -261,10 +268,3 @@ def make_plan(paged: Spec, obj: Spec) -> CopyPlan:
 def plan_library(library: Library) -> list[CopyPlan]:
     """A plan for every compatible (paged, object) pair, in a stable order."""
     return [make_plan(p, o) for p, o in product(library.paged, library.objects) if compatible(p, o)]
-
-
-def format_transitions(library: Library) -> list[tuple[str, str]]:
-    """(current, after store) label pairs: each object's `accepts`, and itself."""
-    pairs = {(src, obj.format) for obj in library.objects if obj.format
-             for src in (obj.format, *obj.accepts)}
-    return sorted(pairs)

@@ -7,7 +7,7 @@ cache's geometry, per-chunk slot work, device backends and the connector base cl
 from kvgen.runtime.connector import ChunkConnector, LayerwiseConnector
 from kvgen.runtime.devices import Backend, available_devices, backend_for, register_backend
 from kvgen.runtime.errors import KVLayoutError
-from kvgen.runtime.layout import Geometry, ObjectLayout, PagedLayout, read_geometry
+from kvgen.runtime.layout import CacheReader, Geometry, ObjectLayout, PagedLayout
 from kvgen.runtime.memory import UNDEFINED, Format, MemoryObj, Metadata, format_name
 from kvgen.runtime.ops import (
     bits,
@@ -20,6 +20,7 @@ from kvgen.runtime.ops import (
     take_rows,
     take_tokens,
 )
+from kvgen.runtime.registry import DEVICES, Registry, check_transition, convert
 from kvgen.runtime.slots import Chunk, plan_chunk
 from kvgen.runtime.words import Words
 
@@ -38,7 +39,8 @@ def require_abi(version: int, module: str) -> None:
 __all__ = [
     "ABI", "UNDEFINED", "Backend", "Chunk", "ChunkConnector", "Format", "Geometry", "KVLayoutError",
     "LayerwiseConnector", "MemoryObj", "Metadata", "ObjectLayout", "PagedLayout", "available_devices",
-    "backend_for", "bits", "format_name", "plan_chunk", "put_tokens", "read_geometry", "register_backend",
+    "backend_for", "bits", "format_name", "plan_chunk", "put_tokens", "register_backend", "CacheReader",
+    "DEVICES", "Registry", "check_transition", "convert",
     "require_abi", "take_tokens", "Words", "gather_slots", "scatter_slots", "take_rows", "put_rows",
     "take_index", "put_index",
 ]

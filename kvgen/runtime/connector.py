@@ -18,7 +18,7 @@ import torch
 
 from kvgen.runtime.devices import Backend, backend_for, on_stream
 from kvgen.runtime.errors import KVLayoutError
-from kvgen.runtime.layout import Geometry, ObjectLayout, PagedLayout, broadcast_dims, describe, read_geometry
+from kvgen.runtime.layout import Geometry, ObjectLayout, PagedLayout, broadcast_dims, describe
 from kvgen.runtime.memory import Format, format_name, relabel
 from kvgen.runtime.slots import Chunk, plan_chunk
 from kvgen.runtime.words import Words, widest, words
@@ -38,6 +38,8 @@ class _Base:
     layerwise: ClassVar[bool]
     #: Whether the generated copies may move C as wider integer words (both sides end in C).
     widen: ClassVar[bool] = False
+    #: The generated module's geometry reading: checks a cache, returns its extents.
+    read_geometry: ClassVar[Callable[[Any], Geometry]]
 
     def __init__(self, device: torch.device | str | None = None, *, use_gpu: bool = False,
                  staging_bytes: int | None = None, backend: Backend | None = None):
@@ -62,7 +64,7 @@ class _Base:
         """Check `kvcaches` against the layout once; later calls with the same cache reuse it."""
         key = _cache_key(kvcaches)
         if key != self._key:
-            geometry = read_geometry(self.layout, kvcaches)
+            geometry = self.read_geometry(kvcaches)
             if self.device is not None and not _same_device(geometry.device, self.device):
                 raise KVLayoutError(f"{self.layout.name}: kvcaches must be "
                                     f"{self.layout.arrow(geometry.extents())} on {self.device} (the "

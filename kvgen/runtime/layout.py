@@ -1,35 +1,19 @@
-"""Layout facts a generated module carries, and reading a cache's geometry against them.
+"""Layout facts a generated module carries, and the checks its generated `read_geometry` runs.
 
 Reading and checking happen once per registered cache, never per token.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
+from kvgen.notation import format_layout
 from kvgen.runtime.errors import KVLayoutError
 
 Dims = tuple[tuple[str, ...], ...]  # per tensor dim: () singleton, (a,) one axis, (a, b) fused
-
-
-def _render_dim(axes: tuple[str, ...], ext: dict[str, int] | None) -> str:
-    def one(a: str) -> str:
-        return f"{a}={ext[a]}" if ext and a in ext else a
-
-    if not axes:
-        return "1"
-    return "(" + " ".join(map(one, axes)) + ")" if len(axes) > 1 else one(axes[0])
-
-
-def arrow(lists: Sequence[str], dims: Dims, ext: dict[str, int] | None = None) -> str:
-    """The spec's arrow form, e.g. `L=4 -> [KV=2 B N H C]`."""
-    levels = [f"{a}={ext[a]}" if ext and a in ext else a for a in lists]
-    return " -> ".join([*levels, "[" + " ".join(_render_dim(d, ext) for d in dims) + "]"])
 
 
 @dataclass(frozen=True)
@@ -62,7 +46,7 @@ class PagedLayout:
     dtypes: tuple[str, ...]
 
     def arrow(self, ext: dict[str, int] | None = None) -> str:
-        return arrow(self.lists, self.dims, ext)
+        return format_layout(self.lists, self.dims, ext)
 
     def has(self, axis: str) -> bool:
         return axis in self.lists or any(axis in d for d in self.dims)
@@ -78,7 +62,7 @@ class ObjectLayout:
     dims: Dims
 
     def arrow(self, ext: dict[str, int] | None = None) -> str:
-        return arrow(self.lists, self.dims, ext)
+        return format_layout(self.lists, self.dims, ext)
 
 
 def describe(value: Any, depth: int = 0) -> str:
@@ -104,86 +88,82 @@ def broadcast_dims(t: torch.Tensor) -> list[int]:
     return [i for i, (n, s) in enumerate(zip(t.shape, t.stride(), strict=True)) if n > 1 and s == 0]
 
 
-def _leaves(layout: PagedLayout, kvcaches: Any, fail: Any) -> tuple[list[torch.Tensor], dict[str, int]]:
-    ext: dict[str, int] = {}
-    level = [kvcaches]
-    for axis in layout.lists:
-        lengths = set()
-        nxt = []
+class CacheReader:
+    """The checks a generated `read_geometry` runs on one cache, in the order it calls them.
+
+    The generated code says which dims hold which axes and which extents are fixed; this
+    only checks, and every refusal names the expected layout and what was received."""
+
+    def __init__(self, layout: PagedLayout, kvcaches: Any):
+        self.layout = layout
+        self.kvcaches = kvcaches
+
+    def fail(self, why: str) -> NoReturn:
+        expected = self.layout.arrow(dict(self.layout.sizes))
+        raise KVLayoutError(f"{self.layout.name}: kvcaches must be {expected}: {why} "
+                            f"(got {describe(self.kvcaches)})")
+
+    def leaves(self) -> tuple[tuple[int, ...], torch.Tensor]:
+        """The list levels' lengths and the first tensor, after checking that every tensor
+        under the levels has one shape, dtype and device, the layout's rank and dtypes,
+        real storage and no stride-0 dims."""
+        lengths: list[int] = []
+        level = [self.kvcaches]
+        for axis in self.layout.lists:
+            found, nxt = set(), []
+            for node in level:
+                if not isinstance(node, (list, tuple)):
+                    self.fail(f"level {axis} must be a list or tuple, got {type(node).__name__}")
+                found.add(len(node))
+                nxt.extend(node)
+            if len(found) != 1 or 0 in found:
+                self.fail(f"level {axis} must be non-empty and the same length everywhere, got lengths "
+                          f"{sorted(found)}")
+            lengths.append(found.pop())
+            level = nxt
         for node in level:
-            if not isinstance(node, (list, tuple)):
-                fail(f"level {axis} must be a list or tuple, got {type(node).__name__}")
-            lengths.add(len(node))
-            nxt.extend(node)
-        if len(lengths) != 1 or 0 in lengths:
-            fail(f"level {axis} must be non-empty and the same length everywhere, got lengths {sorted(lengths)}")
-        ext[axis] = lengths.pop()
-        level = nxt
-    for node in level:
-        if not isinstance(node, torch.Tensor):
-            fail(f"expected tensors under the list levels, got {type(node).__name__}")
-    return level, ext
+            if not isinstance(node, torch.Tensor):
+                self.fail(f"expected tensors under the list levels, got {type(node).__name__}")
+        first = level[0]
+        for leaf in level[1:]:
+            if leaf.shape != first.shape or leaf.dtype != first.dtype or leaf.device != first.device:
+                self.fail(f"every tensor must have one shape, dtype and device; found {_placed(first)} and "
+                          f"{_placed(leaf)}")
+        if first.dim() != len(self.layout.dims):
+            self.fail(f"tensors must have {len(self.layout.dims)} dims, got {first.dim()} "
+                      f"(tensor[{', '.join(map(str, first.shape))}])")
+        dtype_name = str(first.dtype).removeprefix("torch.")
+        if dtype_name not in self.layout.dtypes:
+            self.fail(f"dtype {dtype_name} is not one of {', '.join(self.layout.dtypes)}")
+        if first.device.type == "meta":
+            self.fail("cache tensors must have storage, got tensors on the meta device")
+        for leaf in level:
+            shared = broadcast_dims(leaf)
+            if shared:
+                self.fail(f"dims {shared} of a cache tensor have stride 0 (an expanded view), so distinct "
+                          "slots would share memory; pass a tensor with its own storage")
+        return tuple(lengths), first
 
+    def singleton(self, index: int, extent: int) -> None:
+        if extent != 1:
+            self.fail(f"a singleton dim has extent {extent}")
 
-def read_geometry(layout: PagedLayout, kvcaches: Any) -> Geometry:
-    """Check `kvcaches` against the layout and return its extents, or raise KVLayoutError
-    naming the expected layout and what was received."""
+    def fixed(self, axis: str, extent: int, value: int) -> None:
+        if extent != value:
+            self.fail(f"{axis} must be {value}, got {extent}")
 
-    expected = layout.arrow(dict(layout.sizes))
+    def split(self, label: str, extent: int, known: int) -> int:
+        """The one unknown axis of a fused dim: its extent divided by the known axes'."""
+        if known <= 0 or extent % known:
+            self.fail(f"fused dim {label} has extent {extent}, which does not split as declared "
+                      f"(the known axes multiply to {known})")
+        return extent // known
 
-    def fail(why: str) -> None:
-        raise KVLayoutError(f"{layout.name}: kvcaches must be {expected}: {why} "
-                            f"(got {describe(kvcaches)})")
+    def fused(self, label: str, extent: int, product: int) -> None:
+        if extent != product:
+            self.fail(f"fused dim {label} has extent {extent}, but its axes multiply to {product}")
 
-    leaves, ext = _leaves(layout, kvcaches, fail)
-    first = leaves[0]
-    for leaf in leaves[1:]:
-        if leaf.shape != first.shape or leaf.dtype != first.dtype or leaf.device != first.device:
-            fail(f"every tensor must have one shape, dtype and device; found {_placed(first)} and "
-                 f"{_placed(leaf)}")
-    if first.dim() != len(layout.dims):
-        fail(f"tensors must have {len(layout.dims)} dims, got {first.dim()} "
-             f"(tensor[{', '.join(map(str, first.shape))}])")
-    dtype_name = str(first.dtype).removeprefix("torch.")
-    if dtype_name not in layout.dtypes:
-        fail(f"dtype {dtype_name} is not one of {', '.join(layout.dtypes)}")
-    if first.device.type == "meta":
-        fail("cache tensors must have storage, got tensors on the meta device")
-    for leaf in leaves:
-        shared = broadcast_dims(leaf)
-        if shared:
-            fail(f"dims {shared} of a cache tensor have stride 0 (an expanded view), so distinct "
-                 "slots would share memory; pass a tensor with its own storage")
-
-    fixed = dict(layout.sizes)
-    slots = None
-    fused: list[tuple[tuple[str, ...], int]] = []
-    for axes, extent in zip(layout.dims, first.shape, strict=True):
-        if not axes:
-            if extent != 1:
-                fail(f"a singleton dim has extent {extent}")
-        elif axes == ("B", "N"):
-            slots = extent
-        elif len(axes) == 1:
-            ext[axes[0]] = extent
-        else:
-            fused.append((axes, extent))
-    for axis, value in fixed.items():
-        if axis in ext and ext[axis] != value:
-            fail(f"{axis} must be {value}, got {ext[axis]}")
-        ext.setdefault(axis, value)
-    for axes, extent in fused:
-        unknown = [a for a in axes if a not in ext]
-        known = math.prod(ext[a] for a in axes if a in ext)
-        if len(unknown) == 1 and known > 0 and extent % known == 0:
-            ext[unknown[0]] = extent // known
-        if math.prod(ext.get(a, 0) for a in axes) != extent:
-            fail(f"fused dim ({' '.join(axes)}) has extent {extent}, which does not split as declared "
-                 f"(known: {', '.join(f'{a}={ext[a]}' for a in axes if a in ext) or 'nothing'})")
-    if slots is None:
-        slots = ext["B"] * ext["N"]
-    empty = [f"{a}={v}" for a, v in ext.items() if v <= 0] + ([f"{slots} slots"] if slots <= 0 else [])
-    if empty:
-        fail(f"every extent must be positive, got {', '.join(empty)}")
-    return Geometry(L=ext["L"], KV=ext.get("KV", 1), H=ext.get("H", 1), C=ext["C"], N=ext.get("N"),
-                    S=slots, dtype=first.dtype, device=first.device)
+    def positive(self, **extents: int) -> None:
+        empty = [f"{a}={v}" for a, v in extents.items() if v <= 0]
+        if empty:
+            self.fail(f"every extent must be positive, got {', '.join(empty)}")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import enum
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvgen.notation import format_dim, format_layout
 from kvgen.spec.loader import Document
 
 #: Axis letters: layer, K/V selector, block, slot-in-block, head, content, token-in-chunk.
@@ -13,6 +15,20 @@ AXES = ("L", "KV", "B", "N", "H", "C", "T")
 #: Axes whose extent is 1 when a layout leaves them out (MLA has one plane and no heads).
 OPTIONAL_AXES = ("KV", "H")
 DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
+
+
+class Vocabulary(str, enum.Enum):
+    """A closed set of words: compares equal to, and prints as, its value."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class Kind(Vocabulary):
+    """An engine cache addressed by slot, or a memory object addressed by token."""
+
+    PAGED = "paged"
+    OBJECT = "object"
 
 
 @dataclass(frozen=True)
@@ -35,14 +51,7 @@ class Dim:
         return self.axes == ("B", "N")
 
     def render(self, extents: Mapping[str, int] | None = None) -> str:
-        def one(axis: str) -> str:
-            return f"{axis}={extents[axis]}" if extents and axis in extents else axis
-
-        if self.is_singleton:
-            return "1"
-        if self.is_fused:
-            return "(" + " ".join(one(a) for a in self.axes) + ")"
-        return one(self.axes[0])
+        return format_dim(self.axes, extents)
 
 
 @dataclass(frozen=True)
@@ -51,7 +60,7 @@ class Spec:
 
     version: int
     name: str
-    kind: str
+    kind: Kind
     summary: str
     lists: tuple[str, ...]
     dims: tuple[Dim, ...]
@@ -70,7 +79,7 @@ class Spec:
 
     @property
     def is_paged(self) -> bool:
-        return self.kind == "paged"
+        return self.kind is Kind.PAGED
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -94,9 +103,7 @@ class Spec:
 
     def arrow(self, extents: Mapping[str, int] | None = None) -> str:
         """`KV -> L -> [(B N) H C]`; with extents, `L=32 -> [KV=2 B=10 N=16 H=8 C=128]`."""
-        levels = [f"{a}={extents[a]}" if extents and a in extents else a for a in self.lists]
-        leaf = "[" + " ".join(d.render(extents) for d in self.dims) + "]"
-        return " -> ".join([*levels, leaf])
+        return format_layout(self.lists, [d.axes for d in self.dims], extents)
 
 
 def _dim(value: object) -> Dim:
@@ -113,7 +120,7 @@ def build_spec(doc: Document, origin: str | None = None) -> Spec:
     return Spec(
         version=d["kvgen"],
         name=d["name"],
-        kind=d["kind"],
+        kind=Kind(d["kind"]),
         summary=d["summary"],
         lists=tuple(d.get("lists", ())),
         dims=tuple(_dim(v) for v in d["dims"]),

@@ -238,10 +238,9 @@ def select_targets(library: Any, gen: Any, layouts: Sequence[str], objects: Sequ
             obj = library[oname]
             if obj.is_paged:
                 raise KeyError(f"{oname!r} is a paged layout, not a memory object")
-            try:
-                cls = gen.get(spec.name, obj.name)
-            except KeyError:
+            if (spec.name, obj.name) not in gen.CONNECTORS:
                 continue
+            cls = gen.get(spec.name, obj.name)
             targets.append(Target(spec.name, obj.name, "layerwise" if cls.layerwise else "whole"))
     if not targets:
         raise KeyError(f"no generated connector pairs layouts {', '.join(layouts)} with objects {', '.join(objects)}")

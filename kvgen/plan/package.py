@@ -1,0 +1,107 @@
+"""One typed plan for a whole build: everything the emitter renders, decided here.
+
+`plan_package(library)` is the only planning call a build makes; rendering receives the
+`PackagePlan` and nothing else, and the templates place its ready strings and values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvgen.plan.code import Method, copy_methods, shape_body
+from kvgen.plan.convert import Converter, plan_converters
+from kvgen.plan.copy import CopyPlan, Mode, plan_library
+from kvgen.plan.geometry import geometry_body
+from kvgen.spec.library import UNDEFINED, Library
+from kvgen.spec.model import Spec
+
+#: A layout constant's fields in the order the runtime's dataclass declares them.
+Fields = tuple[tuple[str, Any], ...]
+
+
+def layout_fields(spec: Spec) -> Fields:
+    dims = tuple(d.axes for d in spec.dims)
+    if spec.is_paged:
+        return (("name", spec.name), ("lists", spec.lists), ("dims", dims), ("sizes", spec.sizes),
+                ("dtypes", spec.dtypes))
+    return (("name", spec.name), ("format", spec.format), ("code", spec.code), ("accepts", spec.accepts),
+            ("lists", spec.lists), ("dims", dims))
+
+
+def layout_facts(spec: Spec) -> Fields:
+    """The entry of `LAYOUTS` in the generated `__init__`."""
+    facts: list[tuple[str, Any]] = [("kind", spec.kind), ("lists", spec.lists),
+                                    ("dims", tuple(d.axes for d in spec.dims)), ("arrow", spec.arrow()),
+                                    ("aliases", spec.aliases)]
+    if spec.is_paged:
+        facts += [("lmcache", spec.lmcache_format), ("engines", spec.engines)]
+    else:
+        facts += [("format", spec.format)]
+    return (*facts, ("planes", spec.planes))
+
+
+@dataclass(frozen=True)
+class ConnectorPlan:
+    """One generated connector module."""
+
+    copy: CopyPlan
+    base_class: str
+    paged_fields: Fields
+    object_fields: Fields
+    #: Body of the module's `read_geometry(kvcaches)`.
+    geometry: tuple[str, ...]
+    shape: str
+    methods: tuple[Method, ...]
+
+    @property
+    def module(self) -> str:
+        return self.copy.module
+
+    @property
+    def sources(self) -> tuple[Spec, Spec]:
+        return (self.copy.paged, self.copy.obj)
+
+
+@dataclass(frozen=True)
+class PackagePlan:
+    """Everything one build writes: connectors, format tables, converters, the index."""
+
+    library: Library
+    connectors: tuple[ConnectorPlan, ...]
+    formats: tuple[tuple[str, int], ...]
+    #: (current label, label after a store) pairs a store may make.
+    transitions: tuple[tuple[str, str], ...]
+    converters: tuple[Converter, ...]
+    layouts: tuple[tuple[str, Fields], ...]
+
+    @property
+    def aliases(self) -> tuple[tuple[str, str], ...]:
+        return tuple((alias, spec.name) for spec in self.library.specs for alias in spec.aliases)
+
+
+def connector_plan(plan: CopyPlan) -> ConnectorPlan:
+    base = "LayerwiseConnector" if plan.mode is Mode.LAYERWISE else "ChunkConnector"
+    return ConnectorPlan(plan, base, layout_fields(plan.paged), layout_fields(plan.obj),
+                         geometry_body(plan.paged), shape_body(plan), copy_methods(plan))
+
+
+def format_transitions(library: Library) -> tuple[tuple[str, str], ...]:
+    """Each object's `accepts` and its own format, as (current, after store) pairs."""
+    pairs = {(src, obj.format) for obj in library.objects if obj.format
+             for src in (obj.format, *obj.accepts)}
+    return tuple(sorted(pairs))
+
+
+def plan_package(library: Library) -> PackagePlan:
+    return PackagePlan(
+        library=library,
+        connectors=tuple(connector_plan(p) for p in plan_library(library)),
+        formats=tuple(library.formats()),
+        transitions=format_transitions(library),
+        converters=tuple(plan_converters(library)),
+        layouts=tuple((s.name, layout_facts(s)) for s in library.specs),
+    )
+
+
+__all__ = ["UNDEFINED", "ConnectorPlan", "PackagePlan", "plan_package"]

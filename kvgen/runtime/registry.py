@@ -1,0 +1,93 @@
+"""What a generated package's `__init__` and `formats` modules share: looking connectors
+up by name, refusing unsupported pairs and devices, label transitions and converters.
+
+The generated modules hold only their tables; the behaviour lives here, where it is
+linted and tested once.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+from kvgen.errors import KVLayoutError
+from kvgen.names import resolve
+from kvgen.runtime.memory import format_name
+
+#: Device types every generated connector runs on (through kvgen.runtime's backends).
+DEVICES = ("cpu", "cuda", "xpu")
+
+
+class Registry:
+    """The connectors of one generated package, by (layout, object) name."""
+
+    def __init__(self, package: str, layouts: Mapping[str, Mapping[str, Any]], aliases: Mapping[str, str],
+                 modules: Mapping[tuple[str, str], tuple[str, str]]):
+        self.package = package
+        self.layouts = layouts
+        self.aliases = aliases
+        self.modules = modules
+        # A format names its whole-chunk object when whole and per-layer objects share it.
+        formats: dict[str, str] = {}
+        for name, facts in sorted(layouts.items(), key=lambda kv: bool(kv[1]["lists"])):
+            if facts["kind"] == "object":
+                formats.setdefault(facts["format"], name)
+        self.formats = formats
+
+    def capabilities(self) -> dict[tuple[str, str, str, str], bool]:
+        """(layout, object format, mode, device) -> supported, for every generated pair."""
+        return {(layout, self.layouts[obj]["format"], mode, device): True
+                for (layout, obj), (_, mode) in self.modules.items() for device in DEVICES}
+
+    def resolve(self, name: str) -> str:
+        """The spec name for a name, alias or LMCache format name (any case)."""
+        return resolve(name, self.layouts, self.aliases, self.formats)
+
+    def get(self, layout: str, obj: str) -> type:
+        """The connector class moving `layout` caches to and from `obj` memory objects."""
+        pair = (self.resolve(layout), self.resolve(obj))
+        if pair not in self.modules:
+            partners = sorted(o for p, o in self.modules if p == pair[0])
+            raise KVLayoutError(f"no connector for {pair[0]} <-> {pair[1]}; {pair[0]} pairs with: "
+                                f"{', '.join(partners) or 'nothing'}")
+        module = importlib.import_module(f".{self.modules[pair][0]}", self.package)
+        return module.Connector
+
+    def connector(self, layout: str, obj: str, device: str = "cpu", **kwargs: Any) -> Any:
+        """A connector for `device`, refused now (not mid-transfer) when unsupported."""
+        cls = self.get(layout, obj)
+        kind = str(device).split(":")[0]
+        if kind not in DEVICES:
+            raise KVLayoutError(f"{cls.layout.name} <-> {cls.memory.format} is not generated for device "
+                                f"{device!r}; supported device types: {', '.join(DEVICES)}")
+        return cls(device=device, **kwargs)
+
+
+def check_transition(transitions: frozenset[tuple[str, str]], formats: Any, current: Any, target: Any) -> None:
+    """Raise KVLayoutError unless an object labelled `current` may be stored as `target`.
+
+    Labels are None (a fresh object) or any enum member with the right `.name`, so
+    LMCache's own MemoryFormat works too."""
+    try:
+        pair = (format_name(current), format_name(target))
+    except TypeError as exc:
+        raise KVLayoutError(str(exc)) from None
+    if pair[1] not in formats.__members__:
+        raise KVLayoutError(f"unknown memory format {pair[1]}; known: {', '.join(formats.__members__)}")
+    if pair not in transitions:
+        allowed = sorted(a for a, b in transitions if b == pair[1])
+        raise KVLayoutError(f"cannot re-label a {pair[0]} object as {pair[1]}; "
+                            f"{pair[1]} may be stored over: {', '.join(allowed)}")
+
+
+def convert(conversions: Mapping[tuple[str, str], tuple[str, str]], namespace: Mapping[str, Any], data: Any,
+            source: str, target: str) -> Any:
+    """Run the generated converter (a function named in `namespace`) from object layout
+    `source` to `target`."""
+    try:
+        function, _ = conversions[(source, target)]
+    except KeyError:
+        known = ", ".join(f"{a}->{b}" for a, b in conversions)
+        raise KVLayoutError(f"no converter from {source} to {target}; known: {known}") from None
+    return namespace[function](data)
