@@ -16,11 +16,10 @@ import jinja2
 
 from kvgen import __version__
 from kvgen.errors import BuildError
+from kvgen.interface import ABI
 from kvgen.plan.package import ConnectorPlan, PackagePlan
 from kvgen.spec.library import TEMPLATES
 
-#: The runtime interface generated code is written for (kvgen.runtime.ABI).
-ABI = 1
 DIGEST_PREFIX = "# kvgen-body-sha256: "
 
 

@@ -4,6 +4,7 @@ It holds what every connector shares: memory objects and format labels, reading 
 cache's geometry, per-chunk slot work, device backends and the connector base classes.
 """
 
+from kvgen.interface import ABI
 from kvgen.runtime.connector import ChunkConnector, LayerwiseConnector
 from kvgen.runtime.devices import Backend, available_devices, backend_for, register_backend
 from kvgen.runtime.errors import KVLayoutError
@@ -23,10 +24,6 @@ from kvgen.runtime.ops import (
 from kvgen.runtime.registry import DEVICES, Registry, check_transition, convert
 from kvgen.runtime.slots import Chunk, plan_chunk
 from kvgen.runtime.words import Words
-
-#: Version of the interface between generated modules and this runtime. A generated
-#: module states the version it was written for and refuses to load under another.
-ABI = 1
 
 
 def require_abi(version: int, module: str) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-UNDEFINED = "UNDEFINED"
+from kvgen.interface import UNDEFINED
 
 
 @dataclass(frozen=True)

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-from kvgen import SPEC_FORMAT_VERSION
 from kvgen.errors import Problem, YamlPath, format_path
+from kvgen.interface import UNDEFINED
 from kvgen.spec.loader import Document
 from kvgen.spec.model import Spec
 
 Pass = Callable[[Spec, Document], list[Problem]]
 
-#: The label of a freshly allocated memory object (LMCache's code 0).
-UNDEFINED = "UNDEFINED"
 
 #: Container levels an engine can hand over: a list per layer, a (K, V) pair.
 LIST_AXES = ("L", "KV")
@@ -33,13 +31,6 @@ def occurrences(spec: Spec) -> Iterator[tuple[str, YamlPath]]:
                 yield axis, ("dims", i, j)
         elif not dim.is_singleton:
             yield dim.axes[0], ("dims", i)
-
-
-def check_version(spec: Spec, doc: Document) -> list[Problem]:
-    if spec.version > SPEC_FORMAT_VERSION:
-        return [doc.problem(("kvgen",), f"spec format version {spec.version} is newer than this kvgen "
-                                        f"reads (up to {SPEC_FORMAT_VERSION}); upgrade kvgen")]
-    return []
 
 
 def check_axes_once(spec: Spec, doc: Document) -> list[Problem]:
@@ -151,7 +142,7 @@ def check_reserved_format(spec: Spec, doc: Document) -> list[Problem]:
 
 
 PASSES: tuple[Pass, ...] = (
-    check_version, check_axes_once, check_kind_axes, check_fused, check_lists,
+    check_axes_once, check_kind_axes, check_fused, check_lists,
     check_sizes, check_extents, check_accepts_self, check_reserved_format,
 )
 

@@ -1,0 +1,174 @@
+"""The JSON Schema check of a parsed spec, with every message in words.
+
+A schema error becomes one located problem that says what is wrong and what is allowed
+(never a regex or a schema keyword), and a spec from a newer format version says only that.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from kvgen import SPEC_FORMAT_VERSION
+from kvgen.errors import Problem, YamlPath
+from kvgen.spec.document import Document, key_problem, one_line, short
+
+#: The published JSON Schema for spec files, shipped inside the package.
+SCHEMA_PATH = Path(__file__).resolve().parent / "schema" / "spec.schema.json"
+
+
+@cache
+def schema() -> dict[str, Any]:
+    return json.loads(SCHEMA_PATH.read_text("utf-8"))
+
+
+
+_TYPE_WORDS = {"integer": "an integer", "string": "a string", "array": "a list", "object": "a mapping"}
+_AXES_WORDS = "L KV B N H C T"
+
+#: Schema patterns in words, so a message says what is allowed rather than quoting a regex.
+_PATTERN_WORDS = {
+    "^[a-z][a-z0-9]*(_[a-z0-9]+)*$": "lowercase letters, digits and single underscores, starting "
+                                     "with a letter and not ending with '_' (e.g. vllm_flash_attn)",
+    "^[ -~]*$": "one line of printable ASCII (no newlines, tabs or control characters)",
+    "^[A-Za-z][A-Za-z0-9_]*$": "letters, digits and underscores, starting with a letter",
+    "^[A-Z][A-Z0-9_]*$": "uppercase letters, digits and underscores, starting with a letter "
+                         "(e.g. KV_2LTD)",
+    "^[a-z][a-z0-9_.-]*/[A-Za-z0-9_.-]+$": "engine/BACKEND (e.g. vllm/FLASH_ATTN)",
+    "^[^\\n]*(?!\\n)$": "a single line (no line break, not even a trailing one)",
+}
+
+
+def _is_integer(_checker: Any, value: Any) -> bool:
+    # JSON Schema counts 1.0 as an integer; a spec must not (`kvgen: 1.0`, `code: 3.0`).
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer),
+)
+
+
+def typename(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "a mapping", type(None): "nothing (null)"}.get(type(value), type(value).__name__)
+
+
+def _describe(error: jsonschema.ValidationError) -> str:
+    """Turn a jsonschema error into one sentence: what is wrong and what is allowed."""
+    v, value, arg = error.validator, error.instance, error.validator_value
+    if v == "type":
+        shown = "" if value is None else f" {short(value)}"
+        return f"expected {_TYPE_WORDS.get(arg, arg)}, got {typename(value)}{shown}"
+    if v == "enum":
+        return f"{short(value)} is not allowed; expected one of: {', '.join(map(str, arg))}"
+    if v == "const":
+        return f"{short(value)} is not allowed; expected {arg!r}"
+    if v == "pattern":
+        return f"{short(value)} is not allowed; expected {_PATTERN_WORDS.get(arg, f'the form {arg}')}"
+    if v == "maxLength":
+        return f"{short(value)} is {len(value)} characters long; at most {arg} allowed"
+    if v == "minLength":
+        return f"{short(value)} is {len(value)} characters long; at least {arg} needed"
+    if v in ("maxItems", "minItems"):
+        bound = "at most" if v == "maxItems" else "at least"
+        return f"{len(value)} items; {bound} {arg} allowed"
+    if v == "minimum" and tuple(error.absolute_path) == ("kvgen",):
+        return (f"spec format version {value} does not exist; versions start at 1 "
+                f"(this kvgen reads up to {SPEC_FORMAT_VERSION})")
+    if v in ("minimum", "maximum"):
+        return f"{value!r} is out of range ({'at least' if v == 'minimum' else 'at most'} {arg})"
+    if v == "uniqueItems":
+        dups = sorted({repr(x) for i, x in enumerate(value) if x in value[:i]})
+        return f"items must be unique: {', '.join(dups)} given more than once"
+    if v == "anyOf" and _is_dim(error):
+        return (f"{short(value)} is not a dim: expected an axis letter ({_AXES_WORDS}), "
+                "1 for a singleton, or a list of 2-4 axis letters for a fused axis")
+    return one_line(error.message)
+
+
+def _is_dim(error: jsonschema.ValidationError) -> bool:
+    return len(error.absolute_path) == 2 and error.absolute_path[0] == "dims"
+
+
+def _fused_problems(doc: Document, error: jsonschema.ValidationError) -> list[Problem]:
+    """A bad fused group: say what is wrong inside it, not only that it is not a dim."""
+    path: YamlPath = tuple(error.absolute_path)
+    out = []
+    for sub in error.context or ():
+        if sub.relative_schema_path[0] != 2:  # the list branch of the dim's anyOf
+            continue
+        if sub.validator == "enum":
+            out.append(doc.problem(tuple(sub.absolute_path),
+                                   f"unknown axis {short(sub.instance)}; axes are {_AXES_WORDS}"))
+        elif sub.validator in ("minItems", "maxItems"):
+            out.append(doc.problem(path, f"a fused axis groups 2-4 axes, got {len(error.instance)}"
+                                         + (" (write a single axis as a plain letter)"
+                                            if len(error.instance) == 1 else "")))
+        else:
+            out.append(doc.problem(tuple(sub.absolute_path), _describe(sub)))
+    return out or [doc.problem(path, _describe(error))]
+
+
+def schema_problems(doc: Document) -> list[Problem]:
+    validator = _Validator(schema())
+    problems: list[Problem] = []
+    for error in sorted(validator.iter_errors(doc.data), key=lambda e: list(map(str, e.absolute_path))):
+        path: YamlPath = tuple(error.absolute_path)
+        if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+            allowed = sorted(error.schema.get("properties", {}))
+            for key in error.instance:
+                if key not in allowed:
+                    problems.append(key_problem(
+                        doc, path, key, f"unknown field {short(key)}; allowed: {', '.join(allowed)}"))
+            continue
+        if "propertyNames" in error.relative_schema_path and isinstance(error.instance, str):
+            # jsonschema reports a bad key at its mapping, as the key's own (enum) error.
+            problems.append(key_problem(doc, path, error.instance,
+                                         f"unknown axis {short(error.instance)} as a key; "
+                                         f"axes are {_AXES_WORDS}"))
+            continue
+        if error.validator == "required" and isinstance(error.instance, dict):
+            # One error per missing field, but jsonschema gives no field name apart from its text.
+            why = " (kind: object needs it)" if "then" in error.relative_schema_path else ""
+            problems.extend(doc.problem(path, f"missing required field {k!r}{why}")
+                            for k in error.validator_value if k not in error.instance)
+            continue
+        if error.validator == "not":
+            problems.extend(_misplaced_fields(doc))
+            continue
+        if error.validator == "anyOf" and _is_dim(error) and isinstance(error.instance, list):
+            problems.extend(_fused_problems(doc, error))
+            continue
+        problems.append(doc.problem(path, _describe(error)))
+    return problems
+
+
+def _misplaced_fields(doc: Document) -> list[Problem]:
+    """The fields that belong to the other kind, said plainly."""
+    data, out = doc.data, []
+    if data.get("kind") == "object":
+        for key in ("lmcache", "engines"):
+            if key in data:
+                out.append(doc.problem((key,), f"field {key!r} is for kind: paged, not kind: object", key=True))
+    else:
+        # kind is paged, or missing/invalid (reported on its own): these fields need kind: object.
+        now = ", not kind: paged" if data.get("kind") == "paged" else " only"
+        for key in ("format", "code", "accepts"):
+            if key in data:
+                out.append(doc.problem((key,), f"field {key!r} is for kind: object{now}", key=True))
+    return out
+
+
+def version_problem(doc: Document) -> Problem | None:
+    """A spec from a newer format: say so alone, not as a list of fields this kvgen does not know."""
+    version = doc.data.get("kvgen")
+    if isinstance(version, int) and not isinstance(version, bool) and version > SPEC_FORMAT_VERSION:
+        return doc.problem(("kvgen",), f"spec format version {version} is newer than this kvgen "
+                                       f"reads (up to {SPEC_FORMAT_VERSION}); upgrade kvgen")
+    return None
