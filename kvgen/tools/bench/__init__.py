@@ -1,0 +1,136 @@
+"""`kvgen bench`: store/load bandwidth of generated connectors, side by side with a plain
+copy of the same bytes and a naive connector, plus the per-call cost of input checks.
+
+For every selected (paged layout, memory object) connector and token count, one row per
+direction (store = from_gpu, load = to_gpu) reports GB/s (bytes of KV moved / median
+seconds) of the connector, of a flat `dst.copy_(src)` of the same byte count (memcpy) and
+of a naive connector. The three contenders run in a rotated order on every repeat, and the
+ratios are taken per repeat (paired) and shown as min-median-max; a row whose memcpy
+baseline varied by more than 25% is flagged. Before timing, each row checks once that the
+naive baseline and the connector leave identical bits.
+
+The package by job:
+  targets   which connectors (built-ins plus --specs folders) and on what inputs
+  baseline  the memcpy and naive contenders
+  measure   rotated, paired timing and spreads (pure Python)
+  run       one run: caches, agreement checks, timings, check costs
+  report    tables, JSON, plot
+This module holds the command line; it imports no torch, as `kvgen build` loads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvgen.errors import KVGenError, SpecError
+from kvgen.tools.bench.targets import DEFAULT_LAYOUTS, DEFAULT_OBJECTS, DEFAULT_TOKENS, MLA_C
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _tokens(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tokens takes a comma list of integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"--tokens must be positive integers, got {text!r}")
+    return values
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _nonnegative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--specs", action="append", type=Path, default=[], metavar="DIR",
+                   help="extra spec folder or file (repeatable), added to the built-in specs so that "
+                        "--layouts can name user layouts; their connectors are built for this run")
+    p.add_argument("--layouts", type=_csv, default=list(DEFAULT_LAYOUTS), metavar="A,B",
+                   help="paged layouts (names or aliases); default: " + ",".join(DEFAULT_LAYOUTS))
+    p.add_argument("--objects", type=_csv, default=list(DEFAULT_OBJECTS), metavar="A,B",
+                   help="memory objects; each layout is paired with those it has a connector for "
+                        "(default: " + ",".join(DEFAULT_OBJECTS) + ")")
+    p.add_argument("-L", "--layers", type=_positive, default=32, help="layers of the cache (default: 32)")
+    p.add_argument("--heads", type=_positive, default=8, help="KV heads (ignored by MLA layouts; default: 8)")
+    p.add_argument("--head-size", type=_positive, default=128,
+                   help=f"head size (MLA layouts use C = {MLA_C}; default: 128)")
+    p.add_argument("--block-size", type=_positive, default=16, help="slots per block, N (default: 16)")
+    p.add_argument("--tokens", type=_tokens, default=list(DEFAULT_TOKENS), metavar="T,T",
+                   help="tokens per chunk, comma list (default: " + ",".join(map(str, DEFAULT_TOKENS)) +
+                        "; 8192 is 1 GiB per object at the default geometry)")
+    p.add_argument("--dtype", default="bfloat16", help="element type of caches and objects (default: bfloat16)")
+    p.add_argument("--alloc", choices=("contiguous", "random"), default="random",
+                   help="block allocation of the chunk: in order from block 0, or blocks in random order")
+    p.add_argument("--device", default="cpu", help="device of caches and objects (default: cpu)")
+    p.add_argument("--warmup", type=_nonnegative, default=2, help="untimed runs of each contender (default: 2)")
+    p.add_argument("--repeats", type=_positive, default=5,
+                   help="timed repeats, contenders in rotated order; GB/s from the median, ratios min-median-max "
+                        "(default: 5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of cache contents and block allocation")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write all figures and machine facts")
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                   help="draw the figures (needs matplotlib: pip install 'kvgen[plot]')")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def _progress(row: Any, done: int, total: int) -> None:
+    print(f"[{done}/{total}] {row.layout} {row.obj} T={row.tokens} {row.dir}: {row.gbps():.2f} GB/s "
+          f"(memcpy {row.gbps('memcpy'):.2f}, naive {row.gbps('naive'):.2f}, "
+          f"naive==kvgen {'yes' if row.naive_matches else 'NO'})", file=sys.stderr, flush=True)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Exit status: 0, 1 when the naive baseline disagreed with a connector, 2 for a
+    selection or option that cannot run (the message names the valid choices)."""
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        print("kvgen bench: --plot needs matplotlib, which is not installed; "
+              "install it with `pip install 'kvgen[plot]'` (or drop --plot)", file=sys.stderr)
+        return 2
+    from kvgen.runtime import available_devices
+    from kvgen.tools.bench import report
+    from kvgen.tools.bench.run import run
+
+    present = available_devices()
+    if args.device.split(":")[0] not in present:
+        print(f"kvgen bench: device {args.device} is not available here (present: {', '.join(present)})",
+              file=sys.stderr)
+        return 2
+    try:
+        result = run(args, None if args.quiet else _progress)
+    except SpecError:
+        raise  # the command line prints every problem of the user's specs
+    except (KVGenError, KeyError, ValueError) as exc:
+        print(f"kvgen bench: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    machine = report.machine_facts(str(args.device))
+    print(report.text(result, machine))
+    data = report.as_json(result, machine)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    if args.plot is not None:
+        report.plot(data, args.plot)
+        print(f"wrote {args.plot}")
+    return 1 if any(not r.naive_matches for r in result.rows) else 0
+
+
+__all__ = ["DEFAULT_LAYOUTS", "DEFAULT_OBJECTS", "DEFAULT_TOKENS", "MLA_C", "add_arguments", "main"]

@@ -1,0 +1,141 @@
+"""What a bench run prints and writes: the machine's facts, the figures table with the
+memcpy-stability flag, the check-cost table, the JSON file and the plot."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvgen.tools.bench.measure import MEMCPY_VARIATION_LIMIT, CheckCost, Row
+from kvgen.tools.bench.targets import MLA_C
+
+if TYPE_CHECKING:
+    from kvgen.tools.bench.run import Result
+
+HEADERS = ("layout", "object", "mode", "tokens", "dir", "GB/s", "memcpy GB/s", "x memcpy min-med-max",
+           "naive GB/s", "x naive min-med-max", "memcpy var", "naive==kvgen")
+#: Marks a row whose memcpy baseline varied more than MEMCPY_VARIATION_LIMIT.
+UNSTABLE_MARK = "!"
+
+
+def machine_facts(device: str) -> dict[str, Any]:
+    import torch
+
+    from kvgen import __version__
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    facts = {"platform": platform.platform(), "python": platform.python_version(), "cpu_model": cpu,
+             "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+             "device": device, "kvgen": __version__,
+             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        facts["device_name"] = torch.cuda.get_device_name(torch.device(device))
+    return facts
+
+
+def table(headers: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
+    """A plain-text table; figure columns (rates, ratios, microseconds, counts) right-aligned."""
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    right = [i for i, h in enumerate(headers)
+             if "/s" in h or h.startswith("x ") or h in ("tokens", "memcpy var") or h.endswith(" us")]
+
+    def line(values: Sequence[str]) -> str:
+        cells = [v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths, strict=True))]
+        return "  ".join(cells).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(c) for c in cells)])
+
+
+def row_cells(row: Row) -> tuple[str, ...]:
+    var = f"{row.memcpy_variation * 100:.0f}%" + (f" {UNSTABLE_MARK}" if row.memcpy_unstable else "  ")
+    return (row.layout, row.obj, row.mode, str(row.tokens), row.dir, f"{row.gbps():.2f}", f"{row.gbps('memcpy'):.2f}",
+            row.x_memcpy.cell(), f"{row.gbps('naive'):.2f}", row.x_naive.cell(), var,
+            "yes" if row.naive_matches else "NO")
+
+
+def check_table(checks: Sequence[CheckCost]) -> str:
+    """One row per connector, one column per named timing (in first-seen order)."""
+    names = list(dict.fromkeys(name for c in checks for name in c.us))
+    cells = [(c.layout, c.obj, *(f"{c.us[n]:.2f}" if n in c.us else "-" for n in names)) for c in checks]
+    return table(("layout", "object", *(f"{n} us" for n in names)), cells)
+
+
+def stability_warning(rows: Sequence[Row]) -> str | None:
+    flagged = [r for r in rows if r.memcpy_unstable]
+    if not flagged:
+        return None
+    worst = max(r.memcpy_variation for r in flagged)
+    return (f"WARNING: the memcpy baseline varied by more than {MEMCPY_VARIATION_LIMIT:.0%} (max/min - 1) on "
+            f"{len(flagged)} of {len(rows)} rows (marked {UNSTABLE_MARK}, worst {worst:.0%}): the machine was busy "
+            "or changed speed during those rows, so their figures are not reliable; run again on a quiet machine")
+
+
+def as_json(result: Result, machine: dict[str, Any]) -> dict[str, Any]:
+    rows = [r.as_dict() for r in result.rows]
+    return {"machine": machine, "config": result.config, "rows": rows,
+            "check_costs": [c.as_dict() for c in result.checks],
+            "memcpy_variation_limit": MEMCPY_VARIATION_LIMIT,
+            "memcpy_unstable_rows": sum(1 for r in result.rows if r.memcpy_unstable)}
+
+
+def text(result: Result, machine: dict[str, Any]) -> str:
+    """Everything `kvgen bench` prints on stdout, but the lines about written files."""
+    c = result.config
+    out = [f"kvgen bench: {machine['device']}, {machine['cpu_model']}, {machine['cpu_count']} CPUs, "
+           f"torch {machine['torch']}; L={c['layers']} H={c['heads']} C={c['head_size']} (MLA: C={MLA_C}) "
+           f"N={c['block_size']} {c['dtype']}, {c['alloc']} blocks, {c['repeats']} repeats (warmup {c['warmup']}) "
+           "in rotated order; GB/s from median seconds, x columns paired per repeat", ""]
+    out.append(table(HEADERS, [row_cells(r) for r in result.rows]))
+    out.append("x memcpy = memcpy seconds / kvgen seconds and x naive = naive seconds / kvgen seconds, each of "
+               "the same repeat; memcpy var = max/min - 1 of the memcpy repeats")
+    warning = stability_warning(result.rows)
+    if warning:
+        out += ["", warning]
+    out += ["", "Input-check cost per call (median microseconds): bind on a fresh connector, bind again "
+            "with the same cache (cached), plan_chunk per chunk", check_table(result.checks), ""]
+    bad = sum(1 for r in result.rows if not r.naive_matches)
+    if bad:
+        out.append(f"naive baseline DISAGREED with the connector on {bad} of {len(result.rows)} rows")
+    else:
+        out.append(f"naive baseline agreed bit for bit with the connector on all {len(result.rows)} rows")
+    return "\n".join(out)
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    """Bars of kvgen, naive and memcpy GB/s per connector; one panel per token count and direction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["rows"]
+    tokens = sorted({r["tokens"] for r in rows})
+    fig, axes = plt.subplots(len(tokens), 2, figsize=(14, 3.6 * len(tokens)), squeeze=False)
+    for i, t in enumerate(tokens):
+        for j, d in enumerate(("store", "load")):
+            ax = axes[i][j]
+            sel = [r for r in rows if r["tokens"] == t and r["dir"] == d]
+            xs = range(len(sel))
+            width = 0.27
+            for k, (key, label) in enumerate((("gbps", "kvgen"), ("naive_gbps", "naive"), ("memcpy_gbps", "memcpy"))):
+                ax.bar([x + (k - 1) * width for x in xs], [r[key] for r in sel], width, label=label)
+            ax.set_xticks(list(xs))
+            ax.set_xticklabels([f"{r['layout']}\n{r['obj']}{' (!)' if r['memcpy_unstable'] else ''}" for r in sel],
+                               rotation=60, ha="right", fontsize=7)
+            ax.set_ylabel("GB/s")
+            ax.set_title(f"{d}, T={t}")
+            ax.legend(fontsize=7)
+    m = data["machine"]
+    fig.suptitle(f"kvgen bench on {m['device']} ({m['cpu_model']}, {m['cpu_count']} CPUs, torch {m['torch']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

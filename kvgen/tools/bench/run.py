@@ -1,0 +1,181 @@
+"""One bench run: build the caches and objects of the selection, check once that the naive
+baseline and each connector leave the same bits, then time the three contenders and the
+connector's input checks."""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvgen.oracle.reference import leaf_shape, nest
+from kvgen.oracle.scenarios import clone_tree, same_bits, tensors_of
+from kvgen.runtime import MemoryObj, backend_for, bits, plan_chunk
+from kvgen.spec.library import load_library
+from kvgen.tools.bench.baseline import NaiveConnector, memcpy
+from kvgen.tools.bench.measure import CheckCost, Row, micro, timed_repeats
+from kvgen.tools.bench.targets import Target, connector_package, extents, select_targets, slot_mapping
+
+
+def fill_random(t: torch.Tensor, gen: torch.Generator) -> None:
+    """Random values of t's dtype (drawn on the CPU, so a seed gives the same cache anywhere)."""
+    if t.dtype.is_floating_point:
+        if t.element_size() >= 2:
+            t.copy_(torch.randn(t.shape, dtype=t.dtype, generator=gen, device="cpu"))
+        else:  # fp8: randn has no kernel for it
+            t.copy_(torch.randn(t.shape, generator=gen, device="cpu").to(t.dtype))
+    else:
+        info = torch.iinfo(t.dtype)
+        t.copy_(torch.randint(info.min, info.max, t.shape, generator=gen, device="cpu", dtype=t.dtype))
+
+
+class Transfers:
+    """Store and load of one chunk [0, T) through the generated connector and the naive one."""
+
+    def __init__(self, connector: Any, naive: NaiveConnector, cache: Any, mapping: torch.Tensor, num_tokens: int,
+                 device: Any, dtype: torch.dtype):
+        self.c, self.naive, self.cache, self.mapping, self.T = connector, naive, cache, mapping, num_tokens
+        self.cache_device = device
+        shape = connector.get_shape(num_tokens)
+        count = connector.geometry.L if connector.layerwise else 1
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for _ in range(count)]
+        self.objs = [MemoryObj(t, connector.format) for t in tensors]
+        naive_tensors = [torch.empty(shape, dtype=dtype, device=device) for _ in range(count)]
+        self.naive_objs = naive_tensors if connector.layerwise else naive_tensors[0]
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+
+    def tensors(self) -> Any:
+        return [o.tensor for o in self.objs] if self.c.layerwise else self.objs[0].tensor
+
+    def store(self) -> None:
+        kw = {"kvcaches": self.cache, "slot_mapping": self.mapping}
+        if self.c.layerwise:
+            for _ in self.c.batched_from_gpu([[o] for o in self.objs], [0], [self.T], **kw):
+                pass
+        else:
+            self.c.from_gpu(self.objs[0], 0, self.T, **kw)
+
+    def load(self) -> None:
+        kw = {"kvcaches": self.cache, "slot_mapping": self.mapping}
+        if self.c.layerwise:
+            gen = self.c.batched_to_gpu([0], [self.T], **kw)
+            next(gen)
+            for o in self.objs:
+                gen.send([o])
+            next(gen)
+        else:
+            self.c.to_gpu(self.objs[0], 0, self.T, **kw)
+
+    def naive_store(self) -> None:
+        self.naive.store(self.naive_objs, 0, self.T, self.cache, self.mapping)
+
+    def naive_load(self) -> None:
+        self.naive.load(self.tensors(), 0, self.T, self.cache, self.mapping)
+
+    def check_store(self) -> bool:
+        self.store()
+        self.naive_store()
+        return same_bits(self.tensors(), self.naive_objs)
+
+    def check_load(self) -> bool:
+        for t in tensors_of(self.tensors()):
+            bits(t).bitwise_not_()  # after check_store: every element now differs from its cache slot
+        twin = clone_tree(self.cache)
+        self.load()
+        self.naive.load(self.tensors(), 0, self.T, twin, self.mapping)
+        return same_bits(self.cache, twin)
+
+
+def transfer_rows(target: Target, xfer: Transfers, sync: Callable[[], None], warmup: int, repeats: int) -> list[Row]:
+    """Store and load rows of one connector and token count: check, then time."""
+    copy = memcpy(xfer.nbytes, xfer.cache_device)
+    rows = []
+    for direction in ("store", "load"):
+        if direction == "store":
+            same = xfer.check_store()
+            fns = {"kvgen": xfer.store, "memcpy": copy, "naive": xfer.naive_store}
+        else:
+            same = xfer.check_load()
+            fns = {"kvgen": xfer.load, "memcpy": copy, "naive": xfer.naive_load}
+        seconds = timed_repeats(fns, sync, warmup, repeats)
+        rows.append(Row(target.layout, target.obj, target.mode, xfer.T, direction, xfer.nbytes, seconds, same))
+    return rows
+
+
+def check_cost(target: Target, cls: type, cache: Any, mappings: dict[int, torch.Tensor], device: Any) -> CheckCost:
+    """Per-call cost of the runtime's input checks. To time another check, add an entry."""
+    warm = cls(device=device)
+    g = warm.bind(cache)
+    us = {
+        # reads and checks the cache's geometry on a connector that has seen no cache
+        "bind fresh": micro(lambda c: c.bind(cache), 50, setup=lambda: cls(device=device)),
+        # the same cache again: what every transfer call pays
+        "bind cached": micro(lambda: warm.bind(cache), 500),
+    }
+    for t, m in mappings.items():
+        us[f"plan_chunk T={t}"] = micro(lambda m=m, t=t: plan_chunk(m, 0, t, num_slots=g.S, block_size=g.N), 50)
+    return CheckCost(target.layout, target.obj, us)
+
+
+@dataclass
+class Result:
+    config: dict[str, Any]
+    rows: list[Row] = field(default_factory=list)
+    checks: list[CheckCost] = field(default_factory=list)
+
+
+def run(args: argparse.Namespace, progress: Callable[[Row, int, int], None] | None = None) -> Result:
+    """Measure everything `args` selects."""
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {args.dtype!r}")
+    device = torch.device(args.device)
+    backend = backend_for(device)
+
+    def sync() -> None:
+        backend.synchronize(backend.current_stream())
+
+    specs = list(args.specs)
+    library = load_library(specs)
+    tokens = list(args.tokens)
+    num_blocks = -(-max(tokens) * 5 // (4 * args.block_size))  # 25% spare blocks for random allocation
+    config = {k: ([str(p) for p in v] if k == "specs" else str(v) if isinstance(v, Path) else v)
+              for k, v in vars(args).items() if k not in ("run", "command", "json", "plot", "quiet")}
+    result = Result({**config, "num_blocks": num_blocks})
+    rng = random.Random(args.seed)
+    tgen = torch.Generator().manual_seed(args.seed)
+
+    with connector_package(specs) as package:
+        targets = select_targets(library, package, args.layouts, args.objects)
+        total = len(targets) * len(tokens) * 2
+        for layout in dict.fromkeys(t.layout for t in targets):
+            paged = library[layout]
+            ext = extents(paged, args.layers, args.heads, args.head_size, args.block_size, num_blocks)
+            shape = leaf_shape(paged, ext)
+
+            def leaf(path: Any, shape: tuple[int, ...] = shape) -> torch.Tensor:
+                t = torch.empty(shape, dtype=dtype, device=device)
+                fill_random(t, tgen)
+                return t
+
+            cache = nest(paged, ext, leaf)
+            mappings = {t: torch.tensor(slot_mapping(t, num_blocks, args.block_size, args.alloc, rng),
+                                        dtype=torch.long, device=device) for t in tokens}
+            for target in (t for t in targets if t.layout == layout):
+                cls = package.get(target.layout, target.obj)
+                connector = cls(device=device)
+                connector.bind(cache)
+                naive = NaiveConnector(paged, library[target.obj], ext)
+                result.checks.append(check_cost(target, cls, cache, mappings, device))
+                for t in tokens:
+                    xfer = Transfers(connector, naive, cache, mappings[t], t, device, dtype)
+                    for row in transfer_rows(target, xfer, sync, args.warmup, args.repeats):
+                        result.rows.append(row)
+                        if progress:
+                            progress(row, len(result.rows), total)
+    return result
