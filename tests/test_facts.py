@@ -1,0 +1,214 @@
+"""Every built-in spec against the independent facts of kvgen.oracle.facts.
+
+The reference reads the same spec as the generator; these tests compare each spec with what the
+engines' and LMCache's sources say (shape, containers, where each element lives), and run every
+generated connector on caches and objects laid out by the facts alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from kvgen import generated
+from kvgen.oracle import reference
+from kvgen.oracle.facts import (
+    FACTS,
+    Fact,
+    Geometry,
+    disagreement,
+    elements,
+    extents,
+    level_size,
+    positions,
+)
+from kvgen.oracle.scenarios import Scenario, connector_load, connector_store
+from kvgen.runtime import MemoryObj
+from kvgen.spec.library import load_library
+
+LIBRARY = load_library()
+SPECS = {s.name: s for s in LIBRARY.specs}
+
+#: No two extents equal (KV is 2), so a swapped pair of axes changes a shape or an address.
+GEOMETRIES = (
+    Geometry(L=3, B=5, N=4, H=6, C=7, T=9),
+    Geometry(L=5, B=3, N=7, H=4, C=6, T=11),
+    Geometry(L=4, B=6, N=3, H=5, C=8, T=10),
+)
+
+
+def test_every_builtin_spec_has_a_fact_and_every_fact_a_spec() -> None:
+    assert sorted(SPECS) == sorted(FACTS), (
+        f"specs without facts: {sorted(set(SPECS) - set(FACTS))}; "
+        f"facts without specs: {sorted(set(FACTS) - set(SPECS))}"
+    )
+
+
+@pytest.mark.parametrize("g", GEOMETRIES, ids=str)
+def test_geometries_keep_every_extent_apart(g: Geometry) -> None:
+    sizes = [g.L, 2, g.B, g.N, g.H, g.C, g.T]
+    assert len(set(sizes)) == len(sizes)
+    assert g.T <= g.B * g.N
+
+
+def _leaf_paths(fact: Fact, g: Geometry) -> list[tuple[int, ...]]:
+    ranges = [range(level_size(axis, g)) for _, axis in fact.container]
+    return [tuple(p) for p in itertools.product(*ranges)]
+
+
+@pytest.mark.parametrize("name", sorted(FACTS))
+def test_fact_addresses_cover_their_shape_once(name: str) -> None:
+    """The table itself: every element has its own place, and every place holds an element."""
+    fact = FACTS[name]
+    for g in GEOMETRIES:
+        shape, paths = fact.shape(g), set(_leaf_paths(fact, g))
+        seen = set()
+        for e in elements(fact, g):
+            path, index = fact.address(g, *e)
+            assert len(index) == len(shape) and all(0 <= i < n for i, n in zip(index, shape, strict=True)), (e, index)
+            assert path in paths
+            seen.add((path, index))
+        assert len(seen) == len(paths) * math.prod(shape)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_spec_matches_the_facts(name: str) -> None:
+    """Shape, sizes, LMCache format and the address of every element, at each geometry."""
+    for g in GEOMETRIES:
+        assert disagreement(SPECS[name], g) is None
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_spec_containers_and_shape_are_the_engines(name: str) -> None:
+    """kvgen's nest and leaf_shape give the containers and tensor shape the source hands over."""
+    spec, fact = SPECS[name], FACTS[name]
+    for g in GEOMETRIES:
+        ext = extents(g)
+        assert reference.leaf_shape(spec, ext) == fact.shape(g)
+        tree = reference.nest(spec, ext, lambda path: ("leaf", path))
+
+        def walk(node: Any, depth: int, path: tuple[int, ...], g: Geometry = g) -> None:
+            if depth == len(fact.container):
+                assert node == ("leaf", path)
+                return
+            kind, axis = fact.container[depth]
+            expected_type = {"list": list, "tuple": tuple, "seq": (list, tuple)}[kind]
+            assert isinstance(node, expected_type), (name, depth, type(node))
+            assert len(node) == level_size(axis, g)
+            for i, child in enumerate(node):
+                walk(child, depth + 1, (*path, i))
+
+        walk(tree, 0, ())
+
+
+# -- end to end: generated connectors on caches and objects laid out by the facts --------------
+
+G = GEOMETRIES[0]
+
+
+def _build(fact: Fact, g: Geometry, make: Callable[[tuple[int, ...]], torch.Tensor]) -> Any:
+    """Containers as the source hands them over ("seq" as a list, as LMCache's SGLang adapter)."""
+
+    def level(depth: int, path: tuple[int, ...]) -> Any:
+        if depth == len(fact.container):
+            return make(path)
+        kind, axis = fact.container[depth]
+        items = [level(depth + 1, (*path, i)) for i in range(level_size(axis, g))]
+        return tuple(items) if kind == "tuple" else items
+
+    return level(0, ())
+
+
+def _leaf(tree: Any, path: tuple[int, ...]) -> torch.Tensor:
+    for i in path:
+        tree = tree[i]
+    return tree
+
+
+def _by_leaf(fact: Fact, g: Geometry, value: Callable[..., float]) -> dict[tuple[int, ...], tuple[list, list]]:
+    groups: dict[tuple[int, ...], tuple[list, list]] = defaultdict(lambda: ([], []))
+    for e in elements(fact, g):
+        path, index = fact.address(g, *e)
+        groups[path][0].append(index)
+        groups[path][1].append(value(*e))
+    return groups
+
+
+def _columns(indices: list[tuple[int, ...]]) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.tensor(col) for col in zip(*indices, strict=True))
+
+
+def _write(fact: Fact, g: Geometry, tree: Any, value: Callable[..., float]) -> None:
+    for path, (indices, values) in _by_leaf(fact, g, value).items():
+        _leaf(tree, path)[_columns(indices)] = torch.tensor(values, dtype=torch.float32)
+
+
+def _mismatches(fact: Fact, g: Geometry, tree: Any, value: Callable[..., float]) -> list[tuple]:
+    bad = []
+    for path, (indices, values) in _by_leaf(fact, g, value).items():
+        got = _leaf(tree, path)[_columns(indices)].tolist()
+        bad += [(path, i, w, x) for i, w, x in zip(indices, values, got, strict=True) if w != x]
+    return bad
+
+
+def _cache_code(fact: Fact, g: Geometry) -> Callable[..., float]:
+    slots = positions(fact, g)
+    return lambda layer, kv, slot, h, c: float(((((layer * 2 + kv) * slots + slot) * g.H + h) * g.C + c) + 1)
+
+
+def _object_code(g: Geometry) -> Callable[..., float]:
+    return lambda layer, kv, t, h, c: float(100000 + (((layer * 2 + kv) * g.T + t) * g.H + h) * g.C + c)
+
+
+PAIRS = sorted(generated.CONNECTORS)
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}-{p[1]}")
+def test_generated_connector_moves_elements_where_the_facts_say(pair: tuple[str, str]) -> None:
+    """Store a cache filled through the fact addresses; every object element must be where
+    LMCache's format puts it. Then load an object filled through its facts into a fresh cache."""
+    layout, obj = pair
+    paged, memory = FACTS[layout], FACTS[obj]
+    rng = random.Random(f"{layout}/{obj}")
+    order = rng.sample(range(G.B), G.B)
+    mapping = [order[i // G.N] * G.N + i % G.N for i in range(G.T)]  # whole blocks, then a partial one
+    sc = Scenario("facts", (0,), (G.T,), lambda r, e: mapping)
+    slot_mapping = torch.tensor(mapping, dtype=torch.long)
+
+    cache = _build(paged, G, lambda path: torch.zeros(paged.shape(G), dtype=torch.float32))
+    cache_code = _cache_code(paged, G)
+    _write(paged, G, cache, cache_code)
+    connector = generated.get(layout, obj)(device="cpu")
+    connector.bind(cache)
+    assert tuple(connector.get_shape(G.T)) == memory.shape(G)
+
+    def objects(fmt: Any) -> Any:
+        made = _build(memory, G, lambda path: MemoryObj(torch.full(memory.shape(G), -1.0), fmt))
+        return [made]
+
+    stored = objects(None)
+    connector_store(connector, stored, sc, cache, slot_mapping)
+    tensors = _build(memory, G, lambda path: _leaf(stored[0], path).tensor)
+    want = lambda layer, kv, t, h, c: cache_code(layer, kv, mapping[t], h, c)  # noqa: E731
+    assert _mismatches(memory, G, tensors, want)[:5] == []
+
+    loaded = objects(connector.format)
+    tensors = _build(memory, G, lambda path: _leaf(loaded[0], path).tensor)
+    object_code = _object_code(G)
+    _write(memory, G, tensors, object_code)
+    fresh = _build(paged, G, lambda path: torch.zeros(paged.shape(G), dtype=torch.float32))
+    connector_load(connector, loaded, sc, fresh, slot_mapping)
+    token_of = {slot: t for t, slot in enumerate(mapping)}
+
+    def expected(layer: int, kv: int, slot: int, h: int, c: int) -> float:
+        t = token_of.get(slot)
+        return 0.0 if t is None else object_code(layer, kv, t, h, c)
+
+    assert _mismatches(paged, G, fresh, expected)[:5] == []
