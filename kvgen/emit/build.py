@@ -105,8 +105,9 @@ def _renameat2() -> Renameat2 | None:
         syscall.restype = ctypes.c_long
 
         def call(a: bytes, b: bytes, flags: int) -> int:
-            rc = syscall(ctypes.c_long(number), ctypes.c_int(_AT_FDCWD), ctypes.c_char_p(a),
-                         ctypes.c_int(_AT_FDCWD), ctypes.c_char_p(b), ctypes.c_uint(flags))
+            # syscall(2) is variadic and reads every argument as a long
+            rc = syscall(ctypes.c_long(number), ctypes.c_long(_AT_FDCWD), ctypes.c_char_p(a),
+                         ctypes.c_long(_AT_FDCWD), ctypes.c_char_p(b), ctypes.c_long(flags))
             return 0 if rc == 0 else ctypes.get_errno()
     else:
         return None
