@@ -68,3 +68,33 @@ def test_absent_device_is_refused_plainly(argv: list[str], code: int, capsys) ->
         pytest.skip("CUDA is present here")
     assert main(argv) == code
     assert "device cuda is not available here (present: cpu" in capsys.readouterr().err
+
+
+def test_list_has_headers_and_names_the_connectors(capsys) -> None:
+    assert main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["NAME", "KIND", "ALIASES", "LAYOUT", "LMCACHE/FORMAT", "CONNECTORS"]
+    row = next(ln for ln in lines if ln.startswith("vllm_flash_attn_nhd "))
+    assert "NHD" in row and "NL_X_TWO_NB_BS_NH_HS" in row
+    assert row.endswith("kv_2ltd, kv_2td (layerwise), kv_t2d (layerwise)"), row
+    row = next(ln for ln in lines if ln.startswith("vllm_mla "))
+    assert row.endswith("kv_mla, kv_mla_layer (layerwise)"), row
+    row = next(ln for ln in lines if ln.startswith("kv_mla_layer "))
+    assert "KV_MLA_FMT (6)" in row and row.endswith("2 layouts"), row
+
+
+def test_every_option_has_help() -> None:
+    """Every option and argument of every command (bench's own options aside) says what it does."""
+    from kvgen.tools.cli import parser
+
+    ap = parser()
+    sub = next(a for a in ap._actions if a.dest == "command")
+    missing = []
+    for name, p in sub.choices.items():
+        if name == "bench":
+            continue
+        for action in p._actions:
+            if not action.help:
+                missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+    assert not missing, missing
+    assert all(c.help for c in sub._choices_actions)

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvgen.errors import Problem, SpecError
+from kvgen.errors import KVLayoutError, Problem, SpecError
 from kvgen.spec.loader import Document, load_document
 from kvgen.spec.model import Spec, build_spec
 from kvgen.spec.passes import UNDEFINED, check_library, check_spec
@@ -37,13 +37,38 @@ class Library:
         object.__setattr__(self, "_by_name", {s.name: s for s in self.specs})
 
     def __getitem__(self, name: str) -> Spec:
+        """A spec by its name or an alias (any case), or by an LMCache format name that one
+        spec carries; an unknown or ambiguous name raises KVLayoutError saying the valid ones."""
         by_name: dict[str, Spec] = self._by_name  # type: ignore[attr-defined]
         if name in by_name:
             return by_name[name]
-        for spec in self.specs:
-            if name in spec.aliases:
-                return spec
-        raise KeyError(f"no layout named {name!r}; known: {', '.join(sorted(by_name))}")
+        exact = [s for s in self.specs if name in s.aliases]
+        if len(exact) == 1:
+            return exact[0]
+        # Tiers, first match wins: names and aliases in any case, then LMCache's format names.
+        key = name.casefold()
+        tiers = (
+            ("name or alias", lambda s: [s.name, *s.aliases]),
+            ("LMCache format name", lambda s: [f for f in (s.format, s.lmcache_format) if f]),
+        )
+        for what, labels in tiers:
+            found = [s for s in self.specs if key in (label.casefold() for label in labels(s))]
+            if len(found) == 1:
+                return found[0]
+            if found:
+                raise KVLayoutError(f"{name!r} is the {what} of {len(found)} specs: "
+                                    f"{', '.join(s.name for s in found)}; name one of them")
+        raise KVLayoutError(f"no layout or object named {name!r} (names and aliases match in any case, "
+                            f"as do LMCache format names); known: {', '.join(self.described_names())}")
+
+    def described_names(self) -> list[str]:
+        """`vllm_flash_attn_nhd (NHD)`, `kv_2ltd (KV_2LTD)`: every name with its aliases or
+        format name, sorted."""
+        out = []
+        for s in sorted(self.specs, key=lambda s: s.name):
+            other = [a for a in (*s.aliases, s.format) if a]
+            out.append(s.name + (f" ({', '.join(other)})" if other else ""))
+        return out
 
     @property
     def paged(self) -> tuple[Spec, ...]:

@@ -4,58 +4,109 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvgen import __version__
-from kvgen.errors import BuildError, SpecError
+from kvgen.errors import KVGenError, SpecError, display_path
+
+#: Exit statuses: bad input, Ctrl-C (128 + SIGINT), a closed output pipe (128 + SIGPIPE, as a
+#: C tool killed by SIGPIPE shows in the shell), a bug in kvgen.
+EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PIPE, EXIT_BUG = 1, 130, 141, 70
 
 
 def _specs_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--specs", action="append", type=Path, default=[], metavar="DIR",
-                   help="extra spec folder or file (repeatable); the built-in specs are always included")
+                   help="a folder of spec files (or one file) to add to the built-in specs; repeatable")
+
+
+def _out_arg(p: argparse.ArgumentParser, what: str) -> None:
+    from kvgen.tools.paths import default_out, describe_default_out
+
+    p.add_argument("--out", type=Path, default=default_out(), metavar="DIR",
+                   help=f"{what} ({describe_default_out()})")
+
+
+def _warn_left_out(loaded: Any) -> None:
+    """Problems of user spec files that explain/list left out, as warnings on stderr."""
+    if not loaded.problems:
+        return
+    for problem in loaded.problems:
+        print(f"warning: {problem}", file=sys.stderr)
+    n = len(loaded.left_out)
+    print(f"kvgen: warning: left out {n} spec file{'s' if n != 1 else ''} with problems: "
+          f"{', '.join(loaded.left_out)} (`kvgen validate` lists them; `kvgen build` refuses them)",
+          file=sys.stderr)
+
+
+def _require(paths: Sequence[Path], what: str) -> None:
+    """Missing inputs, said plainly before any work."""
+    for path in paths:
+        if not path.exists():
+            raise KVGenError(f"{what} {display_path(path)}: no such file or folder")
 
 
 def cmd_build(args: argparse.Namespace) -> int:
     from kvgen.emit.build import build
+    from kvgen.tools.paths import refuse_foreign_out, refuse_package_out
 
+    _require(args.specs, "--specs")
+    refuse_package_out(args.out)
+    refuse_foreign_out(args.out)
     files = build(args.out, args.specs)
-    print(f"wrote {len(files)} files to {args.out}")
+    print(f"wrote {len(files)} files to {display_path(args.out)}")
     return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     from kvgen.emit.build import check
 
+    _require(args.specs, "--specs")
     report = check(args.out, args.specs)
     if report.ok:
-        print(f"{args.out} is up to date")
+        print(f"{display_path(args.out)} is up to date")
         return 0
     for line in report.lines():
         print(line, file=sys.stderr)
-    print("run `kvgen build` (and commit generated/)", file=sys.stderr)
-    return 1
+    print(f"kvgen: {display_path(args.out)} differs from what `kvgen build` writes; run it "
+          "(and commit generated/ in the kvgen repository)", file=sys.stderr)
+    return EXIT_FAILED
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from kvgen.spec.library import load_specs
-    from kvgen.spec.passes import check_library
+    from kvgen.tools.specset import validate
 
-    entries = load_specs([(f, f.name) for f in args.files])
-    problems = check_library(entries)
-    if problems:
-        raise SpecError(problems)
-    for spec, _ in entries:
+    _require(args.paths, "spec")
+    result = validate(args.paths)
+    if not result.files:
+        raise KVGenError(f"no spec files (*.yaml, *.yml) in {', '.join(map(display_path, args.paths))}")
+    for spec in result.ok:
         print(f"ok  {spec.source}: {spec.name} ({spec.kind}) {spec.arrow()}")
+    if result.problems:
+        raise SpecError(result.problems)
     return 0
+
+
+def _connectors(spec: Any, plans: list[Any]) -> str:
+    """The connectors column: a layout's objects, or how many layouts an object pairs with."""
+    if spec.is_paged:
+        return ", ".join(p.obj.name + (" (layerwise)" if p.mode == "layerwise" else "")
+                         for p in plans if p.paged is spec) or "-"
+    n = sum(1 for p in plans if p.obj is spec)
+    return f"{n} layout{'s' if n != 1 else ''}"
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     from kvgen.plan.copy import plan_library
-    from kvgen.spec.library import load_library
+    from kvgen.tools.specset import load_lenient
 
-    library = load_library(args.specs)
+    _require(args.specs, "--specs")
+    loaded = load_lenient(args.specs)
+    _warn_left_out(loaded)
+    library = loaded.library
     plans = plan_library(library)
     if args.json:
         layouts = {}
@@ -74,31 +125,42 @@ def cmd_list(args: argparse.Namespace) -> int:
                   "strategy": p.strategy} for p in plans]
         json.dump({"kvgen": __version__, "layouts": layouts, "connectors": pairs}, sys.stdout, indent=2)
         print()
-        return 0
-    width = max(len(s.name) for s in library.specs)
-    for s in library.specs:
-        extra = s.lmcache_format or "-" if s.is_paged else f"{s.format} ({s.code})"
-        print(f"{s.name:<{width}}  {s.kind:<6}  {s.arrow():<28}  {extra}")
-    print(f"\n{len(library.paged)} paged layouts, {len(library.objects)} objects, {len(plans)} connectors")
-    return 0
+        return EXIT_FAILED if loaded.left_out else 0
+    header = ("NAME", "KIND", "ALIASES", "LAYOUT", "LMCACHE/FORMAT", "CONNECTORS")
+    rows = [(s.name, s.kind, ", ".join(s.aliases) or "-", s.arrow(),
+             (s.lmcache_format or "-") if s.is_paged else f"{s.format} ({s.code})", _connectors(s, plans))
+            for s in library.specs]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    print(f"\n{len(library.paged)} paged layouts, {len(library.objects)} memory objects, {len(plans)} connectors "
+          "(module names: LAYOUT__OBJECT)")
+    # Like ls with a missing file: what could be read is listed, the status says it is not all.
+    return EXIT_FAILED if loaded.left_out else 0
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from kvgen.oracle.address import symbolic_address
     from kvgen.plan.copy import plan_library
-    from kvgen.spec.library import load_library
+    from kvgen.tools.specset import load_lenient
 
-    library = load_library(args.specs)
+    _require(args.specs, "--specs")
+    loaded = load_lenient(args.specs)
+    _warn_left_out(loaded)
+    library = loaded.library
     try:
         spec = library[args.name]
-    except KeyError as exc:
-        print(f"kvgen: {exc.args[0]}", file=sys.stderr)
-        return 1
+    except KVGenError as exc:
+        if loaded.left_out:
+            raise KVGenError(f"{exc}; it may be in a spec file left out for its problems: "
+                             f"{', '.join(loaded.left_out)}") from None
+        raise
     coord = "(l, kv, slot, h, c)" if spec.is_paged else "(l, kv, t, h, c)"
     print(f"{spec.name} ({spec.kind}): {spec.summary}")
     print(f"  layout:   {spec.arrow()}")
     print(f"  element {coord}: {symbolic_address(spec)}")
     print(f"  aliases:  {', '.join(spec.aliases) or '-'}")
+    print(f"  source:   {spec.origin}")
     if spec.is_paged:
         print(f"  lmcache:  {spec.lmcache_format or '- (no LMCache connector)'}")
         print(f"  engines:  {', '.join(spec.engines) or '-'}")
@@ -115,6 +177,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from kvgen.tools.verify import main as verify_main
 
+    _require(args.specs, "--specs")
     return verify_main(args)
 
 
@@ -125,40 +188,45 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    from kvgen.emit.build import DEFAULT_OUT
-
     ap = argparse.ArgumentParser(prog="kvgen", description=__doc__)
-    ap.add_argument("--version", action="version", version=f"kvgen {__version__}")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap.add_argument("--version", action="version", version=f"kvgen {__version__}",
+                    help="print kvgen's version and exit")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("build", help="generate connectors and format tables")
+    p = sub.add_parser("build", help="generate connectors and format tables from the specs")
     _specs_arg(p)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: generated/)")
+    _out_arg(p, "folder to write the generated package to, replacing it whole")
     p.set_defaults(run=cmd_build)
 
     p = sub.add_parser("check", help="exit 1 when the output differs from what build would write")
     _specs_arg(p)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    _out_arg(p, "generated package to compare")
     p.set_defaults(run=cmd_check)
 
-    p = sub.add_parser("validate", help="check spec files and report every problem")
-    p.add_argument("files", nargs="+", type=Path)
+    p = sub.add_parser("validate", help="check spec files as build does (against the built-ins too) "
+                                        "and report every problem")
+    p.add_argument("paths", nargs="+", type=Path, metavar="PATH",
+                   help="a spec file, or a folder of them (*.yaml, *.yml, searched recursively)")
     p.set_defaults(run=cmd_validate)
 
-    p = sub.add_parser("list", help="list layouts, objects and connectors")
+    p = sub.add_parser("list", help="list layouts, memory objects and their connectors")
     _specs_arg(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print every fact as JSON instead of a table")
     p.set_defaults(run=cmd_list)
 
     p = sub.add_parser("explain", help="how a layout addresses an element, and its connectors")
     _specs_arg(p)
-    p.add_argument("name", help="layout name or alias")
+    p.add_argument("name", help="layout or object: a name, an alias (any case), or an LMCache format name")
     p.set_defaults(run=cmd_explain)
 
-    p = sub.add_parser("verify", help="run every generated connector against the reference")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="generated package to verify")
-    p.add_argument("--device", action="append", default=None, help="device type (default: all present)")
-    p.add_argument("--only", default=None, help="substring of connector module names to run")
+    p = sub.add_parser("verify", help="run every connector of a generated package against the reference")
+    _specs_arg(p)
+    _out_arg(p, "generated package to verify; it must hold exactly the connectors of the built-in specs "
+                "plus --specs")
+    p.add_argument("--device", action="append", default=None, metavar="TYPE",
+                   help="device type to run on, e.g. cpu or cuda; repeatable (default: every one present)")
+    p.add_argument("--only", default=None, metavar="TEXT",
+                   help="run only the connectors whose module name (LAYOUT__OBJECT) contains TEXT")
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser("bench", help="measure store/load bandwidth against memcpy and a naive connector")
@@ -169,19 +237,54 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    try:
-        return args.run(args)
-    except SpecError as exc:
+def _report(exc: BaseException) -> None:
+    if isinstance(exc, SpecError):
         for problem in exc.problems:
             print(problem, file=sys.stderr)
         n = len(exc.problems)
         print(f"kvgen: {n} problem{'s' if n != 1 else ''} in specs", file=sys.stderr)
-        return 1
-    except (BuildError, FileNotFoundError) as exc:
+    elif isinstance(exc, OSError) and exc.filename is not None:
+        print(f"kvgen: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+    else:
         print(f"kvgen: {exc}", file=sys.stderr)
-        return 1
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe: send what is still buffered, and the interpreter's last flush, nowhere."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the exit status. Bad input is a message on stderr, never a
+    traceback (set KVGEN_TRACEBACK=1 to see one for a bug in kvgen)."""
+    try:
+        try:
+            args = parser().parse_args(argv)
+        except SystemExit:  # --help, --version, a usage error: their output meets the pipe here
+            sys.stdout.flush()
+            raise
+        status = args.run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return status
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_PIPE
+    except KeyboardInterrupt:
+        print("kvgen: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (KVGenError, OSError) as exc:
+        _report(exc)
+        return EXIT_FAILED
+    except Exception as exc:
+        if os.environ.get("KVGEN_TRACEBACK"):
+            raise
+        print(f"kvgen: internal error, please report it: {type(exc).__name__}: {exc} "
+              "(KVGEN_TRACEBACK=1 shows where)", file=sys.stderr)
+        return EXIT_BUG
 
 
 if __name__ == "__main__":

@@ -1,30 +1,111 @@
-"""`kvgen verify`: run every generated connector, store and load, against the reference."""
+"""`kvgen verify`: run every connector of a generated package, store and load, against the
+reference, for every connector that the library (built-ins plus --specs) plans.
+
+The package and the library must agree: a connector in the package whose spec verify was not
+given, or one the library plans that the package lacks, is an error rather than a skip, so a
+user's layouts are never silently left unchecked.
+"""
 
 from __future__ import annotations
 
-import importlib
+import hashlib
+import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-from kvgen.oracle.scenarios import SCENARIOS, check_pair
+from kvgen.errors import KVGenError, display_path
+
+if TYPE_CHECKING:
+    from kvgen.oracle.scenarios import Scenario
+
+_PREFIX = "_kvgen_verified_"
 
 
-def _import_package(out: Path) -> Any:
+def import_package(out: Path) -> ModuleType:
+    """The package at `out`, imported under a name of its own: the folder's name need not be
+    an identifier, and two packages with the same folder name never shadow each other."""
+    shown = display_path(out)
+    if not out.exists():
+        raise KVGenError(f"--out {shown} does not exist; write a package there with `kvgen build --out {shown}`")
+    if not out.is_dir():
+        raise KVGenError(f"--out {shown} is not a folder; give the folder `kvgen build --out` wrote")
+    init = out / "__init__.py"
+    if not init.is_file():
+        raise KVGenError(f"--out {shown} is not a Python package (no __init__.py); "
+                         "give the folder `kvgen build --out` wrote")
     out = out.resolve()
-    if str(out.parent) not in sys.path:
-        sys.path.insert(0, str(out.parent))
-    return importlib.import_module(out.name)
+    name = _PREFIX + hashlib.sha256(str(out).encode()).hexdigest()[:16]
+    for stale in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[stale]  # a package rebuilt since it was last verified in this process
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(out)])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise KVGenError(f"cannot import the package at {shown}: {type(exc).__name__}: {exc}") from None
+    if not isinstance(getattr(module, "CONNECTORS", None), dict) or not callable(getattr(module, "get", None)):
+        raise KVGenError(f"--out {shown} is not a package written by kvgen build (it has no CONNECTORS table)")
+    return module
+
+
+def _mismatch(package: ModuleType, library: Any, plans: list[Any], out: Path, specs: list[Path]) -> str | None:
+    """Why the package and the library disagree, or None."""
+    shown = display_path(out)
+    planned = {(p.paged.name, p.obj.name) for p in plans}
+    have = set(package.CONNECTORS)
+    rebuild = f"`kvgen build --out {shown}{''.join(f' --specs {display_path(s)}' for s in specs)}`"
+    extra = sorted(have - planned)
+    if extra:
+        layouts = sorted({layout for layout, _ in extra})
+        return (f"the package at {shown} holds {len(extra)} connectors of layouts this library does not have: "
+                f"{', '.join(layouts)}; pass the --specs folders it was built with")
+    missing = sorted(planned - have)
+    if missing:
+        return (f"the package at {shown} lacks {len(missing)} connectors this library plans: "
+                f"{', '.join(f'{a}__{b}' for a, b in missing)}; rebuild it with {rebuild}")
+    layouts = getattr(package, "LAYOUTS", {})
+    changed = sorted(s.name for s in library.specs
+                     if s.name in layouts and layouts[s.name].get("arrow", s.arrow()) != s.arrow())
+    if changed:
+        return (f"the package at {shown} was built from other specs for {', '.join(changed)} "
+                f"(the layout differs); rebuild it with {rebuild}")
+    return None
+
+
+def _check(package: ModuleType, plan: Any, device: str, scenario: Scenario) -> tuple[bool, bool]:
+    """check_pair, with a connector that raises counted as failing both directions."""
+    from kvgen.oracle.scenarios import check_pair
+
+    try:
+        return check_pair(package, plan.paged, plan.obj, device, scenario)
+    except Exception as exc:  # a wrong connector may raise anything; report it and go on
+        print(f"kvgen verify: {plan.module} on {device}, scenario {scenario.name}: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return False, False
 
 
 def main(args: Any) -> int:
     from kvgen.plan.copy import plan_library
-    from kvgen.runtime import available_devices
     from kvgen.spec.library import load_library
 
-    package = _import_package(args.out)
-    library = load_library()
-    plans = [p for p in plan_library(library) if not args.only or args.only in p.module]
+    library = load_library(args.specs)
+    plans = plan_library(library)
+    package = import_package(args.out)
+    problem = _mismatch(package, library, plans, args.out, args.specs)
+    if problem:
+        raise KVGenError(problem)
+    selected = [p for p in plans if not args.only or args.only in p.module]
+    if not selected:
+        raise KVGenError(f"--only {args.only!r} matches no connector of the {len(plans)} in "
+                         f"{display_path(args.out)} (it is a part of a module name such as "
+                         f"{plans[0].module}; `kvgen list` shows them)")
+    from kvgen.runtime import available_devices
+
     present = available_devices()
     devices = args.device or present
     missing = [d for d in devices if d not in present]
@@ -32,18 +113,20 @@ def main(args: Any) -> int:
         print(f"kvgen verify: device {', '.join(missing)} is not available here "
               f"(present: {', '.join(present)})", file=sys.stderr)
         return 1
+    from kvgen.oracle.scenarios import SCENARIOS  # torch: only once the inputs are known good
+
     scenarios = list(SCENARIOS.values())
-    rows, failures = [], 0
+    rows, failures = 0, 0
     print(f"{'layout':<24} {'object':<13} {'mode':<9} {'device':<6} {'store ok':<8} {'load ok':<8}")
     for device in devices:
-        for plan in plans:
-            results = [check_pair(package, plan.paged, plan.obj, device, sc) for sc in scenarios]
+        for plan in selected:
+            results = [_check(package, plan, device, sc) for sc in scenarios]
             store_ok = all(r[0] for r in results)
             load_ok = all(r[1] for r in results)
             failures += (not store_ok) + (not load_ok)
-            rows.append((plan.paged.name, plan.obj.name, plan.mode, device, store_ok, load_ok))
+            rows += 1
             print(f"{plan.paged.name:<24} {plan.obj.name:<13} {plan.mode:<9} {device:<6} "
                   f"{'yes' if store_ok else 'NO':<8} {'yes' if load_ok else 'NO':<8}", flush=True)
-    print(f"\n{len(rows)} connector runs on {', '.join(devices)} ({len(scenarios)} slot scenarios each): "
-          f"{len(rows) * 2 - failures} checks passed, {failures} failed")
+    print(f"\n{rows} connector runs on {', '.join(devices)} ({len(scenarios)} slot scenarios each): "
+          f"{rows * 2 - failures} checks passed, {failures} failed")
     return 1 if failures else 0

@@ -1,0 +1,104 @@
+"""Spec sets as the read-only commands see them.
+
+`validate` runs build's checks (each file on its own, then the cross-file rules against the
+built-ins) and reports every problem of every file at once. `explain` and `list` leave out
+the user files that have problems, so one spec being edited does not hide the others; the
+caller warns about what was left out. `build` and `check` stay strict (kvgen.spec.library).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvgen.errors import Problem, SpecError, display_path
+from kvgen.spec.library import BUILTIN_SPECS, Library, SpecFile, load_specs, spec_files
+from kvgen.spec.loader import Document, load_document
+from kvgen.spec.model import Spec, build_spec
+from kvgen.spec.passes import check_library, check_spec
+
+Entry = tuple[Spec, Document]
+
+
+def load_each(files: Sequence[SpecFile]) -> tuple[list[Entry], list[Problem]]:
+    """Load and check every file on its own: the good ones, and every problem of the others."""
+    entries: list[Entry] = []
+    problems: list[Problem] = []
+    for path, origin in files:
+        try:
+            doc = load_document(path)
+        except SpecError as exc:
+            problems.extend(exc.problems)
+            continue
+        spec = build_spec(doc, origin)
+        found = check_spec(spec, doc)
+        problems.extend(found)
+        if not found:
+            entries.append((spec, doc))
+    return entries, problems
+
+
+def user_files(paths: Sequence[Path]) -> tuple[list[Entry], list[SpecFile]]:
+    """The built-in entries, and the spec files under `paths` that are not built-in files
+    (so `validate specs/` checks the built-ins once, not against themselves)."""
+    builtin_files = spec_files([BUILTIN_SPECS])
+    builtin = {p.resolve() for p, _ in builtin_files}
+    return load_specs(builtin_files), [f for f in spec_files(paths) if f[0].resolve() not in builtin]
+
+
+@dataclass
+class Validation:
+    ok: list[Spec] = field(default_factory=list)  # specs of the given files without problems
+    problems: list[Problem] = field(default_factory=list)
+    files: int = 0  # spec files found under the given paths
+
+
+def validate(paths: Sequence[Path]) -> Validation:
+    """Every problem `kvgen build --specs PATHS` would report, for files and folders alike."""
+    builtin, files = user_files(paths)
+    asked = {p.resolve() for p, _ in spec_files(paths)}
+    entries, problems = load_each(files)
+    problems += check_library([*builtin, *entries])
+    bad = {p.file for p in problems}
+    ok = [s for s, d in [*builtin, *entries] if Path(s.source).resolve() in asked and d.file not in bad]
+    return Validation(ok, problems, len(asked))
+
+
+@dataclass
+class Lenient:
+    library: Library
+    problems: list[Problem]  # every problem of the files left out
+    left_out: list[str]  # those files, as shown in the problems
+
+
+def load_lenient(extra: Sequence[Path]) -> Lenient:
+    """The built-ins plus every user spec that build would accept on its own merits; a user
+    file with a problem, or one that clashes with the built-ins or an earlier user file, is
+    left out (never a built-in)."""
+    builtin, files = user_files(extra)
+    entries, problems = load_each(files)
+    # Formats any candidate defines, so an `accepts` naming a later file's format is not a clash.
+    formats = [s.format for s, _ in entries if s.format]
+    kept: list[Entry] = []
+    for entry in entries:
+        found = check_library([*builtin, *kept, entry], known_formats=formats)
+        if found:
+            problems += found
+        else:
+            kept.append(entry)
+    # Leaving a file out can orphan another's `accepts`: drop those too, until nothing clashes.
+    while found := check_library([*builtin, *kept]):
+        problems += found
+        bad = {p.file for p in found}
+        if not any(d.file in bad for _, d in kept):
+            break  # not a user file's problem: the same as build reports, nothing more to leave out
+        kept = [(s, d) for s, d in kept if d.file not in bad]
+    left_out = set(_shown(files)) - {d.file for _, d in kept}
+    specs = sorted((s for s, _ in [*builtin, *kept]), key=lambda s: (s.kind != "paged", s.name))
+    return Lenient(Library(tuple(specs)), problems, sorted(left_out))
+
+
+def _shown(files: Sequence[SpecFile]) -> list[str]:
+    """The files as problems name them."""
+    return [display_path(p) for p, _ in files]

@@ -1,0 +1,134 @@
+"""No traceback from the command line: every command with its output pipe closed early
+(as `kvgen list | head -1` does) and with bad arguments, each in its own process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(argv: list[str], cwd: Path, *, closed_stdout: bool) -> subprocess.CompletedProcess[str]:
+    """Run `python -m kvgen ARGV`; with closed_stdout, the reader of its stdout is gone before
+    it writes, so every write meets a broken pipe, as with `| head -1` on a longer output."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if not closed_stdout:
+        return subprocess.run([sys.executable, "-m", "kvgen", *argv], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=120)
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kvgen", *argv], cwd=cwd, env=env, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    return proc
+
+
+def _specs(tmp: Path) -> Path:
+    specs = tmp / "myspecs"
+    specs.mkdir()
+    (specs / "mine.yaml").write_text(
+        "kvgen: 1\nname: my_layout\nkind: paged\nsummary: x\nlists: [L]\ndims: [KV, B, N, H, C]\nsizes: {KV: 2}\n")
+    return specs
+
+
+PIPED = [
+    ["build", "--out", "{tmp}/out"],
+    ["check"],
+    ["validate", "{root}/specs"],
+    ["list"],
+    ["list", "--json"],
+    ["explain", "nhd"],
+    ["verify", "--only", "vllm_flash_attn_nhd__kv_2ltd"],
+    ["bench", "--help"],
+    ["--help"],
+]
+
+BAD = [
+    ["build", "--specs", "{tmp}/nonexist", "--out", "{tmp}/out2"],
+    ["build", "--out", "{tmp}/afile/out"],
+    ["check", "--specs", "{tmp}/nonexist"],
+    ["validate", "{tmp}/nonexist.yaml"],
+    ["validate", "{tmp}/afile"],
+    ["list", "--specs", "{tmp}/nonexist"],
+    ["list", "--json", "--specs", "{tmp}/afile"],
+    ["explain", "no_such_layout"],
+    ["explain"],
+    ["verify", "--out", "{tmp}/nonexist"],
+    ["verify", "--out", "{tmp}/afile"],
+    ["verify", "--out", "{tmp}", "--only", "x"],
+    ["verify", "--specs", "{tmp}/nonexist"],
+    ["bench", "--tokens", "abc"],
+    ["no_such_command"],
+]
+
+
+def _fill(argv: list[str], tmp: Path) -> list[str]:
+    return [a.format(tmp=tmp, root=ROOT) for a in argv]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("robust")
+    (tmp / "afile").write_text("not a folder\n")
+    _specs(tmp)
+    return tmp
+
+
+def _all(jobs: list[list[str]], tmp: Path, closed: bool) -> list[tuple[list[str], subprocess.CompletedProcess[str]]]:
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        procs = list(pool.map(lambda a: _run(_fill(a, tmp), tmp, closed_stdout=closed), jobs))
+    return list(zip(jobs, procs, strict=True))
+
+
+def test_closed_stdout_never_shows_a_traceback(tmp: Path) -> None:
+    for argv, proc in _all(PIPED, tmp, closed=True):
+        assert "Traceback" not in proc.stderr, (argv, proc.stderr)
+        assert "BrokenPipeError" not in proc.stderr and "Exception ignored" not in proc.stderr, (argv, proc.stderr)
+        # Like a C tool killed by SIGPIPE, the shell sees 128 + 13; argparse itself drops a
+        # help text longer than the output buffer that meets a closed pipe, and exits 0.
+        allowed = (0, 141) if "--help" in argv else (141,)
+        assert proc.returncode in allowed, (argv, proc.returncode, proc.stderr)
+
+
+def test_bad_input_is_a_message_and_a_failure(tmp: Path) -> None:
+    for argv, proc in _all(BAD, tmp, closed=False):
+        assert "Traceback" not in proc.stderr, (argv, proc.stderr)
+        assert proc.returncode != 0, (argv, proc.stdout, proc.stderr)
+        assert proc.stderr.strip(), argv
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith(("kvgen", "usage:")) or ": error:" in last, (argv, proc.stderr)
+
+
+def test_interrupt_is_quiet(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Ctrl-C during a command: exit 130 and a one-line note, no traceback."""
+    from kvgen.tools import cli
+
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_list", interrupted)
+    assert cli.main(["list"]) == 130
+    assert capsys.readouterr().err == "kvgen: interrupted\n"
+
+
+def test_a_bug_is_one_line_unless_asked(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from kvgen.tools import cli
+
+    def buggy(args: object) -> int:
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(cli, "cmd_list", buggy)
+    monkeypatch.delenv("KVGEN_TRACEBACK", raising=False)
+    assert cli.main(["list"]) == 70
+    assert "internal error" in capsys.readouterr().err
+    monkeypatch.setenv("KVGEN_TRACEBACK", "1")
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["list"])
