@@ -1,38 +1,57 @@
 """How a user's name for a layout or memory object resolves, in one place.
 
-A spec name matches exactly; an alias (`NHD`) or an LMCache format name (`KV_2LTD`)
-matches without regard to case. The spec library and every generated package resolve
-through here, so `kvgen explain nhd` and `get("NHD", "KV_2LTD")` agree.
-No torch here: the generator and the runtime both import this module.
+First match wins: the spec name; an exact alias; a name or alias in any case (`nhd`);
+then an LMCache format name in any case (`KV_2LTD`, `NL_X_TWO_NB_BS_NH_HS`). A name that
+fits several specs in one tier is refused with the candidates. The spec library and
+every generated package resolve through here, so `kvgen explain nhd` and
+`get("NHD", "KV_2LTD")` agree. No torch here: generator and runtime both import this.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvgen.errors import KVLayoutError
 
 
-class UnknownName(KVLayoutError, LookupError):
-    """A name that is no layout, alias or format of this build."""
+@dataclass(frozen=True)
+class Named:
+    """What a spec answers to: its name, its aliases and the LMCache format names it carries."""
+
+    name: str
+    aliases: tuple[str, ...] = ()
+    formats: tuple[str, ...] = ()
 
 
-def resolve(name: str, names: Iterable[str], aliases: Mapping[str, str],
-            formats: Mapping[str, str] | None = None) -> str:
-    """The spec name `name` stands for. `aliases` and `formats` map a label to a spec name;
-    for a format held by several objects (whole and per-layer), map it to the whole one."""
-    known = list(names)
-    if name in known:
-        return name
-    folded = str(name).casefold()
-    for table in (aliases, formats or {}):
-        for label, target in table.items():
-            if label.casefold() == folded:
-                return target
-    lowered = [n for n in known if n.casefold() == folded]
-    if lowered:
-        return lowered[0]
-    choices = ", ".join(sorted(known))
-    labels = ", ".join(sorted({*aliases, *(formats or {})}))
-    raise UnknownName(f"unknown layout or object {name!r}; names: {choices}; aliases and formats "
-                      f"(any case): {labels or '-'}")
+def resolve(name: str, entries: Sequence[Named]) -> str:
+    """The spec name `name` stands for, or KVLayoutError listing the valid names."""
+    for entry in entries:
+        if entry.name == name:
+            return name
+    exact = [e for e in entries if name in e.aliases]
+    if len(exact) == 1:
+        return exact[0].name
+    key = str(name).casefold()
+    tiers: tuple[tuple[str, Callable[[Named], tuple[str, ...]]], ...] = (
+        ("name or alias", lambda e: (e.name, *e.aliases)),
+        ("LMCache format name", lambda e: e.formats),
+    )
+    for what, labels in tiers:
+        found = [e.name for e in entries if key in (label.casefold() for label in labels(e))]
+        if len(found) == 1:
+            return found[0]
+        if found:
+            raise KVLayoutError(f"{name!r} is the {what} of {len(found)} specs: {', '.join(found)}; "
+                                "name one of them")
+    raise KVLayoutError(f"no layout or object named {name!r} (names and aliases match in any case, as do "
+                        f"LMCache format names); known: {', '.join(described(entries))}")
+
+
+def described(entries: Sequence[Named]) -> list[str]:
+    """`vllm_flash_attn_nhd (NHD)`, `kv_2ltd (KV_2LTD)`: every name with its other labels, sorted."""
+    out = []
+    for e in sorted(entries, key=lambda e: e.name):
+        other = list(dict.fromkeys((*e.aliases, *e.formats)))
+        out.append(e.name + (f" ({', '.join(other)})" if other else ""))
+    return out

@@ -46,7 +46,7 @@ def test_unknown_name_lists_names_and_aliases(library) -> None:
     assert not isinstance(info.value, KeyError)
     message = str(info.value)
     assert "no layout or object named 'nope'" in message
-    for known in ("vllm_flash_attn_nhd (NHD)", "kv_2ltd (KV_2LTD)", "sglang_mha (SGLANG_MHA)", "vllm_mla (MLA)"):
+    for known in ("vllm_flash_attn_nhd (NHD, ", "kv_2ltd (KV_2LTD)", "sglang_mha (SGLANG_MHA, ", "vllm_mla (MLA, "):
         assert known in message
 
 
@@ -60,4 +60,4 @@ def test_explain_by_lowercase_alias_and_format(capsys) -> None:
 def test_explain_unknown_names_the_aliases(capsys) -> None:
     assert main(["explain", "nope"]) == 1
     err = capsys.readouterr().err
-    assert "vllm_flash_attn_nhd (NHD)" in err and "Traceback" not in err
+    assert "vllm_flash_attn_nhd (NHD, " in err and "Traceback" not in err

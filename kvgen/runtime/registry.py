@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvgen.errors import KVLayoutError
-from kvgen.names import resolve
+from kvgen.names import Named, resolve
 from kvgen.runtime.memory import format_name
 
 #: Device types every generated connector runs on (through kvgen.runtime's backends).
@@ -28,12 +28,9 @@ class Registry:
         self.layouts = layouts
         self.aliases = aliases
         self.modules = modules
-        # A format names its whole-chunk object when whole and per-layer objects share it.
-        formats: dict[str, str] = {}
-        for name, facts in sorted(layouts.items(), key=lambda kv: bool(kv[1]["lists"])):
-            if facts["kind"] == "object":
-                formats.setdefault(facts["format"], name)
-        self.formats = formats
+        self.named = [Named(name, tuple(facts["aliases"]),
+                            tuple(f for f in (facts.get("format"), facts.get("lmcache")) if f))
+                      for name, facts in layouts.items()]
 
     def capabilities(self) -> dict[tuple[str, str, str, str], bool]:
         """(layout, object format, mode, device) -> supported, for every generated pair."""
@@ -41,8 +38,8 @@ class Registry:
                 for (layout, obj), (_, mode) in self.modules.items() for device in DEVICES}
 
     def resolve(self, name: str) -> str:
-        """The spec name for a name, alias or LMCache format name (any case)."""
-        return resolve(name, self.layouts, self.aliases, self.formats)
+        """The spec name for a name, alias or LMCache format name (see kvgen.names)."""
+        return resolve(name, self.named)
 
     def get(self, layout: str, obj: str) -> type:
         """The connector class moving `layout` caches to and from `obj` memory objects."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvgen.errors import KVLayoutError, Problem, SpecError
+from kvgen.errors import Problem, SpecError
+from kvgen.names import Named, described, resolve
 from kvgen.spec.loader import Document, load_document
 from kvgen.spec.model import Spec, build_spec
 from kvgen.spec.passes import UNDEFINED, check_library, check_spec
@@ -16,11 +18,29 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent
 REPO_ROOT = PACKAGE_DIR.parent
 
 
+# `name = "kvgen"` at the start of a line of pyproject.toml (tomllib is not in Python 3.10).
+_NAMES_KVGEN = re.compile(r"""^\s*name\s*=\s*["']kvgen["']\s*(#.*)?$""", re.MULTILINE)
+
+
+def source_checkout(package_dir: Path = PACKAGE_DIR) -> Path | None:
+    """The source checkout holding the kvgen package folder `package_dir`, or None when
+    kvgen is installed (a checkout's pyproject.toml names kvgen, beside specs/ and templates/)."""
+    root = package_dir.parent
+    pyproject = root / "pyproject.toml"
+    if not ((root / "specs").is_dir() and (root / "templates").is_dir() and pyproject.is_file()):
+        return None
+    try:
+        text = pyproject.read_text("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return root if _NAMES_KVGEN.search(text) else None
+
+
 def data_dir(name: str) -> Path:
     """A folder of the checkout (specs/, templates/, generated/), or its installed copy
     inside the package (kvgen/specs, ...) when kvgen was installed from a wheel."""
-    checkout = REPO_ROOT / name
-    return checkout if checkout.is_dir() else PACKAGE_DIR / name
+    checkout = source_checkout()
+    return checkout / name if checkout is not None else PACKAGE_DIR / name
 
 
 BUILTIN_SPECS = data_dir("specs")
@@ -37,38 +57,16 @@ class Library:
         object.__setattr__(self, "_by_name", {s.name: s for s in self.specs})
 
     def __getitem__(self, name: str) -> Spec:
-        """A spec by its name or an alias (any case), or by an LMCache format name that one
-        spec carries; an unknown or ambiguous name raises KVLayoutError saying the valid ones."""
+        """A spec by its name, an alias or an LMCache format name (see kvgen.names); an
+        unknown or ambiguous name raises KVLayoutError saying the valid ones."""
         by_name: dict[str, Spec] = self._by_name  # type: ignore[attr-defined]
-        if name in by_name:
-            return by_name[name]
-        exact = [s for s in self.specs if name in s.aliases]
-        if len(exact) == 1:
-            return exact[0]
-        # Tiers, first match wins: names and aliases in any case, then LMCache's format names.
-        key = name.casefold()
-        tiers = (
-            ("name or alias", lambda s: [s.name, *s.aliases]),
-            ("LMCache format name", lambda s: [f for f in (s.format, s.lmcache_format) if f]),
-        )
-        for what, labels in tiers:
-            found = [s for s in self.specs if key in (label.casefold() for label in labels(s))]
-            if len(found) == 1:
-                return found[0]
-            if found:
-                raise KVLayoutError(f"{name!r} is the {what} of {len(found)} specs: "
-                                    f"{', '.join(s.name for s in found)}; name one of them")
-        raise KVLayoutError(f"no layout or object named {name!r} (names and aliases match in any case, "
-                            f"as do LMCache format names); known: {', '.join(self.described_names())}")
+        return by_name[resolve(name, self.named())]
+
+    def named(self) -> list[Named]:
+        return [Named(s.name, s.aliases, tuple(f for f in (s.format, s.lmcache_format) if f)) for s in self.specs]
 
     def described_names(self) -> list[str]:
-        """`vllm_flash_attn_nhd (NHD)`, `kv_2ltd (KV_2LTD)`: every name with its aliases or
-        format name, sorted."""
-        out = []
-        for s in sorted(self.specs, key=lambda s: s.name):
-            other = [a for a in (*s.aliases, s.format) if a]
-            out.append(s.name + (f" ({', '.join(other)})" if other else ""))
-        return out
+        return described(self.named())
 
     @property
     def paged(self) -> tuple[Spec, ...]:

@@ -168,10 +168,10 @@ def check_library(entries: Sequence[tuple[Spec, Document]], known_formats: Seque
         names.setdefault(spec.name, spec)
     for spec, doc in entries:
         for i, alias in enumerate(spec.aliases):
-            owner = labels.get(alias) or (names.get(alias.lower()) if alias.lower() != spec.name else None)
+            owner = labels.get(alias.casefold()) or (names.get(alias.lower()) if alias.lower() != spec.name else None)
             if owner is not None and owner is not spec:
                 out.append(doc.problem(("aliases", i), f"alias {alias!r} is already used by {owner.source}"))
-            labels.setdefault(alias, spec)
+            labels.setdefault(alias.casefold(), spec)  # lookups ignore case, so clashes do too
         if spec.format:
             # Whole and per-layer objects may share a format (KV_MLA_FMT); its code must agree.
             other = formats.setdefault(spec.format, spec)

@@ -9,30 +9,18 @@ using that environment, so a build must not change it.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import kvgen
 from kvgen.errors import BuildError, display_path
+from kvgen.spec import library
 
 #: The imported kvgen package folder (a test swaps it for a fake installed one).
 PACKAGE_DIR = Path(kvgen.__file__).resolve().parent
 
-# `name = "kvgen"` at the start of a line of pyproject.toml (tomllib is not in Python 3.10).
-_NAMES_KVGEN = re.compile(r"""^\s*name\s*=\s*["']kvgen["']\s*(#.*)?$""", re.MULTILINE)
-
-
 def source_checkout(package_dir: Path | None = None) -> Path | None:
     """The checkout holding `package_dir` (default: the imported kvgen), or None when installed."""
-    root = (package_dir or PACKAGE_DIR).parent
-    pyproject = root / "pyproject.toml"
-    if not ((root / "specs").is_dir() and (root / "templates").is_dir() and pyproject.is_file()):
-        return None
-    try:
-        text = pyproject.read_text("utf-8")
-    except (OSError, UnicodeDecodeError):
-        return None
-    return root if _NAMES_KVGEN.search(text) else None
+    return library.source_checkout(package_dir or PACKAGE_DIR)
 
 
 def default_out() -> Path:
