@@ -29,6 +29,7 @@ from harness import (
 )
 
 from kvgen import generated
+from kvgen.oracle.scenarios import check_connector
 from kvgen.plan.copy import plan_library
 from kvgen.runtime import KVLayoutError
 from kvgen.spec.library import load_library
@@ -54,7 +55,7 @@ def _setup(module: str, scenario: str, dtype: torch.dtype, device: str):
     mapping_list = sc.mapping(rng, EXT)
     mapping = torch.tensor(mapping_list, dtype=torch.long, device=device)
     connector = generated.get(plan.paged.name, plan.obj.name)(device=device)
-    cache = make_cache(plan.paged, dtype, device, sc.strided)
+    cache = make_cache(plan.paged, dtype, device, sc.strided, sc.odd_cache)
     connector.bind(cache)
     return plan, sc, mapping_list, mapping, connector, cache
 
@@ -63,7 +64,7 @@ def _setup(module: str, scenario: str, dtype: torch.dtype, device: str):
 def test_store_matches_reference(case: tuple, device: str) -> None:
     plan, sc, mapping_list, mapping, connector, cache = _setup(*case, device)
     lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=False)]
-    objs = make_objects(connector, connector.layerwise, lengths, case[2], device, salt=7)
+    objs = make_objects(connector, connector.layerwise, lengths, case[2], device, salt=7, odd_offset=sc.odd_objects)
     expected = make_objects(connector, connector.layerwise, lengths, case[2], device, salt=7)
     before = clone_tree(cache)
 
@@ -83,7 +84,8 @@ def test_store_matches_reference(case: tuple, device: str) -> None:
 def test_load_matches_reference(case: tuple, device: str) -> None:
     plan, sc, mapping_list, mapping, connector, cache = _setup(*case, device)
     lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=False)]
-    objs = make_objects(connector, connector.layerwise, lengths, case[2], device, salt=500, fmt=connector.format)
+    objs = make_objects(connector, connector.layerwise, lengths, case[2], device, salt=500, fmt=connector.format,
+                        odd_offset=sc.odd_objects)
     expected = clone_tree(cache)
 
     yields = connector_load(connector, objs, sc, cache, mapping)
@@ -91,6 +93,49 @@ def test_load_matches_reference(case: tuple, device: str) -> None:
 
     assert same_bits(cache, expected), "loaded cache differs from the reference"
     assert yields == (EXT["L"] + 2 if connector.layerwise else 0)
+
+
+def test_minus1_scenarios_cover_every_position() -> None:
+    """-1 slots before, inside, between and after whole blocks, at both ends of chunks and
+    in every token; the tests above run each scenario, store and load, on every connector."""
+    n = EXT["N"]
+
+    def chunks(name: str) -> list[list[int]]:
+        sc = SCENARIOS[name]
+        mapping = sc.mapping(random.Random(0), EXT)
+        return [mapping[s:e] for s, e in zip(sc.starts, sc.ends, strict=True)]
+
+    def whole(c: list[int], i: int) -> bool:
+        return c[i] >= 0 and c[i] % n == 0 and c[i:i + n] == list(range(c[i], c[i] + n))
+
+    (c,) = chunks("minus1_before_blocks")
+    assert c[:3] == [-1] * 3 and whole(c, 3)
+    (c,) = chunks("minus1_inside_block")
+    assert whole(c, 0) and c[n + 1] == -1 and whole(c, 2 * n)
+    (c,) = chunks("minus1_between_blocks")
+    assert whole(c, 0) and c[n] == -1 and whole(c, n + 1)
+    assert chunks("minus1_after_blocks") == [[8, 9, 10, 11, 20, 21, 22, 23, 28, 29, -1, 31]]
+    (c,) = chunks("minus1_after_consecutive_blocks")
+    assert whole(c, 0) and c[n] == c[0] + n and c[2 * n] == -1
+    ends = chunks("minus1_chunk_ends")
+    assert all(c[0] == -1 and c[-1] == -1 for c in ends) and set(ends[1]) == {-1}
+    assert any(whole(c, i) for c in ends for i in range(len(c) - n + 1))
+    assert {s for c in chunks("minus1_all") for s in c} == {-1}
+    assert {(m, s) for m, s, d in CASES if d == torch.float32} == {(m, s) for m in PLANS for s in SCENARIOS}
+
+
+#: One connector, caches and objects of other strides and storage offsets in turn: a wide
+#: copy word worked out for one cache must not be used for the next.
+SEQUENCE = ["whole_blocks", "strided_cache", "minus1_between_blocks", "odd_offset_cache", "whole_blocks",
+            "odd_offset_objects", "minus1_after_blocks"]
+
+
+@pytest.mark.parametrize("module", list(PLANS))
+def test_one_connector_meets_caches_of_other_strides(module: str, device: str) -> None:
+    plan = PLANS[module]
+    results = check_connector(generated, plan.paged, plan.obj, device, [SCENARIOS[s] for s in SEQUENCE])
+    wrong = [(name, r) for name, r in zip(SEQUENCE, results, strict=True) if r != (True, True)]
+    assert not wrong, f"(store ok, load ok) differ from the reference: {wrong}"
 
 
 @pytest.mark.parametrize("module", list(PLANS))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from harness import EXT, make_cache
+from harness import EXT, make_cache, same_bits, tensors_of
 
 from kvgen.oracle import reference
 from kvgen.spec.library import load_library
@@ -73,3 +73,21 @@ def test_codes_are_unique_per_element() -> None:
     cache = make_cache(LIB["vllm_flash_attn_nhd"], torch.bfloat16, "cpu")
     codes = torch.cat([t.view(torch.int16).flatten() for t in cache])
     assert codes.unique().numel() == codes.numel()
+
+
+def test_make_cache_gives_fresh_coded_leaves() -> None:
+    """make_cache copies one coded template: a cache written by a test never leaks into the
+    next, and strided or odd-offset leaves hold the same codes as fill_cache writes."""
+    spec = LIB["vllm_kv_tuple"]
+    first = make_cache(spec, torch.bfloat16, "cpu")
+    for t in tensors_of(first):
+        t.zero_()
+    direct = reference.nest(spec, EXT, lambda path: torch.zeros(reference.leaf_shape(spec, EXT),
+                                                                dtype=torch.bfloat16))
+    reference.fill_cache(spec, EXT, direct, torch.bfloat16)
+    for strided, odd in [(False, False), (True, False), (False, True)]:
+        cache = make_cache(spec, torch.bfloat16, "cpu", strided, odd)
+        assert same_bits(cache, direct)
+        leaves = tensors_of(cache)
+        assert all(t.is_contiguous() != strided for t in leaves)
+        assert all((t.storage_offset() % 2 == 1) == odd for t in leaves)

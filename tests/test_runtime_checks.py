@@ -19,10 +19,11 @@ from typing import Any
 
 import pytest
 import torch
-from harness import EXT, block_table_mapping, make_cache, make_objects
+from harness import EXT, block_table_mapping, clone_tree, make_cache, make_objects, same_bits
 
 from kvgen import generated
 from kvgen.notation import format_layout as arrow
+from kvgen.oracle import reference
 from kvgen.runtime import KVLayoutError, MemoryObj
 from kvgen.runtime.connector import _same_device
 from kvgen.runtime.memory import Format
@@ -508,9 +509,26 @@ def test_skip_prefix_out_of_range(case: Case, skip: int) -> None:
             f"tokens, got {skip}", skip_prefix_n_tokens=skip)
 
 
-def test_positions_may_be_integer_scalars(case: Case) -> None:
-    """Integer tensors and numpy-style integer scalars are fine as starts/ends."""
-    case.run("store", case.objects("store"), starts=torch.tensor(STARTS), ends=[torch.tensor(6), 13])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_positions_may_be_integer_scalars(case: Case, direction: str) -> None:
+    """An int32 tensor of starts and a 0-d tensor among the ends move exactly the tokens the
+    same positions as Python ints move, checked against the reference."""
+    paged, obj = LIBRARY[case.paged], LIBRARY[case.obj]
+    objs = case.objects(direction)
+    if case.layerwise:  # [layer][chunk] -> per chunk, the list of per-layer tensors
+        chunks = [[objs[layer][i].tensor for layer in range(EXT["L"])] for i in range(len(STARTS))]
+    else:
+        chunks = [o.tensor for o in objs]
+    want_chunks, want_cache = clone_tree(chunks), clone_tree(case.cache)
+    before = clone_tree((chunks, case.cache))
+
+    case.run(direction, objs, starts=torch.tensor(STARTS, dtype=torch.int32), ends=[torch.tensor(ENDS[0]), ENDS[1]])
+    mapping = case.mapping.tolist()
+    for i, (start, end) in enumerate(zip(STARTS, ENDS, strict=True)):
+        move = reference.store if direction == "store" else reference.load
+        move(paged, obj, EXT, want_cache, want_chunks[i], mapping, start, end)
+    assert same_bits((chunks, case.cache), (want_chunks, want_cache)), "data differ from the reference"
+    assert not same_bits((chunks, case.cache), before), "nothing moved"
 
 
 # -- how many objects --------------------------------------------------------------------------------

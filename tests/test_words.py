@@ -36,3 +36,19 @@ def test_widest_respects_strides_and_content() -> None:
     assert widest([t], 4) == 8            # 4 bf16 values per head: 8 bytes
     assert widest([t[:, :, 1:]], 127) == 2   # odd content: element by element
     assert widest([t.transpose(0, 2)], 128) == 2  # last dim not contiguous
+
+
+@pytest.mark.parametrize(("offset", "width"), [(0, 16), (1, 2), (2, 4), (4, 8), (8, 16), (12, 8)])
+def test_widest_respects_storage_offset(offset: int, width: int) -> None:
+    """A view starting `offset` bf16 values into its storage allows words that divide its
+    start; the chosen word view must exist and move the same bits."""
+    buf = every_pattern()[: 4 * 8 * 128 + 16].view(torch.bfloat16)
+    t = buf[offset:offset + 4 * 8 * 128].view(4, 8, 128)
+    assert widest([t], 128) == width
+    assert widest([torch.zeros(4, 8, 128, dtype=torch.bfloat16), t], 128) == width
+    rows = t.view(32, 128)
+    wide = rows.view(words(width, 2, 128).dtype)  # raises if the width does not fit the start
+    index = torch.arange(31, -1, -1)
+    out = torch.empty_like(wide)
+    take_rows(wide, index, out)
+    assert torch.equal(out.view(torch.int16), rows.view(torch.int16)[index])

@@ -2,13 +2,21 @@
 caches and objects, slot-mapping scenarios, and one transfer run through a connector and
 through the reference. Cache elements carry the code of their coordinates (layer, kv, slot, head,
 c), objects codes of their own positions; comparisons are bitwise.
+
+The -1 scenarios put skipped tokens at every place relative to whole blocks (before, inside,
+between, after, at both chunk ends, everywhere), because a connector moves whole in-order
+blocks on a fast path and the tokens around them one by one: a -1 must never be taken into
+the block path or shift the tokens after it. The storage scenarios hand over caches and
+objects whose strides or storage offsets forbid wide copy words.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
@@ -28,14 +36,24 @@ def block_table_mapping(seq_len: int, rng: random.Random, ext: dict[str, int]) -
     return [blocks[i // ext["N"]] * ext["N"] + i % ext["N"] for i in range(seq_len)]
 
 
+def whole_blocks(rng: random.Random, ext: dict[str, int], count: int) -> list[list[int]]:
+    """`count` distinct blocks in random order, each as its N slots in order."""
+    n = ext["N"]
+    return [[b * n + i for i in range(n)] for b in rng.sample(range(ext["B"]), count)]
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
     starts: tuple[int, ...]
     ends: tuple[int, ...]
     mapping: Callable[[random.Random, dict[str, int]], list[int]]
+    #: Cache leaves are permuted views into a larger buffer (last dim not contiguous).
     strided: bool = False
     offset: int = 0
+    #: Cache leaves / memory objects start one element into their storage.
+    odd_cache: bool = False
+    odd_objects: bool = False
 
     @property
     def seq_len(self) -> int:
@@ -50,6 +68,44 @@ def _prefix_hit(rng: random.Random, ext: dict[str, int]) -> list[int]:
     return [-1] * 6 + block_table_mapping(16, rng, ext)[6:]
 
 
+def _minus1_before(rng: random.Random, ext: dict[str, int]) -> list[int]:
+    a, b, c = whole_blocks(rng, ext, 3)
+    return [-1] * 3 + a + b + c
+
+
+def _minus1_inside(rng: random.Random, ext: dict[str, int]) -> list[int]:
+    a, b, c, d = whole_blocks(rng, ext, 4)
+    return a + [b[0], -1, *b[2:]] + c + d
+
+
+def _minus1_between(rng: random.Random, ext: dict[str, int]) -> list[int]:
+    a, b, c = whole_blocks(rng, ext, 3)
+    return a + [-1] + b + [-1, -1] + c
+
+
+def _minus1_after(rng: random.Random, ext: dict[str, int]) -> list[int]:
+    """Two whole blocks, then a block whose third token is skipped: `[8,9,10,11, 20,21,22,23,
+    28,29,-1,31]` at N=4. A connector that took the -1 into its whole-block planning would
+    write the cache's last slot for it and drop the token after it."""
+    n = ext["N"]
+    last = list(range(7 * n, 8 * n))
+    last[2] = -1
+    return list(range(2 * n, 3 * n)) + list(range(5 * n, 6 * n)) + last
+
+
+def _minus1_after_consecutive(rng: random.Random, ext: dict[str, int]) -> list[int]:
+    """As above with consecutive blocks, which move as one slice."""
+    n = ext["N"]
+    return list(range(3 * n, 5 * n)) + [-1] + list(range(5 * n + 1, 6 * n))
+
+
+def _minus1_chunk_ends(rng: random.Random, ext: dict[str, int]) -> list[int]:
+    """Chunks [0, 10), [10, 13), [13, 24): -1 first and last in each, the middle one all -1,
+    partial blocks next to the -1s of the last."""
+    a, b, c, d, e = whole_blocks(rng, ext, 5)
+    return [-1] + a + b + [-1] + [-1] * 3 + [-1, -1] + c[2:] + d + e[:1] + [-1, -1]
+
+
 SCENARIOS = {
     s.name: s for s in (
         Scenario("random_slots", (0,), (20,), _random_slots),
@@ -59,13 +115,27 @@ SCENARIOS = {
         Scenario("noncontiguous_chunks", (0, 7, 19), (4, 13, 25), lambda r, e: block_table_mapping(25, r, e)),
         Scenario("consecutive_blocks", (0,), (16,), lambda r, e: [e["N"] * 3 + i for i in range(16)]),
         Scenario("strided_cache", (0,), (16,), lambda r, e: block_table_mapping(16, r, e), strided=True),
+        Scenario("minus1_before_blocks", (0,), (15,), _minus1_before),
+        Scenario("minus1_inside_block", (0,), (16,), _minus1_inside),
+        Scenario("minus1_between_blocks", (0,), (15,), _minus1_between),
+        Scenario("minus1_after_blocks", (0,), (12,), _minus1_after),
+        Scenario("minus1_after_consecutive_blocks", (0,), (12,), _minus1_after_consecutive),
+        Scenario("minus1_chunk_ends", (0, 10, 13), (10, 13, 24), _minus1_chunk_ends),
+        Scenario("minus1_all", (0, 5), (5, 12), lambda r, e: [-1] * 12),
+        Scenario("odd_offset_cache", (0,), (15,), _minus1_between, odd_cache=True),
+        Scenario("odd_offset_objects", (0,), (15,), _minus1_between, odd_objects=True),
     )
 }
 
 
-def allocate(shape: Sequence[int], dtype: torch.dtype, device: str, strided: bool) -> torch.Tensor:
+def allocate(shape: Sequence[int], dtype: torch.dtype, device: str, strided: bool,
+             odd_offset: bool = False) -> torch.Tensor:
     """A tensor of `shape`; when strided, a view into a larger buffer with every dim
-    permuted and a storage offset, as engines hand out per-layer views."""
+    permuted and a storage offset, as engines hand out per-layer views; with odd_offset,
+    contiguous but starting one element into its storage (so no wider word fits it)."""
+    if odd_offset:
+        flat = torch.zeros(math.prod(shape) + 1, dtype=dtype, device=device)
+        return flat[1:].view(tuple(shape))
     if not strided:
         return torch.zeros(tuple(shape), dtype=dtype, device=device)
     rev = tuple(reversed(shape))
@@ -73,11 +143,27 @@ def allocate(shape: Sequence[int], dtype: torch.dtype, device: str, strided: boo
     return big.permute(*reversed(range(len(shape))))
 
 
-def make_cache(paged: Spec, dtype: torch.dtype, device: str, strided: bool = False) -> Any:
+@cache
+def _filled(paged: Spec, dtype: torch.dtype) -> Any:
+    """The coded cache of a layout, computed once (the reference fills it element by
+    element); make_cache copies it into freshly allocated leaves. Never written to."""
     shape = reference.leaf_shape(paged, EXT)
-    cache = reference.nest(paged, EXT, lambda path: allocate(shape, dtype, device, strided))
+    cache = reference.nest(paged, EXT, lambda path: torch.zeros(shape, dtype=dtype))
     reference.fill_cache(paged, EXT, cache, dtype)
     return cache
+
+
+def make_cache(paged: Spec, dtype: torch.dtype, device: str, strided: bool = False,
+               odd_offset: bool = False) -> Any:
+    shape = reference.leaf_shape(paged, EXT)
+    template = _filled(paged, dtype)
+
+    def leaf(path: tuple[int, ...]) -> torch.Tensor:
+        t = allocate(shape, dtype, device, strided, odd_offset)
+        bits(t).copy_(bits(reference.leaf(template, path)))
+        return t
+
+    return reference.nest(paged, EXT, leaf)
 
 
 def clone_tree(tree: Any) -> Any:
@@ -97,18 +183,19 @@ def same_bits(a: Any, b: Any) -> bool:
 
 
 def make_objects(connector: Any, layerwise: bool, lengths: Sequence[int], dtype: torch.dtype,
-                 device: str, salt: int, fmt: Any = None) -> list[Any]:
+                 device: str, salt: int, fmt: Any = None, *, odd_offset: bool = False) -> list[Any]:
     """Objects per chunk, filled with codes distinct from the cache's: one tensor per
-    chunk, or (layerwise) a list of per-layer tensors per chunk."""
+    chunk, or (layerwise) a list of per-layer tensors per chunk; with odd_offset each
+    tensor starts one element into its storage."""
     out = []
     for i, n in enumerate(lengths):
         shape = connector.get_shape(n)
         if layerwise:
-            layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(connector.geometry.L)]
+            layers = [allocate(shape, dtype, device, False, odd_offset) for _ in range(connector.geometry.L)]
             reference.fill_object(layers, dtype, salt + 100000 * i)
             out.append([MemoryObj(t, fmt) for t in layers])
         else:
-            t = torch.zeros(shape, dtype=dtype, device=device)
+            t = allocate(shape, dtype, device, False, odd_offset)
             reference.fill_object([t], dtype, salt + 100000 * i)
             out.append(MemoryObj(t, fmt))
     return out
@@ -161,17 +248,20 @@ def reference_load(paged: Spec, obj: Spec, cache: Any, objs: list[Any], sc: Scen
 
 
 def check_pair(package: Any, paged: Spec, obj: Spec, device: str, scenario: Scenario,
-               dtype: torch.dtype = torch.float32) -> tuple[bool, bool]:
-    """(store ok, load ok) of one generated connector against the reference."""
+               dtype: torch.dtype = torch.float32, connector: Any = None) -> tuple[bool, bool]:
+    """(store ok, load ok) of one generated connector against the reference; a fresh
+    connector unless one is given."""
     rng = random.Random(f"{paged.name}/{obj.name}/{scenario.name}")
     mapping_list = scenario.mapping(rng, EXT)
     mapping = torch.tensor(mapping_list, dtype=torch.long, device=device)
-    connector = package.get(paged.name, obj.name)(device=device)
+    if connector is None:
+        connector = package.get(paged.name, obj.name)(device=device)
     lengths = [e - s for s, e in zip(scenario.starts, scenario.ends, strict=False)]
 
-    cache = make_cache(paged, dtype, device, scenario.strided)
+    cache = make_cache(paged, dtype, device, scenario.strided, scenario.odd_cache)
     connector.bind(cache)
-    objs = make_objects(connector, connector.layerwise, lengths, dtype, device, salt=7)
+    objs = make_objects(connector, connector.layerwise, lengths, dtype, device, salt=7,
+                        odd_offset=scenario.odd_objects)
     want = make_objects(connector, connector.layerwise, lengths, dtype, device, salt=7)
     connector_store(connector, objs, scenario, cache, mapping)
     reference_store(paged, obj, cache, want, scenario, mapping_list)
@@ -184,3 +274,12 @@ def check_pair(package: Any, paged: Spec, obj: Spec, device: str, scenario: Scen
     connector_load(connector, objs, scenario, cache, mapping)
     reference_load(paged, obj, expected, objs, scenario, mapping_list)
     return store_ok, same_bits(cache, expected)
+
+
+def check_connector(package: Any, paged: Spec, obj: Spec, device: str, scenarios: Sequence[Scenario],
+                    dtype: torch.dtype = torch.float32, **options: Any) -> list[tuple[bool, bool]]:
+    """check_pair for each scenario in turn through one connector (built with `options`),
+    as an engine keeps one: each new cache (other strides, other storage offsets) must be
+    met afresh, never with what the connector worked out for an earlier one."""
+    connector = package.get(paged.name, obj.name)(device=device, **options)
+    return [check_pair(package, paged, obj, device, sc, dtype, connector) for sc in scenarios]
