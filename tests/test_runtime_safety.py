@@ -19,8 +19,9 @@ import torch
 from harness import clone_tree, same_bits
 
 from kvgen import generated
+from kvgen.errors import KVGenError
 from kvgen.oracle import reference
-from kvgen.runtime import KVLayoutError, MemoryObj
+from kvgen.runtime import KVLayoutError, MemoryObj, available_devices
 from kvgen.spec.library import load_library
 
 LIB = load_library()
@@ -367,3 +368,371 @@ def test_one_connector_shared_by_four_threads(obj: str, use_gpu: bool) -> None:
     finally:
         sys.setswitchinterval(interval)
     assert not failures, f"{len(failures)} of {calls * threads_n} calls failed:\n" + "\n".join(failures[:10])
+
+
+# -- 3. inputs that alias ---------------------------------------------------------------------------
+
+#: Two chunks of equal length, so one object could (wrongly) serve both.
+EVEN_STARTS, EVEN_ENDS = (0, 6), (6, 12)
+
+
+def even_objs(conn: Any, cache: Any, direction: str, salt: int = 21) -> list[Any]:
+    return make_objs(conn, cache, [6, 6], salt, conn.format if direction == "load" else None)
+
+
+def run(direction: str, conn: Any, objs: list[Any], cache: Any, mapping: list[int] | torch.Tensor,
+        starts: Any = EVEN_STARTS, ends: Any = EVEN_ENDS, **kwargs: Any) -> None:
+    move = run_store if direction == "store" else run_load
+    move(conn, objs, cache, torch.as_tensor(mapping), starts, ends, **kwargs)
+
+
+def first_checked_layer(direction: str) -> int:
+    """Where a bad layerwise object goes so that nothing at all may be written: the last
+    layer of a store (all are checked first), layer 0 of a load (each layer is checked as it
+    arrives, so layers before a bad one are loaded; see the layerwise tests below)."""
+    return 2 if direction == "store" else 0
+
+
+def replace(objs: list[Any], chunk: int, layer: int | None, new: Any) -> None:
+    if layer is None:
+        objs[chunk] = new
+    else:
+        objs[chunk][layer] = new
+
+
+@pytest.mark.parametrize("obj", [WHOLE, LAYERWISE])
+@pytest.mark.parametrize("where", ["one_chunk", "two_chunks"])
+def test_load_refuses_duplicate_slots(obj: str, where: str) -> None:
+    """Two tokens of one load for one slot: the last would silently win."""
+    conn = connector(obj)
+    cache = build_cache(SMALL, torch.float32)
+    mapping = mapping_for(SMALL, 12, 5)
+    first, second = (1, 4) if where == "one_chunk" else (2, 10)
+    mapping[second] = mapping[first]
+    objs = even_objs(conn, cache, "load")
+    expected = rf"slot {mapping[first]} is written by more than one token .*tokens \[{first}, {second}\]"
+    with nothing_written(cache, objs), pytest.raises(KVLayoutError, match=expected):
+        run("load", conn, objs, cache, mapping)
+
+
+@pytest.mark.parametrize("obj", [WHOLE, LAYERWISE])
+def test_repeated_slots_that_move_nothing_are_fine(obj: str) -> None:
+    """-1 repeats; a repeat inside the skipped prefix; a store reading one slot twice."""
+    conn = connector(obj)
+    cache = build_cache(SMALL, torch.float32)
+    mapping = mapping_for(SMALL, 12, 6)
+    mapping[0] = mapping[7]  # token 0 is skipped in the load
+    mapping[3] = mapping[9] = -1
+    objs = even_objs(conn, cache, "load")
+    want = clone_tree(cache)
+    run("load", conn, objs, cache, mapping, skip_prefix_n_tokens=1)
+    ref_load(obj, SMALL, want, objs, mapping, EVEN_STARTS, EVEN_ENDS, skip=1)
+    assert same_bits(cache, want)
+    got, expected = even_objs(conn, cache, "store"), even_objs(conn, cache, "store")
+    run("store", conn, got, cache, mapping)
+    ref_store(obj, SMALL, cache, expected, mapping, EVEN_STARTS, EVEN_ENDS)
+    assert same_bits(tensors(got), tensors(expected))
+
+
+def folded(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s shape over a buffer half its size: the token dim steps half a token, so
+    neighbouring tokens share elements (no stride is 0)."""
+    shape, strides = list(t.shape), list(t.contiguous().stride())
+    tok = next(i for i, n in enumerate(shape) if n == 6)  # the token dim of a 6-token object
+    strides[tok] = max(1, strides[tok] // 2)
+    return torch.zeros(t.numel(), dtype=t.dtype).as_strided(shape, strides)
+
+
+@pytest.mark.parametrize("obj", [WHOLE, LAYERWISE])
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_object_overlapping_itself(obj: str, direction: str) -> None:
+    conn = connector(obj)
+    cache = build_cache(SMALL, torch.float32)
+    objs = even_objs(conn, cache, direction)
+    layer = None if obj == WHOLE else first_checked_layer(direction)
+    victim = objs[1] if layer is None else objs[1][layer]
+    replace(objs, 1, layer, MemoryObj(folded(victim.tensor), victim.metadata.fmt))
+    with nothing_written(cache, objs), pytest.raises(KVLayoutError, match="may address one element twice"):
+        run(direction, conn, objs, cache, mapping_for(SMALL, 12, 7))
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_cache_tensor_overlapping_itself(direction: str) -> None:
+    """A cache view whose tokens step by one head: slots share elements."""
+    conn = connector(WHOLE)
+    ext = SMALL
+    cache = build_cache(ext, torch.float32)
+    t = cache[1]
+    kv, b, n, h, c = t.shape
+    cache[1] = t.as_strided(t.shape, (b * n * h * c, n * h * c, c, c, 1))
+    objs = even_objs(conn, build_cache(ext, torch.float32), direction)
+    with nothing_written(cache, objs), pytest.raises(KVLayoutError, match=r"cache tensor kvcaches\[1\] may address "
+                                                                          "one element twice"):
+        run(direction, conn, objs, cache, mapping_for(ext, 12, 8))
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+@pytest.mark.parametrize("how", ["same_tensor", "shifted_view"])
+def test_cache_tensors_sharing_memory(direction: str, how: str) -> None:
+    conn = connector(WHOLE)
+    good = build_cache(SMALL, torch.float32)
+    objs = even_objs(conn, good, direction)
+    cache = build_cache(SMALL, torch.float32)
+    if how == "same_tensor":
+        cache[2] = cache[0]
+        match = r"cache tensors kvcaches\[0\] and kvcaches\[2\] are the same memory"
+    else:  # layer 2 starts one token into layer 1's memory
+        flat = torch.zeros(cache[1].numel() * 2, dtype=torch.float32)
+        step = cache[1].stride(2)
+        cache[1] = flat[:cache[1].numel()].view(cache[1].shape)
+        cache[2] = flat[step:step + cache[2].numel()].view(cache[2].shape)
+        match = r"cache tensors kvcaches\[1\] and kvcaches\[2\] share memory"
+    with nothing_written(cache, objs), pytest.raises(KVLayoutError, match=match):
+        run(direction, conn, objs, cache, mapping_for(SMALL, 12, 9))
+
+
+@pytest.mark.parametrize("obj", [WHOLE, LAYERWISE])
+def test_interleaved_cache_tensors_are_fine(obj: str) -> None:
+    """Per-layer views of one allocation [KV B L N H C]: every layer's byte range spans the
+    others', yet no element is shared. Moved exactly like separate tensors."""
+    spec = LIB[NHD]
+    kv, b, n, h, c = reference.leaf_shape(spec, SMALL)
+    big = torch.zeros(kv, b, SMALL["L"], n, h, c)
+    cache = [big[:, :, layer] for layer in range(SMALL["L"])]
+    reference.fill_cache(spec, SMALL, cache, torch.float32)
+    conn = connector(obj)
+    check_store(conn, obj, SMALL, cache)
+    check_load(conn, obj, SMALL, cache)
+
+
+@pytest.mark.parametrize("obj", [WHOLE, LAYERWISE])
+@pytest.mark.parametrize("direction", ["store", "load"])
+@pytest.mark.parametrize("how", ["same_object", "same_tensor", "overlapping_view"])
+def test_objects_of_two_chunks_sharing_memory(obj: str, direction: str, how: str) -> None:
+    conn = connector(obj)
+    cache = build_cache(SMALL, torch.float32)
+    objs = even_objs(conn, cache, direction)
+    layer = None if obj == WHOLE else first_checked_layer(direction)
+    first = objs[0] if layer is None else objs[0][layer]
+    if how == "same_object":
+        new = first
+    elif how == "same_tensor":
+        new = MemoryObj(first.tensor, first.metadata.fmt)
+    else:  # a second object one token into the first one's memory
+        pool = torch.zeros(first.tensor.numel() * 2)
+        pool[:first.tensor.numel()] = first.tensor.reshape(-1)
+        step = first.tensor.numel() // 6
+        replace(objs, 0, layer, MemoryObj(pool[:first.tensor.numel()].view(first.tensor.shape), first.metadata.fmt))
+        new = MemoryObj(pool[step:step + first.tensor.numel()].view(first.tensor.shape), first.metadata.fmt)
+    replace(objs, 1, layer, new)
+    what = "are the same memory" if how != "overlapping_view" else "share memory"
+    where = ("for chunk 0 and for chunk 1" if layer is None
+             else f"for layer {layer}, chunk 0 and for layer {layer}, chunk 1")
+    with nothing_written(cache, objs), pytest.raises(KVLayoutError, match=f"memory objects {where} {what}"):
+        run(direction, conn, objs, cache, mapping_for(SMALL, 12, 10))
+
+
+def test_objects_from_one_pool_are_fine() -> None:
+    """Objects cut side by side from one buffer (as LMCache's allocator does) share nothing."""
+    conn = connector(WHOLE)
+    cache = build_cache(SMALL, torch.float32)
+    mapping = mapping_for(SMALL, 12, 11)
+    want = even_objs(conn, cache, "store")
+    size = want[0].tensor.numel()
+    pool = torch.zeros(3 * size)
+    got = [MemoryObj(pool[i * size:(i + 1) * size].view(want[i].tensor.shape)) for i in (0, 1)]
+    for g, w in zip(got, want, strict=True):
+        g.tensor.copy_(w.tensor)
+    run("store", conn, got, cache, mapping)
+    ref_store(WHOLE, SMALL, cache, want, mapping, EVEN_STARTS, EVEN_ENDS)
+    assert same_bits(tensors(got), tensors(want))
+
+
+@pytest.mark.parametrize("obj", [WHOLE, LAYERWISE])
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_object_that_is_a_view_of_the_cache(obj: str, direction: str) -> None:
+    conn = connector(obj)
+    cache = build_cache(SMALL, torch.float32)
+    objs = even_objs(conn, cache, direction)
+    layer = None if obj == WHOLE else 0
+    victim = objs[1] if layer is None else objs[1][layer]
+    inside = cache[2].view(-1)[:victim.tensor.numel()].view(victim.tensor.shape)
+    replace(objs, 1, layer, MemoryObj(inside, victim.metadata.fmt))
+    with nothing_written(cache, objs), pytest.raises(KVLayoutError, match=r"shares memory with cache tensor "
+                                                                          r"kvcaches\[2\]"):
+        run(direction, conn, objs, cache, mapping_for(SMALL, 12, 12))
+
+
+# -- 5. layerwise: what is checked before the first write -------------------------------------------
+
+
+def layer_of(cache: list[torch.Tensor], layer: int) -> torch.Tensor:
+    return cache[layer].clone()
+
+
+def test_layerwise_store_checks_every_layer_before_the_first() -> None:
+    """The last layer's object shares memory with the first layer's: refused before layer 0 moves."""
+    conn = connector(LAYERWISE)
+    cache = build_cache(SMALL, torch.float32)
+    objs = even_objs(conn, cache, "store")
+    objs[1][2] = MemoryObj(objs[0][0].tensor)
+    with nothing_written(cache, objs), pytest.raises(KVLayoutError, match="for layer 0, chunk 0 and for layer 2, "
+                                                                          "chunk 1 are the same memory"):
+        run("store", conn, objs, cache, mapping_for(SMALL, 12, 13))
+
+
+@pytest.mark.parametrize("bad", ["same_object", "view_of_cache", "overlapping_itself"])
+def test_layerwise_load_refuses_a_layer_without_writing_any_of_it(bad: str) -> None:
+    """Objects arrive a layer at a time: layer 0 is loaded, layer 1 is refused as a whole
+    (its chunk 0 is not written either), layer 2 never arrives."""
+    conn = connector(LAYERWISE)
+    cache = build_cache(SMALL, torch.float32)
+    objs = even_objs(conn, cache, "load")
+    mapping = mapping_for(SMALL, 12, 14)
+    want = clone_tree(cache)
+    ref_load(LAYERWISE, SMALL, want, objs, mapping, EVEN_STARTS, EVEN_ENDS)  # its layer 0 is what must be loaded
+    victim = objs[1][1]
+    objs[1][1] = {
+        "same_object": lambda: objs[0][1],
+        "view_of_cache": lambda: MemoryObj(cache[0].view(-1)[:victim.tensor.numel()].view(victim.tensor.shape),
+                                           conn.format),
+        "overlapping_itself": lambda: MemoryObj(folded(victim.tensor), conn.format),
+    }[bad]()
+    before = [layer_of(cache, i) for i in range(3)]
+    gen = conn.batched_to_gpu(EVEN_STARTS, EVEN_ENDS, kvcaches=cache, slot_mapping=torch.tensor(mapping))
+    next(gen)
+    gen.send([c[0] for c in objs])
+    with pytest.raises(KVLayoutError):
+        gen.send([c[1] for c in objs])
+    assert same_bits(cache[0], want[0]), "layer 0 should be loaded exactly"
+    assert not torch.equal(cache[0], before[0])
+    assert torch.equal(cache[1], before[1]) and torch.equal(cache[2], before[2]), "a refused layer was written"
+
+
+# -- 4. unknown keywords, 7. the generator protocol -------------------------------------------------
+
+
+def whole_call(conn: Any, method: str, objs: list[Any], cache: Any, mapping: torch.Tensor, **kwargs: Any) -> None:
+    if method in ("from_gpu", "to_gpu"):
+        getattr(conn, method)(objs[0], 0, 6, kvcaches=cache, slot_mapping=mapping, **kwargs)
+    else:
+        getattr(conn, method)(objs, EVEN_STARTS, EVEN_ENDS, kvcaches=cache, slot_mapping=mapping, **kwargs)
+
+
+@pytest.mark.parametrize(("method", "keyword", "accepted"), [
+    ("from_gpu", "ofset", "kvcaches, slot_mapping, offset"),
+    ("from_gpu", "skip_prefix_n_tokens", "kvcaches, slot_mapping, offset"),
+    ("batched_from_gpu", "skip_prefix_n_tokens", "kvcaches, slot_mapping, offset"),
+    ("to_gpu", "ofset", "kvcaches, slot_mapping, offset, skip_prefix_n_tokens"),
+    ("batched_to_gpu", "skip_prefix", "kvcaches, slot_mapping, offset, skip_prefix_n_tokens"),
+    ("batched_to_gpu", "sync", "kvcaches, slot_mapping, offset, skip_prefix_n_tokens"),
+])
+def test_whole_connector_names_an_unknown_keyword(method: str, keyword: str, accepted: str) -> None:
+    conn = connector(WHOLE)
+    cache = build_cache(SMALL, torch.float32)
+    objs = even_objs(conn, cache, "load" if "to" in method else "store")
+    with nothing_written(cache, objs), pytest.raises(TypeError, match=rf"{method}\(\) got an unexpected keyword "
+                                                                      rf"argument '{keyword}'.*accepts: {accepted}$"):
+        whole_call(conn, method, objs, cache, torch.tensor(mapping_for(SMALL, 12, 15)), **{keyword: 2})
+
+
+@pytest.mark.parametrize(("method", "keyword", "accepted"), [
+    ("batched_from_gpu", "skip_prefix_n_tokens", "kvcaches, slot_mapping, offset, sync"),
+    ("batched_from_gpu", "ofset", "kvcaches, slot_mapping, offset, sync"),
+    ("batched_to_gpu", "ofset", "kvcaches, slot_mapping, offset, skip_prefix_n_tokens, sync"),
+])
+def test_layerwise_connector_names_an_unknown_keyword(method: str, keyword: str, accepted: str) -> None:
+    """Raised by the call itself, before the generator is even primed."""
+    conn = connector(LAYERWISE)
+    cache = build_cache(SMALL, torch.float32)
+    objs = even_objs(conn, cache, "store")
+    per_layer = [[c[layer] for c in objs] for layer in range(SMALL["L"])]
+    args = (per_layer, EVEN_STARTS, EVEN_ENDS) if method == "batched_from_gpu" else (EVEN_STARTS, EVEN_ENDS)
+    mapping = torch.tensor(mapping_for(SMALL, 12, 16))
+    with nothing_written(cache, objs), pytest.raises(TypeError, match=rf"{method}\(\) got an unexpected keyword "
+                                                                      rf"argument '{keyword}'.*accepts: {accepted}\."):
+        getattr(conn, method)(*args, kvcaches=cache, slot_mapping=mapping, **{keyword: 2})
+
+
+def test_did_you_mean() -> None:
+    conn = connector(WHOLE)
+    cache = build_cache(SMALL, torch.float32)
+    objs = even_objs(conn, cache, "store")
+    with pytest.raises(TypeError, match="'ofset' \\(did you mean 'offset'\\?\\)"):
+        whole_call(conn, "from_gpu", objs, cache, torch.tensor(mapping_for(SMALL, 12, 15)), ofset=0)
+
+
+def test_layerwise_generator_called_like_a_whole_transfer() -> None:
+    conn = connector(LAYERWISE)
+    cache = build_cache(SMALL, torch.float32)
+    objs = even_objs(conn, cache, "load")
+    mapping = torch.tensor(mapping_for(SMALL, 12, 17))
+    with nothing_written(cache, objs):
+        with pytest.raises(TypeError, match=r"batched_to_gpu\(\) of a layerwise connector takes 2 positional "
+                                            r"arguments.*prime it with next\(gen\), then gen\.send\(objs\) once per "
+                                            r"layer.*final next\(gen\) \(L \+ 2 steps in all\)"):
+            conn.batched_to_gpu(objs, EVEN_STARTS, EVEN_ENDS, kvcaches=cache, slot_mapping=mapping)
+        with pytest.raises(TypeError, match=r"batched_from_gpu\(\) of a layerwise connector takes 3 positional "
+                                            r"arguments.*memory_objs\[layer\]\[chunk\].*\(L \+ 1 steps in all\)"):
+            conn.batched_from_gpu(objs, EVEN_STARTS, EVEN_ENDS, cache, kvcaches=cache, slot_mapping=mapping)
+        with pytest.raises(TypeError, match=r"batched_to_gpu\(\) is missing keyword arguments 'kvcaches', "
+                                            r"'slot_mapping'\. batched_to_gpu is a generator"):
+            conn.batched_to_gpu(EVEN_STARTS, EVEN_ENDS)
+        with pytest.raises(TypeError, match=r"unexpected keyword argument 'memory_objs'.*gen\.send\(objs\)"):
+            conn.batched_to_gpu(EVEN_STARTS, EVEN_ENDS, memory_objs=objs, kvcaches=cache, slot_mapping=mapping)
+
+
+# -- 6. devices -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpu", "gpu:0", "cuda0"])
+def test_device_torch_does_not_know(name: str) -> None:
+    with pytest.raises(KVLayoutError, match=rf"device '{name}' is not a device torch knows.*connectors run on: "
+                                            r"cpu, cuda, xpu \(present here: cpu") as info:
+        connector(WHOLE, device=name)
+    assert isinstance(info.value, KVGenError)
+    if name.startswith("gpu"):
+        assert "an NVIDIA GPU is 'cuda', an Intel GPU 'xpu'" in str(info.value)
+
+
+def test_device_without_a_backend() -> None:
+    with pytest.raises(KVLayoutError, match="device 'meta': kvgen has no backend for device type 'meta'; "
+                                            "known: cpu, cuda, xpu"):
+        connector(WHOLE, device="meta")
+
+
+@pytest.mark.parametrize("kind", ["cuda", "xpu"])
+def test_absent_device_is_refused_at_construction(kind: str) -> None:
+    """On a machine without the device, construction says what is missing; with it, an
+    index past the last device is refused."""
+    label = kind.upper()
+    api = getattr(torch, kind, None)
+    if kind in available_devices():
+        count = api.device_count()
+        name, why = f"{kind}:{count}", f"there is no {kind}:{count}: {count} {label} device"
+    else:
+        name = kind
+        why = (f"was built without {label}" if kind == "cuda" and torch.version.cuda is None
+               else f"no {label}")
+    with pytest.raises(KVLayoutError, match=rf"device '{name}' is not available here: .*{why}") as info:
+        connector(WHOLE, device=name)
+    assert isinstance(info.value, KVGenError)
+
+
+def test_present_devices_are_accepted() -> None:
+    for kind in available_devices():
+        assert connector(WHOLE, device=kind).device == torch.device(kind)
+        assert connector(WHOLE, device=torch.device(kind)).device == torch.device(kind)
+
+
+def test_registered_backend_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend registered with a probe is refused where the probe says it is missing."""
+    from kvgen.runtime import devices
+
+    monkeypatch.setattr(devices, "_FACTORIES", dict(devices._FACTORIES))
+    monkeypatch.setattr(devices, "_PROBES", dict(devices._PROBES))
+    devices.register_backend("mtia", lambda d: devices.CpuBackend(), probe=lambda d: "no MTIA board in this box")
+    with pytest.raises(KVLayoutError, match="device 'mtia' is not available here: no MTIA board in this box"):
+        connector(WHOLE, device="mtia")
+    devices.register_backend("mtia", lambda d: devices.CpuBackend())
+    assert connector(WHOLE, device="mtia").device == torch.device("mtia")

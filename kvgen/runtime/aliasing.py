@@ -15,7 +15,7 @@ one buffer).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -181,22 +181,29 @@ def _union(extents: Sequence[Extent]) -> dict[torch.device, tuple[list[int], lis
 # -- memory objects -------------------------------------------------------------------------------
 
 
-def check_objects_apart(tensors: Sequence[torch.Tensor], names: Sequence[str], cache: CacheMemory,
+def check_objects_apart(tensors: Sequence[torch.Tensor], name: Callable[[int], str], cache: CacheMemory,
                         cache_names: Sequence[str]) -> None:
-    """Refuse object tensors that overlap themselves, each other, or the cache."""
+    """Refuse object tensors that overlap themselves, each other, or the cache. `name(k)`
+    says which object tensors[k] is ("for chunk 1"); it is called only for a message."""
     ranges = []
     for k, t in enumerate(tensors):
-        if overlaps_itself(t):
-            raise KVLayoutError(f"memory object {names[k]} may address one element twice (shape {list(t.shape)}, "
+        if t.is_contiguous():  # the usual object: no overlap with itself, one byte range
+            lo = t.data_ptr()
+            hi = lo + t.numel() * t.element_size()
+        elif overlaps_itself(t):
+            raise KVLayoutError(f"memory object {name(k)} may address one element twice (shape {list(t.shape)}, "
                                 f"strides {list(t.stride())}): distinct tokens would share memory; pass a tensor "
                                 "with its own storage")
-        lo, hi = _byte_range(t)
+        else:
+            lo, hi = _byte_range(t)
         for leaf in cache.leaves_meeting(t.device, lo, hi):
             if share_elements(cache.leaves[leaf], extent(t)):
-                raise KVLayoutError(f"memory object {names[k]} shares memory with cache tensor {cache_names[leaf]}: "
+                raise KVLayoutError(f"memory object {name(k)} shares memory with cache tensor {cache_names[leaf]}: "
                                     "a transfer would overwrite what it reads; copy the object out of the cache")
         if lo < hi:
             ranges.append((lo, hi, t.device, k))
+    if len(ranges) < 2:
+        return
     ranges.sort(key=lambda r: r[0])
     open_: list[tuple[int, int, torch.device, int]] = []
     for r in ranges:
@@ -205,8 +212,8 @@ def check_objects_apart(tensors: Sequence[torch.Tensor], names: Sequence[str], c
             if o[2] == r[2] and share_elements(extent(tensors[o[3]]), extent(tensors[r[3]])):
                 a, b = sorted((o[3], r[3]))
                 same = "are the same memory" if (o[0], o[1]) == (r[0], r[1]) else "share memory"
-                raise KVLayoutError(f"memory objects {names[a]} and {names[b]} {same}: each chunk (and layer) "
-                                    "needs its own object")
+                raise KVLayoutError(f"memory objects {name(a)} and {name(b)} {same}: each chunk (and layer) needs "
+                                    "its own object")
         open_.append(r)
 
 

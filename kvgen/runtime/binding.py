@@ -50,8 +50,12 @@ def snapshot(kvcaches: Any) -> tuple[Any, Key | None]:
             parts.append((node.data_ptr(), node.shape, node.stride(), node.dtype, node.device))
             return node
         if isinstance(node, (list, tuple)):
-            parts.append(len(node))
-            return tuple([walk(item) for item in node])
+            items = tuple(node)
+            parts.append(len(items))
+            if all(isinstance(t, torch.Tensor) for t in items):  # the last list level, in one pass
+                parts.extend([(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in items])
+                return items
+            return tuple([walk(item) for item in items])
         raise _NotACache
 
     try:

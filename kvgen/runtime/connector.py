@@ -215,9 +215,9 @@ class _Base:
         return tensor
 
     @staticmethod
-    def _check_apart(call: Call, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+    def _check_apart(call: Call, tensors: Sequence[torch.Tensor], name: Callable[[int], str]) -> None:
         """Objects may share memory neither with themselves, each other nor the cache."""
-        check_objects_apart(tensors, names, call.binding.memory, call.binding.names)
+        check_objects_apart(tensors, name, call.binding.memory, call.binding.names)
 
     @staticmethod
     def _check_unique_slots(call: Call, starts: Sequence[int], skip: int, offset: int) -> None:
@@ -359,7 +359,7 @@ class ChunkConnector(_Base):
         tensors = [self._check_object(o, call.g, ck.num_tokens, storing=storing)
                    for o, ck in zip(memory_objs, chunks, strict=True)]
         self._check_staging(tensors)
-        self._check_apart(call, tensors, [f"for chunk {c}" for c in range(len(tensors))])
+        self._check_apart(call, tensors, lambda k: f"for chunk {k}")
         return tensors
 
     def _store(self, tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk, w: Words) -> None:
@@ -427,7 +427,8 @@ class LayerwiseConnector(_Base):
                    for objs in memory_objs]
         flat = [t for row in tensors for t in row]
         self._check_staging(flat)
-        self._check_apart(call, flat, [f"for layer {lay}, chunk {c}" for lay in range(g.L) for c in range(len(chunks))])
+        per = len(chunks)
+        self._check_apart(call, flat, lambda k: f"for layer {k // per}, chunk {k % per}")
         backend = self._backend_for(g.device)
         stream = self._stream(g.device, "store")
         for layer in range(g.L):
@@ -456,7 +457,7 @@ class LayerwiseConnector(_Base):
             tensors = [self._check_object(o, g, ck.num_tokens, storing=False)
                        for o, ck in zip(objs, chunks, strict=True)]
             self._check_staging(tensors)
-            self._check_apart(call, tensors, [f"for layer {layer}, chunk {c}" for c in range(len(tensors))])
+            self._check_apart(call, tensors, partial("for layer {}, chunk {}".format, layer))
             with on_stream(backend, stream):
                 for tensor, ck in zip(tensors, chunks, strict=True):
                     self._staged_load(partial(self._load_layer, layer), tensor, call, ck, "load")
