@@ -736,3 +736,46 @@ def test_registered_backend_probe(monkeypatch: pytest.MonkeyPatch) -> None:
         connector(WHOLE, device="mtia")
     devices.register_backend("mtia", lambda d: devices.CpuBackend())
     assert connector(WHOLE, device="mtia").device == torch.device("mtia")
+
+
+# -- the overlap arithmetic against brute force -----------------------------------------------------
+
+
+def _offsets(shape: tuple[int, ...], strides: tuple[int, ...], base: int) -> list[int]:
+    out = [base]
+    for n, s in zip(shape, strides, strict=True):
+        out = [o + i * s for o in out for i in range(n)]
+    return out
+
+
+def test_overlap_arithmetic_matches_brute_force() -> None:
+    """overlaps_itself never misses a real overlap; share_elements is exact for equal strides
+    (and never misses a shared element otherwise), on 3000 random small strided views."""
+    from kvgen.runtime.aliasing import extent, overlaps_itself, share_elements
+
+    rng = random.Random(2024)
+    buf = torch.zeros(4096, dtype=torch.int16)
+    exact = 0
+    for _ in range(3000):
+        dims = rng.randint(1, 4)
+        shape = tuple(rng.randint(1, 4) for _ in range(dims))
+        strides = tuple(rng.choice([0, 1, 2, 3, 4, 5, 8, 12, 16, 24, 40]) for _ in range(dims))
+        a_off, b_off = rng.randint(0, 200), rng.randint(0, 200)
+        a = buf.as_strided(shape, strides, a_off)
+        other_strides = strides if rng.random() < 0.7 else tuple(rng.choice([1, 2, 4, 8, 16]) for _ in range(dims))
+        b = buf.as_strided(shape, other_strides, b_off)
+        elems_a = _offsets(shape, strides, a_off)
+        elems_b = _offsets(shape, other_strides, b_off)
+        if len(set(elems_a)) < len(elems_a):
+            assert overlaps_itself(a), (shape, strides)
+            continue
+        if overlaps_itself(a) or overlaps_itself(b):
+            continue
+        truth = bool(set(elems_a) & set(elems_b))
+        said = share_elements(extent(a), extent(b))
+        if other_strides == strides:
+            assert said == truth, (shape, strides, a_off, b_off)
+            exact += 1
+        else:
+            assert said or not truth, (shape, strides, other_strides, a_off, b_off)
+    assert exact > 1000
