@@ -187,8 +187,40 @@ def test_backends_by_device_type() -> None:
     assert backend_for("cpu").name == "cpu"
     assert backend_for("cuda").name == "cuda"  # constructing needs no device
     assert backend_for("xpu").name == "xpu"
-    with pytest.raises(ValueError, match="known: cpu, cuda, xpu"):
+    with pytest.raises(KVLayoutError, match="known: cpu, cuda, xpu"):
         backend_for("meta")
+
+
+def test_recording_backend_with_a_device_and_threads() -> None:
+    """A backend passed in serves every call, and per-thread staging keeps two threads'
+    staged stores apart on it (each result checked against the reference)."""
+    import threading
+
+    paged, obj = LIB["vllm_flash_attn_nhd"], LIB["kv_2ltd"]
+    backend = RecordingBackend()
+    conn = generated.get(paged.name, obj.name)(device="cpu", backend=backend, use_gpu=True)
+    sc = SCENARIOS["partial_blocks"]
+    mapping_list = sc.mapping(random.Random(9), EXT)
+    cache = make_cache(paged, torch.float32, "cpu")
+    lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=True)]
+    conn.bind(cache)
+    want = make_objects(conn, False, lengths, torch.float32, "cpu", salt=12)
+    reference_store(paged, obj, cache, want, sc, mapping_list)
+    results: list[bool] = []
+
+    def work() -> None:
+        for _ in range(20):
+            got = make_objects(conn, False, lengths, torch.float32, "cpu", salt=12)
+            connector_store(conn, got, sc, cache, torch.tensor(mapping_list))
+            results.append(same_bits([o.tensor for o in got], [o.tensor for o in want]))
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 40
+    assert ("copy", "main") in backend.events and ("sync", "main") in backend.events
 
 
 def test_generated_code_talks_to_devices_only_through_the_runtime() -> None:

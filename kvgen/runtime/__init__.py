@@ -5,9 +5,9 @@ cache's geometry, per-chunk slot work, device backends and the connector base cl
 """
 
 from kvgen.interface import ABI
-from kvgen.runtime.connector import ChunkConnector, LayerwiseConnector
 from kvgen.runtime.devices import Backend, available_devices, backend_for, register_backend
 from kvgen.runtime.errors import KVLayoutError
+from kvgen.runtime.layerwise import LayerwiseConnector
 from kvgen.runtime.layout import CacheReader, Geometry, ObjectLayout, PagedLayout
 from kvgen.runtime.memory import UNDEFINED, Format, MemoryObj, Metadata, format_name
 from kvgen.runtime.ops import (
@@ -23,6 +23,7 @@ from kvgen.runtime.ops import (
 )
 from kvgen.runtime.registry import DEVICES, Registry, check_transition, convert
 from kvgen.runtime.slots import Chunk, plan_chunk
+from kvgen.runtime.whole import ChunkConnector
 from kvgen.runtime.words import Words
 
 

@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import torch
 
+from kvgen.runtime.errors import KVLayoutError
+
 
 class Backend(Protocol):
     name: str
@@ -100,9 +102,43 @@ _FACTORIES: dict[str, Callable[[torch.device], Backend]] = {
 }
 
 
-def register_backend(device_type: str, factory: Callable[[torch.device], Backend]) -> None:
-    """Add or replace the backend for a device type (tests use a recording fake)."""
+def _stream_device_missing(kind: str, label: str) -> Callable[[torch.device], str | None]:
+    """A probe for CUDA or XPU: None when `device` is there, else what is missing."""
+
+    def probe(device: torch.device) -> str | None:
+        if kind == "xpu":
+            _load_ipex()
+        api = getattr(torch, kind, None)
+        if api is None:
+            return f"this torch ({torch.__version__}) has no {label} support (torch.{kind} is missing)"
+        if kind == "cuda" and torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+            return f"this torch ({torch.__version__}) was built without CUDA"
+        if not api.is_available():
+            return (f"torch finds no {label} device (torch.{kind}.is_available() is False: no device, no driver, "
+                    f"or the devices are hidden from this process)")
+        count = api.device_count()
+        if device.index is not None and device.index >= count:
+            return f"there is no {device}: {count} {label} device{'s' if count != 1 else ''} present"
+        return None
+
+    return probe
+
+
+#: Whether a device is present, per device type: None, or what is missing. Backends
+#: registered without a probe are taken to be present.
+_PROBES: dict[str, Callable[[torch.device], str | None]] = {
+    "cpu": lambda device: None,
+    "cuda": _stream_device_missing("cuda", "CUDA"),
+    "xpu": _stream_device_missing("xpu", "XPU"),
+}
+
+
+def register_backend(device_type: str, factory: Callable[[torch.device], Backend],
+                     probe: Callable[[torch.device], str | None] | None = None) -> None:
+    """Add or replace the backend for a device type (tests use a recording fake); `probe`
+    says whether a device of that type is present (None) or what is missing."""
     _FACTORIES[device_type] = factory
+    _PROBES[device_type] = probe or (lambda device: None)
 
 
 def backend_for(device: torch.device | str) -> Backend:
@@ -110,8 +146,28 @@ def backend_for(device: torch.device | str) -> Backend:
     try:
         return _FACTORIES[device.type](device)
     except KeyError:
-        raise ValueError(f"no kvgen backend for device type {device.type!r}; "
-                         f"known: {', '.join(sorted(_FACTORIES))}") from None
+        raise KVLayoutError(f"no kvgen backend for device type {device.type!r}; "
+                            f"known: {', '.join(sorted(_FACTORIES))}") from None
+
+
+def check_device(device: torch.device | str | int) -> torch.device:
+    """`device` as a torch.device, refused with KVLayoutError (before any transfer) when it
+    names no device type, one kvgen has no backend for, or one that is not present here."""
+    known = ", ".join(sorted(_FACTORIES))
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        hint = " (an NVIDIA GPU is 'cuda', an Intel GPU 'xpu')" if str(device).lower().startswith("gpu") else ""
+        raise KVLayoutError(f"device {device!r} is not a device torch knows{hint}; kvgen connectors run on: {known} "
+                            f"(present here: {', '.join(available_devices())})") from None
+    if parsed.type not in _FACTORIES:
+        raise KVLayoutError(f"device {str(parsed)!r}: kvgen has no backend for device type {parsed.type!r}; "
+                            f"known: {known}")
+    missing = _PROBES.get(parsed.type, lambda d: None)(parsed)
+    if missing:
+        raise KVLayoutError(f"device {str(parsed)!r} is not available here: {missing} "
+                            f"(present here: {', '.join(available_devices())})")
+    return parsed
 
 
 def available_devices() -> list[str]:

@@ -1,0 +1,77 @@
+"""A cache as one call sees it: a frozen copy of its container tree and the fingerprint of
+every tensor in it, and the binding (geometry, word width, memory) worked out once per
+distinct fingerprint.
+
+A binding is immutable and holds no tensor, so threads share bindings freely and a cached
+binding keeps no cache alive. The fingerprint covers what the checks depend on: each leaf's
+address, shape, strides, dtype and device, and the length of every container. Replacing,
+appending or re-viewing any leaf changes it, so the whole cache is checked again before
+anything is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvgen.runtime.aliasing import CacheMemory
+from kvgen.runtime.layout import Geometry
+
+#: The fingerprint: container lengths and per-leaf facts in tree order.
+Key = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Binding:
+    key: Key | None
+    geometry: Geometry
+    #: Bytes of the widest copy word every cache tensor allows.
+    width: int
+    memory: CacheMemory
+    #: `kvcaches[2][0]` per leaf, for messages.
+    names: tuple[str, ...]
+
+
+class _NotACache(Exception):
+    pass
+
+
+def snapshot(kvcaches: Any) -> tuple[Any, Key | None]:
+    """(tree, fingerprint): `kvcaches` with every list or tuple copied into a tuple of the
+    same tensors, so the copies of one call go to the tensors checked at its start even if
+    the caller's lists change meanwhile. The fingerprint is None when `kvcaches` is not a
+    tree of tensors (the geometry check then says what is wrong)."""
+    parts: list[Any] = []
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            parts.append((node.data_ptr(), node.shape, node.stride(), node.dtype, node.device))
+            return node
+        if isinstance(node, (list, tuple)):
+            items = tuple(node)
+            parts.append(len(items))
+            if all(isinstance(t, torch.Tensor) for t in items):  # the last list level, in one pass
+                parts.extend([(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in items])
+                return items
+            return tuple([walk(item) for item in items])
+        raise _NotACache
+
+    try:
+        tree = walk(kvcaches)
+    except (_NotACache, RuntimeError, RecursionError):  # RuntimeError: tensors without storage or strides
+        return kvcaches, None
+    return tree, tuple(parts)
+
+
+def leaves(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    return [t for sub in tree for t in leaves(sub)]
+
+
+def leaf_names(tree: Any, prefix: str = "kvcaches") -> list[str]:
+    if isinstance(tree, torch.Tensor):
+        return [prefix]
+    return [name for i, sub in enumerate(tree) for name in leaf_names(sub, f"{prefix}[{i}]")]

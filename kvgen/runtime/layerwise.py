@@ -1,0 +1,133 @@
+"""Connectors for per-layer objects (KV_T2D, KV_2TD, per-layer MLA), moved by generators
+that let the caller overlap each layer's transfer with the forward pass (LMCache's contract)."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+from kvgen.runtime import calls
+from kvgen.runtime.connector import _MISSING, ConnectorBase, _positions
+from kvgen.runtime.devices import Backend, on_stream
+from kvgen.runtime.errors import KVLayoutError
+from kvgen.runtime.layout import Geometry, describe
+from kvgen.runtime.memory import relabel
+from kvgen.runtime.slots import Chunk
+from kvgen.runtime.words import Words
+
+
+class LayerwiseConnector(ConnectorBase):
+    """Per-layer objects (KV_T2D, KV_2TD, per-layer MLA), moved by generators that let the
+    caller overlap each layer's transfer with the forward pass (LMCache's contract)."""
+
+    layerwise = True
+
+    def from_gpu(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(f"{type(self).__module__} moves per-layer objects: use the generator "
+                        "batched_from_gpu(memory_objs[layer][chunk], starts, ends, ...) instead of from_gpu. "
+                        + calls.STORE_PROTOCOL)
+
+    def to_gpu(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(f"{type(self).__module__} moves per-layer objects: use the generator "
+                        "batched_to_gpu(starts, ends, ...) and send() each layer's objects instead of to_gpu. "
+                        + calls.LOAD_PROTOCOL)
+
+    def batched_from_gpu(self, memory_objs: Sequence[Sequence[Any]], starts: Sequence[int], ends: Sequence[int],
+                         *extra: Any, kvcaches: Any = _MISSING, slot_mapping: Any = _MISSING, sync: bool = True,
+                         offset: int = 0, **unknown: Any) -> Generator[None, None, None]:
+        """Store layer by layer: a generator that yields once per layer after its copy is
+        queued, then once after the final synchronization (L + 1 yields). Every object is
+        checked before the first layer moves. Call signature errors raise here, input
+        errors at the first next()."""
+        if extra:
+            calls.refuse_whole_call("batched_from_gpu", 3, calls.STORE_PROTOCOL)
+        calls.refuse_unknown("batched_from_gpu", unknown, calls.LAYERWISE_STORE, calls.STORE_PROTOCOL)
+        calls.refuse_missing("batched_from_gpu", [n for n, v in (("kvcaches", kvcaches), ("slot_mapping", slot_mapping))
+                                                  if v is _MISSING], calls.STORE_PROTOCOL)
+        return self._store_layers(memory_objs, starts, ends, kvcaches, slot_mapping, sync, offset)
+
+    def batched_to_gpu(self, starts: Sequence[int], ends: Sequence[int], *extra: Any, kvcaches: Any = _MISSING,
+                       slot_mapping: Any = _MISSING, sync: bool = True, offset: int = 0,
+                       skip_prefix_n_tokens: int = 0, **unknown: Any) -> Generator[None, Sequence[Any], None]:
+        """Load layer by layer: a generator; prime it with next(), send() each layer's objects
+        (one per chunk), then next() once more (L + 2 yields). Each layer's objects are
+        checked when they arrive, before any of that layer is written."""
+        if extra:
+            calls.refuse_whole_call("batched_to_gpu", 2, calls.LOAD_PROTOCOL)
+        calls.refuse_unknown("batched_to_gpu", unknown, calls.LAYERWISE_LOAD, calls.LOAD_PROTOCOL)
+        calls.refuse_missing("batched_to_gpu", [n for n, v in (("kvcaches", kvcaches), ("slot_mapping", slot_mapping))
+                                                if v is _MISSING], calls.LOAD_PROTOCOL)
+        return self._load_layers(starts, ends, kvcaches, slot_mapping, sync, offset, skip_prefix_n_tokens)
+
+    def _store_layers(self, memory_objs: Sequence[Sequence[Any]], starts: Sequence[int], ends: Sequence[int],
+                      kvcaches: Any, slot_mapping: Any, sync: bool, offset: int) -> Generator[None, None, None]:
+        call = self._begin(kvcaches, slot_mapping, starts, ends, offset, 0)
+        g, chunks = call.g, call.chunks
+        if (not isinstance(memory_objs, Sequence) or len(memory_objs) != g.L
+                or any(not isinstance(objs, Sequence) or len(objs) != len(chunks) for objs in memory_objs)):
+            shape = [len(o) if isinstance(o, Sequence) else type(o).__name__ for o in memory_objs] \
+                if isinstance(memory_objs, Sequence) else type(memory_objs).__name__
+            raise KVLayoutError(f"expected memory_objs[{g.L} layers][{len(chunks)} chunks] of "
+                                f"{self._expected(g, None)} objects, got {describe(memory_objs)} "
+                                f"(objects per layer: {shape})")
+        tensors = [[self._check_object(o, g, ck.num_tokens, storing=True) for o, ck in zip(objs, chunks, strict=True)]
+                   for objs in memory_objs]
+        flat = [t for row in tensors for t in row]
+        self._check_staging(flat)
+        per = len(chunks)
+        self._check_apart(call, flat, lambda k: f"for layer {k // per}, chunk {k % per}")
+        backend = self._backend_for(g.device)
+        stream = self._stream(g.device, "store")
+        for layer in range(g.L):
+            with on_stream(backend, stream):
+                for tensor, ck in zip(tensors[layer], chunks, strict=True):
+                    self._staged_store(partial(self._store_layer, layer), tensor, call, ck, "store")
+            yield
+        self._finish(backend, stream, sync)
+        for objs in memory_objs:
+            for obj in objs:
+                obj.metadata.fmt = relabel(obj.metadata.fmt, self.format)
+        yield
+
+    def _load_layers(self, starts: Sequence[int], ends: Sequence[int], kvcaches: Any, slot_mapping: Any,
+                     sync: bool, offset: int, skip: int) -> Generator[None, Sequence[Any], None]:
+        call = self._begin(kvcaches, slot_mapping, starts, ends, offset, skip)
+        g, chunks = call.g, call.chunks
+        self._check_unique_slots(call, _positions("starts", starts), skip, offset)
+        backend = self._backend_for(g.device)
+        stream = self._stream(g.device, "load")
+        objs = yield
+        for layer in range(g.L):
+            if not isinstance(objs, Sequence) or len(objs) != len(chunks):
+                raise KVLayoutError(f"layer {layer}: send() a list of one memory object per chunk "
+                                    f"({len(chunks)}), got {describe(objs)}")
+            tensors = [self._check_object(o, g, ck.num_tokens, storing=False)
+                       for o, ck in zip(objs, chunks, strict=True)]
+            self._check_staging(tensors)
+            self._check_apart(call, tensors, partial("for layer {}, chunk {}".format, layer))
+            with on_stream(backend, stream):
+                for tensor, ck in zip(tensors, chunks, strict=True):
+                    self._staged_load(partial(self._load_layer, layer), tensor, call, ck, "load")
+            if sync:
+                backend.wait_stream(backend.current_stream(), stream)
+            objs = yield
+        self._finish(backend, stream, sync)
+        yield
+
+    @staticmethod
+    def _finish(backend: Backend, stream: Any, sync: bool) -> None:
+        if sync:
+            backend.synchronize(stream)
+        else:
+            backend.wait_stream(backend.current_stream(), stream)
+
+    def _store_layer(self, layer: int, tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk,
+                     w: Words) -> None:
+        raise NotImplementedError
+
+    def _load_layer(self, layer: int, tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk,
+                    w: Words) -> None:
+        raise NotImplementedError
