@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from harness import EXT, block_table_mapping, clone_tree, make_cache, make_objects, same_bits
+from harness import tensors_of as leaves
 
 from kvgen import generated
 from kvgen.notation import format_layout as arrow
@@ -172,10 +173,6 @@ def map_leaves(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(tree, torch.Tensor):
         return fn(tree)
     return type(tree)(map_leaves(t, fn) for t in tree)
-
-
-def leaves(tree: Any) -> list[torch.Tensor]:
-    return [tree] if isinstance(tree, torch.Tensor) else [t for sub in tree for t in leaves(sub)]
 
 
 def replace_last_leaf(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:

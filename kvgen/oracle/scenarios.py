@@ -23,6 +23,7 @@ import torch
 
 from kvgen.oracle import reference
 from kvgen.runtime import MemoryObj
+from kvgen.runtime.binding import leaves
 from kvgen.runtime.ops import bits
 from kvgen.spec.model import Spec
 
@@ -172,10 +173,8 @@ def clone_tree(tree: Any) -> Any:
     return type(tree)(clone_tree(t) for t in tree)
 
 
-def tensors_of(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    return [t for sub in tree for t in tensors_of(sub)]
+#: Every tensor of a cache or object tree, in order (the runtime's own walk).
+tensors_of = leaves
 
 
 def same_bits(a: Any, b: Any) -> bool:
