@@ -16,6 +16,7 @@ import torch
 from kvgen.oracle.reference import leaf_shape, nest
 from kvgen.oracle.scenarios import clone_tree, same_bits, tensors_of
 from kvgen.runtime import MemoryObj, backend_for, bits, plan_chunk
+from kvgen.runtime.aliasing import check_objects_apart, check_unique_slots
 from kvgen.spec.library import load_library
 from kvgen.tools.bench.baseline import NaiveConnector, memcpy
 from kvgen.tools.bench.measure import CheckCost, Row, micro, timed_repeats
@@ -117,8 +118,16 @@ def check_cost(target: Target, cls: type, cache: Any, mappings: dict[int, torch.
         # the same cache again: what every transfer call pays
         "bind cached": micro(lambda: warm.bind(cache), 500),
     }
+    binding, _ = warm._bind(cache)
     for t, m in mappings.items():
         us[f"plan_chunk T={t}"] = micro(lambda m=m, t=t: plan_chunk(m, 0, t, num_slots=g.S, block_size=g.N), 50)
+        # a chunk's objects apart from each other and from the cache (per layer when layerwise)
+        objects = [torch.empty(warm.get_shape(t), dtype=g.dtype, device=device)
+                   for _ in range(g.L if warm.layerwise else 1)]
+        us[f"objects apart T={t}"] = micro(
+            lambda o=objects: check_objects_apart(o, str, binding.memory, binding.names), 50)
+        # a load writes each slot from one token at most
+        us[f"unique slots T={t}"] = micro(lambda m=m, t=t: check_unique_slots(m, [(0, t)], 0), 50)
     return CheckCost(target.layout, target.obj, us)
 
 
