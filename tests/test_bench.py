@@ -175,7 +175,8 @@ def test_smoke_table_and_json(tmp_path: Path, capsys) -> None:
             assert 0 < r[key]["min"] <= r[key]["median"] <= r[key]["max"]
         assert r["memcpy_unstable"] == (r["memcpy_variation"] > 0.25)
     (cost,) = result["check_costs"]
-    assert set(cost["us"]) == {"bind fresh", "bind cached", "plan_chunk T=6", "plan_chunk T=16"}
+    assert set(cost["us"]) == {"bind fresh", "bind cached"} | {
+        f"{what} T={t}" for what in ("plan_chunk", "objects apart", "unique slots") for t in (6, 16)}
     assert all(us > 0 for us in cost["us"].values())
 
 
