@@ -18,7 +18,7 @@ except Exception as exc:  # ImportError, or a missing dependency of LMCache's mo
     LMCACHE_AVAILABLE = False
     LMCACHE_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-    class _Interface(metaclass=abc.ABCMeta):  # type: ignore[no-redef]
+    class _Interface:  # type: ignore[no-redef]
         """Stand-in for LMCache's GPUConnectorInterface when LMCache is not installed."""
 
 #: The base every adapter subclasses: LMCache's own interface when importable.
