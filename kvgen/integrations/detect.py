@@ -25,12 +25,13 @@ from typing import Any
 from kvgen.errors import KVLayoutError
 
 #: Hints `detect` understands (LMCache's LayoutHints keys are among them).
-HINTS = ("engine", "kv_layout", "given_order", "num_kv_heads", "block_size", "head_size", "hidden_dim",
+HINTS = ("engine", "backend", "kv_layout", "given_order", "num_blocks", "num_kv_heads", "block_size", "head_size", "hidden_dim",
          "num_layers", "use_mla", "kv_shape", "layout", "dtype", "kv_list_layout")
 #: Other names engines use for the same facts.
 SYNONYMS = {"tokens_per_block": "block_size", "page_size": "block_size", "head_dim": "head_size"}
 #: The hint that states each axis's extent.
-AXIS_HINTS = (("L", "num_layers"), ("H", "num_kv_heads"), ("N", "block_size"), ("C", "head_size"))
+AXIS_HINTS = (("L", "num_layers"), ("B", "num_blocks"), ("H", "num_kv_heads"), ("N", "block_size"),
+              ("C", "head_size"))
 #: In-block orders a `kv_layout` hint may name (anything else names a spec).
 ORDERS = {"NHD": ("N", "H"), "HND": ("H", "N")}
 
@@ -82,6 +83,10 @@ class LayoutFacts:
     def families(self) -> set[str]:
         return {_family(e.split("/")[0]) for e in self.engines}
 
+    def backends(self) -> set[str]:
+        """Attention backends named by the spec's engines (FLASH_ATTN, FLASHINFER, ...)."""
+        return {e.split("/", 1)[1].upper() for e in self.engines if "/" in e}
+
 
 @dataclass(frozen=True)
 class Detection:
@@ -103,6 +108,22 @@ class Detection:
         if not self.permuted:
             return kvcaches
         return _map_leaves(kvcaches, lambda t: t.permute(*self.permutation))
+
+
+class AmbiguousLayout(KVLayoutError):
+    """Several layouts fit; `candidates` maps each to hints that would select it."""
+
+    def __init__(self, message: str, candidates: Mapping[str, Mapping[str, Any]]):
+        super().__init__(message)
+        self.candidates = dict(candidates)
+
+
+class NoLayout(KVLayoutError):
+    """No layout fits; `reasons` maps each layout to the fact it disagreed with."""
+
+    def __init__(self, message: str, reasons: Mapping[str, str]):
+        super().__init__(message)
+        self.reasons = dict(reasons)
 
 
 class _Mismatch(Exception):
@@ -260,6 +281,9 @@ def _check_hints(f: LayoutFacts, ext: Mapping[str, int], hints: Mapping[str, Any
     engine = hints.get("engine")
     if engine is not None and _family(engine) not in f.families():
         raise _Mismatch(f"engine {_family(engine)!r}: the spec is for {', '.join(sorted(f.families()))}")
+    backend = hints.get("backend")
+    if backend is not None and str(backend).upper() not in f.backends():
+        raise _Mismatch(f"backend {backend!r}: the spec is for {', '.join(sorted(f.backends())) or 'no backend'}")
     kv_layout = hints.get("kv_layout")
     if kv_layout is not None and str(kv_layout).upper() in ORDERS and f.order() != str(kv_layout).upper():
         raise _Mismatch(f"kv_layout={kv_layout!r}, the spec's order is {f.order() or 'neither NHD nor HND'}")
@@ -336,24 +360,26 @@ def detect_shape(cache: CacheShape, *, package: ModuleType | str | None = None, 
         facts = tuple(f for f in facts if f.name == name)
         if not facts:
             raise KVLayoutError(f"layout {named!r} is not a paged layout of this package")
-    fits, refused = [], []
+    fits, refused = [], {}
     for f in facts:
         try:
             ext = _fit(f, cache, shape)
             _check_hints(f, ext, hints, perm)
         except _Mismatch as why:
-            refused.append(f"{f.name}: {why}")
+            refused[f.name] = str(why)
             continue
         fits.append((f, ext))
     where = f"cache {cache.describe()}" + (f" (memory order [{', '.join(map(str, shape))}])"
                                            if perm != tuple(range(len(perm))) else "")
     if not fits:
-        raise KVLayoutError(f"no layout fits the {where} with hints {_describe_hints(hints)}; what disagreed:\n  "
-                            + "\n  ".join(refused))
+        raise NoLayout(f"no layout fits the {where} with hints {_describe_hints(hints)}; what disagreed:\n  "
+                       + "\n  ".join(f"{name}: {why}" for name, why in refused.items()), refused)
     if len(fits) > 1:
-        lines = [f"{f.name} {_extents(ext)} (pass {', '.join(_deciders(f, ext, fits))})" for f, ext in fits]
-        raise KVLayoutError(f"{len(fits)} layouts fit the {where} with hints {_describe_hints(hints)}; kvgen "
-                            "does not guess:\n  " + "\n  ".join(lines))
+        deciders = {f.name: _deciders(f, ext, fits) for f, ext in fits}
+        lines = [f"{f.name} {_extents(ext)} (pass "
+                 f"{', '.join(f'{k}={v!r}' for k, v in deciders[f.name].items())})" for f, ext in fits]
+        raise AmbiguousLayout(f"{len(fits)} layouts fit the {where} with hints {_describe_hints(hints)}; kvgen "
+                              "does not guess:\n  " + "\n  ".join(lines), deciders)
     f, ext = fits[0]
     decided = tuple(sorted(k for k in hints)) + (("strides",) if perm != tuple(range(len(perm))) else ())
     return Detection(f.name, f.lmcache, ext, perm, decided)
@@ -364,17 +390,21 @@ def _extents(ext: Mapping[str, int]) -> str:
 
 
 def _deciders(f: LayoutFacts, ext: Mapping[str, int], fits: Sequence[tuple[LayoutFacts, Mapping[str, int]]]
-              ) -> list[str]:
-    """Hints that keep `f` and drop at least one other candidate."""
-    out = []
+              ) -> dict[str, Any]:
+    """Hints that keep `f` and drop at least one other candidate (`layout` always decides)."""
+    out: dict[str, Any] = {}
     for axis, hint in AXIS_HINTS:
         if axis in ext and len({e.get(axis) for _, e in fits}) > 1:
-            out.append(f"{hint}={ext[axis]}")
+            out[hint] = ext[axis]
     if f.order() and len({g.order() for g, _ in fits}) > 1:
-        out.append(f"kv_layout={f.order()!r}")
-    if len({frozenset(g.families()) for g, _ in fits}) > 1:
-        out.append(" or ".join(f"engine={e!r}" for e in sorted(f.families())))
-    out.append(f"layout={f.name!r}")
+        out["kv_layout"] = f.order()
+    if len({frozenset(g.families()) for g, _ in fits}) > 1 and len(f.families()) == 1:
+        out["engine"] = next(iter(f.families()))
+    others = [g.backends() for g, _ in fits if g.name != f.name]
+    own = sorted(b for b in f.backends() if not all(b in o for o in others))
+    if own:
+        out["backend"] = own[0]
+    out["layout"] = f.name
     return out
 
 
@@ -397,3 +427,23 @@ def detect(kvcaches: Any, *, package: ModuleType | str | None = None, **hints: A
         if f.name == result.layout:
             f.read_geometry(result.view(kvcaches))  # the generated reader agrees, or says why not
     return result
+
+
+def parse_cache_shape(text: str, stride: str | None = None, dtype: str | None = None) -> CacheShape:
+    """`32x[2,1000,16,8,128]` (list lengths outermost first, then the leaf shape; `[...]`
+    alone for one tensor) and optional comma-separated strides, as the CLI takes them."""
+    body = text.replace(" ", "")
+    head, sep, leaf = body.rpartition("[")
+    if not leaf.endswith("]") or (head and not head.endswith("x")) or (not sep):
+        raise KVLayoutError(f"cache shape {text!r}: write list lengths then the tensor shape, e.g. "
+                            "32x[2,1000,16,8,128] or 2x32x[4096,8,128] or [1000,32,2,8,16,128]")
+    try:
+        lists = tuple(int(n) for n in head.split("x") if n)
+        shape = tuple(int(n) for n in leaf[:-1].split(",") if n)
+        strides = tuple(int(n) for n in stride.replace(" ", "").split(",") if n) if stride else None
+    except ValueError:
+        raise KVLayoutError(f"cache shape {text!r} / strides {stride!r}: every extent must be an integer") from None
+    if not shape or (strides is not None and len(strides) != len(shape)):
+        raise KVLayoutError(f"cache shape {text!r}: need a tensor shape, and one stride per dim when strides "
+                            "are given")
+    return CacheShape(lists, shape, strides, dtype)
