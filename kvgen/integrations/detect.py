@@ -25,8 +25,8 @@ from typing import Any
 from kvgen.errors import KVLayoutError
 
 #: Hints `detect` understands (LMCache's LayoutHints keys are among them).
-HINTS = ("engine", "backend", "kv_layout", "given_order", "num_blocks", "num_kv_heads", "block_size", "head_size", "hidden_dim",
-         "num_layers", "use_mla", "kv_shape", "layout", "dtype", "kv_list_layout")
+HINTS = ("engine", "backend", "kv_layout", "given_order", "num_blocks", "num_kv_heads", "block_size",
+         "head_size", "hidden_dim", "num_layers", "use_mla", "kv_shape", "layout", "dtype", "kv_list_layout")
 #: Other names engines use for the same facts.
 SYNONYMS = {"tokens_per_block": "block_size", "page_size": "block_size", "head_dim": "head_size"}
 #: The hint that states each axis's extent.
