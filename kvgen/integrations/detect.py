@@ -23,6 +23,10 @@ from types import ModuleType
 from typing import Any
 
 from kvgen.errors import KVLayoutError
+from kvgen.integrations.shapes import CacheShape, map_leaves, memory_order, parse_cache_shape, read_structure
+
+__all__ = ["AmbiguousLayout", "CacheShape", "Detection", "NoLayout", "detect", "detect_shape", "layout_facts",
+           "memory_order", "parse_cache_shape", "read_structure"]
 
 #: Hints `detect` understands (LMCache's LayoutHints keys are among them).
 HINTS = ("engine", "backend", "kv_layout", "given_order", "num_blocks", "num_kv_heads", "block_size",
@@ -34,25 +38,6 @@ AXIS_HINTS = (("L", "num_layers"), ("B", "num_blocks"), ("H", "num_kv_heads"), (
               ("C", "head_size"))
 #: In-block orders a `kv_layout` hint may name (anything else names a spec).
 ORDERS = {"NHD": ("N", "H"), "HND": ("H", "N")}
-
-
-@dataclass(frozen=True)
-class CacheShape:
-    """A cache described without tensors: list lengths outermost first, the leaf shape and,
-    optionally, the leaf's strides (in elements) and dtype name."""
-
-    lists: tuple[int, ...]
-    shape: tuple[int, ...]
-    stride: tuple[int, ...] | None = None
-    dtype: str | None = None
-
-    def describe(self) -> str:
-        text = "".join(f"{n} x " for n in self.lists) + f"[{', '.join(map(str, self.shape))}]"
-        if self.dtype:
-            text += f" {self.dtype}"
-        if self.stride is not None:
-            text += f" strides ({', '.join(map(str, self.stride))})"
-        return text
 
 
 @dataclass(frozen=True)
@@ -107,7 +92,7 @@ class Detection:
         """`kvcaches` with every tensor permuted into memory order (a view, no copy)."""
         if not self.permuted:
             return kvcaches
-        return _map_leaves(kvcaches, lambda t: t.permute(*self.permutation))
+        return map_leaves(kvcaches, lambda t: t.permute(*self.permutation))
 
 
 class AmbiguousLayout(KVLayoutError):
@@ -164,57 +149,6 @@ def _facts_of(package: ModuleType) -> tuple[LayoutFacts, ...]:
 def layout_facts(package: ModuleType | str | None = None) -> tuple[LayoutFacts, ...]:
     """The paged specs of `package` (default: kvgen.generated) as detection reads them."""
     return _facts_of(_package(package))
-
-
-# -- reading a cache --------------------------------------------------------------------
-
-def _map_leaves(tree: Any, fn: Callable[[Any], Any]) -> Any:
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_map_leaves(t, fn) for t in tree)
-    return fn(tree)
-
-
-def read_structure(kvcaches: Any) -> tuple[CacheShape, list[Any]]:
-    """A live cache's CacheShape and its tensors; KVLayoutError when the lists are uneven
-    or the tensors differ in shape, strides, dtype or device."""
-    import torch
-
-    lengths: list[int] = []
-    level = [kvcaches]
-    while all(isinstance(n, (list, tuple)) for n in level):
-        sizes = {len(n) for n in level}
-        if len(sizes) != 1 or 0 in sizes:
-            raise KVLayoutError(f"kvcaches: list level {len(lengths)} must be non-empty and equally long "
-                                f"everywhere, got lengths {sorted(sizes)}")
-        lengths.append(sizes.pop())
-        level = [x for n in level for x in n]
-    if not all(isinstance(n, torch.Tensor) for n in level):
-        kinds = sorted({type(n).__name__ for n in level})
-        raise KVLayoutError(f"kvcaches: expected nested lists or tuples of tensors, found {', '.join(kinds)} "
-                            f"at list level {len(lengths)}")
-    first = level[0]
-    for t in level[1:]:
-        if (t.shape, t.stride(), t.dtype, t.device) != (first.shape, first.stride(), first.dtype, first.device):
-            raise KVLayoutError(f"kvcaches: every tensor must have one shape, stride, dtype and device; found "
-                                f"{list(first.shape)} {first.stride()} {first.dtype} on {first.device} and "
-                                f"{list(t.shape)} {t.stride()} {t.dtype} on {t.device}")
-    shape = CacheShape(tuple(lengths), tuple(first.shape), tuple(first.stride()),
-                       str(first.dtype).removeprefix("torch."))
-    return shape, level
-
-
-def memory_order(shape: Sequence[int], stride: Sequence[int] | None) -> tuple[int, ...]:
-    """The permutation that sorts a tensor's dims by stride, outermost first. Size-1 dims
-    keep their place (their stride says nothing); equal strides keep their order."""
-    ident = tuple(range(len(shape)))
-    if stride is None:
-        return ident
-    big = [i for i in ident if shape[i] != 1]
-    order = sorted(big, key=lambda i: -stride[i])
-    perm = list(ident)
-    for slot, src in zip(big, order, strict=True):
-        perm[slot] = src
-    return tuple(perm)
 
 
 # -- matching one spec ------------------------------------------------------------------
@@ -428,22 +362,3 @@ def detect(kvcaches: Any, *, package: ModuleType | str | None = None, **hints: A
             f.read_geometry(result.view(kvcaches))  # the generated reader agrees, or says why not
     return result
 
-
-def parse_cache_shape(text: str, stride: str | None = None, dtype: str | None = None) -> CacheShape:
-    """`32x[2,1000,16,8,128]` (list lengths outermost first, then the leaf shape; `[...]`
-    alone for one tensor) and optional comma-separated strides, as the CLI takes them."""
-    body = text.replace(" ", "")
-    head, sep, leaf = body.rpartition("[")
-    if not leaf.endswith("]") or (head and not head.endswith("x")) or (not sep):
-        raise KVLayoutError(f"cache shape {text!r}: write list lengths then the tensor shape, e.g. "
-                            "32x[2,1000,16,8,128] or 2x32x[4096,8,128] or [1000,32,2,8,16,128]")
-    try:
-        lists = tuple(int(n) for n in head.split("x") if n)
-        shape = tuple(int(n) for n in leaf[:-1].split(",") if n)
-        strides = tuple(int(n) for n in stride.replace(" ", "").split(",") if n) if stride else None
-    except ValueError:
-        raise KVLayoutError(f"cache shape {text!r} / strides {stride!r}: every extent must be an integer") from None
-    if not shape or (strides is not None and len(strides) != len(shape)):
-        raise KVLayoutError(f"cache shape {text!r}: need a tensor shape, and one stride per dim when strides "
-                            "are given")
-    return CacheShape(lists, shape, strides, dtype)
