@@ -68,12 +68,12 @@ def _metadata(layout: str) -> LMCacheMetadata:
                            kv_shape=(EXT["L"], 1 if mla else 2, 32, heads, EXT["C"]))
 
 
-def _connector(layout: str, layerwise: bool, hints: dict[str, Any]) -> Any:
+def _connector(layout: str, layerwise: bool, hints: dict[str, Any], use_gpu: bool) -> Any:
     family = _family(layout)
     cls = {("vllm", False): kl.VLLMPagedMemGPUConnectorV2, ("vllm", True): kl.VLLMPagedMemLayerwiseGPUConnector,
            ("sglang", False): kl.SGLangGPUConnector, ("sglang", True): kl.SGLangLayerwiseGPUConnector}[
         (family, layerwise)]
-    return cls.from_metadata(_metadata(layout), use_gpu=False, device="cpu", layout_hints=hints)
+    return cls.from_metadata(_metadata(layout), use_gpu=use_gpu, device="cpu", layout_hints=hints)
 
 
 def _fill(objs: list[Any], salt: int) -> None:
@@ -87,9 +87,10 @@ def alloc():
     a.close()
 
 
+@pytest.mark.parametrize("use_gpu", [False, True], ids=["direct", "staged"])
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 @pytest.mark.parametrize("layout", PAGED)
-def test_store_and_load_match_reference(layout: str, layerwise: bool, alloc: Any) -> None:
+def test_store_and_load_match_reference(layout: str, layerwise: bool, use_gpu: bool, alloc: Any) -> None:
     mla = generated.LAYOUTS[layout]["planes"] == 1
     if layerwise and _family(layout) == "sglang" and mla:
         pytest.skip("LMCache has no layerwise SGLang MLA connector")
@@ -98,7 +99,7 @@ def test_store_and_load_match_reference(layout: str, layerwise: bool, alloc: Any
     fmt = MemoryFormat[obj_spec.format]
     cache = make_cache(spec, torch.float32, "cpu")
     handed, hints = _handed(layout, cache)
-    conn = _connector(layout, layerwise, hints)
+    conn = _connector(layout, layerwise, hints, use_gpu)
     rng = random.Random(layout)
     mapping_list = block_table_mapping(SEQ, rng, EXT)
     mapping_list[5] = -1  # a token whose KV the engine does not hold

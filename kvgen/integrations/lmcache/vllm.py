@@ -139,7 +139,17 @@ class VLLMPagedMemXPUConnectorV2(VLLMPagedMemGPUConnectorV2):
 
 
 class VLLMPagedMemXPUConnectorV3(VLLMPagedMemGPUConnectorV3):
-    """The XPU twin of VLLMPagedMemGPUConnectorV3."""
+    """The XPU twin of VLLMPagedMemGPUConnectorV3 (LMCache's takes no layout_hints)."""
+
+    def __init__(self, metadata: Any, device: Any, use_gpu: bool = False):
+        super().__init__(metadata, device, use_gpu)
+
+    @classmethod
+    def from_metadata(cls, metadata: Any, use_gpu: bool = False, device: Any = None,
+                      layout_hints: Mapping[str, Any] | None = None) -> VLLMPagedMemXPUConnectorV3:
+        conn = cls(metadata, device, use_gpu)
+        conn.layout_hints.update(layout_hints or {})
+        return conn
 
 
 class VLLMPagedMemLayerwiseXPUConnector(VLLMPagedMemLayerwiseGPUConnector):
