@@ -21,6 +21,7 @@ from kvgen.errors import KVLayoutError
 from kvgen.integrations.detect import HINTS, SYNONYMS, Detection, detect, read_structure
 from kvgen.integrations.lmcache._compat import GPUConnectorInterface
 from kvgen.runtime import MemoryObj, backend_for
+from kvgen.runtime.devices import on_stream
 
 #: How many distinct caches one connector remembers the detection of.
 _BINDINGS = 8
@@ -221,11 +222,13 @@ class Adapter(GPUConnectorInterface):
         return connector, view
 
     def _stream(self, stream: Any) -> Any:
+        """Run on `stream` after the work already queued on the current one (the engine's
+        writes to the cache), as LMCache's connectors run on their own streams."""
         if stream is None:
             import contextlib
 
             return contextlib.nullcontext()
-        return backend_for(self.device).use_stream(stream)  # type: ignore[arg-type]
+        return on_stream(backend_for(self.device), stream)  # type: ignore[arg-type]
 
     def _init_buffer_allocator(self) -> None:
         """LMCache's lazily made staging allocator: one layer of the cache, on its device."""
