@@ -1,4 +1,4 @@
-"""The `kvgen` command line: build, check, validate, list, explain, verify, bench."""
+"""The `kvgen` command line: build, check, validate, list, explain, verify, detect, bench."""
 
 from __future__ import annotations
 
@@ -181,6 +181,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return verify_main(args)
 
 
+def cmd_detect(args: argparse.Namespace) -> int:
+    from kvgen.integrations.detect import detect, parse_cache_shape
+
+    cache = parse_cache_shape(args.shape, args.stride, args.dtype)
+    hints = {k: getattr(args, k) for k in ("engine", "backend", "kv_layout", "given_order", "num_kv_heads",
+                                           "block_size", "head_size", "num_layers", "num_blocks", "layout")}
+    hints["use_mla"] = args.mla
+    found = detect(cache, **hints)
+    facts = {"layout": found.layout, "lmcache": found.lmcache, "extents": dict(found.extents),
+             "permutation": list(found.permutation), "decided_by": list(found.decided_by)}
+    if args.json:
+        print(json.dumps(facts, indent=2))
+        return 0
+    print(f"{found.layout} (LMCache format: {found.lmcache or '-'})")
+    print(f"  extents: {' '.join(f'{k}={v}' for k, v in found.extents.items())}")
+    view = f"permute{found.permutation} (the strides' memory order)" if found.permuted else "as given"
+    print(f"  view:    {view}")
+    used = ["list levels", "shape", *(["dtype"] if cache.dtype else []), *found.decided_by]
+    print(f"  facts:   {', '.join(used)}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvgen.tools.bench import main as bench_main
 
@@ -228,6 +250,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default=None, metavar="TEXT",
                    help="run only the connectors whose module name (LAYOUT__OBJECT) contains TEXT")
     p.set_defaults(run=cmd_verify)
+
+    p = sub.add_parser("detect", help="which layout a cache of this shape is (refuses to guess)")
+    p.add_argument("shape", metavar="SHAPE",
+                   help="list lengths then the tensor shape: 32x[2,1000,16,8,128], 2x32x[4096,8,128], [B,L,2,H,N,C]")
+    p.add_argument("--stride", metavar="S,S,...", help="the tensor's strides in elements (memory order is a fact)")
+    p.add_argument("--dtype", metavar="NAME", help="the tensor's dtype, e.g. bfloat16")
+    p.add_argument("--engine", metavar="NAME", help="the serving engine: vllm, sglang or trtllm")
+    p.add_argument("--backend", metavar="NAME", help="the engine's attention backend, e.g. FLASHINFER")
+    p.add_argument("--kv-layout", metavar="NAME",
+                   help="NHD or HND (slots or heads first in a block), or a layout name such as BLHNC")
+    p.add_argument("--given-order", choices=("NHD", "HND"),
+                   help="the order the engine handed the slot and head dims in (vLLM: NHD)")
+    p.add_argument("--num-kv-heads", type=int, metavar="H", help="KV heads per layer (this rank)")
+    p.add_argument("--block-size", type=int, metavar="N", help="tokens per block (page size)")
+    p.add_argument("--head-size", type=int, metavar="C", help="values per head (MLA: the latent width)")
+    p.add_argument("--num-layers", type=int, metavar="L", help="number of layers")
+    p.add_argument("--num-blocks", type=int, metavar="B", help="number of blocks in the cache")
+    p.add_argument("--mla", action=argparse.BooleanOptionalAction, default=None,
+                   help="whether the model uses MLA (one latent plane instead of K and V)")
+    p.add_argument("--layout", metavar="NAME", help="check the cache against this one layout only")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(run=cmd_detect)
 
     p = sub.add_parser("bench", help="measure store/load bandwidth against memcpy and a naive connector")
     from kvgen.tools.bench import add_arguments

@@ -1,0 +1,364 @@
+"""Which kvgen layout a KV cache is, from facts only: never a guess.
+
+The facts are the cache's structure (list levels and their lengths), its leaf shape, the
+leaf's memory order (strides) and dtype, plus what the engine states (hints). They are
+matched against every paged spec of a generated package (its `LAYOUTS` and each layout's
+`PagedLayout`: list levels, dims, fixed sizes, dtypes, engines, planes); there is no
+shape table here. Exactly one spec must fit. When several fit, the error names them with
+the hint that decides; when none fits, it says which fact each spec disagreed with.
+
+Memory order: a spec lists a leaf's dims outermost first, as they lie in memory. An
+engine may hand over a permuted view (vLLM exposes its HND caches in the logical order
+[2, B, N, H, C] with HND strides); detection matches the view whose dims are sorted by
+stride and `Detection.view` hands that (free) view to the connector.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from types import ModuleType
+from typing import Any
+
+from kvgen.errors import KVLayoutError
+from kvgen.integrations.shapes import CacheShape, map_leaves, memory_order, parse_cache_shape, read_structure
+
+__all__ = ["AmbiguousLayout", "CacheShape", "Detection", "NoLayout", "detect", "detect_shape", "layout_facts",
+           "memory_order", "parse_cache_shape", "read_structure"]
+
+#: Hints `detect` understands (LMCache's LayoutHints keys are among them).
+HINTS = ("engine", "backend", "kv_layout", "given_order", "num_blocks", "num_kv_heads", "block_size",
+         "head_size", "hidden_dim", "num_layers", "use_mla", "kv_shape", "layout", "dtype", "kv_list_layout")
+#: Other names engines use for the same facts.
+SYNONYMS = {"tokens_per_block": "block_size", "page_size": "block_size", "head_dim": "head_size"}
+#: The hint that states each axis's extent.
+AXIS_HINTS = (("L", "num_layers"), ("B", "num_blocks"), ("H", "num_kv_heads"), ("N", "block_size"),
+              ("C", "head_size"))
+#: In-block orders a `kv_layout` hint may name (anything else names a spec).
+ORDERS = {"NHD": ("N", "H"), "HND": ("H", "N")}
+
+
+@dataclass(frozen=True)
+class LayoutFacts:
+    """What one paged spec of a generated package says about its caches."""
+
+    name: str
+    lists: tuple[str, ...]
+    dims: tuple[tuple[str, ...], ...]
+    sizes: Mapping[str, int]
+    dtypes: tuple[str, ...]
+    engines: tuple[str, ...]
+    planes: int
+    lmcache: str | None
+    read_geometry: Callable[[Any], Any]
+
+    def axis_dim(self, axis: str) -> int | None:
+        """The leaf dim that holds `axis` alone, if any."""
+        return next((i for i, d in enumerate(self.dims) if d == (axis,)), None)
+
+    def order(self) -> str | None:
+        """'NHD' or 'HND': whether slots or heads come first inside a block."""
+        n, h = self.axis_dim("N"), self.axis_dim("H")
+        if n is None or h is None:
+            return None
+        return "NHD" if n < h else "HND"
+
+    def families(self) -> set[str]:
+        return {_family(e.split("/")[0]) for e in self.engines}
+
+    def backends(self) -> set[str]:
+        """Attention backends named by the spec's engines (FLASH_ATTN, FLASHINFER, ...)."""
+        return {e.split("/", 1)[1].upper() for e in self.engines if "/" in e}
+
+
+@dataclass(frozen=True)
+class Detection:
+    """The one layout a cache is, the extents read from it, and the leaf permutation that
+    turns what the engine handed over into the memory-order view the spec describes."""
+
+    layout: str
+    lmcache: str | None
+    extents: Mapping[str, int]
+    permutation: tuple[int, ...]
+    decided_by: tuple[str, ...] = field(default=())
+
+    @property
+    def permuted(self) -> bool:
+        return self.permutation != tuple(range(len(self.permutation)))
+
+    def view(self, kvcaches: Any) -> Any:
+        """`kvcaches` with every tensor permuted into memory order (a view, no copy)."""
+        if not self.permuted:
+            return kvcaches
+        return map_leaves(kvcaches, lambda t: t.permute(*self.permutation))
+
+
+class AmbiguousLayout(KVLayoutError):
+    """Several layouts fit; `candidates` maps each to hints that would select it."""
+
+    def __init__(self, message: str, candidates: Mapping[str, Mapping[str, Any]]):
+        super().__init__(message)
+        self.candidates = dict(candidates)
+
+
+class NoLayout(KVLayoutError):
+    """No layout fits; `reasons` maps each layout to the fact it disagreed with."""
+
+    def __init__(self, message: str, reasons: Mapping[str, str]):
+        super().__init__(message)
+        self.reasons = dict(reasons)
+
+
+class _Mismatch(Exception):
+    """One fact a spec disagrees with (internal)."""
+
+
+def _family(name: str) -> str:
+    name = str(getattr(name, "value", name)).lower().replace("-", "_")
+    if name in ("tensorrt_llm", "tensorrtllm", "trt_llm"):
+        return "trtllm"
+    return name.split("_")[0] if name.startswith("vllm_") else name
+
+
+def _package(package: ModuleType | str | None) -> ModuleType:
+    if package is None:
+        package = "kvgen.generated"
+    return importlib.import_module(package) if isinstance(package, str) else package
+
+
+@lru_cache(maxsize=8)
+def _facts_of(package: ModuleType) -> tuple[LayoutFacts, ...]:
+    out = []
+    for name, facts in package.LAYOUTS.items():
+        if facts["kind"] != "paged":
+            continue
+        obj = next((o for (p, o) in package.CONNECTORS if p == name), None)
+        if obj is None:
+            continue
+        cls = package.get(name, obj)
+        paged = cls.layout
+        out.append(LayoutFacts(name=name, lists=tuple(facts["lists"]), dims=tuple(map(tuple, facts["dims"])),
+                               sizes=dict(paged.sizes), dtypes=tuple(paged.dtypes),
+                               engines=tuple(facts.get("engines", ())), planes=int(facts.get("planes", 2)),
+                               lmcache=facts.get("lmcache"), read_geometry=cls.read_geometry))
+    return tuple(out)
+
+
+def layout_facts(package: ModuleType | str | None = None) -> tuple[LayoutFacts, ...]:
+    """The paged specs of `package` (default: kvgen.generated) as detection reads them."""
+    return _facts_of(_package(package))
+
+
+# -- matching one spec ------------------------------------------------------------------
+
+def _fit(f: LayoutFacts, cache: CacheShape, shape: tuple[int, ...]) -> dict[str, int]:
+    """The extents `f` reads from a cache whose memory-order leaf shape is `shape`."""
+    if len(cache.lists) != len(f.lists):
+        levels = " -> ".join(f.lists) or "none"
+        raise _Mismatch(f"list levels: the spec has {len(f.lists)} ({levels}), the cache {len(cache.lists)}")
+    ext: dict[str, int] = {}
+
+    def assign(axis: str, value: int, where: str) -> None:
+        if ext.setdefault(axis, value) != value:
+            raise _Mismatch(f"{axis} is {ext[axis]} in one place and {value} at {where}")
+
+    for axis, n in zip(f.lists, cache.lists, strict=True):
+        assign(axis, n, f"list level {axis}")
+    if len(shape) != len(f.dims):
+        raise _Mismatch(f"rank: the spec's tensors have {len(f.dims)} dims, the cache's {len(shape)}")
+    for i, (axes, n) in enumerate(zip(f.dims, shape, strict=True)):
+        if not axes and n != 1:
+            raise _Mismatch(f"dim {i} must be 1, it is {n}")
+        if len(axes) == 1:
+            assign(axes[0], n, f"dim {i}")
+    for axis, value in f.sizes.items():
+        if axis in ext and ext[axis] != value:
+            raise _Mismatch(f"{axis} must be {value}, it is {ext[axis]}")
+        ext.setdefault(axis, value)
+    for i, (axes, n) in enumerate(zip(f.dims, shape, strict=True)):
+        if len(axes) < 2:
+            continue
+        known = [a for a in axes if a in ext]
+        product = 1
+        for a in known:
+            product *= ext[a]
+        unknown = [a for a in axes if a not in ext]
+        if not unknown and product != n:
+            raise _Mismatch(f"dim {i} ({' '.join(axes)}) must be {product}, it is {n}")
+        if len(unknown) == 1:
+            if n % product:
+                raise _Mismatch(f"dim {i} ({' '.join(axes)}) = {n} does not split by {product}")
+            ext[unknown[0]] = n // product
+        elif unknown:
+            ext["S"] = n  # a folded slot axis (SGLang's B*N): its parts are not facts
+    for axis in ("KV", "H"):
+        ext.setdefault(axis, 1)
+    if "S" not in ext:
+        ext["S"] = ext.get("B", 1) * ext.get("N", 1)
+    if cache.dtype is not None and cache.dtype not in f.dtypes:
+        raise _Mismatch(f"dtype {cache.dtype} is not one of {', '.join(f.dtypes)}")
+    return ext
+
+
+def _check_hints(f: LayoutFacts, ext: Mapping[str, int], hints: Mapping[str, Any],
+                 perm: tuple[int, ...]) -> None:
+    for axis, hint in AXIS_HINTS:
+        if hints.get(hint) is not None and axis in ext and ext[axis] != hints[hint]:
+            raise _Mismatch(f"{hint}={hints[hint]}, but read this way {axis} is {ext[axis]}")
+    if hints.get("hidden_dim") is not None and ext["H"] * ext["C"] != hints["hidden_dim"]:
+        raise _Mismatch(f"hidden_dim={hints['hidden_dim']}, but read this way H*C is {ext['H']}*{ext['C']}")
+    if hints.get("planes") is not None and f.planes != hints["planes"]:
+        what = "an MLA cache (one plane)" if hints["planes"] == 1 else "separate K and V"
+        raise _Mismatch(f"the engine says {what}, the spec has {f.planes} plane(s)")
+    engine = hints.get("engine")
+    if engine is not None and _family(engine) not in f.families():
+        raise _Mismatch(f"engine {_family(engine)!r}: the spec is for {', '.join(sorted(f.families()))}")
+    backend = hints.get("backend")
+    if backend is not None and str(backend).upper() not in f.backends():
+        raise _Mismatch(f"backend {backend!r}: the spec is for {', '.join(sorted(f.backends())) or 'no backend'}")
+    kv_layout = hints.get("kv_layout")
+    if kv_layout is not None and str(kv_layout).upper() in ORDERS and f.order() != str(kv_layout).upper():
+        raise _Mismatch(f"kv_layout={kv_layout!r}, the spec's order is {f.order() or 'neither NHD nor HND'}")
+    given = hints.get("given_order")
+    if given is None and engine is not None and _family(engine) == "vllm" and perm != tuple(range(len(perm))):
+        given = "NHD"  # vLLM permutes a cache only to hand over its logical view: slots (N) before heads (H)
+    if given is not None and f.order():
+        n, h = perm[f.axis_dim("N")], perm[f.axis_dim("H")]  # type: ignore[index]
+        if ("NHD" if n < h else "HND") != str(given).upper():
+            raise _Mismatch(f"the dims were handed over in {str(given).upper()} order, but read this way "
+                            f"they would be in {'NHD' if n < h else 'HND'} order")
+
+
+# -- hints ------------------------------------------------------------------------------
+
+def normalize_hints(hints: Mapping[str, Any]) -> dict[str, Any]:
+    """Hints under their canonical names, with kv_shape and use_mla unfolded; TypeError on
+    an unknown name, KVLayoutError when two hints disagree."""
+    out: dict[str, Any] = {}
+    for key, value in hints.items():
+        name = SYNONYMS.get(key, key)
+        if name not in HINTS:
+            raise TypeError(f"detect() got an unknown hint {key!r}; hints: {', '.join(HINTS + tuple(SYNONYMS))}")
+        if value is None:
+            continue
+        if name in out and out[name] != value:
+            raise KVLayoutError(f"hints disagree: {name} is {out[name]!r} and {value!r}")
+        out[name] = value
+    derived: dict[str, Any] = {}
+    if "kv_shape" in out:
+        kv_shape = tuple(int(x) for x in out.pop("kv_shape"))
+        if len(kv_shape) != 5:
+            raise KVLayoutError(f"kv_shape must be (num_layers, 2 or 1, chunk_size, num_kv_heads, head_size), "
+                                f"got {kv_shape}")
+        derived.update(num_layers=kv_shape[0], planes=kv_shape[1], num_kv_heads=kv_shape[3],
+                       head_size=kv_shape[4])
+    if "use_mla" in out:
+        planes = 1 if out.pop("use_mla") else 2
+        if derived.get("planes", planes) != planes:
+            raise KVLayoutError(f"hints disagree: use_mla says {planes} plane(s), kv_shape {derived['planes']}")
+        derived["planes"] = planes
+    for key, value in derived.items():
+        if key in out and out[key] != value:
+            raise KVLayoutError(f"hints disagree: {key}={out[key]!r}, but kv_shape says {value!r}")
+        out.setdefault(key, value)
+    out.pop("kv_list_layout", None)  # SGLang's list organisation: the list levels already say it
+    return out
+
+
+def _describe_hints(hints: Mapping[str, Any]) -> str:
+    shown = {k: (_family(v) if k == "engine" else v) for k, v in hints.items() if k != "planes"}
+    if "planes" in hints:
+        shown["use_mla"] = hints["planes"] == 1
+    return ", ".join(f"{k}={v!r}" for k, v in sorted(shown.items())) or "none"
+
+
+# -- detection --------------------------------------------------------------------------
+
+def detect_shape(cache: CacheShape, *, package: ModuleType | str | None = None, **hints: Any) -> Detection:
+    """Detection from a CacheShape (no tensors needed); see `detect`."""
+    hints = normalize_hints(hints)
+    facts = layout_facts(package)
+    if hints.get("dtype") is not None:
+        cache = CacheShape(cache.lists, cache.shape, cache.stride, str(hints.pop("dtype")).removeprefix("torch."))
+    perm = memory_order(cache.shape, cache.stride)
+    shape = tuple(cache.shape[i] for i in perm)
+    named = hints.pop("layout", None)
+    kv_layout = hints.get("kv_layout")
+    if kv_layout is not None and str(kv_layout).upper() not in ORDERS:
+        named = named or kv_layout  # BLHNC, BLNHC or any spec name, alias or LMCache format
+        hints.pop("kv_layout")
+    if named is not None:
+        name = _package(package).resolve(str(named))
+        facts = tuple(f for f in facts if f.name == name)
+        if not facts:
+            raise KVLayoutError(f"layout {named!r} is not a paged layout of this package")
+    fits, refused = [], {}
+    for f in facts:
+        try:
+            ext = _fit(f, cache, shape)
+            _check_hints(f, ext, hints, perm)
+        except _Mismatch as why:
+            refused[f.name] = str(why)
+            continue
+        fits.append((f, ext))
+    where = f"cache {cache.describe()}" + (f" (memory order [{', '.join(map(str, shape))}])"
+                                           if perm != tuple(range(len(perm))) else "")
+    if not fits:
+        raise NoLayout(f"no layout fits the {where} with hints {_describe_hints(hints)}; what disagreed:\n  "
+                       + "\n  ".join(f"{name}: {why}" for name, why in refused.items()), refused)
+    if len(fits) > 1:
+        deciders = {f.name: _deciders(f, ext, fits) for f, ext in fits}
+        lines = [f"{f.name} {_extents(ext)} (pass "
+                 f"{', '.join(f'{k}={v!r}' for k, v in deciders[f.name].items())})" for f, ext in fits]
+        raise AmbiguousLayout(f"{len(fits)} layouts fit the {where} with hints {_describe_hints(hints)}; kvgen "
+                              "does not guess:\n  " + "\n  ".join(lines), deciders)
+    f, ext = fits[0]
+    decided = tuple(sorted(k for k in hints)) + (("strides",) if perm != tuple(range(len(perm))) else ())
+    return Detection(f.name, f.lmcache, ext, perm, decided)
+
+
+def _extents(ext: Mapping[str, int]) -> str:
+    return "[" + " ".join(f"{k}={v}" for k, v in ext.items()) + "]"
+
+
+def _deciders(f: LayoutFacts, ext: Mapping[str, int], fits: Sequence[tuple[LayoutFacts, Mapping[str, int]]]
+              ) -> dict[str, Any]:
+    """Hints that keep `f` and drop at least one other candidate (`layout` always decides)."""
+    out: dict[str, Any] = {}
+    for axis, hint in AXIS_HINTS:
+        if axis in ext and len({e.get(axis) for _, e in fits}) > 1:
+            out[hint] = ext[axis]
+    if f.order() and len({g.order() for g, _ in fits}) > 1:
+        out["kv_layout"] = f.order()
+    if len({frozenset(g.families()) for g, _ in fits}) > 1 and len(f.families()) == 1:
+        out["engine"] = next(iter(f.families()))
+    others = [g.backends() for g, _ in fits if g.name != f.name]
+    own = sorted(b for b in f.backends() if not all(b in o for o in others))
+    if own:
+        out["backend"] = own[0]
+    out["layout"] = f.name
+    return out
+
+
+def detect(kvcaches: Any, *, package: ModuleType | str | None = None, **hints: Any) -> Detection:
+    """The one kvgen layout `kvcaches` is, or KVLayoutError naming the candidates (and the
+    hint that decides) or the facts that disagreed.
+
+    `kvcaches`: the engine's structure (nested lists/tuples of tensors, or one tensor), or
+    a CacheShape. Hints: engine ('vllm', 'sglang', 'trtllm' or LMCache's EngineType),
+    kv_layout ('NHD', 'HND', or a spec name/alias/LMCache format such as 'BLHNC'),
+    num_kv_heads, block_size (tokens_per_block), head_size (head_dim), hidden_dim (H*C),
+    num_layers, use_mla, kv_shape (LMCache's metadata.kv_shape), layout (force a spec),
+    dtype. `package`: a generated package (default kvgen.generated), for your own specs.
+    """
+    if isinstance(kvcaches, CacheShape):
+        return detect_shape(kvcaches, package=package, **hints)
+    cache, _ = read_structure(kvcaches)
+    result = detect_shape(cache, package=package, **hints)
+    for f in layout_facts(package):
+        if f.name == result.layout:
+            f.read_geometry(result.view(kvcaches))  # the generated reader agrees, or says why not
+    return result
+

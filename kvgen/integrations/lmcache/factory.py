@@ -1,0 +1,87 @@
+"""`create_gpu_connector`: LMCache's CreateGPUConnector with kvgen's connectors, so a
+deployment swaps one call."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from kvgen.errors import KVLayoutError
+from kvgen.integrations.lmcache._compat import lmcache_module
+from kvgen.integrations.lmcache.sglang import (
+    SGLangGPUConnector,
+    SGLangLayerwiseGPUConnector,
+    SGLangLayerwiseXPUConnector,
+    SGLangXPUConnector,
+)
+from kvgen.integrations.lmcache.trtllm import TRTLLMGPUConnector
+from kvgen.integrations.lmcache.vllm import (
+    VLLMPagedMemGPUConnectorV2,
+    VLLMPagedMemGPUConnectorV3,
+    VLLMPagedMemLayerwiseGPUConnector,
+    VLLMPagedMemLayerwiseXPUConnector,
+    VLLMPagedMemXPUConnectorV2,
+    VLLMPagedMemXPUConnectorV3,
+)
+
+
+def device_type() -> str:
+    """The accelerator this process runs on, as LMCache picks it: cuda, then xpu, else cpu."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return "xpu"
+    return "cpu"
+
+
+def _engine(engine: Any) -> str:
+    return str(getattr(engine, "value", engine)).lower()
+
+
+def create_gpu_connector(config: Any, metadata: Any, engine: Any,
+                         layout_hints: Mapping[str, Any] | None = None) -> Any:
+    """The kvgen connector LMCache's CreateGPUConnector would pick for `config`, `metadata`
+    and `engine` (LMCache's EngineType or its value: 'vllm', 'sglang', 'trtllm', 'mock').
+
+    CacheBlend (`enable_blending`) needs LMCache's blender inside its buffer connector;
+    that one, and the mock connector, are LMCache's own (KVLayoutError without LMCache)."""
+    name = _engine(engine)
+    kind = device_type()
+    local = int(getattr(metadata, "local_worker_id", 0) or 0)
+    device = torch.device(kind, local) if kind != "cpu" else torch.device("cpu")
+    if kind != "cpu":
+        getattr(torch, kind).set_device(local)
+    use_gpu = not bool(getattr(config, "enable_pd", False))
+    xpu = kind == "xpu"
+    layerwise = bool(getattr(config, "use_layerwise", False))
+
+    if name == "sglang":
+        cls: Any = (SGLangLayerwiseXPUConnector if xpu else SGLangLayerwiseGPUConnector) if layerwise \
+            else (SGLangXPUConnector if xpu else SGLangGPUConnector)
+        return cls.from_metadata(metadata, use_gpu, device, layout_hints=layout_hints)
+    if name == "vllm":
+        if layerwise and bool(getattr(config, "enable_blending", False)):
+            return _lmcache_own(config, metadata, engine, layout_hints, "CacheBlend's buffer connector")
+        if layerwise:
+            cls = VLLMPagedMemLayerwiseXPUConnector if xpu else VLLMPagedMemLayerwiseGPUConnector
+        elif bool(getattr(config, "use_gpu_connector_v3", False)):
+            cls = VLLMPagedMemXPUConnectorV3 if xpu else VLLMPagedMemGPUConnectorV3
+        else:
+            cls = VLLMPagedMemXPUConnectorV2 if xpu else VLLMPagedMemGPUConnectorV2
+        return cls.from_metadata(metadata, use_gpu, device, layout_hints=layout_hints)
+    if name == "trtllm":
+        return TRTLLMGPUConnector.from_metadata(metadata, device=device)
+    if name == "mock":
+        return _lmcache_own(config, metadata, engine, layout_hints, "the mock connector")
+    raise KVLayoutError(f"no kvgen connector for engine {name!r}; engines: vllm, sglang, trtllm (and mock "
+                        "through LMCache)")
+
+
+def _lmcache_own(config: Any, metadata: Any, engine: Any, layout_hints: Mapping[str, Any] | None,
+                 what: str) -> Any:
+    found = lmcache_module("lmcache.v1.gpu_connector")
+    if found is None:
+        raise KVLayoutError(f"{what} is LMCache's own connector; install lmcache to use it")
+    return found.CreateGPUConnector(config, metadata, engine, layout_hints=layout_hints)

@@ -1,0 +1,98 @@
+"""Caches as detection reads them: list lengths, the leaf's shape, strides and dtype,
+from live tensors or from text (the CLI), and the stride order of a leaf's dims."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvgen.errors import KVLayoutError
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """A cache described without tensors: list lengths outermost first, the leaf shape and,
+    optionally, the leaf's strides (in elements) and dtype name."""
+
+    lists: tuple[int, ...]
+    shape: tuple[int, ...]
+    stride: tuple[int, ...] | None = None
+    dtype: str | None = None
+
+    def describe(self) -> str:
+        text = "".join(f"{n} x " for n in self.lists) + f"[{', '.join(map(str, self.shape))}]"
+        if self.dtype:
+            text += f" {self.dtype}"
+        if self.stride is not None:
+            text += f" strides ({', '.join(map(str, self.stride))})"
+        return text
+
+
+def map_leaves(tree: Any, fn: Callable[[Any], Any]) -> Any:
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(map_leaves(t, fn) for t in tree)
+    return fn(tree)
+
+
+def read_structure(kvcaches: Any) -> tuple[CacheShape, list[Any]]:
+    """A live cache's CacheShape and its tensors; KVLayoutError when the lists are uneven
+    or the tensors differ in shape, strides, dtype or device."""
+    import torch
+
+    lengths: list[int] = []
+    level = [kvcaches]
+    while all(isinstance(n, (list, tuple)) for n in level):
+        sizes = {len(n) for n in level}
+        if len(sizes) != 1 or 0 in sizes:
+            raise KVLayoutError(f"kvcaches: list level {len(lengths)} must be non-empty and equally long "
+                                f"everywhere, got lengths {sorted(sizes)}")
+        lengths.append(sizes.pop())
+        level = [x for n in level for x in n]
+    if not all(isinstance(n, torch.Tensor) for n in level):
+        kinds = sorted({type(n).__name__ for n in level})
+        raise KVLayoutError(f"kvcaches: expected nested lists or tuples of tensors, found {', '.join(kinds)} "
+                            f"at list level {len(lengths)}")
+    first = level[0]
+    for t in level[1:]:
+        if (t.shape, t.stride(), t.dtype, t.device) != (first.shape, first.stride(), first.dtype, first.device):
+            raise KVLayoutError(f"kvcaches: every tensor must have one shape, stride, dtype and device; found "
+                                f"{list(first.shape)} {first.stride()} {first.dtype} on {first.device} and "
+                                f"{list(t.shape)} {t.stride()} {t.dtype} on {t.device}")
+    shape = CacheShape(tuple(lengths), tuple(first.shape), tuple(first.stride()),
+                       str(first.dtype).removeprefix("torch."))
+    return shape, level
+
+
+def memory_order(shape: Sequence[int], stride: Sequence[int] | None) -> tuple[int, ...]:
+    """The permutation that sorts a tensor's dims by stride, outermost first. Size-1 dims
+    keep their place (their stride says nothing); equal strides keep their order."""
+    ident = tuple(range(len(shape)))
+    if stride is None:
+        return ident
+    big = [i for i in ident if shape[i] != 1]
+    order = sorted(big, key=lambda i: -stride[i])
+    perm = list(ident)
+    for slot, src in zip(big, order, strict=True):
+        perm[slot] = src
+    return tuple(perm)
+
+
+def parse_cache_shape(text: str, stride: str | None = None, dtype: str | None = None) -> CacheShape:
+    """`32x[2,1000,16,8,128]` (list lengths outermost first, then the leaf shape; `[...]`
+    alone for one tensor) and optional comma-separated strides, as the CLI takes them."""
+    body = text.replace(" ", "")
+    head, sep, leaf = body.rpartition("[")
+    if not leaf.endswith("]") or (head and not head.endswith("x")) or (not sep):
+        raise KVLayoutError(f"cache shape {text!r}: write list lengths then the tensor shape, e.g. "
+                            "32x[2,1000,16,8,128] or 2x32x[4096,8,128] or [1000,32,2,8,16,128]")
+    try:
+        lists = tuple(int(n) for n in head.split("x") if n)
+        shape = tuple(int(n) for n in leaf[:-1].split(",") if n)
+        strides = tuple(int(n) for n in stride.replace(" ", "").split(",") if n) if stride else None
+    except ValueError:
+        raise KVLayoutError(f"cache shape {text!r} / strides {stride!r}: every extent must be an integer") from None
+    if not shape or (strides is not None and len(strides) != len(shape)):
+        raise KVLayoutError(f"cache shape {text!r}: need a tensor shape, and one stride per dim when strides "
+                            "are given")
+    return CacheShape(lists, shape, strides, dtype)

@@ -1,0 +1,210 @@
+"""kvgen's LMCache connectors driven through LMCache's own objects (LMCacheMetadata,
+MemoryFormat, PinMemoryAllocator memory objects), every built-in layout, whole and
+layerwise, each store and each load checked bit for bit against kvgen's reference.
+
+Caches carry the codes of their coordinates and objects codes of their positions, so a
+K/V swap, a transposed head or a token in the wrong slot changes the compared bits.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("lmcache.v1.memory_allocators.pin_memory_allocator",
+                    reason="lmcache 0.5.6 is not installed (scripts/dev installs it)")
+
+from lmcache.v1.memory_allocators.pin_memory_allocator import PinMemoryAllocator  # noqa: E402
+from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
+from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+
+import kvgen.integrations.lmcache as kl  # noqa: E402
+from kvgen import generated  # noqa: E402
+from kvgen.oracle import reference  # noqa: E402
+from kvgen.oracle.scenarios import EXT, block_table_mapping, clone_tree, make_cache, same_bits  # noqa: E402
+from kvgen.spec.library import load_library  # noqa: E402
+
+LIBRARY = load_library()
+STARTS, ENDS = [4, 9, 19], [8, 13, 25]
+SEQ = 25
+#: How each engine hands a layout over, and the hint a deployment gives where the cache alone
+#: cannot say: vLLM shows HND caches in its logical N-before-H order (a permuted view).
+HANDED = {
+    "vllm_flash_attn_hnd": ("logical", {}),
+    "vllm_flashinfer_hnd": ("logical", {}),
+    "vllm_packed_hnd": ("as is", {"kv_layout": "HND"}),
+    "vllm_heads_first": ("as is", {"kv_layout": "LHBNC"}),
+    "vllm_blocks_first_hnd": ("as is", {"kv_layout": "BLHNC"}),
+    "vllm_blocks_heads_first": ("as is", {"kv_layout": "BHLNC"}),
+    "vllm_rbln": ("as is", {"kv_layout": "HND"}),
+}
+PAGED = [s.name for s in LIBRARY.paged if s.name != "trtllm_pool"]
+
+
+def _family(layout: str) -> str:
+    return generated.LAYOUTS[layout]["engines"][0].split("/")[0].split("-")[0]
+
+
+def _handed(layout: str, cache: Any) -> tuple[Any, dict[str, Any]]:
+    how, hints = HANDED.get(layout, ("as is", {}))
+    if how == "logical":  # swap the H and N dims of every tensor: what vLLM hands over
+        spec = LIBRARY[layout]
+        h = next(i for i, d in enumerate(spec.dims) if d.axes == ("H",))
+        n = next(i for i, d in enumerate(spec.dims) if d.axes == ("N",))
+        perm = list(range(len(spec.dims)))
+        perm[h], perm[n] = n, h
+        cache = [t.permute(*perm) for t in cache]
+    return cache, hints
+
+
+def _metadata(layout: str) -> LMCacheMetadata:
+    mla = generated.LAYOUTS[layout]["planes"] == 1
+    heads = 1 if mla else EXT["H"]
+    return LMCacheMetadata(model_name="kvgen-test", world_size=1, local_world_size=1, worker_id=0,
+                           local_worker_id=0, kv_dtype=torch.float32, use_mla=mla,
+                           kv_shape=(EXT["L"], 1 if mla else 2, 32, heads, EXT["C"]))
+
+
+def _connector(layout: str, layerwise: bool, hints: dict[str, Any], use_gpu: bool) -> Any:
+    family = _family(layout)
+    cls = {("vllm", False): kl.VLLMPagedMemGPUConnectorV2, ("vllm", True): kl.VLLMPagedMemLayerwiseGPUConnector,
+           ("sglang", False): kl.SGLangGPUConnector, ("sglang", True): kl.SGLangLayerwiseGPUConnector}[
+        (family, layerwise)]
+    return cls.from_metadata(_metadata(layout), use_gpu=use_gpu, device="cpu", layout_hints=hints)
+
+
+def _fill(objs: list[Any], salt: int) -> None:
+    reference.fill_object([o.tensor for o in objs], torch.float32, salt)
+
+
+@pytest.fixture(scope="module")
+def alloc():
+    a = PinMemoryAllocator(size=8 * 1024 * 1024)
+    yield a
+    a.close()
+
+
+@pytest.mark.parametrize("use_gpu", [False, True], ids=["direct", "staged"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+@pytest.mark.parametrize("layout", PAGED)
+def test_store_and_load_match_reference(layout: str, layerwise: bool, use_gpu: bool, alloc: Any) -> None:
+    mla = generated.LAYOUTS[layout]["planes"] == 1
+    if layerwise and _family(layout) == "sglang" and mla:
+        pytest.skip("LMCache has no layerwise SGLang MLA connector")
+    spec = LIBRARY[layout]
+    obj_spec = LIBRARY[("kv_mla_layer" if mla else "kv_t2d") if layerwise else ("kv_mla" if mla else "kv_2ltd")]
+    fmt = MemoryFormat[obj_spec.format]
+    cache = make_cache(spec, torch.float32, "cpu")
+    handed, hints = _handed(layout, cache)
+    conn = _connector(layout, layerwise, hints, use_gpu)
+    rng = random.Random(layout)
+    mapping_list = block_table_mapping(SEQ, rng, EXT)
+    mapping_list[5] = -1  # a token whose KV the engine does not hold
+    mapping = torch.tensor(mapping_list)
+
+    lengths = [e - s for s, e in zip(STARTS, ENDS, strict=True)]
+    if layerwise:
+        objs = [[alloc.allocate(conn.get_shape(n), torch.float32, MemoryFormat.UNDEFINED) for n in lengths]
+                for _ in range(EXT["L"])]
+        flat = [o for row in objs for o in row]
+    else:
+        objs = [alloc.allocate(conn.get_shape(n), torch.float32, MemoryFormat.UNDEFINED) for n in lengths]
+        flat = objs
+    _fill(flat, 7)
+    want = [o.tensor.clone() for o in flat]
+    try:
+        if layerwise:
+            gen = conn.batched_from_gpu(objs, STARTS, ENDS, kvcaches=handed, slot_mapping=mapping, sync=True,
+                                        offset=2)
+            assert sum(1 for _ in gen) == EXT["L"] + 1
+            per_chunk = [[row[i].tensor for row in objs] for i in range(len(lengths))]
+            want_chunks = [[want[layer * len(lengths) + i] for layer in range(EXT["L"])] for i in range(len(lengths))]
+        else:
+            conn.batched_from_gpu(objs, STARTS, ENDS, kvcaches=handed, slot_mapping=mapping, offset=2)
+            per_chunk = [o.tensor for o in objs]
+            want_chunks = want
+        for chunk, s, e in zip(want_chunks, STARTS, ENDS, strict=True):
+            reference.store(spec, obj_spec, EXT, cache, chunk, mapping_list, s, e)
+        assert same_bits(per_chunk, want_chunks), f"{layout}: stored objects differ from the reference"
+        assert {o.metadata.fmt for o in flat} == {fmt}
+        assert conn.detection is not None and conn.detection.layout == layout
+
+        # load fresh codes: vLLM skips the tokens the engine holds; SGLang passes a mapping from `offset` on
+        _fill(flat, 11)
+        target = clone_tree(cache)
+        expected = clone_tree(cache)
+        handed_target, _ = _handed(layout, target)
+        kwargs: dict[str, Any] = {"kvcaches": handed_target}
+        skips = [0, 0, 0]
+        if _family(layout) == "sglang":
+            kwargs.update(slot_mapping=mapping[4:], offset=4)
+        else:
+            kwargs.update(slot_mapping=mapping, vllm_cached_tokens=6)
+            skips = [min(e - s, max(0, 6 - s)) for s, e in zip(STARTS, ENDS, strict=True)]
+        if layerwise:
+            gen = conn.batched_to_gpu(STARTS, ENDS, sync=True, **kwargs)
+            next(gen)
+            for row in objs:
+                gen.send(row)
+            next(gen)
+            with pytest.raises(StopIteration):
+                next(gen)
+        else:
+            conn.batched_to_gpu(objs, STARTS, ENDS, **kwargs)
+        for chunk, s, e, skip in zip(per_chunk, STARTS, ENDS, skips, strict=True):
+            reference.load(spec, obj_spec, EXT, expected, chunk, mapping_list, s, e, 0,
+                           skip)
+        assert same_bits(target, expected), f"{layout}: loaded cache differs from the reference"
+        assert not same_bits(target, cache), "the load wrote nothing"
+    finally:
+        for o in flat:
+            o.ref_count_down()
+
+
+def test_trtllm_pool_by_block_ids(alloc: Any) -> None:
+    """TensorRT-LLM: the 4-D pool registered once, chunks addressed by block ids."""
+    spec = LIBRARY["trtllm_pool"]
+    pool6 = make_cache(spec, torch.float32, "cpu")  # [B L KV H N C], coded
+    pool = pool6.flatten(3)  # what TensorRT-LLM registers: [B, L, 2, H*N*C]
+    meta = LMCacheMetadata(model_name="t", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+                           kv_dtype=torch.float32, kv_shape=(EXT["L"], 2, 2 * EXT["N"], EXT["H"], EXT["C"]))
+    conn = kl.TRTLLMGPUConnector.from_metadata(meta, device="cpu")
+    conn.register_kv_caches(pool)
+    assert conn.detection is not None and conn.detection.layout == "trtllm_pool"
+    block_ids = [7, 2, 9, 4, 11]  # chunk 0: blocks 7, 2; chunk 1: 9, 4; chunk 2 lacks its second block
+    n = 2 * EXT["N"]
+    objs = [alloc.allocate(conn.get_shape(n), torch.float32, MemoryFormat.KV_2LTD) for _ in range(3)]
+    try:
+        _fill(objs, 3)
+        untouched = objs[2].tensor.clone()
+        conn.batched_from_gpu(objs, [0, n, 2 * n], [n, 2 * n, 3 * n], block_ids=block_ids)
+        slots = [b * EXT["N"] + i for b in block_ids for i in range(EXT["N"])]
+        for k, obj in enumerate(objs[:2]):
+            want = torch.zeros_like(obj.tensor)
+            reference.store(spec, LIBRARY["kv_2ltd"], EXT, pool6, want, slots, k * n, (k + 1) * n)
+            assert same_bits(obj.tensor, want)
+        assert same_bits(objs[2].tensor, untouched), "a chunk without all its blocks must be left alone"
+
+        target = torch.zeros_like(pool)
+        conn.register_kv_caches(target)
+        expected = torch.zeros_like(pool6)
+        conn.to_gpu(objs[1], n, 2 * n, block_ids=block_ids)
+        reference.load(spec, LIBRARY["kv_2ltd"], EXT, expected, objs[1].tensor, slots, n, 2 * n)
+        assert same_bits(target, expected.flatten(3))
+    finally:
+        for o in objs:
+            o.ref_count_down()
+
+
+def test_lmcache_isinstance_checks_accept_kvgen() -> None:
+    from lmcache.v1.gpu_connector import gpu_connectors, xpu_connectors
+    from lmcache.v1.gpu_connector.utils import assert_layerwise_gpu_connector
+
+    conn = kl.VLLMPagedMemLayerwiseXPUConnector(64, 2)
+    assert isinstance(conn, gpu_connectors.GPUConnectorInterface)
+    assert isinstance(conn, xpu_connectors.VLLMPagedMemLayerwiseXPUConnector)
+    assert_layerwise_gpu_connector(conn)
+    assert isinstance(kl.SGLangGPUConnector(64, 2), gpu_connectors.SGLangGPUConnector)
