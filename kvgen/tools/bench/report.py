@@ -102,7 +102,8 @@ def text(result: Result, machine: dict[str, Any]) -> str:
         out += ["", warning]
     out += ["", "Input-check cost per call (median microseconds): bind on a fresh connector, bind again "
             "with the same cache (cached), plan_chunk per chunk, the alias checks of a chunk's objects "
-            "(apart from each other and the cache) and of a load's slots (each written once)", check_table(result.checks), ""]
+            "(apart from each other and the cache) and of a load's slots (each written once)",
+            check_table(result.checks), ""]
     bad = sum(1 for r in result.rows if not r.naive_matches)
     if bad:
         out.append(f"naive baseline DISAGREED with the connector on {bad} of {len(result.rows)} rows")
