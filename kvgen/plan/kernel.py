@@ -109,10 +109,14 @@ def _kernel_text(plan: CopyPlan, leaf: View, obj: View, lists: tuple[str, ...], 
               *(["layer"] if layerwise else []), "first_id", "first_slot", "block_start", "num_blocks",
               "num_tokens", *(f"E_{a}" for a in extents), *(f"cs_{a}" for a in leaf.axes),
               *(f"os_{a}" for a in obj.axes), *(f"R_{a}: tl.constexpr" for a in row),
-              *(f"{c}: tl.constexpr" for c in ("ROW", "BN", "TILE", "IDS", "SLOTS", "TOK", "STORE"))]
-    body: list[str] = []
+              *(["TA: tl.constexpr"] if lists else []),
+              *(f"{c}: tl.constexpr" for c in ("ROW", "RB", "BN", "TILE", "IDS", "SLOTS", "TOK", "STORE"))]
+    # Grid axis 1: the outer part, and which RB-word piece of a token's row (a launch with
+    # few tokens and parts still fills the device).
+    body = ["q = tl.program_id(1)",
+            f"j = (q % (ROW // RB)) * RB + tl.arange(0, RB)  # words of one token's row: [{' '.join(row)}]"]
     if outer:
-        body.append("q = tl.program_id(1).to(tl.int64)  # the outer part: " + " x ".join(outer))
+        body.append("q = (q // (ROW // RB)).to(tl.int64)  # the outer part: " + " x ".join(outer))
         for axis in reversed(outer[1:]):
             body += [f"{COORD[axis]} = q % E_{axis}", f"q = q // E_{axis}"]
         body.append(f"{COORD[outer[0]]} = q")
@@ -121,11 +125,12 @@ def _kernel_text(plan: CopyPlan, leaf: View, obj: View, lists: tuple[str, ...], 
     in_leaf = tuple(a for a in leaf.axes if a not in slot and a not in row)
     c_base = _offsets(in_leaf, "cs")
     if lists:
-        c_base = f"tl.load(table + {_table_index(lists)})" + ("" if c_base == "0" else f" + {c_base}")
+        # TA: a power of two dividing every leaf's offset, so the compiler may use vector accesses.
+        leaf = f"tl.multiple_of(tl.load(table + {_table_index(lists)}), TA)"
+        c_base = leaf if c_base == "0" else f"{leaf} + {c_base}"
     body.append(f"c_base = {c_base}  # where this part starts in the cache, in words")
     o_outer = tuple(a for a in obj.axes if a != "T" and a not in row)
     body.append(f"o_base = {_offsets(o_outer, 'os')}  # and in the object")
-    body.append(f"j = tl.arange(0, ROW)  # one token's row: [{' '.join(row)}]")
     for axis in reversed(row[1:]):
         body += [f"{COORD[axis]} = j % R_{axis}", f"j = j // R_{axis}"]
     if row:

@@ -40,6 +40,11 @@ KERNEL_WORD = 8
 #: Words in one program's tile: enough bytes in flight per program, few registers spilled.
 TILE_WORDS = 8192
 _TABLES_KEPT = 16
+#: A launch with fewer programs splits token rows into pieces (of no fewer words) until it
+#: has this many: an H200 has 132 compute units, a Max 1550 128 (x 8 threads).
+MIN_PROGRAMS, MIN_PIECE = 1024, 32
+#: The largest alignment (in words) a kernel is told its leaf offsets have.
+MAX_ALIGN = 16
 
 #: Launches so far (tests use it to see that a kernel, not the torch path, moved the data).
 stats = {"launches": 0}
@@ -109,7 +114,7 @@ class KernelSpec:
 Views = Callable[[torch.Tensor, torch.Tensor, Geometry, Words], tuple[torch.Tensor, torch.Tensor]]
 
 _dummies: dict[torch.device, torch.Tensor] = {}
-_tables: dict[tuple[Any, ...], torch.Tensor] = {}
+_tables: dict[tuple[Any, ...], tuple[torch.Tensor, int]] = {}
 _lock = threading.Lock()
 
 
@@ -142,18 +147,21 @@ def _kernel_words(w: Words, element: int, tensors: list[torch.Tensor], table: bo
     return w if width == size else words(width, element, w.C * size // element)
 
 
-def _table(tensors: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
-    """Each leaf's offset from the first, in words, on the device (kept per cache)."""
+def _table(tensors: list[torch.Tensor], width: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Each leaf's offset from the first, in words, on the device (kept per cache), and the
+    largest power of two up to 16 that divides every offset (the kernel's alignment hint)."""
     base = tensors[0].data_ptr()
     key = (device, width, tuple(t.data_ptr() for t in tensors))
-    table = _tables.get(key)
-    if table is None:
-        table = torch.tensor([(t.data_ptr() - base) // width for t in tensors], dtype=torch.int64, device=device)
+    found = _tables.get(key)
+    if found is None:
+        offsets = [(t.data_ptr() - base) // width for t in tensors]
+        common = math.gcd(*offsets) or MAX_ALIGN
+        found = (torch.tensor(offsets, dtype=torch.int64, device=device), min(common & -common, MAX_ALIGN))
         with _lock:
             if len(_tables) >= _TABLES_KEPT:
                 _tables.pop(next(iter(_tables)))
-            _tables[key] = table
-    return table
+            _tables[key] = found
+    return found
 
 
 class Kernel:
@@ -178,7 +186,7 @@ class Kernel:
         dummy = _dummy(device)
         args: dict[str, Any] = {"cache": x, "obj": o}
         if spec.table:
-            args["table"] = _table(cache_leaves, w.dtype.itemsize, device)
+            args["table"], args["TA"] = _table(cache_leaves, w.dtype.itemsize, device)
         if spec.layerwise:
             args["layer"] = layer
         bn = 1 if spec.folded else int(g.N or 1)
@@ -200,9 +208,13 @@ class Kernel:
         tile = max(1, min(64, TILE_WORDS // width))
         if not spec.folded:
             tile = min(tile, _pow2(bn))
+        programs = args["num_blocks"] + -(-count // tile)
         outer = math.prod(_extent(a, g, w) for a in spec.outer)
-        args.update(row, ROW=width, BN=bn, TILE=tile, STORE=store)
-        grid = (args["num_blocks"] + -(-count // tile), outer)
+        piece = width
+        while piece > MIN_PIECE and programs * outer * (width // piece) < MIN_PROGRAMS:
+            piece //= 2  # few tokens and parts: split rows so that every compute unit has work
+        args.update(row, ROW=width, RB=piece, BN=bn, TILE=tile, STORE=store)
+        grid = (programs, outer * (width // piece))
         if grid[1] > 65535:
             raise Unsupported(f"{grid[1]} outer parts exceed Triton's grid")
         _launch(self.fn, grid, args, device)
