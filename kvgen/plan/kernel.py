@@ -66,12 +66,16 @@ class KernelPlan:
         return '@triton.jit(do_not_specialize=("layer",))' if self.layerwise else "@triton.jit"
 
     @property
-    def grid(self) -> str:
-        """One line for people: what a launch covers."""
+    def summary(self) -> tuple[str, str]:
+        """For people: what a launch covers, and how it reaches the cache."""
         parts = " x ".join(self.outer) or "1"
         where = f"leaves by a table over {' x '.join(self.lists)}" if self.lists else "one stacked cache tensor"
         per = "one launch per layer and chunk" if self.layerwise else "one launch per chunk"
-        return f"{per}: grid (whole blocks + token tiles, {parts}); rows [{' '.join(self.row)}]; {where}"
+        return f"{per}, grid (whole blocks + token tiles, {parts})", f"rows [{' '.join(self.row)}]; {where}"
+
+    @property
+    def grid(self) -> str:
+        return "; ".join(self.summary)
 
     @property
     def spec_fields(self) -> tuple[tuple[str, object], ...]:
@@ -128,9 +132,9 @@ def _kernel_text(plan: CopyPlan, leaf: View, obj: View, lists: tuple[str, ...], 
         # TA: a power of two dividing every leaf's offset, so the compiler may use vector accesses.
         leaf = f"tl.multiple_of(tl.load(table + {_table_index(lists)}), TA)"
         c_base = leaf if c_base == "0" else f"{leaf} + {c_base}"
-    body.append(f"c_base = {c_base}  # where this part starts in the cache, in words")
     o_outer = tuple(a for a in obj.axes if a != "T" and a not in row)
-    body.append(f"o_base = {_offsets(o_outer, 'os')}  # and in the object")
+    body += ["# where this part starts in the cache and in the object, in words",
+             f"c_base = {c_base}", f"o_base = {_offsets(o_outer, 'os')}"]
     for axis in reversed(row[1:]):
         body += [f"{COORD[axis]} = j % R_{axis}", f"j = j // R_{axis}"]
     if row:
