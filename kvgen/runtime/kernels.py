@@ -14,12 +14,13 @@ else (`pip install 'kvgen[triton]'`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -229,6 +230,53 @@ def _launch(fn: Any, grid: tuple[int, int], args: dict[str, Any], device: torch.
         fn[grid](**args)
 
 
+#: A torch op on the CPU that moves fewer bytes runs on one thread: waking threads and the
+#: barrier at the end of a parallel region cost more than they save.
+PARALLEL_BYTES = 4 << 20
+_CPUS = os.cpu_count() or 1
+
+
+def runnable() -> int | None:
+    """Threads ready to run on this host now (Linux's /proc/loadavg; this one included)."""
+    try:
+        with open("/proc/loadavg", encoding="ascii") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def cpu_threads(op_bytes: int) -> int:
+    """Intra-op threads for the torch ops of one chunk on the CPU, each moving `op_bytes`.
+
+    A connector issues one or more ops per layer, each a parallel region whose closing
+    barrier waits for all its threads; on a host whose cores are all taken (a co-located
+    engine), some are descheduled and every barrier waits a scheduling slice, so the cost
+    grows with the number of ops. Small ops and a busy host run on one thread, which never
+    waits; KVGEN_CPU_THREADS=N fixes the count."""
+    have = torch.get_num_threads()
+    fixed = os.environ.get("KVGEN_CPU_THREADS", "")
+    if fixed.isdigit() and int(fixed) > 0:
+        return int(fixed)
+    if have <= 1 or op_bytes < PARALLEL_BYTES:
+        return 1
+    ready = runnable()
+    return 1 if ready is not None and ready > _CPUS else have
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `n` for the block, then restored."""
+    old = torch.get_num_threads()
+    if n == old:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 _MODULES: dict[str, Any] = {}
 
 
@@ -290,10 +338,20 @@ class KernelCopies:
 
     def _kernel_copy(self, store: bool, copy: Callable[..., None], device: torch.device) -> Callable[..., None]:
         """The generated copy `copy` (a bound `_store`/`_load`, or a `_store_layer`/`_load_layer`
-        partial over its layer), or the kernel in its place."""
+        partial over its layer), or the kernel in its place; on the CPU, the torch ops run
+        with the intra-op threads `cpu_threads` picks."""
         kernel = self._kernel_for(device)
         if kernel is None:
-            return copy
+            if device.type != "cpu":
+                return copy
+            per_layer = 1 if isinstance(copy, partial) else None
+
+            def threaded(tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk, w: Words) -> None:
+                op_bytes = tensor.numel() * tensor.element_size() // (per_layer or g.L)
+                with intra_op_threads(cpu_threads(op_bytes)):
+                    copy(tensor, kvcaches, g, ck, w)
+
+            return threaded
         layer = copy.args[0] if isinstance(copy, partial) else None
         forced = self.copy_backend == "triton"
 
