@@ -4,4 +4,4 @@
 # an H200. Needs torch with CUDA (or XPU: --device xpu) and triton. Extra arguments are passed on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHONPATH=. exec python benchmarks/gpu_bench.py --json benchmarks/results-gpu.json "$@"
+PYTHONPATH=. exec "${PYTHON:-python3}" benchmarks/gpu_bench.py --json benchmarks/results-gpu.json "$@"
