@@ -225,3 +225,34 @@ def test_kernels_compile_for_h200_with_16_byte_rows() -> None:
         pytest.skip(f"Triton cannot compile for NVIDIA here: {done.stderr.strip().splitlines()[-1]}")
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("16-byte rows") == 2
+
+
+# -- the command line --------------------------------------------------------------------------
+
+def test_verify_backend_triton_refuses_what_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvgen.errors import KVGenError
+    from kvgen.tools import verify
+
+    if HAVE_TRITON:
+        with pytest.raises(KVGenError, match="verify --device cpu and the GPU devices separately"):
+            verify._prepare_triton(["cpu", "cuda"])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(KVGenError, match=r"--backend triton needs triton: pip install 'kvgen\[triton\]'"):
+        verify._prepare_triton(["cpu"])
+
+
+def test_list_and_explain_show_kernels_and_backends(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from kvgen.tools.cli import main
+
+    assert main(["list", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["backends"]["cpu"] == "torch"
+    assert data["backends"]["cuda"].startswith("triton" if HAVE_TRITON else "torch")
+    nhd = next(c for c in data["connectors"] if c["module"] == "vllm_flash_attn_nhd__kv_2ltd")
+    assert nhd["kernel"] == ("one launch per chunk, grid (whole blocks + token tiles, KV x L); rows [H C]; "
+                             "leaves by a table over L")
+    assert main(["explain", "NHD"]) == 0
+    out = capsys.readouterr().out
+    assert "triton kernel: one launch per layer and chunk" in out and "copy backend (backend=None): cpu torch" in out
