@@ -11,6 +11,7 @@ makes the build sleep at each step so the kills land in every window between ste
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import itertools
 import json
 import os
@@ -20,6 +21,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,8 @@ import kvgen.emit.build as kbuild
 from kvgen.emit.build import build, check, recover, render, write_atomically
 from kvgen.errors import BuildError
 from kvgen.spec.library import BUILTIN_SPECS, REPO_ROOT
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 Snapshot = dict[str, bytes]
 _PACKAGES = itertools.count()
@@ -79,7 +83,8 @@ def import_package(folder: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -
     try:
         pkg = importlib.import_module(package)
         for path in sorted((root / package).glob("*.py")):
-            if path.name != "__init__.py":
+            # kernel modules import triton, an optional extra
+            if path.name != "__init__.py" and (HAVE_TRITON or not path.stem.endswith("_triton")):
                 importlib.import_module(f"{package}.{path.stem}")
         assert pkg.connector(layout, "kv_2ltd", "cpu").layout.name == layout
     finally:
@@ -206,19 +211,37 @@ def test_both_outputs_import(outputs: dict[str, dict[str, str]], tmp_path: Path,
         import_package(tmp_path / which, monkeypatch, layout)
 
 
+def kill_rounds(out: Path, outputs: dict[str, dict[str, str]], *, no_exchange: bool,
+                enough: Callable[[Counter[str]], bool], rounds: int = 3) -> Counter[str]:
+    """kill_many until the kills have landed at every point `enough` asks for. Where a kill
+    lands depends on the machine's load, so a busy machine may need another round; every
+    kill of every round must leave the old or the new output."""
+    seen: Counter[str] = Counter()
+    for _ in range(rounds):
+        seen += kill_many(out, outputs, no_exchange=no_exchange)
+        if enough(seen):
+            break
+    return seen
+
+
 def test_sigkill_at_any_point_leaves_old_or_new_output(outputs: dict[str, dict[str, str]], tmp_path: Path) -> None:
-    seen = kill_many(tmp_path / "generated", outputs, no_exchange=False)
-    # the kills did land inside builds, before and after the swap, and left debris to clean
-    assert seen["killed"] >= KILLS // 2 and seen["old"] >= 3 and seen["new"] >= 3 and seen["stale"] >= 3, seen
+    def enough(seen: Counter[str]) -> bool:
+        # the kills did land inside builds, before and after the swap, and left debris to clean
+        return seen["killed"] >= KILLS // 2 and seen["old"] >= 3 and seen["new"] >= 3 and seen["stale"] >= 3
+
+    seen = kill_rounds(tmp_path / "generated", outputs, no_exchange=False, enough=enough)
+    assert enough(seen), seen
     assert seen["missing"] == 0
 
 
 def test_sigkill_without_exchange_is_recovered(outputs: dict[str, dict[str, str]], tmp_path: Path) -> None:
     """Where the folders cannot be exchanged in one step, a kill between the two renames
     leaves the old output in a backup, and the next build, check or recover puts it back."""
-    seen = kill_many(tmp_path / "generated", outputs, no_exchange=True)
-    assert seen["killed"] >= KILLS // 2 and seen["old"] >= 3 and seen["new"] >= 3, seen
-    assert seen["missing"] >= 1, f"no kill landed between the renames: {seen}"
+    def enough(seen: Counter[str]) -> bool:
+        return seen["killed"] >= KILLS // 2 and seen["old"] >= 3 and seen["new"] >= 3 and seen["missing"] >= 1
+
+    seen = kill_rounds(tmp_path / "generated", outputs, no_exchange=True, enough=enough)
+    assert enough(seen), f"kills did not land at every point (between the renames: 'missing'): {seen}"
 
 
 def test_concurrent_cli_builds_take_turns(outputs: dict[str, dict[str, str]], extra_specs: Path,

@@ -233,7 +233,10 @@ def test_generated_code_talks_to_devices_only_through_the_runtime() -> None:
         tree = ast.parse(path.read_text())
         imports = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         imports |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-        assert imports <= {"__future__", "enum", "importlib", "typing", "collections.abc", "torch", "kvgen"}, path
+        allowed = {"__future__", "enum", "importlib", "typing", "collections.abc", "torch", "kvgen"}
+        if path.stem.endswith("_triton"):  # a kernel: one Triton source for every GPU backend
+            allowed |= {"triton", "triton.language", "kvgen.runtime", "kvgen.runtime.tiles"}
+        assert imports <= allowed, path
         attrs = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                  and isinstance(node.value, ast.Name) and node.value.id == "torch"}
         assert not attrs & {"cuda", "xpu", "mps"}, f"{path.name} uses torch.{attrs & {'cuda', 'xpu', 'mps'}}"

@@ -17,6 +17,7 @@ import jinja2
 from kvgen import __version__
 from kvgen.errors import BuildError
 from kvgen.interface import ABI
+from kvgen.plan.kernel import KernelPlan
 from kvgen.plan.package import ConnectorPlan, PackagePlan
 from kvgen.spec.library import TEMPLATES
 
@@ -106,10 +107,15 @@ def render_connector(c: ConnectorPlan) -> str:
     return environment().get_template("connector.py.j2").render(c=c)
 
 
+def render_kernel(k: KernelPlan) -> str:
+    return environment().get_template("kernel.py.j2").render(k=k)
+
+
 def render_package(plan: PackagePlan) -> dict[str, str]:
     """Every file of a generated package, by file name, sealed."""
     env = environment()
     files = {f"{c.module}.py": render_connector(c) for c in plan.connectors}
+    files.update({f"{k.module}.py": render_kernel(k) for k in plan.kernels})
     files["formats.py"] = env.get_template("formats.py.j2").render(plan=plan)
     files["__init__.py"] = env.get_template("init.py.j2").render(plan=plan)
     return {name: seal(name, text) for name, text in sorted(files.items())}

@@ -13,6 +13,7 @@ from kvgen.plan.code import Method, copy_methods, shape_body
 from kvgen.plan.convert import Converter, plan_converters
 from kvgen.plan.copy import CopyPlan, Mode, plan_library
 from kvgen.plan.geometry import geometry_body
+from kvgen.plan.kernel import KernelPlan, make_kernel_plan
 from kvgen.spec.library import UNDEFINED, Library
 from kvgen.spec.model import Spec
 
@@ -74,6 +75,8 @@ class PackagePlan:
     transitions: tuple[tuple[str, str], ...]
     converters: tuple[Converter, ...]
     layouts: tuple[tuple[str, Fields], ...]
+    #: The Triton kernel of each connector, in the connectors' order.
+    kernels: tuple[KernelPlan, ...] = ()
 
     @property
     def aliases(self) -> tuple[tuple[str, str], ...]:
@@ -94,13 +97,15 @@ def format_transitions(library: Library) -> tuple[tuple[str, str], ...]:
 
 
 def plan_package(library: Library) -> PackagePlan:
+    plans = plan_library(library)
     return PackagePlan(
         library=library,
-        connectors=tuple(connector_plan(p) for p in plan_library(library)),
+        connectors=tuple(connector_plan(p) for p in plans),
         formats=tuple(library.formats()),
         transitions=format_transitions(library),
         converters=tuple(plan_converters(library)),
         layouts=tuple((s.name, layout_facts(s)) for s in library.specs),
+        kernels=tuple(make_kernel_plan(p) for p in plans),
     )
 
 

@@ -26,6 +26,7 @@ from kvgen.runtime.aliasing import check_cache_memory, check_objects_apart, chec
 from kvgen.runtime.binding import Binding, leaf_names, leaves, snapshot
 from kvgen.runtime.devices import Backend, backend_for, check_device
 from kvgen.runtime.errors import KVLayoutError
+from kvgen.runtime.kernels import KernelCopies
 from kvgen.runtime.layout import Geometry, ObjectLayout, PagedLayout, broadcast_dims, describe
 from kvgen.runtime.memory import Format, format_name
 from kvgen.runtime.slots import Chunk, plan_chunk
@@ -58,7 +59,7 @@ class Call:
         return self.binding.geometry
 
 
-class ConnectorBase:
+class ConnectorBase(KernelCopies):
     layout: ClassVar[PagedLayout]
     memory: ClassVar[ObjectLayout]
     strategy: ClassVar[str]
@@ -69,16 +70,20 @@ class ConnectorBase:
     read_geometry: ClassVar[Callable[[Any], Geometry]]
 
     def __init__(self, device: torch.device | str | None = None, *, use_gpu: bool = False,
-                 staging_bytes: int | None = None, backend: Backend | None = None):
+                 staging_bytes: int | None = None, backend: Backend | str | None = None):
         """`device`: where the cache lives (default: read from the first cache bound); a
         device that is not present here is refused now. `use_gpu`: gather into a reusable
         staging tensor on the cache's device (one per thread), then make one copy to the
-        host; `staging_bytes` caps that tensor (default: sized on demand). `backend`: a
-        device backend to use instead of the device's own (tests pass a recording fake)."""
+        host; `staging_bytes` caps that tensor (default: sized on demand). `backend`:
+        "triton" or "torch" forces how chunks move (default: the generated Triton kernel
+        where the device and an installed Triton allow, torch ops otherwise; see
+        kvgen.runtime.kernels); a device Backend object instead replaces the device's own
+        (tests pass a recording fake)."""
         self.device = check_device(device) if device is not None else None
         self.use_gpu = use_gpu
         self.staging_bytes = staging_bytes
-        self._backend = backend
+        self._backend = None if isinstance(backend, str) else backend
+        self._init_copies(backend if isinstance(backend, str) else None, self.device)
         self._lock = threading.Lock()
         self._bindings: dict[Any, Binding] = {}
         self._last: Binding | None = None
@@ -277,6 +282,7 @@ class ConnectorBase:
         work = self._staging_for(tensor, g, role)
         if work is not tensor and not ck.covers_all:
             backend.copy(work, tensor)  # so skipped tokens come back unchanged
+        copy = self._kernel_copy(True, copy, g.device)
         copy(work, call.kvcaches, g, ck, self._words(work, call.binding))
         if work is not tensor:
             backend.copy(tensor, work)
@@ -287,6 +293,7 @@ class ConnectorBase:
         work = self._staging_for(tensor, g, role)
         if work is not tensor:
             self._backend_for(g.device).copy(work, tensor)
+        copy = self._kernel_copy(False, copy, g.device)
         copy(work, call.kvcaches, g, ck, self._words(work, call.binding))
 
     def _check_staging(self, tensors: Sequence[torch.Tensor]) -> None:

@@ -99,6 +99,26 @@ def _connectors(spec: Any, plans: list[Any]) -> str:
     return f"{n} layout{'s' if n != 1 else ''}"
 
 
+def _backends() -> dict[str, str]:
+    """What a connector moves data with on each device type by default (backend=None), told
+    without importing torch or triton: the generated Triton kernel on GPUs when triton is
+    installed, torch ops otherwise and on the CPU."""
+    import importlib.metadata
+    import importlib.util
+
+    gpu = "torch"
+    if importlib.util.find_spec("triton") is not None:
+        gpu = f"triton {importlib.metadata.version('triton')}"
+    return {"cpu": "torch", "cuda": gpu, "xpu": gpu}
+
+
+def _backend_line() -> str:
+    backends = _backends()
+    note = "" if backends["cuda"] != "torch" else " (triton is not installed: pip install 'kvgen[triton]')"
+    return ("copy backend (backend=None): " + ", ".join(f"{d} {b}" for d, b in backends.items()) + note
+            + "; backend='triton' or 'torch' forces one")
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     from kvgen.plan.copy import plan_library
     from kvgen.tools.specset import load_lenient
@@ -121,9 +141,12 @@ def cmd_list(args: argparse.Namespace) -> int:
             else:
                 facts.update(format=s.format, code=s.code, accepts=list(s.accepts))
             layouts[s.name] = facts
+        from kvgen.plan.kernel import make_kernel_plan
+
         pairs = [{"paged": p.paged.name, "object": p.obj.name, "mode": p.mode, "module": p.module,
-                  "strategy": p.strategy} for p in plans]
-        json.dump({"kvgen": __version__, "layouts": layouts, "connectors": pairs}, sys.stdout, indent=2)
+                  "strategy": p.strategy, "kernel": make_kernel_plan(p).grid} for p in plans]
+        json.dump({"kvgen": __version__, "layouts": layouts, "connectors": pairs, "backends": _backends()},
+                  sys.stdout, indent=2)
         print()
         return EXIT_FAILED if loaded.left_out else 0
     header = ("NAME", "KIND", "ALIASES", "LAYOUT", "LMCACHE/FORMAT", "CONNECTORS")
@@ -135,6 +158,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1])
     print(f"\n{len(library.paged)} paged layouts, {len(library.objects)} memory objects, {len(plans)} connectors "
           "(module names: LAYOUT__OBJECT)")
+    print(_backend_line())
     # Like ls with a missing file: what could be read is listed, the status says it is not all.
     return EXIT_FAILED if loaded.left_out else 0
 
@@ -168,9 +192,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"  format:   {spec.format} (code {spec.code}), accepts {', '.join(spec.accepts) or '-'}")
     plans = [p for p in plan_library(library) if spec in (p.paged, p.obj)]
     if plans:
+        from kvgen.plan.kernel import make_kernel_plan
+
         print("  connectors:")
         for p in plans:
             print(f"    {p.module} ({p.mode}): {p.strategy}")
+            print(f"      triton kernel: {make_kernel_plan(p).grid}")
+        print(f"  {_backend_line()}")
     return 0
 
 
@@ -249,6 +277,10 @@ def parser() -> argparse.ArgumentParser:
                    help="device type to run on, e.g. cpu or cuda; repeatable (default: every one present)")
     p.add_argument("--only", default=None, metavar="TEXT",
                    help="run only the connectors whose module name (LAYOUT__OBJECT) contains TEXT")
+    p.add_argument("--backend", choices=("triton", "torch"), default=None,
+                   help="force how connectors move data: the generated Triton kernels (on the CPU through "
+                        "Triton's interpreter, TRITON_INTERPRET=1, set here) or the torch ops (default: each "
+                        "connector's own choice)")
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser("detect", help="which layout a cache of this shape is (refuses to guess)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -77,12 +78,13 @@ def _mismatch(package: ModuleType, library: Any, plans: list[Any], out: Path, sp
     return None
 
 
-def _check(package: ModuleType, plan: Any, device: str, scenarios: list[Scenario]) -> list[tuple[bool, bool]]:
+def _check(package: ModuleType, plan: Any, device: str, scenarios: list[Scenario],
+           backend: str | None = None) -> list[tuple[bool, bool]]:
     """(store ok, load ok) per scenario, all through one connector, as an engine keeps one
     for every cache it meets; a scenario whose transfer raises counts as failing both."""
     from kvgen.oracle.scenarios import check_pair
 
-    connector = package.get(plan.paged.name, plan.obj.name)(device=device)
+    connector = package.get(plan.paged.name, plan.obj.name)(device=device, backend=backend)
     results = []
     for scenario in scenarios:
         try:
@@ -106,6 +108,19 @@ def _check_facts(library: Any) -> int:
         print(f"kvgen verify: spec {name} disagrees with the engine's facts: {why}", file=sys.stderr)
     print(f"{len(checked) - len(wrong)} of {len(checked)} built-in specs agree with the engines' facts")
     return len(wrong)
+
+
+def _prepare_triton(devices: list[str]) -> None:
+    """--backend triton: CPU runs go through Triton's interpreter, which must be switched on
+    before any kernel module is imported; it cannot run GPU kernels in the same process."""
+
+    if importlib.util.find_spec("triton") is None:
+        raise KVGenError("--backend triton needs triton: pip install 'kvgen[triton]'")
+    if "cpu" in devices:
+        if len(devices) > 1:
+            raise KVGenError("--backend triton runs CPU tensors in Triton's interpreter, which cannot run GPU "
+                             "kernels in the same process: verify --device cpu and the GPU devices separately")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def main(args: Any) -> int:
@@ -132,20 +147,28 @@ def main(args: Any) -> int:
         print(f"kvgen verify: device {', '.join(missing)} is not available here "
               f"(present: {', '.join(present)})", file=sys.stderr)
         return 1
+    if args.backend == "triton":
+        _prepare_triton(devices)
     from kvgen.oracle.scenarios import SCENARIOS  # torch: only once the inputs are known good
+    from kvgen.runtime import kernels
 
     scenarios = list(SCENARIOS.values())
     rows, failures = 0, _check_facts(library)
     print(f"{'layout':<24} {'object':<13} {'mode':<9} {'device':<6} {'store ok':<8} {'load ok':<8}")
     for device in devices:
         for plan in selected:
-            results = _check(package, plan, device, scenarios)
+            launches = kernels.stats["launches"]
+            results = _check(package, plan, device, scenarios, args.backend)
             store_ok = all(r[0] for r in results)
             load_ok = all(r[1] for r in results)
+            if args.backend == "triton" and kernels.stats["launches"] == launches:
+                print(f"kvgen verify: {plan.module} on {device}: the Triton kernel never ran", file=sys.stderr)
+                store_ok = load_ok = False
             failures += (not store_ok) + (not load_ok)
             rows += 1
             print(f"{plan.paged.name:<24} {plan.obj.name:<13} {plan.mode:<9} {device:<6} "
                   f"{'yes' if store_ok else 'NO':<8} {'yes' if load_ok else 'NO':<8}", flush=True)
-    print(f"\n{rows} connector runs on {', '.join(devices)} ({len(scenarios)} slot scenarios each): "
+    print(f"\n{rows} connector runs on {', '.join(devices)} ({len(scenarios)} slot scenarios each"
+          + (f", backend {args.backend}" if args.backend else "") + "): "
           f"{rows * 2 - failures} checks passed, {failures} failed")
     return 1 if failures else 0

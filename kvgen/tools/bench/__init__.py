@@ -21,6 +21,7 @@ This module holds the command line; it imports no torch, as `kvgen build` loads 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import sys
@@ -89,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
                    help="draw the figures (needs matplotlib: pip install 'kvgen[plot]')")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--busy", action="store_true",
+                   help="measure with a neighbour process keeping every core busy with torch work (as a "
+                        "co-located inference engine would); it starts before the first row and is stopped after")
 
 
 def _progress(row: Any, done: int, total: int) -> None:
@@ -113,8 +117,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvgen bench: device {args.device} is not available here (present: {', '.join(present)})",
               file=sys.stderr)
         return 2
+    from kvgen.tools.bench.busy import neighbour
+
     try:
-        result = run(args, None if args.quiet else _progress)
+        with neighbour() if args.busy else contextlib.nullcontext():
+            result = run(args, None if args.quiet else _progress)
     except SpecError:
         raise  # the command line prints every problem of the user's specs
     except (KVGenError, KeyError, ValueError) as exc:

@@ -93,7 +93,8 @@ def text(result: Result, machine: dict[str, Any]) -> str:
     out = [f"kvgen bench: {machine['device']}, {machine['cpu_model']}, {machine['cpu_count']} CPUs, "
            f"torch {machine['torch']}; L={c['layers']} H={c['heads']} C={c['head_size']} (MLA: C={MLA_C}) "
            f"N={c['block_size']} {c['dtype']}, {c['alloc']} blocks, {c['repeats']} repeats (warmup {c['warmup']}) "
-           "in rotated order; GB/s from median seconds, x columns paired per repeat", ""]
+           "in rotated order; GB/s from median seconds, x columns paired per repeat"
+           + ("; a busy neighbour process ran torch work on every core" if c.get("busy") else ""), ""]
     out.append(table(HEADERS, [row_cells(r) for r in result.rows]))
     out.append("x memcpy = memcpy seconds / kvgen seconds and x naive = naive seconds / kvgen seconds, each of "
                "the same repeat; memcpy var = max/min - 1 of the memcpy repeats")

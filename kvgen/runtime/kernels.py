@@ -1,0 +1,366 @@
+"""Generated Triton kernels at run time: which copy backend a connector uses, and launching.
+
+Every connector module `<layout>__<object>.py` has a twin `<layout>__<object>_triton.py`
+holding one Triton kernel (both directions) and a `Kernel` that launches it. A connector
+picks per device: `backend=None` (auto) uses the kernel where Triton is installed and has a
+backend for the device (CUDA, ROCm, Intel XPU), the torch ops otherwise; `backend="triton"`
+or `"torch"` forces one. On the CPU, Triton runs only in its interpreter
+(`TRITON_INTERPRET=1`), which the tests and `kvgen verify --backend triton` use to check
+every kernel against the reference; auto never picks it.
+
+Triton is imported only when a kernel is about to be used, so kvgen needs it for nothing
+else (`pip install 'kvgen[triton]'`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import math
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from kvgen.runtime.binding import leaves
+from kvgen.runtime.errors import KVLayoutError
+from kvgen.runtime.layout import Geometry
+from kvgen.runtime.slots import Chunk
+from kvgen.runtime.words import Words, words
+
+#: What `backend=` accepts besides None (auto).
+BACKENDS = ("triton", "torch")
+#: Widest word a kernel moves: Triton has no 16-byte integer, and two 8-byte words per
+#: thread already make 16-byte vector accesses.
+KERNEL_WORD = 8
+#: Words in one program's tile: enough bytes in flight per program, few registers spilled.
+TILE_WORDS = 8192
+_TABLES_KEPT = 16
+#: A launch with fewer programs splits token rows into pieces (of no fewer words) until it
+#: has this many: an H200 has 132 compute units, a Max 1550 128 (x 8 threads).
+MIN_PROGRAMS, MIN_PIECE = 1024, 32
+#: The largest alignment (in words) a kernel is told its leaf offsets have.
+MAX_ALIGN = 16
+
+#: Launches so far (tests use it to see that a kernel, not the torch path, moved the data).
+stats = {"launches": 0}
+
+
+class Unsupported(Exception):
+    """A cache the kernel cannot address (its leaves differ in strides, or lie apart by a
+    distance that is no whole number of elements); the torch path moves it instead."""
+
+
+def interpreting() -> bool:
+    """Triton's interpreter is on: kernels run as numpy on the host, CPU tensors included."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_target() -> str | None:
+    """The GPU backend Triton's active driver targets ("cuda", "hip", "xpu"), None without one."""
+    try:
+        import triton
+
+        return str(triton.runtime.driver.active.get_current_target().backend)
+    except Exception:  # no driver, no device, a broken install: no kernels
+        return None
+
+
+_TARGETS = {"cuda": ("cuda", "hip"), "xpu": ("xpu",)}
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why the kernels cannot run on `device` here; None when they can."""
+    if not triton_installed():
+        return "triton is not installed (pip install 'kvgen[triton]')"
+    if device.type == "cpu":
+        return None if interpreting() else \
+            "Triton runs on CPU tensors only in its interpreter (TRITON_INTERPRET=1, for tests)"
+    if interpreting():  # the interpreter copies each argument to the host, not the leaves a table reaches
+        return f"Triton's interpreter (TRITON_INTERPRET=1) runs kernels on CPU tensors only, not {device.type}"
+    if device.type not in _TARGETS:
+        return f"Triton has no backend for {device.type} devices"
+    target = _triton_target()
+    if target not in _TARGETS[device.type]:
+        return f"Triton's active driver targets {target or 'no device'}, not {device.type}"
+    return None
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What a generated kernel expects besides its views (written by kvgen.plan.kernel)."""
+
+    table: bool
+    folded: bool
+    layerwise: bool
+    #: Axes whose extents the kernel reads (E_<axis>), and the row's axes (R_<axis>).
+    extents: tuple[str, ...]
+    row: tuple[str, ...]
+    #: Axes that grid axis 1 enumerates.
+    outer: tuple[str, ...]
+    #: Axes of the canonical cache leaf and object views: their strides, in this order.
+    cache_axes: tuple[str, ...]
+    object_axes: tuple[str, ...]
+
+
+Views = Callable[[torch.Tensor, torch.Tensor, Geometry, Words], tuple[torch.Tensor, torch.Tensor]]
+
+_dummies: dict[torch.device, torch.Tensor] = {}
+_tables: dict[tuple[Any, ...], tuple[torch.Tensor, int]] = {}
+_lock = threading.Lock()
+
+
+def _dummy(device: torch.device) -> torch.Tensor:
+    """A pointer argument for index tensors a chunk does not have (never read)."""
+    t = _dummies.get(device)
+    if t is None:
+        t = _dummies.setdefault(device, torch.zeros(1, dtype=torch.int64, device=device))
+    return t
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+def _extent(axis: str, g: Geometry, w: Words) -> int:
+    return w.C if axis == "C" else int(getattr(g, axis))
+
+
+def _kernel_words(w: Words, element: int, tensors: list[torch.Tensor], table: bool) -> Words:
+    """The copy word for the kernel: at most 8 bytes, and one that divides the distance
+    between cache leaves (the table counts in words)."""
+    size = w.dtype.itemsize
+    width = min(size, KERNEL_WORD)
+    gaps = [t.data_ptr() - tensors[0].data_ptr() for t in tensors[1:]] if table else []
+    while width > element and any(gap % width for gap in gaps):
+        width //= 2
+    if any(gap % width for gap in gaps):
+        raise Unsupported("cache tensors lie apart by no whole number of elements")
+    return w if width == size else words(width, element, w.C * size // element)
+
+
+def _table(tensors: list[torch.Tensor], width: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Each leaf's offset from the first, in words, on the device (kept per cache), and the
+    largest power of two up to 16 that divides every offset (the kernel's alignment hint)."""
+    base = tensors[0].data_ptr()
+    key = (device, width, tuple(t.data_ptr() for t in tensors))
+    found = _tables.get(key)
+    if found is None:
+        offsets = [(t.data_ptr() - base) // width for t in tensors]
+        common = math.gcd(*offsets) or MAX_ALIGN
+        found = (torch.tensor(offsets, dtype=torch.int64, device=device), min(common & -common, MAX_ALIGN))
+        with _lock:
+            if len(_tables) >= _TABLES_KEPT:
+                _tables.pop(next(iter(_tables)))
+            _tables[key] = found
+    return found
+
+
+class Kernel:
+    """One generated kernel and what launching it needs."""
+
+    def __init__(self, fn: Any, views: Views, spec: KernelSpec):
+        self.fn, self.views, self.spec = fn, views, spec
+
+    def __call__(self, store: bool, layer: int | None, tensor: torch.Tensor, kvcaches: Any, g: Geometry,
+                 ck: Chunk, w: Words) -> None:
+        """Move one chunk (of one layer, when layerwise) between `tensor` and the cache."""
+        if not ck.has_blocks and not ck.has_tokens:
+            return
+        spec = self.spec
+        cache_leaves = leaves(kvcaches)
+        first = cache_leaves[0]
+        if any(t.stride() != first.stride() for t in cache_leaves[1:]):
+            raise Unsupported("cache tensors differ in strides")
+        w = _kernel_words(w, first.element_size(), cache_leaves, spec.table)
+        x, o = self.views(tensor, first, g, w)
+        device = x.device
+        dummy = _dummy(device)
+        args: dict[str, Any] = {"cache": x, "obj": o}
+        if spec.table:
+            args["table"], args["TA"] = _table(cache_leaves, w.dtype.itemsize, device)
+        if spec.layerwise:
+            args["layer"] = layer
+        bn = 1 if spec.folded else int(g.N or 1)
+        blocks = ck.block_ids
+        args.update(ids=blocks if isinstance(blocks, torch.Tensor) else dummy,
+                    first_id=blocks.start if isinstance(blocks, slice) else 0,
+                    IDS=isinstance(blocks, torch.Tensor), block_start=ck.block_start,
+                    num_blocks=ck.block_tokens // bn if blocks is not None else 0)
+        slots = ck.slots
+        count = 0 if slots is None else (slots.stop - slots.start if isinstance(slots, slice) else slots.numel())
+        args.update(slots=slots if isinstance(slots, torch.Tensor) else dummy,
+                    first_slot=slots.start if isinstance(slots, slice) else 0, SLOTS=isinstance(slots, torch.Tensor),
+                    tok=ck.tok if ck.tok is not None else dummy, TOK=ck.tok is not None, num_tokens=count)
+        args.update({f"E_{a}": _extent(a, g, w) for a in spec.extents})
+        args.update({f"cs_{a}": s for a, s in zip(spec.cache_axes, x.stride(), strict=True)})
+        args.update({f"os_{a}": s for a, s in zip(spec.object_axes, o.stride(), strict=True)})
+        row = {f"R_{a}": _extent(a, g, w) for a in spec.row}
+        width = _pow2(math.prod(row.values()))
+        tile = max(1, min(64, TILE_WORDS // width))
+        if not spec.folded:
+            tile = min(tile, _pow2(bn))
+        programs = args["num_blocks"] + -(-count // tile)
+        outer = math.prod(_extent(a, g, w) for a in spec.outer)
+        piece = width
+        while piece > MIN_PIECE and programs * outer * (width // piece) < MIN_PROGRAMS:
+            piece //= 2  # few tokens and parts: split rows so that every compute unit has work
+        args.update(row, ROW=width, RB=piece, BN=bn, TILE=tile, STORE=store)
+        grid = (programs, outer * (width // piece))
+        if grid[1] > 65535:
+            raise Unsupported(f"{grid[1]} outer parts exceed Triton's grid")
+        _launch(self.fn, grid, args, device)
+
+
+def _launch(fn: Any, grid: tuple[int, int], args: dict[str, Any], device: torch.device) -> None:
+    stats["launches"] += 1
+    if device.type == "cpu" or device.index is None:
+        fn[grid](**args)
+        return
+    with torch.get_device_module(device.type).device(device.index):
+        fn[grid](**args)
+
+
+#: A torch op on the CPU that moves fewer bytes runs on one thread: waking threads and the
+#: barrier at the end of a parallel region cost more than they save.
+PARALLEL_BYTES = 4 << 20
+_CPUS = os.cpu_count() or 1
+
+
+def runnable() -> int | None:
+    """Threads ready to run on this host now (Linux's /proc/loadavg; this one included)."""
+    try:
+        with open("/proc/loadavg", encoding="ascii") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def cpu_threads(op_bytes: int) -> int:
+    """Intra-op threads for the torch ops of one chunk on the CPU, each moving `op_bytes`.
+
+    A connector issues one or more ops per layer, each a parallel region whose closing
+    barrier waits for all its threads; on a host whose cores are all taken (a co-located
+    engine), some are descheduled and every barrier waits a scheduling slice, so the cost
+    grows with the number of ops. Small ops and a busy host run on one thread, which never
+    waits; KVGEN_CPU_THREADS=N fixes the count."""
+    have = torch.get_num_threads()
+    fixed = os.environ.get("KVGEN_CPU_THREADS", "")
+    if fixed.isdigit() and int(fixed) > 0:
+        return int(fixed)
+    if have <= 1 or op_bytes < PARALLEL_BYTES:
+        return 1
+    ready = runnable()
+    return 1 if ready is not None and ready > _CPUS else have
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `n` for the block, then restored."""
+    old = torch.get_num_threads()
+    if n == old:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+_MODULES: dict[str, Any] = {}
+
+
+def kernel_of(module: str) -> Kernel:
+    """The Kernel of a connector module (its `_triton` twin), imported on first use.
+    ModuleNotFoundError when the package was built without kernels."""
+    found = _MODULES.get(module)
+    if found is None:
+        found = _MODULES.setdefault(module, importlib.import_module(f"{module}_triton").KERNEL)
+    return found
+
+
+class KernelCopies:
+    """The copy-backend choice of a connector (mixed into ConnectorBase)."""
+
+    copy_backend: str | None
+    _kernels: dict[torch.device, Kernel | None]
+
+    def _init_copies(self, requested: str | None, device: torch.device | None) -> None:
+        if requested is not None and requested not in BACKENDS:
+            raise KVLayoutError(f"backend must be one of {', '.join(map(repr, BACKENDS))} or None (auto), "
+                                f"got {requested!r}")
+        self.copy_backend = requested
+        self._kernels = {}
+        if requested == "triton":
+            why = "triton is not installed (pip install 'kvgen[triton]')" if not triton_installed() else \
+                unavailable(device) if device is not None else None
+            if why:
+                raise KVLayoutError(f"backend='triton' cannot run here: {why}")
+
+    def _generated_module(self) -> str:
+        for cls in type(self).__mro__:
+            if "layout" in cls.__dict__:
+                return cls.__module__
+        return type(self).__module__
+
+    def _kernel_for(self, device: torch.device) -> Kernel | None:
+        """The kernel this connector uses on `device`, or None for the torch path."""
+        if device in self._kernels:
+            return self._kernels[device]
+        kernel: Kernel | None = None
+        if self.copy_backend != "torch":
+            why = unavailable(device)
+            if why is None and device.type == "cpu" and self.copy_backend is None:
+                why = "auto never picks Triton's interpreter"
+            if why is None:
+                try:
+                    kernel = kernel_of(self._generated_module())
+                except ModuleNotFoundError as exc:
+                    why = f"no kernel module was generated for this connector ({exc}); run `kvgen build`"
+            if why is not None and self.copy_backend == "triton":
+                raise KVLayoutError(f"backend='triton' cannot run on {device}: {why}")
+        self._kernels[device] = kernel
+        return kernel
+
+    def copy_backend_for(self, device: torch.device | str) -> str:
+        """"triton" or "torch": what this connector moves data with on `device`."""
+        return "torch" if self._kernel_for(torch.device(device)) is None else "triton"
+
+    def _kernel_copy(self, store: bool, copy: Callable[..., None], device: torch.device) -> Callable[..., None]:
+        """The generated copy `copy` (a bound `_store`/`_load`, or a `_store_layer`/`_load_layer`
+        partial over its layer), or the kernel in its place; on the CPU, the torch ops run
+        with the intra-op threads `cpu_threads` picks."""
+        kernel = self._kernel_for(device)
+        if kernel is None:
+            if device.type != "cpu":
+                return copy
+            per_layer = 1 if isinstance(copy, partial) else None
+
+            def threaded(tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk, w: Words) -> None:
+                op_bytes = tensor.numel() * tensor.element_size() // (per_layer or g.L)
+                with intra_op_threads(cpu_threads(op_bytes)):
+                    copy(tensor, kvcaches, g, ck, w)
+
+            return threaded
+        layer = copy.args[0] if isinstance(copy, partial) else None
+        forced = self.copy_backend == "triton"
+
+        def run(tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk, w: Words) -> None:
+            try:
+                kernel(store, layer, tensor, kvcaches, g, ck, w)
+            except Unsupported as why:
+                if forced:
+                    raise KVLayoutError(f"backend='triton' cannot move this cache: {why}") from None
+                copy(tensor, kvcaches, g, ck, w)
+
+        return run

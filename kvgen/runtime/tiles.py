@@ -1,0 +1,74 @@
+"""The tile moves every generated Triton kernel shares (imported only by the generated
+`*_triton` modules, so kvgen runs without Triton installed).
+
+A generated kernel works out, for one program along grid axis 1, where its (layer, kv, ...)
+part starts in the cache (`c_base`) and in the object (`o_base`), and the offsets of one
+token's row in each (`c_row`, `o_row`, every value the two sides keep in the same order).
+`move_chunk` then moves the chunk's tokens as tiles of [tokens, row]:
+
+* programs [0, num_blocks) each move one whole block of the chunk's run of whole blocks:
+  cache addresses come from the block id alone (token n of the block is at n * cs_n), so
+  a block whose rows lie back to back in the cache is one contiguous stretch;
+* the programs after them move the token path, TILE tokens each: the position in the
+  object (`tok`, or the program's own when all tokens move) and the slot; a slot < 0 is
+  masked, never written or read.
+
+Offsets are in copy words (the widest integer both sides allow, at most 8 bytes), so the
+row's innermost, unit-stride run loads and stores as wide vectors.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _move(cache, obj, c_off, o_off, c_row, o_row, tokens, row_mask, STORE: tl.constexpr):  # noqa: ANN001
+    mask = tokens[:, None] & row_mask[None, :]
+    c_ptr = cache + (c_off[:, None] + c_row[None, :])
+    o_ptr = obj + (o_off[:, None] + o_row[None, :])
+    if STORE:
+        tl.store(o_ptr, tl.load(c_ptr, mask=mask), mask=mask)
+    else:
+        tl.store(c_ptr, tl.load(o_ptr, mask=mask), mask=mask)
+
+
+@triton.jit
+def move_chunk(cache, obj, c_base, o_base, c_row, o_row, row_mask,  # noqa: ANN001
+               ids, slots, tok, first_id, first_slot, block_start, num_blocks, num_tokens,
+               cs_b, cs_n, os_t,
+               BN: tl.constexpr, TILE: tl.constexpr, IDS: tl.constexpr, SLOTS: tl.constexpr,
+               TOK: tl.constexpr, STORE: tl.constexpr):
+    """Move one chunk for one grid-axis-1 program. IDS / SLOTS / TOK: block ids, slots and
+    token positions come from tensors; otherwise they count up from first_id, first_slot
+    and 0 (the chunk's consecutive blocks, a folded axis's consecutive slots, all tokens).
+    BN: slots per block (1 for a folded slot axis, whose slot is its own row index)."""
+    pid = tl.program_id(0)
+    n = tl.arange(0, TILE)
+    if pid < num_blocks:
+        if IDS:
+            block = tl.load(ids + pid).to(tl.int64)
+        else:
+            block = (first_id + pid).to(tl.int64)
+        c_block = c_base + block * cs_b
+        t_block = (block_start + pid * BN).to(tl.int64)
+        for n0 in range(0, BN, TILE):
+            k = n0 + n
+            inside = k < BN
+            _move(cache, obj, c_block + k * cs_n, o_base + (t_block + k) * os_t, c_row, o_row, inside, row_mask,
+                  STORE)
+    else:
+        i = (pid - num_blocks) * TILE + n
+        inside = i < num_tokens
+        if SLOTS:
+            slot = tl.load(slots + i, mask=inside, other=-1).to(tl.int64)
+        else:
+            slot = (first_slot + i).to(tl.int64)
+        inside = inside & (slot >= 0)
+        if TOK:
+            t = tl.load(tok + i, mask=inside, other=0).to(tl.int64)
+        else:
+            t = i.to(tl.int64)
+        c_off = c_base + (slot // BN) * cs_b + (slot % BN) * cs_n
+        _move(cache, obj, c_off, o_base + t * os_t, c_row, o_row, inside, row_mask, STORE)

@@ -1,0 +1,128 @@
+"""Compile generated Triton kernels for a GPU without one, and count their memory accesses.
+
+`python -m kvgen.tools.kernel_asm [--arch 90] [--only TEXT]` runs each selected connector's
+store and load on a small CPU cache with the kernel launch intercepted, so the kernel gets
+exactly the arguments (and Triton exactly the specializations) a GPU run would give it, then
+compiles it for an NVIDIA target with the ptxas bundled in Triton's wheel and counts the
+global loads and stores by width in the PTX. A kernel whose cache and object accesses are
+16-byte vectors (`v2.b64`, `v4.b32`) moves rows at full width; scalar accesses would cost
+bandwidth. Needs triton without TRITON_INTERPRET; no GPU.
+
+Triton's compile entry points used here are internal (checked with triton 3.6 to 3.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections import Counter
+from typing import Any
+
+#: Small geometry with the shape of a real model's rows (8 heads of 128 bf16 values).
+EXT = {"L": 2, "KV": 2, "H": 8, "C": 128, "N": 16, "B": 12}
+TOKENS = 64
+
+
+def captured_launches(module: str) -> list[tuple[str, Any, dict[str, Any]]]:
+    """(direction, kernel, arguments) of one store and one load through `module`'s kernel."""
+    import torch
+
+    from kvgen import generated
+    from kvgen.oracle.reference import leaf_shape, nest
+    from kvgen.plan.copy import plan_library
+    from kvgen.runtime import MemoryObj, kernels
+    from kvgen.spec.library import load_library
+
+    plan = {p.module: p for p in plan_library(load_library())}[module]
+    ext = {**EXT, "C": 576} if "mla" in module else EXT
+    shape = leaf_shape(plan.paged, ext)
+    cache = nest(plan.paged, ext, lambda path: torch.zeros(shape, dtype=torch.bfloat16))
+    connector = generated.get(plan.paged.name, plan.obj.name)(device="cpu", backend="torch")
+    connector.bind(cache)
+    connector._kernels[torch.device("cpu")] = kernels.kernel_of(type(connector).__module__)
+    mapping = torch.arange(TOKENS) + 2 * ext["N"]  # whole blocks after a partial one: both program kinds
+    mapping[3] = -1
+    seen: list[tuple[str, Any, dict[str, Any]]] = []
+    direction = ["store"]
+
+    def capture(fn: Any, grid: Any, args: dict[str, Any], device: Any) -> None:
+        seen.append((direction[0], fn, dict(args)))
+
+    real, kernels._launch = kernels._launch, capture
+    try:
+        objs = [MemoryObj(torch.zeros(connector.get_shape(TOKENS), dtype=torch.bfloat16), connector.format)
+                for _ in range(ext["L"] if connector.layerwise else 1)]
+        if connector.layerwise:
+            for _ in connector.batched_from_gpu([[o] for o in objs], [0], [TOKENS], kvcaches=cache,
+                                                slot_mapping=mapping):
+                break  # one layer is enough
+        else:
+            connector.from_gpu(objs[0], 0, TOKENS, kvcaches=cache, slot_mapping=mapping)
+        direction[0] = "load"
+        if connector.layerwise:
+            gen = connector.batched_to_gpu([0], [TOKENS], kvcaches=cache, slot_mapping=mapping)
+            next(gen)
+            gen.send([objs[0]])
+        else:
+            connector.to_gpu(objs[0], 0, TOKENS, kvcaches=cache, slot_mapping=mapping)
+    finally:
+        kernels._launch = real
+    return seen
+
+
+def compile_ptx(fn: Any, args: dict[str, Any], arch: int) -> str:
+    """PTX of `fn` specialized for `args` as JITFunction.run would, for sm_<arch>."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(**args)
+    options, signature, constexprs, attrs = fn._pack_args(backend, {}, bound, specialization, options)
+    return str(triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                              options=options.__dict__).asm["ptx"])
+
+
+def accesses(ptx: str) -> dict[str, dict[str, int]]:
+    """Global loads and stores by instruction (`ld.global.v2.b64`: 16 bytes per thread)."""
+    return {kind: dict(Counter(re.findall(rf"{kind}\.global(?:\.[a-z0-9]+)*", ptx)))
+            for kind in ("ld", "st")}
+
+
+def vector_rows(counts: dict[str, dict[str, int]]) -> bool:
+    """Every store, and some loads, are 16-byte vectors (the loads also read slots and ids)."""
+    wide = re.compile(r"\.v(2\.b64|4\.b32)$")
+    return (bool(counts["st"]) and all(wide.search(op) for op in counts["st"])
+            and any(wide.search(op) for op in counts["ld"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvgen.tools.kernel_asm", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90, help="NVIDIA compute capability x10 (default: 90, H100/H200)")
+    ap.add_argument("--only", default="", help="connectors whose module name contains this text")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("kernel_asm compiles kernels: unset TRITON_INTERPRET", file=sys.stderr)
+        return 2
+    from kvgen.plan.copy import plan_library
+    from kvgen.spec.library import load_library
+
+    modules = [p.module for p in plan_library(load_library()) if args.only in p.module]
+    failed = 0
+    for module in modules:
+        for direction, fn, kwargs in captured_launches(module):
+            counts = accesses(compile_ptx(fn, kwargs, args.arch))
+            ok = vector_rows(counts)
+            failed += not ok
+            print(f"{module:<36} {direction:<5} {'16-byte rows' if ok else 'NARROW'}  loads {counts['ld']}  "
+                  f"stores {counts['st']}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The CPU torch path's thread choice (few parallel regions on a busy host) and the busy
+neighbour of `kvgen bench --busy`."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from harness import SCENARIOS
+
+from kvgen import generated
+from kvgen.oracle.scenarios import check_connector
+from kvgen.runtime import kernels
+from kvgen.spec.library import load_library
+from kvgen.tools.bench.busy import neighbour
+
+MB = 1 << 20
+LIBRARY = load_library()
+
+
+def test_small_ops_and_a_busy_host_run_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVGEN_CPU_THREADS", raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(kernels, "_CPUS", 4)
+    monkeypatch.setattr(kernels, "runnable", lambda: 2)
+    assert kernels.cpu_threads(64 * MB) == 4
+    assert kernels.cpu_threads(kernels.PARALLEL_BYTES - 1) == 1
+    monkeypatch.setattr(kernels, "runnable", lambda: 5)  # more ready threads than cores
+    assert kernels.cpu_threads(64 * MB) == 1
+    monkeypatch.setattr(kernels, "runnable", lambda: None)  # no /proc/loadavg: keep torch's count
+    assert kernels.cpu_threads(64 * MB) == 4
+    monkeypatch.setenv("KVGEN_CPU_THREADS", "3")
+    assert kernels.cpu_threads(1) == 3
+
+
+def test_runnable_reads_the_host() -> None:
+    ready = kernels.runnable()
+    assert ready is None or ready >= 1  # this thread is running
+
+
+def test_torch_path_runs_with_the_chosen_threads_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    monkeypatch.setattr(kernels, "cpu_threads", lambda op_bytes: seen.append(op_bytes) or 1)
+    cls = generated.get("vllm_flash_attn_nhd", "kv_2ltd")
+    store = cls._store
+    during: list[int] = []
+
+    def spy(self: object, *args: object) -> None:
+        during.append(torch.get_num_threads())
+        store(self, *args)
+
+    monkeypatch.setattr(cls, "_store", spy)
+    before = torch.get_num_threads()
+    paged, obj = LIBRARY["vllm_flash_attn_nhd"], LIBRARY["kv_2ltd"]
+    assert check_connector(generated, paged, obj, "cpu", [SCENARIOS["partial_blocks"]]) == [(True, True)]
+    assert during and set(during) == {1}
+    assert seen and torch.get_num_threads() == before
+
+
+def test_busy_neighbour_runs_and_is_stopped() -> None:
+    with neighbour() as pid:
+        os.kill(pid, 0)  # alive
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

@@ -1,0 +1,258 @@
+"""The generated Triton kernels: their plans, every kind of kernel against the reference
+(on the CPU through Triton's interpreter, on a GPU compiled), the backend choice, and the
+code Triton makes of them for an NVIDIA GPU (compiled here, without one).
+
+`kvgen verify --backend triton` runs every kernel through every scenario; this file keeps a
+subset that covers each way a kernel reaches the cache (a table over one or two list
+levels, one stacked tensor with L inside a block, a folded slot axis) and each program kind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import EXT, SCENARIOS, connector_load, connector_store, make_cache, make_objects, reference_load
+
+from kvgen import generated
+from kvgen.oracle.scenarios import check_connector, clone_tree, same_bits
+from kvgen.plan.copy import plan_library
+from kvgen.plan.kernel import make_kernel_plan
+from kvgen.plan.package import plan_package
+from kvgen.runtime import KVLayoutError, available_devices, kernels
+from kvgen.spec.library import load_library
+
+LIBRARY = load_library()
+PLANS = {p.module: p for p in plan_library(LIBRARY)}
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+if HAVE_TRITON and available_devices() == ["cpu"]:
+    # Kernel modules are imported on first use, after collection: they see the interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install 'kvgen[triton]')")
+
+#: One connector per way of reaching the cache, whole and layerwise.
+SUBSET = [
+    "vllm_flash_attn_nhd__kv_2ltd",  # table over L, rows [H C], block path by id
+    "vllm_flash_attn_hnd__kv_t2d",  # table over L, layerwise, rows [KV H C] across the cache's H N
+    "sglang_mha__kv_2td",  # table over KV x L, folded slot axis, layerwise
+    "vllm_cross_layer__kv_2ltd",  # one stacked tensor, L and KV inside each block
+    "trtllm_pool__kv_t2d",  # stacked, layerwise, rows [KV H C] over a [KV H N C] block
+    "vllm_blocks_first_hnd__kv_2ltd",  # stacked, K/V packed in content: rows [C], outer KV x L x H
+    "vllm_mla__kv_mla_layer",  # MLA: no KV, no heads
+]
+#: Slot patterns for every program kind: whole blocks by id and by a run of ids, tokens
+#: by slot around -1s, several chunks, strided and odd-offset caches and objects.
+SCENARIO_SUBSET = ["partial_blocks", "consecutive_blocks", "minus1_chunk_ends", "random_slots", "strided_cache",
+                   "odd_offset_cache", "odd_offset_objects"]
+
+
+def _kernel_device(device: str) -> None:
+    why = kernels.unavailable(torch.device(device))
+    if why:
+        pytest.skip(why)
+
+
+# -- plans (no torch, no triton) ---------------------------------------------------------------
+
+def test_every_connector_has_a_kernel_module() -> None:
+    package = plan_package(LIBRARY)
+    assert [k.module for k in package.kernels] == [f"{c.module}_triton" for c in package.connectors]
+    here = Path(generated.__file__).parent
+    assert all((here / f"{k.module}.py").is_file() for k in package.kernels)
+
+
+@pytest.mark.parametrize("module", list(PLANS))
+def test_rows_and_outer_parts_cover_every_value_once(module: str) -> None:
+    """Each value axis is either in a token's row, enumerated by grid axis 1, or (per-layer
+    objects) the launch's fixed layer; the row is what both sides keep last, in one order."""
+    k = make_kernel_plan(PLANS[module])
+    values = {a for a in (*k.lists, *k.leaf.axes) if a not in ("B", "N", "S")}
+    fixed = ["L"] if k.layerwise else []
+    assert sorted([*k.row, *k.outer, *fixed]) == sorted(values)
+    obj = [a for a in k.obj.axes if a != "T"]
+    assert tuple(obj[len(obj) - len(k.row):]) == k.row and "C" in k.row
+    assert k.row == tuple(a for a in k.leaf.axes if a in k.row)
+
+
+def test_kernel_plans_of_known_layouts() -> None:
+    nhd = make_kernel_plan(PLANS["vllm_flash_attn_nhd__kv_2ltd"])
+    assert (nhd.lists, nhd.row, nhd.outer, nhd.slot) == (("L",), ("H", "C"), ("KV", "L"), ("B", "N"))
+    packed = make_kernel_plan(PLANS["vllm_blocks_first_hnd__kv_2ltd"])
+    assert (packed.lists, packed.row, packed.outer) == ((), ("C",), ("KV", "L", "H"))
+    sglang = make_kernel_plan(PLANS["sglang_mha__kv_2td"])
+    assert (sglang.lists, sglang.slot, sglang.outer) == (("KV", "L"), ("S",), ("KV",))
+    assert "tl.load(table + kv * E_L + layer)" in "\n".join(sglang.body)
+
+
+# -- kernels against the reference -------------------------------------------------------------
+
+@needs_triton
+@pytest.mark.parametrize("module", SUBSET)
+def test_kernel_matches_reference(module: str, device: str) -> None:
+    _kernel_device(device)
+    plan = PLANS[module]
+    before = kernels.stats["launches"]
+    results = check_connector(generated, plan.paged, plan.obj, device, [SCENARIOS[s] for s in SCENARIO_SUBSET],
+                              backend="triton")
+    wrong = [(s, r) for s, r in zip(SCENARIO_SUBSET, results, strict=True) if r != (True, True)]
+    assert not wrong, f"(store ok, load ok) differ from the reference: {wrong}"
+    assert kernels.stats["launches"] > before, "the kernel never ran"
+
+
+@needs_triton
+@pytest.mark.parametrize("module", ["vllm_flash_attn_hnd__kv_t2d", "sglang_mla__kv_mla"])
+def test_rows_split_across_programs(module: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With few tokens, rows are split into pieces on grid axis 1; pieces of one word test
+    the decoding of every row position."""
+    _kernel_device(device)
+    monkeypatch.setattr(kernels, "MIN_PIECE", 1)
+    monkeypatch.setattr(kernels, "MIN_PROGRAMS", 1 << 30)
+    plan = PLANS[module]
+    results = check_connector(generated, plan.paged, plan.obj, device, [SCENARIOS["minus1_chunk_ends"]],
+                              backend="triton")
+    assert results == [(True, True)]
+
+
+@needs_triton
+def test_kernel_skips_prefix_with_offset(device: str) -> None:
+    _kernel_device(device)
+    plan = PLANS["vllm_flash_attn_nhd__kv_t2d"]
+    mapping_list = [5, 6, 7, -1, 16, 17, 18, 19, 40, 41, 42, 43, 3]
+    sc = SCENARIOS["partial_blocks"].__class__("skip", (4,), (17,), lambda r, e: mapping_list, offset=4)
+    connector = generated.get(plan.paged.name, plan.obj.name)(device=device, backend="triton")
+    cache = make_cache(plan.paged, torch.float32, device)
+    connector.bind(cache)
+    objs = make_objects(connector, True, [13], torch.float32, device, salt=5, fmt=connector.format)
+    expected = clone_tree(cache)
+    mapping = torch.tensor(mapping_list, device=device)
+    connector_load(connector, objs, sc, cache, mapping, skip=6)
+    reference_load(plan.paged, plan.obj, expected, objs, sc, mapping_list, skip=6)
+    assert same_bits(cache, expected)
+
+
+# -- the backend choice ------------------------------------------------------------------------
+
+def _nhd(**options: object) -> object:
+    return generated.get("vllm_flash_attn_nhd", "kv_2ltd")(device="cpu", **options)
+
+
+def test_auto_never_picks_the_interpreter_and_torch_never_launches() -> None:
+    before = kernels.stats["launches"]
+    assert _nhd().copy_backend_for("cpu") == "torch"
+    plan = PLANS["vllm_flash_attn_nhd__kv_2ltd"]
+    assert check_connector(generated, plan.paged, plan.obj, "cpu", [SCENARIOS["partial_blocks"]],
+                           backend="torch") == [(True, True)]
+    assert kernels.stats["launches"] == before
+
+
+def test_backend_names_are_checked() -> None:
+    with pytest.raises(KVLayoutError, match="backend must be one of 'triton', 'torch' or None"):
+        _nhd(backend="cuda")
+
+
+def test_forced_triton_refuses_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "triton_installed", lambda: False)
+    with pytest.raises(KVLayoutError, match=r"backend='triton' cannot run here: triton is not installed"):
+        _nhd(backend="triton")
+    monkeypatch.undo()
+    if HAVE_TRITON:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(KVLayoutError, match="only in its interpreter"):
+            _nhd(backend="triton")
+
+
+@needs_triton
+def test_a_connector_without_kernel_module(device: str) -> None:
+    """A connector class whose module has no `_triton` twin (a package built before kernels)."""
+    _kernel_device(device)
+    base = generated.get("vllm_flash_attn_nhd", "kv_2ltd")
+    mine = type("Mine", (base,), {"layout": base.layout, "__module__": "my_package.my_connector"})
+    assert base(device=device, backend="triton").copy_backend_for(device) == "triton"
+    with pytest.raises(KVLayoutError, match="no kernel module was generated for this connector"):
+        mine(device=device, backend="triton").copy_backend_for(device)
+
+
+@needs_triton
+def test_caches_the_kernel_cannot_address(device: str) -> None:
+    """Leaves with different strides: forced triton refuses before anything is written;
+    auto (here, a connector told to use the kernel) falls back to the torch ops."""
+    _kernel_device(device)
+    plan = PLANS["vllm_flash_attn_nhd__kv_2ltd"]
+    cache = make_cache(plan.paged, torch.float32, device)
+    odd = cache[1].transpose(1, 2).contiguous().transpose(1, 2)  # same shape, other strides
+    odd.copy_(cache[1])
+    cache[1] = odd
+    sc = SCENARIOS["partial_blocks"]
+    mapping = torch.tensor(sc.mapping(random.Random(0), EXT), device=device)
+    forced = generated.get(plan.paged.name, plan.obj.name)(device=device, backend="triton")
+    forced.bind(cache)
+    objs = make_objects(forced, False, [13], torch.float32, device, salt=3, fmt=forced.format)
+    untouched = clone_tree(cache)
+    with pytest.raises(KVLayoutError, match="cache tensors differ in strides"):
+        connector_load(forced, objs, sc, cache, mapping)
+    assert same_bits(cache, untouched)
+
+    auto = generated.get(plan.paged.name, plan.obj.name)(device=device)
+    auto._kernels[torch.device(device)] = kernels.kernel_of(type(auto).__module__)
+    before = kernels.stats["launches"]
+    connector_store(auto, objs, sc, cache, mapping)
+    connector_load(auto, objs, sc, cache, mapping)
+    assert kernels.stats["launches"] == before
+    reference = generated.get(plan.paged.name, plan.obj.name)(device=device, backend="torch")
+    reference.bind(untouched)
+    twin = make_objects(reference, False, [13], torch.float32, device, salt=3, fmt=reference.format)
+    connector_store(reference, twin, sc, untouched, mapping)
+    assert same_bits([o.tensor for o in objs], [o.tensor for o in twin])
+
+
+# -- the code Triton makes for a GPU -------------------------------------------------------------
+
+@needs_triton
+def test_kernels_compile_for_h200_with_16_byte_rows() -> None:
+    """Compiled for sm_90 with the bundled ptxas, with the specializations a real launch
+    gets: every store and the data loads are 16-byte vectors."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "kvgen.tools.kernel_asm", "--only", "vllm_flash_attn_hnd__kv_2ltd"],
+                          capture_output=True, text=True, env=env, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    if done.returncode != 0 and "ptxas" in done.stderr:
+        pytest.skip(f"Triton cannot compile for NVIDIA here: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("16-byte rows") == 2
+
+
+# -- the command line --------------------------------------------------------------------------
+
+def test_verify_backend_triton_refuses_what_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvgen.errors import KVGenError
+    from kvgen.tools import verify
+
+    if HAVE_TRITON:
+        with pytest.raises(KVGenError, match="verify --device cpu and the GPU devices separately"):
+            verify._prepare_triton(["cpu", "cuda"])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(KVGenError, match=r"--backend triton needs triton: pip install 'kvgen\[triton\]'"):
+        verify._prepare_triton(["cpu"])
+
+
+def test_list_and_explain_show_kernels_and_backends(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from kvgen.tools.cli import main
+
+    assert main(["list", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["backends"]["cpu"] == "torch"
+    assert data["backends"]["cuda"].startswith("triton" if HAVE_TRITON else "torch")
+    nhd = next(c for c in data["connectors"] if c["module"] == "vllm_flash_attn_nhd__kv_2ltd")
+    assert nhd["kernel"] == ("one launch per chunk, grid (whole blocks + token tiles, KV x L); rows [H C]; "
+                             "leaves by a table over L")
+    assert main(["explain", "NHD"]) == 0
+    out = capsys.readouterr().out
+    assert "triton kernel: one launch per layer and chunk" in out and "copy backend (backend=None): cpu torch" in out
