@@ -93,7 +93,9 @@ def _describe(error: jsonschema.ValidationError) -> str:
 
 
 def _is_dim(error: jsonschema.ValidationError) -> bool:
-    return len(error.absolute_path) == 2 and error.absolute_path[0] == "dims"
+    """A dim of the top-level dims, or of a part's (`parts.k.dims[2]`)."""
+    path = list(error.absolute_path)
+    return (len(path) == 2 and path[0] == "dims") or (len(path) == 4 and path[0] == "parts" and path[2] == "dims")
 
 
 def _fused_problems(doc: Document, error: jsonschema.ValidationError) -> list[Problem]:
@@ -135,8 +137,9 @@ def schema_problems(doc: Document) -> list[Problem]:
             continue
         if error.validator == "required" and isinstance(error.instance, dict):
             # One error per missing field, but jsonschema gives no field name apart from its text.
-            why = " (kind: object needs it)" if "then" in error.relative_schema_path else ""
-            problems.extend(doc.problem(path, f"missing required field {k!r}{why}")
+            why = {"format": " (kind: object needs it)", "code": " (kind: object needs it)",
+                   "dims": " (or parts, in kvgen: 2)"} if "then" in error.relative_schema_path else {}
+            problems.extend(doc.problem(path, f"missing required field {k!r}{why.get(k, '')}")
                             for k in error.validator_value if k not in error.instance)
             continue
         if error.validator == "not":

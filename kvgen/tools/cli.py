@@ -100,7 +100,7 @@ def _connectors(spec: Any, plans: list[Any]) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from kvgen.plan.copy import plan_library
+    from kvgen.plan.package import plan_connectors as plan_library
     from kvgen.tools.specset import load_lenient
 
     _require(args.specs, "--specs")
@@ -141,7 +141,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from kvgen.oracle.address import symbolic_address
-    from kvgen.plan.copy import plan_library
+    from kvgen.plan.package import plan_connectors as plan_library
     from kvgen.tools.specset import load_lenient
 
     _require(args.specs, "--specs")

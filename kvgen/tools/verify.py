@@ -109,7 +109,7 @@ def _check_facts(library: Any) -> int:
 
 
 def main(args: Any) -> int:
-    from kvgen.plan.copy import plan_library
+    from kvgen.plan.package import plan_connectors as plan_library
     from kvgen.spec.library import load_library
 
     library = load_library(args.specs)
