@@ -237,8 +237,16 @@ def check_pack(spec: Spec, doc: Document) -> list[Problem]:
     if "dtypes" in doc.data:
         out.append(doc.problem(("dtypes",), "a packed object takes its element type from the cache (rows) or "
                                             "holds bytes (regions); leave dtypes out", key=True))
+    for axis, _ in spec.sizes:
+        if axis != "KV":
+            out.append(doc.problem(("sizes", axis), f"a packed object takes {axis} from the cache it is filled "
+                                                    "from; its sizes may only say KV: 2", key=True))
     dims = spec.dims
     last = dims[-1].axes if dims else ()
+    if spec.pack is Pack.REGIONS:
+        out += [doc.problem(("dims", i), "a regions object has no singleton dims: each plane's region is "
+                                         "dense over the dims it has")
+                for i, d in enumerate(dims) if d.is_singleton]
     if spec.pack is Pack.ROWS:
         for i, d in enumerate(dims):
             bad = [a for a in d.axes if a not in ("L", "T", "C")]
