@@ -63,7 +63,7 @@ def check_version_features(spec: Spec, doc: Document) -> list[Problem]:
 
 def check_part_level(spec: Spec, doc: Document) -> list[Problem]:
     """Where the parts are, and what a spec with parts may not also say at its top."""
-    if spec.version < 2:
+    if spec.version < 2 or not spec.is_paged:
         return []
     data, out = doc.data, []
     levels = [i for i, a in enumerate(spec.lists) if a == PART_LEVEL]

@@ -86,6 +86,11 @@ def _describe(error: jsonschema.ValidationError) -> str:
     if v == "uniqueItems":
         dups = sorted({repr(x) for i, x in enumerate(value) if x in value[:i]})
         return f"items must be unique: {', '.join(dups)} given more than once"
+    if v in ("minProperties", "maxProperties") and tuple(error.absolute_path)[:1] == ("parts",):
+        return (f"{len(value)} part{'s' if len(value) != 1 else ''}; a cache of parts has 2 to 8 "
+                "(write a single tensor tree with dims instead)")
+    if v in ("minProperties", "maxProperties") and tuple(error.absolute_path)[-1:] == ("fields",):
+        return "fields holds one list: row (fields of each row) or block (fields of each block)"
     if v == "anyOf" and _is_dim(error):
         return (f"{short(value)} is not a dim: expected an axis letter ({_AXES_WORDS}), "
                 "1 for a singleton, or a list of 2-4 axis letters for a fused axis")
@@ -128,6 +133,12 @@ def schema_problems(doc: Document) -> list[Problem]:
                 if key not in allowed:
                     problems.append(key_problem(
                         doc, path, key, f"unknown field {short(key)}; allowed: {', '.join(allowed)}"))
+            continue
+        if ("propertyNames" in error.relative_schema_path and isinstance(error.instance, str)
+                and path[-1:] == ("parts",)):
+            problems.append(key_problem(doc, path, error.instance,
+                                         f"part name {short(error.instance)} is not allowed; expected "
+                                         f"{_PATTERN_WORDS['^[a-z][a-z0-9]*(_[a-z0-9]+)*$']}"))
             continue
         if "propertyNames" in error.relative_schema_path and isinstance(error.instance, str):
             # jsonschema reports a bad key at its mapping, as the key's own (enum) error.
