@@ -174,3 +174,68 @@ class ObjectAddresses:
             flat = flat * n + (coords["t"] if a == "T" else coords.get(a.lower(), 0))
         byte = start + flat * size
         return (path, (coords["l"], byte), 0) if not self.obj.lists else (path, (byte,), 0)
+
+
+def _sym_dims(dims: tuple[Dim, ...], coord: Mapping[str, str]) -> str:
+    parts = []
+    for dim in dims:
+        if dim.is_singleton:
+            parts.append("0")
+        elif dim.is_slot:
+            parts.append("slot")
+        elif dim.is_fused:
+            text = coord.get(dim.axes[0], _SYMBOL[dim.axes[0]])
+            for i, axis in enumerate(dim.axes[1:]):
+                text = f"{text if i == 0 else f'({text})'} * {axis} + {coord.get(axis, _SYMBOL[axis])}"
+            parts.append(text)
+        else:
+            parts.append(coord.get(dim.axes[0], _SYMBOL[dim.axes[0]]))
+    return ", ".join(parts)
+
+
+def symbolic_plane_address(spec: Spec, plane: Plane) -> str:
+    """Where value c of a plane starts, for people: `kvcaches[l][2][slot, h, 0]`, or with
+    fields the byte at which it starts (`kvcaches[l][slot // N, slot % N, byte 512 + 4 * c]`)."""
+    path = "".join(f"[{plane.index}]" if a == "P" else f"[{_SYMBOL[a]}]" for a in spec.lists)
+    f = plane.field
+    if f is None:
+        index = _sym_dims(plane.part.dims, {})
+        return f"kvcaches{path}" + (f"[{index}]" if index else " (a 0-dim tensor)")
+    step = f" + {f.itemsize} * c" if f.itemsize > 1 else " + c"
+    if plane.part.fields_in == "row":
+        return f"kvcaches{path}[{_sym_dims(plane.part.dims, {'C': f'byte {f.offset}{step}'})}]"
+    where = f"{f.offset} * N + {f.nbytes} * (slot % N){step}"
+    head = _sym_dims(plane.part.dims[:-2], {})
+    return f"kvcaches{path}[{head}{', ' if head else ''}block bytes {where}]"
+
+
+def explain_lines(spec: Spec) -> list[str]:
+    """What `kvgen explain` adds for format-2 specs: parts, fields, planes, packs."""
+    out: list[str] = []
+    if spec.is_paged and not spec.is_simple:
+        if spec.is_multipart:
+            out.append("  parts (the list level P, in order):")
+            for i, p in enumerate(spec.parts):
+                out.append(f"    [{i}] {p.name:<10} {p.render():<18} dtypes {', '.join(p.dtypes)}")
+        for p in spec.parts:
+            if p.fields:
+                owner = f" of part {p.name}" if p.name else ""
+                what = "each row (C)" if p.fields_in == "row" else "each block (regions of N tokens each)"
+                out.append(f"  fields{owner}, in {what}, dtypes {', '.join(p.dtypes)}:")
+                for f in p.fields:
+                    at = f"byte {f.offset}" if p.fields_in == "row" else f"region at byte {f.offset} * N"
+                    out.append(f"    {f.name:<10} {f.dtype} x {f.count} ({f.nbytes} bytes), {at}")
+        out.append("  planes (moved as bytes, in this order; value c of a plane at):")
+        for plane in spec.moved_planes():
+            count = f"x {plane.field.count}" if plane.field else ("x C" if plane.part.has("C") else "x 1")
+            slot = "" if plane.has_slots else " (no slot: moves with every chunk that moves a token)"
+            out.append(f"    {plane.name:<14} {plane.dtype or 'any':<14} {count:<6} "
+                       f"{symbolic_plane_address(spec, plane)}{slot}")
+    if spec.pack == "rows":
+        out.append("  pack:     rows: each token's row holds every plane of the cache, one after another, "
+                   "as bytes; C counts elements of the cache's first part's dtype")
+    elif spec.pack == "regions":
+        template = " ".join(d.render() for d in spec.dims if d.axes != ("L",))
+        out.append(f"  pack:     regions: bytes; per layer each plane as a dense [{template}] region "
+                   "(axes it lacks left out), in plane order, each at a multiple of 16 bytes")
+    return out

@@ -341,3 +341,22 @@ def build_spec(doc: Document, origin: str | None = None) -> Spec:
         parts=parts,
         pack=Pack(d["pack"]) if "pack" in d else None,
     )
+
+
+def format2_facts(spec: Spec) -> dict[str, object]:
+    """Parts, fields, planes and pack of a format-2 spec as plain data (`kvgen list --json`)."""
+    def dims(part: Part) -> list[object]:
+        return [list(d.axes) if d.is_fused else (d.axes[0] if d.axes else 1) for d in part.dims]
+
+    out: dict[str, object] = {"version": spec.version}
+    if spec.is_paged:
+        out["parts"] = [{"name": p.name, "dims": dims(p), "sizes": dict(p.sizes), "dtypes": list(p.dtypes),
+                         "fields_in": str(p.fields_in) if p.fields_in else None,
+                         "fields": [{"name": f.name, "dtype": f.dtype, "count": f.count, "offset": f.offset}
+                                    for f in p.fields]} for p in spec.parts]
+        out["moved_planes"] = [{"name": pl.name, "part": pl.part.name, "field": pl.field.name if pl.field else None,
+                          "dtype": pl.dtype, "count": pl.field.count if pl.field else None,
+                          "slots": pl.has_slots, "axes": list(pl.axes)} for pl in spec.moved_planes()]
+    if spec.pack is not None:
+        out["pack"] = str(spec.pack)
+    return out

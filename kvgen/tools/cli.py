@@ -120,6 +120,10 @@ def cmd_list(args: argparse.Namespace) -> int:
                              connectors=[p.obj.name for p in plans if p.paged is s])
             else:
                 facts.update(format=s.format, code=s.code, accepts=list(s.accepts))
+            if not s.is_simple:
+                from kvgen.spec.model import format2_facts
+
+                facts.update(format2_facts(s))
             layouts[s.name] = facts
         pairs = [{"paged": p.paged.name, "object": p.obj.name, "mode": p.mode, "module": p.module,
                   "strategy": p.strategy} for p in plans]
@@ -140,7 +144,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from kvgen.oracle.address import symbolic_address
+    from kvgen.oracle.address import explain_lines, symbolic_address
     from kvgen.plan.package import plan_connectors as plan_library
     from kvgen.tools.specset import load_lenient
 
@@ -158,7 +162,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     coord = "(l, kv, slot, h, c)" if spec.is_paged else "(l, kv, t, h, c)"
     print(f"{spec.name} ({spec.kind}): {spec.summary}")
     print(f"  layout:   {spec.arrow()}")
-    print(f"  element {coord}: {symbolic_address(spec)}")
+    if spec.is_simple:
+        print(f"  element {coord}: {symbolic_address(spec)}")
+    for line in explain_lines(spec):
+        print(line)
     print(f"  aliases:  {', '.join(spec.aliases) or '-'}")
     print(f"  source:   {spec.origin}")
     if spec.is_paged:
