@@ -18,8 +18,9 @@ from harness import EXT, Scenario, clone_tree, make_cache, make_objects, referen
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvgen.emit.render import render_connector, seal
-from kvgen.plan.package import connector_plan
+from kvgen.emit.render import render_connector, render_package, seal
+from kvgen.errors import SpecError
+from kvgen.plan.package import connector_plan, plan_package
 from kvgen.plan.parts import compatible_parts, plan_parts
 from kvgen.runtime import KVLayoutError
 from kvgen.spec.library import BUILTIN_SPECS, load_library
@@ -178,3 +179,52 @@ def _load(connector: Any, objs: list[Any], sc: Scenario, cache: Any, mapping: to
     for layer in range(connector.geometry.L):
         gen.send([chunk[layer] for chunk in objs])
     next(gen, None)
+
+
+# -- random edits inside parts and fields: the loader refuses them with a SpecError, and only that --
+
+FORMAT2 = [yaml.safe_load(path.read_text("utf-8")) for path in sorted(BUILTIN_SPECS.rglob("*.yaml"))]
+FORMAT2 = [d for d in FORMAT2 if d["kvgen"] == 2]
+LEAVES = st.none() | st.booleans() | st.integers(-3, 700) | st.text(max_size=6) | st.sampled_from(
+    ["B", "N", "H", "C", "KV", "L", "T", "P", 1, ["B", "N"], ["H", "C"], "uint8", "float32", "row", "block",
+     "rows", "regions", [], {}])
+
+
+@st.composite
+def edited(draw: st.DrawFn) -> dict[str, Any]:
+    import copy
+
+    spec = copy.deepcopy(draw(st.sampled_from(FORMAT2)))
+    for _ in range(draw(st.integers(1, 3))):
+        node: Any = spec
+        path = []
+        while isinstance(node, (dict, list)) and node and draw(st.booleans()):
+            key = draw(st.sampled_from(sorted(node, key=str) if isinstance(node, dict) else range(len(node))))
+            path.append(key)
+            parent, node = node, node[key]
+        if not path:
+            spec[draw(st.sampled_from(["parts", "fields", "pack", "lists", "dims", "sizes"]))] = draw(LEAVES)
+            continue
+        if draw(st.booleans()):
+            parent[path[-1]] = draw(LEAVES)
+        elif isinstance(parent, dict):
+            del parent[path[-1]]
+        else:
+            parent.pop(path[-1])
+    return spec
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=edited())
+def test_edited_format2_specs_load_or_are_refused(spec: dict[str, Any]) -> None:
+    """Anything but a SpecError is a loader bug; what loads also plans and renders."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "spec.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        try:
+            library = load_library([path, *OBJECTS.values(), BUILTIN_SPECS / "lmcache" / "kv_t2d.yaml"],
+                                   builtin=False)
+        except SpecError as exc:
+            assert exc.problems and all("\n" not in str(p) for p in exc.problems)
+            return
+    render_package(plan_package(library))
