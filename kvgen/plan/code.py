@@ -119,6 +119,9 @@ def parts_methods(plan: PartsPlan) -> tuple[Method, ...]:
     methods = []
     if plan.dtype is not None:
         methods.append(Method("_dtype", ("g: runtime.Geometry",), (f"return {plan.dtype}",), "torch.dtype"))
+    if plan.sizes:
+        body = ("return (", *(f"    {size}," for size in plan.sizes), ")")
+        methods.append(Method("_sizes", ("g: runtime.Geometry", "num_tokens: int"), body, "tuple[int, ...]"))
     for direction in ("store", "load"):
         body = list(plan.preamble)
         for pc in plan.planes:

@@ -129,11 +129,14 @@ def parts_geometry_body(spec: Spec) -> tuple[str, ...]:
     first_c = _own("C", 0)
     slots = known.get("S", f"{known.get('B', 'B')} * {known.get('N', 'N')}")
     block = "None" if "S" in known else known.get("N", "N")
-    lines.append(f"return runtime.Geometry(L={known.get('L', '1')}, KV={known.get('KV', '1')}, "
-                 f"H={known.get('H', '1')}, C={known.get(first_c, '1')}, N={block}, S={slots}, "
-                 "dtype=leaves[0].dtype, device=leaves[0].device, planes=(")
-    lines += [f"    {text}," for text in planes]
-    lines.append("))")
+    lines += ["return runtime.Geometry(",
+              f"    L={known.get('L', '1')}, KV={known.get('KV', '1')}, H={known.get('H', '1')}, "
+              f"C={known.get(first_c, '1')}, N={block}, S={slots},",
+              "    dtype=leaves[0].dtype, device=leaves[0].device,",
+              "    planes=(",
+              *(f"        {text}," for text in planes),
+              "    ),",
+              ")"]
     return tuple(lines)
 
 

@@ -16,7 +16,7 @@ from kvgen.plan.copy import CopyPlan, Mode, plan_library
 from kvgen.plan.geometry import geometry_body, parts_geometry_body
 from kvgen.plan.parts import PartsPlan, compatible_parts, plan_parts
 from kvgen.spec.library import UNDEFINED, Library
-from kvgen.spec.model import Spec
+from kvgen.spec.model import DTYPES, Spec
 
 #: A layout constant's fields in the order the runtime's dataclass declares them.
 Fields = tuple[tuple[str, Any], ...]
@@ -28,7 +28,9 @@ def layout_fields(spec: Spec) -> Fields:
         fields: Fields = (("name", spec.name), ("lists", spec.lists), ("dims", dims), ("sizes", spec.sizes),
                           ("dtypes", spec.dtypes))
         if not spec.is_simple:
-            parts = tuple((p.name, tuple(d.axes for d in p.dims), p.dtypes) for p in spec.parts)
+            # () for a part of any dtype keeps each part's entry on one line
+            parts = tuple((p.name, tuple(d.axes for d in p.dims), () if set(p.dtypes) == set(DTYPES) else p.dtypes)
+                          for p in spec.parts)
             fields += (("parts", parts),)
         return fields
     fields = (("name", spec.name), ("format", spec.format), ("code", spec.code), ("accepts", spec.accepts),
@@ -68,6 +70,8 @@ class ConnectorPlan:
     geometry: tuple[str, ...]
     shape: str
     methods: tuple[Method, ...]
+    #: Fields of the PAGED constant written one item per line (a format-2 cache's parts).
+    wide_fields: tuple[str, ...] = ()
 
     @property
     def module(self) -> str:
@@ -99,7 +103,8 @@ def connector_plan(plan: CopyPlan | PartsPlan) -> ConnectorPlan:
     base = "LayerwiseConnector" if plan.mode is Mode.LAYERWISE else "ChunkConnector"
     if isinstance(plan, PartsPlan):
         return ConnectorPlan(plan, base, layout_fields(plan.paged), layout_fields(plan.obj),
-                             parts_geometry_body(plan.paged), parts_shape_body(plan), parts_methods(plan))
+                             parts_geometry_body(plan.paged), parts_shape_body(plan), parts_methods(plan),
+                             ("parts",))
     return ConnectorPlan(plan, base, layout_fields(plan.paged), layout_fields(plan.obj),
                          geometry_body(plan.paged), shape_body(plan), copy_methods(plan))
 

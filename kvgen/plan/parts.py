@@ -59,6 +59,8 @@ class PartsPlan:
     #: The object's dtype as an expression; None: the cache's (first part's) dtype.
     dtype: str | None
     widen: bool = False
+    #: Regions objects: each plane's region bytes per layer, over `g` and `num_tokens`.
+    sizes: tuple[str, ...] = ()
 
     @property
     def module(self) -> str:
@@ -130,17 +132,16 @@ def plan_parts(paged: Spec, obj: Spec) -> PartsPlan:
     planes = paged.moved_planes()
     whole = mode is Mode.WHOLE
     preamble = ["rows = runtime.bytes_of(tensor)"]
+    sizes: tuple[str, ...] = ()
     if obj.pack is Pack.REGIONS:
         regions = [_region_dims(obj, p) for p in planes]
-        sizes = ", ".join(_region_size(r, i, TOKENS["copy"]) for i, r in enumerate(regions))
-        preamble.append(f"at = runtime.region_starts(({sizes},))  # where each plane's region starts in a layer")
-        shape_sizes = ", ".join(_region_size(r, i, TOKENS["shape"]) for i, r in enumerate(regions))
-        shape = (*(("g.L",) if whole else ()), f"runtime.region_bytes(({shape_sizes},))")
+        sizes = tuple(_region_size(r, i, TOKENS["shape"]) for i, r in enumerate(regions))
+        preamble.append("at = runtime.region_starts(self._sizes(g, ck.num_tokens))  # each region in a layer")
+        shape = (*(("g.L",) if whole else ()), "runtime.region_bytes(self._sizes(g, num_tokens))")
         dtype: str | None = "torch.uint8"
     else:
-        total = " + ".join(f"g.planes[{i}].C" for i in range(len(planes)))
         shape = tuple("1" if d.is_singleton else ("num_tokens" if d.axes == ("T",) else
-                                                  (f"runtime.units({total}, g.dtype)" if d.axes == ("C",)
+                                                  ("runtime.units(g.row_bytes, g.dtype)" if d.axes == ("C",)
                                                    else EXTENT[d.axes[0]])) for d in obj.dims)
         dtype = None
 
@@ -157,10 +158,9 @@ def plan_parts(paged: Spec, obj: Spec) -> PartsPlan:
             odims = ((Dim(("L",)),) if whole else ()) + odims
         else:
             odims = obj.dims
-            start = " + ".join(f"g.planes[{j}].C" for j in range(i)) or "0"
-            tensor = f"rows.narrow({len(odims) - 1}, {start}, g.planes[{i}].C)"
+            tensor = f"rows.narrow({len(odims) - 1}, g.plane_start({i}), g.planes[{i}].C)"
         ospec = dataclasses.replace(obj, dims=odims, pack=None)
         source = Source(leaf, tensor, {**EXTENT, "C": f"g.planes[{i}].C"}, raw)
         copies.append(PlaneCopy(plane, make_plan(view, ospec, source)))
-    return PartsPlan(paged, obj, mode, tuple(copies), tuple(preamble), shape, dtype)
+    return PartsPlan(paged, obj, mode, tuple(copies), tuple(preamble), shape, dtype, sizes=sizes)
 

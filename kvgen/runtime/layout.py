@@ -47,6 +47,15 @@ class Geometry:
             ext.update(N=self.N, B=self.S // self.N)
         return ext
 
+    def plane_start(self, index: int) -> int:
+        """Where plane `index` starts in a row of every plane (the bytes of the planes before it)."""
+        return sum(p.C for p in self.planes[:index])
+
+    @property
+    def row_bytes(self) -> int:
+        """The bytes of one row holding every plane."""
+        return sum(p.C for p in self.planes)
+
 
 #: A part of a format-2 cache: (name, dims, dtypes).
 PartLayout = tuple[str, Dims, tuple[str, ...]]
@@ -213,7 +222,7 @@ class CacheReader:
                 self.fail(f"part {name}: tensors must have {len(dims)} dims, got {first.dim()} "
                           f"(tensor[{', '.join(map(str, first.shape))}])")
             dtype_name = str(first.dtype).removeprefix("torch.")
-            if dtype_name not in dtypes:
+            if dtypes and dtype_name not in dtypes:  # () allows every dtype
                 self.fail(f"part {name}: dtype {dtype_name} is not one of {', '.join(dtypes)}")
             if first.device.type == "meta":
                 self.fail(f"part {name}: cache tensors must have storage, got tensors on the meta device")
