@@ -214,7 +214,7 @@ def edited(draw: st.DrawFn) -> dict[str, Any]:
     return spec
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(spec=edited())
 def test_edited_format2_specs_load_or_are_refused(spec: dict[str, Any]) -> None:
     """Anything but a SpecError is a loader bug; what loads also plans and renders."""
