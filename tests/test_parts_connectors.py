@@ -196,8 +196,8 @@ def _tampered(module: str, plane: str, old: str, new: str) -> Any:
     ("vllm_gaudi_fp8__kv_planes", "k_scale", "ck.slots", "ck.slots.roll(1)", "random_slots"),
     # the indexer's fp32 scale taken from the block's region one token later
     ("vllm_dsa_indexer__kv_mla_rows", "scale", "ck.off]", "(ck.off + 1) % g.N]", "random_slots"),
-    # the fp8 MLA row's scales moved one scale along
-    ("vllm_mla_fp8__kv_planes", "scale", "512, 16)", "516, 16)", "whole_blocks"),
+    # the fp8 MLA row's scales read two scales along
+    ("vllm_mla_fp8__kv_planes", "scale", "512, 16)", "520, 16)", "whole_blocks"),
     # a per-tensor scale written by a chunk that moves no token
     ("vllm_fp8_tensor_scales__kv_planes", "k_scale", "if ck.moved:", "if True:", "minus1_all"),
 ])

@@ -118,14 +118,16 @@ def parts_geometry_body(spec: Spec) -> tuple[str, ...]:
             lines.append(f"reader.fused({label!r}, {name}, {product})")
     lines.append(f"reader.positive({', '.join(f'{n}={n}' for n in dict.fromkeys([*plain, *solved]))})")
     planes = []
-    for plane in spec.moved_planes():
+    for i, plane in enumerate(spec.moved_planes()):
+        p = plane.index
         if plane.field is not None:
-            size = str(plane.field.nbytes)
+            size, word = str(plane.field.nbytes), f"reader.word({p}, {plane.field.offset}, {plane.field.nbytes})"
         else:
-            c = _own("C", plane.index)
-            size = f"{known[c]} * leaves[{plane.index}].element_size()" if c in known \
-                else f"leaves[{plane.index}].element_size()"
-        planes.append(f"runtime.PlaneGeometry({plane.name!r}, {size})")
+            c = _own("C", p)
+            lines.append(f"row{i} = {known[c]} * leaves[{p}].element_size()" if c in known
+                         else f"row{i} = leaves[{p}].element_size()")
+            size, word = f"row{i}", f"reader.word({p}, 0, row{i}{'' if c in known else ', keep_last=True'})"
+        planes.append(f"runtime.PlaneGeometry({plane.name!r}, {size}, {word})")
     first_c = _own("C", 0)
     slots = known.get("S", f"{known.get('B', 'B')} * {known.get('N', 'N')}")
     block = "None" if "S" in known else known.get("N", "N")

@@ -107,7 +107,7 @@ def _cache_dims(plane: Plane) -> tuple[tuple[Dim, ...], str]:
 def _extent(axis: str, index: int, tokens: str) -> str:
     if axis == "T":
         return tokens
-    return f"g.planes[{index}].C" if axis == "C" else EXTENT[axis]
+    return f"g.planes[{index}].C" if axis == "C" else EXTENT[axis]  # regions are cut in bytes
 
 
 def _region_dims(obj: Spec, plane: Plane) -> tuple[Dim, ...]:
@@ -131,7 +131,8 @@ def plan_parts(paged: Spec, obj: Spec) -> PartsPlan:
     mode = mode_of(obj)
     planes = paged.moved_planes()
     whole = mode is Mode.WHOLE
-    preamble = ["rows = runtime.bytes_of(tensor)"]
+    preamble = ["rows = runtime.bytes_of(tensor)",
+                f"wd = runtime.plane_words(g, tensor, {obj.pack is Pack.ROWS})  # each plane's word this call"]
     sizes: tuple[str, ...] = ()
     if obj.pack is Pack.REGIONS:
         regions = [_region_dims(obj, p) for p in planes]
@@ -154,13 +155,18 @@ def plan_parts(paged: Spec, obj: Spec) -> PartsPlan:
         if obj.pack is Pack.REGIONS:
             odims = _region_dims(obj, plane)
             shape_i = ", ".join(" * ".join(_extent(a, i, TOKENS["copy"]) for a in d.axes) for d in odims)
-            tensor = f"runtime.region(rows, {1 if whole else 0}, at[{i}], ({shape_i},))"
+            one = "," if len(odims) == 1 else ""
+            tensor = f"runtime.region(rows, {1 if whole else 0}, at[{i}], ({shape_i}{one}), wd[{i}])"
             odims = ((Dim(("L",)),) if whole else ()) + odims
         else:
             odims = obj.dims
             tensor = f"rows.narrow({len(odims) - 1}, g.plane_start({i}), g.planes[{i}].C)"
         ospec = dataclasses.replace(obj, dims=odims, pack=None)
-        source = Source(leaf, tensor, {**EXTENT, "C": f"g.planes[{i}].C"}, raw)
+        # Both sides move in the plane's word of this call: C counts words.
+        raw = f"runtime.as_words({raw}, wd[{i}])"
+        if obj.pack is Pack.ROWS:
+            tensor = f"runtime.as_words({tensor}, wd[{i}])"
+        source = Source(leaf, tensor, {**EXTENT, "C": f"(g.planes[{i}].C // wd[{i}])"}, raw)
         copies.append(PlaneCopy(plane, make_plan(view, ospec, source)))
     return PartsPlan(paged, obj, mode, tuple(copies), tuple(preamble), shape, dtype, sizes=sizes)
 

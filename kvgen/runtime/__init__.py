@@ -22,9 +22,11 @@ from kvgen.runtime.ops import (
     take_tokens,
 )
 from kvgen.runtime.planes import (
+    as_words,
     block_field,
     bytes_of,
     copy_into,
+    plane_words,
     region,
     region_bytes,
     region_starts,
@@ -52,5 +54,5 @@ __all__ = [
     "require_abi", "take_tokens", "Words", "gather_slots", "scatter_slots", "take_rows", "put_rows",
     "take_index", "put_index",
     "PlaneGeometry", "block_field", "bytes_of", "copy_into", "region", "region_bytes", "region_starts", "row_field",
-    "units",
+    "units", "as_words", "plane_words",
 ]

@@ -23,6 +23,8 @@ class PlaneGeometry:
 
     name: str
     C: int
+    #: The widest word (bytes) every tensor of the cache allows for this plane's rows.
+    word: int = 1
 
 
 @dataclass(frozen=True)
@@ -252,6 +254,13 @@ class CacheReader:
             if block and leaf.shape[-2] > 1 and leaf.stride(-2) != leaf.shape[-1] * leaf.stride(-1):
                 self.fail(f"part {name}: each block's N x C elements must be one contiguous run (fields fill "
                           f"the block's bytes); got strides {list(leaf.stride())}")
+
+    def word(self, part: int, offset: int, nbytes: int, keep_last: bool = False) -> int:
+        """The widest word every tensor of a part allows for a plane of `nbytes` per row at
+        byte `offset` (kvgen.runtime.planes.leaf_word)."""
+        from kvgen.runtime.planes import leaf_word
+
+        return min(leaf_word(t, offset, nbytes, keep_last) for t in self._part_leaves(part))
 
     def _part_leaves(self, part: int) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []

@@ -10,7 +10,9 @@ cache is bound (`CacheReader.byte_rows`), before anything is written.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -45,12 +47,13 @@ def block_field(t: torch.Tensor, offset: int, nbytes: int, n: int) -> torch.Tens
     return flat.narrow(-1, offset * n, nbytes * n).unflatten(-1, (n, nbytes))
 
 
-def region(t: torch.Tensor, dim: int, offset: int, shape: Sequence[int]) -> torch.Tensor:
-    """The dense region of `shape` that starts `offset` bytes into dim `dim` of a byte tensor."""
+def region(t: torch.Tensor, dim: int, offset: int, shape: Sequence[int], word: int = 1) -> torch.Tensor:
+    """The dense region of `shape` (bytes) that starts `offset` bytes into dim `dim` of a byte
+    tensor, as `word`-byte integers (the last dim of `shape` shrinks by `word`)."""
     size = 1
     for n in shape:
         size *= n
-    return t.narrow(dim, offset, size).unflatten(dim, tuple(shape))
+    return as_words(t.narrow(dim, offset, size).unflatten(dim, tuple(shape)), word)
 
 
 def region_starts(sizes: Sequence[int]) -> tuple[int, ...]:
@@ -76,6 +79,44 @@ def units(nbytes: int, dtype: torch.dtype) -> int:
                             f"{item}-byte {str(dtype).removeprefix('torch.')} elements: no object of that dtype "
                             "holds it")
     return nbytes // item
+
+
+#: Integer types a plane's bytes move as (index kernels work per element: wider is faster).
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+WIDEST = 8
+
+
+def word_of(*sizes: int) -> int:
+    """The widest word (a power of two up to WIDEST bytes) dividing every byte count given."""
+    g = 0
+    for n in sizes:
+        g = math.gcd(g, n)
+    return WIDEST if g == 0 else min(WIDEST, g & -g)
+
+
+def leaf_word(t: torch.Tensor, offset: int, nbytes: int, keep_last: bool) -> int:
+    """The widest word a byte view of `t` allows for values `nbytes` long at `offset` in a row:
+    its storage offset and the byte strides of its dims (the last one too, when `keep_last`:
+    a part without C whose elements are the rows) must be whole words."""
+    item = t.element_size()
+    dims = range(t.dim()) if keep_last else range(t.dim() - 1)
+    strides = [t.stride(d) * item for d in dims if t.shape[d] > 1]
+    return word_of(offset, nbytes, t.storage_offset() * item, *strides)
+
+
+def plane_words(g: Any, tensor: torch.Tensor, rows: bool) -> tuple[int, ...]:
+    """Per plane, the word this call moves it in: what the cache allows (bound once, in
+    `g.planes`) and what this object allows (its storage offset, strides and, for rows, where
+    each plane starts in a row)."""
+    item = tensor.element_size()
+    base = word_of(tensor.storage_offset() * item,
+                   *(tensor.stride(d) * item for d in range(tensor.dim() - 1) if tensor.shape[d] > 1))
+    return tuple(min(p.word, base, word_of(g.plane_start(i)) if rows else base) for i, p in enumerate(g.planes))
+
+
+def as_words(t: torch.Tensor, size: int) -> torch.Tensor:
+    """A byte view as `size`-byte integers (the last dim shrinks by `size`)."""
+    return t if size == 1 else t.view(_WORDS[size])
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
