@@ -41,6 +41,7 @@ Sources (projects as named on GitHub):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -364,9 +365,14 @@ def parts_disagreement(spec: Spec, g: Geometry) -> str | None:
     return None
 
 
-def _packed_disagreement(spec: Spec, g: Geometry) -> str | None:
+@functools.cache
+def _builtin_caches() -> tuple[Spec, ...]:
     from kvgen.spec.library import load_library
 
+    return tuple(s for s in load_library().paged if s.name in PARTS_FACTS)
+
+
+def _packed_disagreement(spec: Spec, g: Geometry) -> str | None:
     fact = PACKED_FACTS.get(spec.name)
     if fact is None:
         return f"no fact entry for {spec.name}"
@@ -374,8 +380,7 @@ def _packed_disagreement(spec: Spec, g: Geometry) -> str | None:
         return f"format {spec.format} ({spec.code}), the source says {fact.lmcache} ({fact.code})"
     if bool(spec.lists) != fact.layerwise:
         return f"lists {list(spec.lists)}, the source has {'one object per layer' if fact.layerwise else 'one'}"
-    caches = [s for s in load_library().paged if s.name in PARTS_FACTS]
-    for cache in caches:
+    for cache in _builtin_caches():
         cf = PARTS_FACTS[cache.name]
         if not fact.fits(cf):
             continue
