@@ -16,8 +16,11 @@ L, T, H, C = 3, 5, 2, 4
 SHAPES = {
     "kv_2ltd": (2, L, T, H * C), "kv_t2d": (T, 2, H * C), "kv_2td": (2, T, H * C),
     "kv_mla": (1, L, T, C), "kv_mla_layer": (T, C),
+    "kv_1ltd": (1, L, T, H * C), "kv_1td": (T, H * C), "kv_mla_rows": (1, L, T, C), "kv_mla_rows_layer": (T, C),
+    # format-2 regions objects: [L, R] bytes, R the bytes of one layer's regions
+    "kv_planes": (L, 48), "kv_planes_layer": (48,),
 }
-PER_LAYER = {"kv_t2d", "kv_2td", "kv_mla_layer"}
+PER_LAYER = {"kv_t2d", "kv_2td", "kv_mla_layer", "kv_1td", "kv_mla_rows_layer", "kv_planes_layer"}
 
 
 def sample(name: str) -> object:

@@ -14,14 +14,14 @@ import torch
 
 import kvgen
 from kvgen import generated
-from kvgen.integrations.detect import AmbiguousLayout, CacheShape, NoLayout, detect, memory_order
+from kvgen.integrations.detect import AmbiguousLayout, CacheShape, NoLayout, detect, detectable, memory_order
 from kvgen.oracle import reference
 from kvgen.oracle.scenarios import EXT, make_cache
 from kvgen.runtime import KVLayoutError
 from kvgen.spec.library import load_library
 
 LIBRARY = load_library()
-PAGED = [s.name for s in LIBRARY.paged]
+PAGED = [s.name for s in LIBRARY.paged if detectable(generated.LAYOUTS[s.name])]
 #: Geometries where extents coincide, the only way two layouts can share a shape.
 TIES = [{}, {"N": 2}, {"B": 2}, {"N": 1}, {"H": 1}, {"B": 2, "N": 2, "H": 2}, {"L": 2}, {"H": 4},
         {"B": 4, "N": 4, "H": 4}, {"L": 2, "B": 2}]
@@ -103,8 +103,10 @@ def test_ambiguities_are_refused_and_each_candidate_has_a_deciding_hint() -> Non
     missing = KNOWN - seen
     assert not missing, f"ambiguities not found: {missing}"
     # only these share every fact a hint can state (the layout's name decides):
-    # [B L H N 2C] / [B H L N 2C] when L == H, and [B H N 2C] / [H B N 2C] when B == H
-    assert same == {("vllm_blocks_first_hnd", "vllm_blocks_heads_first"), ("vllm_heads_first", "vllm_packed_hnd")}
+    # [B L H N 2C] / [B H L N 2C] when L == H, [B H N 2C] / [H B N 2C] when B == H, and
+    # [2 B N H C] / [B N H 2 C] when B == 2
+    assert same == {("vllm_blocks_first_hnd", "vllm_blocks_heads_first"), ("vllm_heads_first", "vllm_packed_hnd"),
+                    ("vllm_flash_attn_nhd", "vllm_packed_nhd_5d")}
 
 
 @pytest.mark.parametrize("name", PAGED)
@@ -218,3 +220,13 @@ def test_cli_detect_prints_the_layout_and_refuses_ambiguity(capsys: pytest.Captu
     assert capsys.readouterr().out.startswith("sglang_mha")
     assert main(["detect", "32x2,3"]) == 1
     assert "write list lengths" in capsys.readouterr().err
+
+
+def test_only_single_tree_kv_and_mla_caches_are_detected() -> None:
+    """Caches of several parts or typed fields, and K or V alone, are named, never detected."""
+    left = {s.name for s in LIBRARY.paged} - set(PAGED)
+    assert left == {s.name for s in LIBRARY.paged if not s.is_simple or (s.planes == 1 and s.has("H"))}
+    assert "vllm_flash_attn_nhd" in PAGED and "vllm_mla" in PAGED and "vllm_mla_fp8" in left
+    cache = [torch.zeros(12, 4, 656, dtype=torch.uint8) for _ in range(3)]
+    with pytest.raises(KVLayoutError, match="take its connector by name"):
+        detect(cache, kv_layout="vllm_mla_fp8")

@@ -22,7 +22,7 @@ from harness import EXT, SCENARIOS, connector_load, connector_store, make_cache,
 
 from kvgen import generated
 from kvgen.oracle.scenarios import check_connector, clone_tree, same_bits
-from kvgen.plan.copy import plan_library
+from kvgen.plan.copy import CopyPlan, plan_library
 from kvgen.plan.kernel import make_kernel_plan
 from kvgen.plan.package import plan_package
 from kvgen.runtime import KVLayoutError, available_devices, kernels
@@ -62,7 +62,9 @@ def _kernel_device(device: str) -> None:
 
 def test_every_connector_has_a_kernel_module() -> None:
     package = plan_package(LIBRARY)
-    assert [k.module for k in package.kernels] == [f"{c.module}_triton" for c in package.connectors]
+    # every connector of one tensor tree has a kernel; caches of several planes move by torch ops
+    simple = [c for c in package.connectors if isinstance(c.copy, CopyPlan)]
+    assert simple and [k.module for k in package.kernels] == [f"{c.module}_triton" for c in simple]
     here = Path(generated.__file__).parent
     assert all((here / f"{k.module}.py").is_file() for k in package.kernels)
 

@@ -23,6 +23,7 @@ from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
 import kvgen.integrations.lmcache as kl  # noqa: E402
 from kvgen import generated  # noqa: E402
+from kvgen.integrations.detect import detectable  # noqa: E402
 from kvgen.oracle import reference  # noqa: E402
 from kvgen.oracle.scenarios import EXT, block_table_mapping, clone_tree, make_cache, same_bits  # noqa: E402
 from kvgen.spec.library import load_library  # noqa: E402
@@ -36,12 +37,16 @@ HANDED = {
     "vllm_flash_attn_hnd": ("logical", {}),
     "vllm_flashinfer_hnd": ("logical", {}),
     "vllm_packed_hnd": ("as is", {"kv_layout": "HND"}),
+    "vllm_packed_hnd_5d": ("as is", {"kv_layout": "HND"}),
     "vllm_heads_first": ("as is", {"kv_layout": "LHBNC"}),
     "vllm_blocks_first_hnd": ("as is", {"kv_layout": "BLHNC"}),
     "vllm_blocks_heads_first": ("as is", {"kv_layout": "BHLNC"}),
     "vllm_rbln": ("as is", {"kv_layout": "HND"}),
 }
-PAGED = [s.name for s in LIBRARY.paged if s.name != "trtllm_pool"]
+#: The layouts LMCache's connector classes move: one tree of K/V or MLA tensors that pairs with
+#: LMCache's objects (caches of several parts or fields are kvgen's own, taken by name).
+PAGED = [s.name for s in LIBRARY.paged if s.name != "trtllm_pool" and detectable(generated.LAYOUTS[s.name])
+         and any(o in ("kv_2ltd", "kv_mla") for (p, o) in generated.CONNECTORS if p == s.name)]
 
 
 def _family(layout: str) -> str:

@@ -11,7 +11,8 @@ from kvgen.spec.library import load_library
 LIBRARY = load_library()
 
 
-@pytest.mark.parametrize("spec", LIBRARY.specs, ids=lambda s: s.name)
+# Format-2 arrows (parts, fields, packs) are printed for people only: docs/spec-language.md.
+@pytest.mark.parametrize("spec", [s for s in LIBRARY.specs if s.is_simple], ids=lambda s: s.name)
 def test_print_parse_print_is_identity_for_every_builtin_spec(spec):
     text = spec.arrow()
     lists, dims, extents = parse_layout(text)

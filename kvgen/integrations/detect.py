@@ -128,11 +128,22 @@ def _package(package: ModuleType | str | None) -> ModuleType:
     return importlib.import_module(package) if isinstance(package, str) else package
 
 
+def detectable(facts: dict[str, Any]) -> bool:
+    """Whether a layout is told apart by the shape and strides of its tensors: a K/V or MLA
+    cache of one tensor tree (spec format 1). Caches of several parts or typed fields (spec
+    format 2), and caches that hold K or V alone (heads but one plane), look like others
+    from their tensors alone; a deployment names them (`kv_layout=` a spec name or alias)."""
+    if "parts" in facts:
+        return False
+    has_heads = any("H" in dim for dim in facts["dims"])
+    return not (facts.get("planes") == 1 and has_heads)
+
+
 @lru_cache(maxsize=8)
 def _facts_of(package: ModuleType) -> tuple[LayoutFacts, ...]:
     out = []
     for name, facts in package.LAYOUTS.items():
-        if facts["kind"] != "paged":
+        if facts["kind"] != "paged" or not detectable(facts):
             continue
         obj = next((o for (p, o) in package.CONNECTORS if p == name), None)
         if obj is None:
@@ -293,7 +304,9 @@ def detect_shape(cache: CacheShape, *, package: ModuleType | str | None = None, 
         name = _package(package).resolve(str(named))
         facts = tuple(f for f in facts if f.name == name)
         if not facts:
-            raise KVLayoutError(f"layout {named!r} is not a paged layout of this package")
+            raise KVLayoutError(f"layout {named!r} is no paged layout detection reads (one tree of K/V or MLA "
+                                "tensors); for a cache of several parts or fields, or K or V alone, take its "
+                                "connector by name: kvgen.generated.get(layout, object)")
     fits, refused = [], {}
     for f in facts:
         try:

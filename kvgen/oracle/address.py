@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvgen.spec.model import Spec
+from kvgen.spec.model import ITEMSIZE, Dim, Part, Plane, Spec
 
 #: Logical coordinates of an element: l, kv, h, c, and slot (paged) or t (object).
 Coords = Mapping[str, int]
@@ -27,8 +27,13 @@ def _coordinate(axis: str, coords: Coords, ext: Mapping[str, int]) -> int:
 def element_address(spec: Spec, coords: Coords, ext: Mapping[str, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(container path, tensor index) of the element at `coords` for extents `ext`."""
     path = tuple(_coordinate(a, coords, ext) for a in spec.lists)
+    return path, tensor_index(spec.dims, coords, ext)
+
+
+def tensor_index(dims: tuple[Dim, ...], coords: Coords, ext: Mapping[str, int]) -> tuple[int, ...]:
+    """The index of the element at `coords` in a tensor with `dims`."""
     index = []
-    for dim in spec.dims:
+    for dim in dims:
         if dim.is_singleton:
             index.append(0)
         elif dim.is_slot:
@@ -38,7 +43,7 @@ def element_address(spec: Spec, coords: Coords, ext: Mapping[str, int]) -> tuple
             for axis in dim.axes:
                 flat = flat * ext[axis] + _coordinate(axis, coords, ext)
             index.append(flat)
-    return path, tuple(index)
+    return tuple(index)
 
 
 _SYMBOL = {"L": "l", "KV": "kv", "H": "h", "C": "c", "T": "t", "B": "slot // N", "N": "slot % N"}
@@ -62,3 +67,175 @@ def symbolic_address(spec: Spec) -> str:
         else:
             parts.append(_SYMBOL[dim.axes[0]])
     return f"{root}{path}[{', '.join(parts)}]"
+
+
+# -- format 2: planes (parts and fields), byte addresses ---------------------------------------
+# A value of a plane is `size` bytes; its address is (container path, tensor index of the
+# storage element holding its first byte, byte inside that element). Tensors are read in
+# index order (row-major over their shape), whatever their strides.
+
+ByteAddress = tuple[tuple[int, ...], tuple[int, ...], int]
+
+
+def part_width(spec: Spec, part: Part, ext: Mapping[str, int]) -> int:
+    """Elements of the part's C: what its fields fill, its fixed size, or `ext["C.<part>"]`
+    (else `ext["C"]`); 1 for a part without C."""
+    if not part.has("C"):
+        return 1
+    if part.fields:
+        return (part.row_bytes or 0) // ITEMSIZE[part.dtypes[0]]
+    fixed = part.size("C")
+    return fixed if fixed is not None else ext.get(f"C.{part.name}", ext["C"])
+
+
+def plane_count(spec: Spec, plane: Plane, ext: Mapping[str, int]) -> int:
+    """Values of one plane per (token, K or V, head)."""
+    return plane.field.count if plane.field is not None else part_width(spec, plane.part, ext)
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for n in reversed(shape):
+        out.append(flat % n)
+        flat //= n
+    return tuple(reversed(out))
+
+
+def plane_address(spec: Spec, plane: Plane, coords: Coords, ext: Mapping[str, int], item: int) -> ByteAddress:
+    """Where value (l, kv, slot, h, c) of `plane` starts in a format-2 cache whose part
+    tensors have `item`-byte elements."""
+    part = plane.part
+    pext = {**ext, "C": part_width(spec, part, ext)}
+    path = tuple(plane.index if a == "P" else _coordinate(a, coords, pext) for a in spec.lists)
+    c, f = coords.get("c", 0), plane.field
+
+    def index(at: Coords) -> tuple[int, ...]:
+        return tensor_index(part.dims, at, pext)
+
+    if f is None:
+        return path, index({**coords, "c": c}), 0
+    if part.fields_in == "row":
+        pos = f.offset + c * f.itemsize
+        return path, index({**coords, "c": pos // item}), pos % item
+    # Block fields: bytes of block b are its N x C elements in order; the field's region
+    # starts at offset * N and holds token n's values at n * nbytes.
+    n, width = ext["N"], pext["C"]
+    slot = coords["slot"]
+    pos = f.offset * n + (slot % n) * f.nbytes + c * f.itemsize
+    row, col = _unravel(pos // item, (n, width))
+    return path, index({**coords, "slot": (slot // n) * n + row, "c": col}), pos % item
+
+
+def region_layout(paged: Spec, obj: Spec, ext: Mapping[str, int], sizes: Mapping[str, int],
+                  tokens: int) -> tuple[list[tuple[int, tuple[str, ...], tuple[int, ...]]], int]:
+    """A regions object: per plane (start byte in a layer, region axes, region shape), and
+    the bytes of one layer. Regions follow one another in plane order, each starting at a
+    multiple of 16 bytes; a region is dense over the object's dims with the axes the plane
+    lacks left out (and L). `sizes` gives each plane's value size in bytes."""
+    out, at = [], 0
+    for plane in paged.moved_planes():
+        keep = set(plane.axes) | {"C"} | ({"T"} if plane.has_slots else set())
+        axes = tuple(a for d in obj.dims for a in d.axes if a in keep and a != "L")
+        ext_p = {**ext, "T": tokens, "C": plane_count(paged, plane, ext)}
+        shape = tuple(ext_p[a] for a in axes)
+        out.append((at, axes, shape))
+        size = sizes[plane.name]
+        for n in shape:
+            size *= n
+        at += -(-size // 16) * 16
+    return out, at
+
+
+class ObjectAddresses:
+    """Where each value of each plane lies in a packed object (rows or regions) of a chunk
+    of ext["T"] tokens; `sizes` gives each plane's value size in bytes, `item` the bytes per
+    element of the object's tensor. Region starts and row offsets are worked out once."""
+
+    def __init__(self, paged: Spec, obj: Spec, ext: Mapping[str, int], sizes: Mapping[str, int], item: int):
+        self.obj, self.ext, self.sizes, self.item = obj, ext, sizes, item
+        planes = paged.moved_planes()
+        self.index = {p.name: i for i, p in enumerate(planes)}
+        # rows: a plane's values start after every earlier plane's in the token's row
+        self.row_start, at = [], 0
+        for p in planes:
+            self.row_start.append(at)
+            at += plane_count(paged, p, ext) * sizes[p.name]
+        self.regions, self.layer_bytes = region_layout(paged, obj, ext, sizes, ext["T"])
+
+    def address(self, plane: Plane, coords: Coords) -> ByteAddress:
+        i, size = self.index[plane.name], self.sizes[plane.name]
+        path = (coords["l"],) if self.obj.lists else ()
+        if self.obj.pack == "rows":
+            pos = self.row_start[i] + coords.get("c", 0) * size
+            return path, tensor_index(self.obj.dims, {**coords, "c": pos // self.item}, self.ext), pos % self.item
+        start, axes, shape = self.regions[i]
+        flat = 0
+        for a, n in zip(axes, shape, strict=True):
+            flat = flat * n + (coords["t"] if a == "T" else coords.get(a.lower(), 0))
+        byte = start + flat * size
+        return (path, (coords["l"], byte), 0) if not self.obj.lists else (path, (byte,), 0)
+
+
+def _sym_dims(dims: tuple[Dim, ...], coord: Mapping[str, str]) -> str:
+    parts = []
+    for dim in dims:
+        if dim.is_singleton:
+            parts.append("0")
+        elif dim.is_slot:
+            parts.append("slot")
+        elif dim.is_fused:
+            text = coord.get(dim.axes[0], _SYMBOL[dim.axes[0]])
+            for i, axis in enumerate(dim.axes[1:]):
+                text = f"{text if i == 0 else f'({text})'} * {axis} + {coord.get(axis, _SYMBOL[axis])}"
+            parts.append(text)
+        else:
+            parts.append(coord.get(dim.axes[0], _SYMBOL[dim.axes[0]]))
+    return ", ".join(parts)
+
+
+def symbolic_plane_address(spec: Spec, plane: Plane) -> str:
+    """Where value c of a plane starts, for people: `kvcaches[l][2][slot, h, 0]`, or with
+    fields the byte at which it starts (`kvcaches[l][slot // N, slot % N, byte 512 + 4 * c]`)."""
+    path = "".join(f"[{plane.index}]" if a == "P" else f"[{_SYMBOL[a]}]" for a in spec.lists)
+    f = plane.field
+    if f is None:
+        index = _sym_dims(plane.part.dims, {})
+        return f"kvcaches{path}" + (f"[{index}]" if index else " (a 0-dim tensor)")
+    step = f" + {f.itemsize} * c" if f.itemsize > 1 else " + c"
+    if plane.part.fields_in == "row":
+        return f"kvcaches{path}[{_sym_dims(plane.part.dims, {'C': f'byte {f.offset}{step}'})}]"
+    where = f"{f.offset} * N + {f.nbytes} * (slot % N){step}"
+    head = _sym_dims(plane.part.dims[:-2], {})
+    return f"kvcaches{path}[{head}{', ' if head else ''}block bytes {where}]"
+
+
+def explain_lines(spec: Spec) -> list[str]:
+    """What `kvgen explain` adds for format-2 specs: parts, fields, planes, packs."""
+    out: list[str] = []
+    if spec.is_paged and not spec.is_simple:
+        if spec.is_multipart:
+            out.append("  parts (the list level P, in order):")
+            for i, p in enumerate(spec.parts):
+                out.append(f"    [{i}] {p.name:<10} {p.render():<18} dtypes {', '.join(p.dtypes)}")
+        for p in spec.parts:
+            if p.fields:
+                owner = f" of part {p.name}" if p.name else ""
+                what = "each row (C)" if p.fields_in == "row" else "each block (regions of N tokens each)"
+                out.append(f"  fields{owner}, in {what}, dtypes {', '.join(p.dtypes)}:")
+                for f in p.fields:
+                    at = f"byte {f.offset}" if p.fields_in == "row" else f"region at byte {f.offset} * N"
+                    out.append(f"    {f.name:<10} {f.dtype} x {f.count} ({f.nbytes} bytes), {at}")
+        out.append("  planes (moved as bytes, in this order; value c of a plane at):")
+        for plane in spec.moved_planes():
+            count = f"x {plane.field.count}" if plane.field else ("x C" if plane.part.has("C") else "x 1")
+            slot = "" if plane.has_slots else " (no slot: moves with every chunk that moves a token)"
+            out.append(f"    {plane.name:<14} {plane.dtype or 'any':<14} {count:<6} "
+                       f"{symbolic_plane_address(spec, plane)}{slot}")
+    if spec.pack == "rows":
+        out.append("  pack:     rows: each token's row holds every plane of the cache, one after another, "
+                   "as bytes; C counts elements of the cache's first part's dtype")
+    elif spec.pack == "regions":
+        template = " ".join(d.render() for d in spec.dims if d.axes != ("L",))
+        out.append(f"  pack:     regions: bytes; per layer each plane as a dense [{template}] region "
+                   "(axes it lacks left out), in plane order, each at a multiple of 16 bytes")
+    return out

@@ -84,6 +84,8 @@ class Fact:
     #: LMCache's engine format name (paged), or its MemoryFormat name and code (objects).
     lmcache: str | None = None
     code: int | None = None
+    #: One plane with heads (LMCache's kv_size 1 with NH): kv is always 0.
+    single: bool = False
 
 
 FACTS: dict[str, Fact] = {}
@@ -91,9 +93,9 @@ FACTS: dict[str, Fact] = {}
 
 def _fact(name: str, kind: str, container: tuple[Level, ...], shape: Callable[[Geometry], tuple[int, ...]],
           fixed: Mapping[str, int] = KV2, *, mla: bool = False, lmcache: str | None = None,
-          code: int | None = None) -> Callable[[AddressFn], AddressFn]:
+          code: int | None = None, single: bool = False) -> Callable[[AddressFn], AddressFn]:
     def register(address: AddressFn) -> AddressFn:
-        FACTS[name] = Fact(name, kind, container, shape, address, dict(fixed), mla, lmcache, code)
+        FACTS[name] = Fact(name, kind, container, shape, address, dict(fixed), mla, lmcache, code, single)
         return address
     return register
 
@@ -302,6 +304,56 @@ def kv_mla_layer(g: Geometry, layer: int, kv: int, t: int, h: int, c: int) -> Ad
     return (layer,), (t, c)
 
 
+# -- the formats LMCache 0.5.6 added (lmcache/v1/gpu_connector/kv_format/specs/) -----------------
+
+# nl_x_nb_bs_nh_two_hs.py: "Per-layer, NHD, blocks-first with fused K/V: NL x [NB, BS, NH, 2, HS]",
+# "a 5-D tensor whose K/V (size-2) axis is second-to-last" (deprecated form of NL_X_NB_BS_NH_CS,
+# whose content holds K first): kv selects along dim 3.
+@_fact("vllm_packed_nhd_5d", "paged", PER_LAYER, lambda g: (g.B, g.N, g.H, 2, g.C), lmcache="NL_X_NB_BS_NH_TWO_HS")
+def vllm_packed_nhd_5d(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+    return (layer,), (slot // g.N, slot % g.N, h, kv, c)
+
+
+# nl_x_nb_nh_bs_two_hs.py: "Per-layer, HND, blocks-first with fused K/V: NL x [NB, NH, BS, 2, HS]";
+# num_heads = shape[1], block_size = shape[2].
+@_fact("vllm_packed_hnd_5d", "paged", PER_LAYER, lambda g: (g.B, g.H, g.N, 2, g.C), lmcache="NL_X_NB_NH_BS_TWO_HS")
+def vllm_packed_hnd_5d(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+    return (layer,), (slot // g.N, h, slot % g.N, kv, c)
+
+
+# two_x_nl_x_nb_bs_nh_hs.py: "Two-list MHA, split NB/BS: 2 x NL x [NB, BS, NH, HS] (SGLang MP daemon)",
+# "[K_layers, V_layers]"; data_ptrs unpacks `k, v = kv_caches`.
+@_fact("sglang_mha_blocks", "paged", (("seq", "KV"), ("list", "L")), lambda g: (g.B, g.N, g.H, g.C),
+       lmcache="TWO_X_NL_X_NB_BS_NH_HS")
+def sglang_mha_blocks(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+    return (kv, layer), (slot // g.N, slot % g.N, h, c)
+
+
+# nl_x_nb_bs_nh_hs.py: "Independent SGLang components: NL x [NB, BS, NH, HS]", "Each list entry is one
+# physical K or V allocation ... NL is the number of registered component tensors"; kv_size() is 1.
+@_fact("sglang_components", "paged", PER_LAYER, lambda g: (g.B, g.N, g.H, g.C), {}, single=True,
+       lmcache="NL_X_NB_BS_NH_HS")
+def sglang_components(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+    return (layer,), (slot // g.N, slot % g.N, h, c)
+
+
+# A kv_size-1 object with heads: VLLMPagedMemGPUConnectorV2.get_shape returns [kv_size, num_layers,
+# num_tokens, hidden_dim_size] with kv_size 1 for one plane (labelled KV_MLA_FMT), hidden_dim = NH * HS;
+# platform/torch_ops/mp_mem_kernels.py: "Single plane: hs is the complete per-head content width",
+# chunk shape (nl, chunk_tokens, nh * hs).
+@_fact("kv_1ltd", "object", ONE_TENSOR, lambda g: (1, g.L, g.T, g.H * g.C), {}, single=True, lmcache="KV_MLA_FMT",
+       code=6)
+def kv_1ltd(g: Geometry, layer: int, kv: int, t: int, h: int, c: int) -> Address:
+    return (), (0, layer, t, h * g.C + c)
+
+
+# The per-layer form: VLLMPagedMemLayerwiseGPUConnector.get_shape for one plane is
+# [num_tokens, hidden_dim_size], one object per layer.
+@_fact("kv_1td", "object", PER_LAYER, lambda g: (g.T, g.H * g.C), {}, single=True, lmcache="KV_MLA_FMT", code=6)
+def kv_1td(g: Geometry, layer: int, kv: int, t: int, h: int, c: int) -> Address:
+    return (layer,), (t, h * g.C + c)
+
+
 # -- using the table ------------------------------------------------------------------------------
 
 def extents(g: Geometry) -> dict[str, int]:
@@ -320,12 +372,16 @@ def positions(fact: Fact, g: Geometry) -> int:
 
 def elements(fact: Fact, g: Geometry) -> Iterator[tuple[int, int, int, int, int]]:
     """Every (l, kv, pos, h, c) the layout holds."""
-    planes, heads = (1, 1) if fact.mla else (2, g.H)
+    planes, heads = (1, 1) if fact.mla else ((1, g.H) if fact.single else (2, g.H))
     return itertools.product(range(g.L), range(planes), range(positions(fact, g)), range(heads), range(g.C))
 
 
 def disagreement(spec: Spec, g: Geometry) -> str | None:
     """The first way `spec` differs from the facts about the layout it names, or None."""
+    if not spec.is_simple:  # format 2: parts, fields, packed objects
+        from kvgen.oracle.facts_parts import parts_disagreement
+
+        return parts_disagreement(spec, g)
     fact = FACTS.get(spec.name)
     if fact is None:
         return f"no fact entry for {spec.name}"

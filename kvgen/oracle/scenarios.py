@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvgen.oracle import reference
+from kvgen.oracle import planes, reference
 from kvgen.runtime import MemoryObj
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.ops import bits
@@ -148,6 +148,8 @@ def allocate(shape: Sequence[int], dtype: torch.dtype, device: str, strided: boo
 def _filled(paged: Spec, dtype: torch.dtype) -> Any:
     """The coded cache of a layout, computed once (the reference fills it element by
     element); make_cache copies it into freshly allocated leaves. Never written to."""
+    if not paged.is_simple:  # format 2: every byte carries a code of its part, leaf and place
+        return planes.make_parts_cache(paged, planes.parts_extents(paged, EXT), dtype, "cpu")
     shape = reference.leaf_shape(paged, EXT)
     cache = reference.nest(paged, EXT, lambda path: torch.zeros(shape, dtype=dtype))
     reference.fill_cache(paged, EXT, cache, dtype)
@@ -156,6 +158,9 @@ def _filled(paged: Spec, dtype: torch.dtype) -> Any:
 
 def make_cache(paged: Spec, dtype: torch.dtype, device: str, strided: bool = False,
                odd_offset: bool = False) -> Any:
+    if not paged.is_simple:
+        return planes.make_parts_cache(paged, planes.parts_extents(paged, EXT), dtype, device, strided, odd_offset,
+                                       template=_filled(paged, dtype))
     shape = reference.leaf_shape(paged, EXT)
     template = _filled(paged, dtype)
 
@@ -187,15 +192,26 @@ def make_objects(connector: Any, layerwise: bool, lengths: Sequence[int], dtype:
     chunk, or (layerwise) a list of per-layer tensors per chunk; with odd_offset each
     tensor starts one element into its storage."""
     out = []
+    packed = getattr(connector.memory, "pack", None) is not None
+    if packed:  # format-2 objects: their own dtype (bytes for regions), every byte coded
+        dtype = connector.get_dtype()
+
+    def fill(tensors: list[torch.Tensor], salt: int) -> None:
+        if not packed:
+            reference.fill_object(tensors, dtype, salt)
+            return
+        for j, t in enumerate(tensors):
+            planes.fill_bytes(t, f"object/{salt}/{j}")
+
     for i, n in enumerate(lengths):
         shape = connector.get_shape(n)
         if layerwise:
             layers = [allocate(shape, dtype, device, False, odd_offset) for _ in range(connector.geometry.L)]
-            reference.fill_object(layers, dtype, salt + 100000 * i)
+            fill(layers, salt + 100000 * i)
             out.append([MemoryObj(t, fmt) for t in layers])
         else:
             t = allocate(shape, dtype, device, False, odd_offset)
-            reference.fill_object([t], dtype, salt + 100000 * i)
+            fill([t], salt + 100000 * i)
             out.append(MemoryObj(t, fmt))
     return out
 
@@ -237,13 +253,21 @@ def connector_load(connector: Any, objs: list[Any], sc: Scenario, cache: Any, ma
 def reference_store(paged: Spec, obj: Spec, cache: Any, objs: list[Any], sc: Scenario,
                     mapping: Sequence[int]) -> None:
     for o, s, e in zip(objs, sc.starts, sc.ends, strict=False):
-        reference.store(paged, obj, EXT, cache, obj_tensors(o), mapping, s, e, sc.offset)
+        if paged.is_simple:
+            reference.store(paged, obj, EXT, cache, obj_tensors(o), mapping, s, e, sc.offset)
+        else:
+            planes.store(paged, obj, planes.parts_extents(paged, EXT), cache, obj_tensors(o), mapping, s, e,
+                         sc.offset)
 
 
 def reference_load(paged: Spec, obj: Spec, cache: Any, objs: list[Any], sc: Scenario,
                    mapping: Sequence[int], skip: int = 0) -> None:
     for o, s, e in zip(objs, sc.starts, sc.ends, strict=False):
-        reference.load(paged, obj, EXT, cache, obj_tensors(o), mapping, s, e, sc.offset, skip)
+        if paged.is_simple:
+            reference.load(paged, obj, EXT, cache, obj_tensors(o), mapping, s, e, sc.offset, skip)
+        else:
+            planes.load(paged, obj, planes.parts_extents(paged, EXT), cache, obj_tensors(o), mapping, s, e,
+                        sc.offset, skip)
 
 
 def check_pair(package: Any, paged: Spec, obj: Spec, device: str, scenario: Scenario,

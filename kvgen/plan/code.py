@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgen.plan.copy import CopyPlan, Loop, Mode
+from kvgen.plan.parts import PartsPlan, PlaneCopy
 
 INDENT = "    "
 #: Parameters of the generated copy methods, after `self`.
@@ -23,6 +24,7 @@ class Method:
     name: str
     params: tuple[str, ...]
     body: tuple[str, ...]
+    returns: str = "None"
 
 
 def _indent(lines: list[str], levels: int = 1) -> list[str]:
@@ -85,4 +87,49 @@ def copy_methods(plan: CopyPlan) -> tuple[Method, ...]:
 
 def shape_body(plan: CopyPlan) -> str:
     """The object shape as a tuple expression over `g` and `num_tokens`."""
+    return f"({', '.join(plan.shape)}{',' if len(plan.shape) == 1 else ''})"
+
+
+def _plane_copy(pc: PlaneCopy, store: bool, loops: tuple[Loop, ...]) -> list[str]:
+    """One plane of a format-2 pair: the format-1 copy over its byte views, or for a plane
+    without a slot axis one plain copy per leaf, made with every chunk that moves a token."""
+    plan = pc.copy
+    head = [f"# plane {pc.plane.name}"]
+    if not pc.slotless:
+        body = [f"o = {plan.object_view.expr}  # {_axes(plan.object_view.axes)}"]
+        if plan.block is not None:
+            body.append(f"ob = {plan.block.base}  # whole blocks: {_axes(plan.block.base_axes)}")
+        return head + body + _loops(loops, _copy(plan, store))
+    inner = [f"x = {plan.cache_view.expr}  # {_axes(plan.cache_view.axes)}"]
+    if plan.part_name != "o":
+        inner.append(f"y = {plan.object_part.expr}  # {_axes(plan.object_part.axes)}")
+    pair = (plan.token_object.expr, "x") if store else ("x", plan.token_object.expr)
+    inner.append(f"runtime.copy_into({pair[0]}, {pair[1]})")
+    return head + ["if ck.moved:  # no slot axis: it travels with every chunk that moves a token",
+                   f"    o = {plan.object_view.expr}  # {_axes(plan.object_view.axes)}",
+                   *_indent(_loops(loops, inner))]
+
+
+def parts_methods(plan: PartsPlan) -> tuple[Method, ...]:
+    """`_dtype` (regions objects are bytes), then `_store`/`_load` or their per-layer forms,
+    each running every plane in turn."""
+    layerwise = plan.mode is Mode.LAYERWISE
+    params = (("layer: int",) if layerwise else ()) + CHUNK_PARAMS
+    suffix = "_layer" if layerwise else ""
+    methods = []
+    if plan.dtype is not None:
+        methods.append(Method("_dtype", ("g: runtime.Geometry",), (f"return {plan.dtype}",), "torch.dtype"))
+    if plan.sizes:
+        body = ("return (", *(f"    {size}," for size in plan.sizes), ")")
+        methods.append(Method("_sizes", ("g: runtime.Geometry", "num_tokens: int"), body, "tuple[int, ...]"))
+    for direction in ("store", "load"):
+        body = list(plan.preamble)
+        for pc in plan.planes:
+            loops = pc.copy.loops[1:] if layerwise else pc.copy.loops
+            body += _plane_copy(pc, direction == "store", loops)
+        methods.append(Method(f"_{direction}{suffix}", params, tuple(body)))
+    return tuple(methods)
+
+
+def parts_shape_body(plan: PartsPlan) -> str:
     return f"({', '.join(plan.shape)}{',' if len(plan.shape) == 1 else ''})"

@@ -93,6 +93,11 @@ class Converter:
 def _plan(src: Spec, dst: Spec) -> Converter | None:
     if src is dst or _content(src) != _content(dst) or not {src.lists, dst.lists} <= {(), ("L",)}:
         return None
+    if src.pack != dst.pack:
+        return None  # format-2 objects convert only to their own kind of packing
+    if src.pack == "regions" and atoms(src)[1 if not src.lists else 0:] != atoms(dst)[1 if not dst.lists else 0:]:
+        # A regions object is [L, R] (or [R] per layer): layers split and stack, nothing else.
+        return None
     if not src.lists and not dst.lists:
         return None  # whole <-> whole of one content would be the same format
     src_dims = [d for d in src.dims if not d.is_singleton and d.axes != ("L",)]

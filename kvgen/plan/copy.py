@@ -140,6 +140,8 @@ def compatible(paged: Spec, obj: Spec) -> bool:
     that is either whole-chunk or per layer."""
     if not paged.is_paged or obj.is_paged:
         return False
+    if not (paged.is_simple and obj.is_simple):  # format-2 pairs: kvgen.plan.parts
+        return False
     if obj.lists not in ((), ("L",)):
         return False
     if set(paged.axes) - {"B", "N"} != set(obj.axes) - {"T"}:
@@ -216,7 +218,7 @@ def _split_t(axes: tuple[str, ...]) -> tuple[str, ...]:
     return (*axes[:t], "B", "N", *axes[t + 1:])
 
 
-def _block_path(cache: View, whole: View, fixed: dict[str, str]) -> BlockPath:
+def _block_path(cache: View, whole: View, fixed: dict[str, str], extent: dict[str, str] = EXTENT) -> BlockPath:
     # The chunk's whole blocks are split out of T once per chunk (`ob`); each loop step
     # selects its part and orders it like x.
     t = whole.axes.index("T")
@@ -227,12 +229,28 @@ def _block_path(cache: View, whole: View, fixed: dict[str, str]) -> BlockPath:
     inside = cache.axes[b + 1:]
     loop_axes = [a for a in inside if a not in part.axes[part.axes.index("N"):]]
     inner = {a: LOOP_VARS.get(a, f"i{a.lower()}") for a in loop_axes}
-    loops = tuple(Loop(inner[a], a, EXTENT[a]) for a in loop_axes)
+    loops = tuple(Loop(inner[a], a, extent[a]) for a in loop_axes)
     return BlockPath(loops, base, _split_t(whole.axes), blocks, index_suffix(cache.axes, inner), b)
 
 
-def make_plan(paged: Spec, obj: Spec) -> CopyPlan:
-    if not compatible(paged, obj):
+@dataclass(frozen=True)
+class Source:
+    """Where the copy of one plane reads and writes, for caches of several parts or fields
+    (kvgen.plan.parts): the cache leaf expression inside the loops, the expression of the
+    plane's whole object view, and the extents (C counted in bytes)."""
+
+    leaf: str
+    tensor: str
+    extent: dict[str, str]
+    #: How a cache leaf is viewed before its dims are split: bytes, so planes of any
+    #: dtype and fields at byte offsets move alike.
+    raw: str = "runtime.bytes_of({})"
+
+
+def make_plan(paged: Spec, obj: Spec, source: Source | None = None) -> CopyPlan:
+    """The copy plan of a compatible pair; with `source`, of one plane of a format-2 pair
+    (`paged` and `obj` are then the plane's one-tree views, already checked)."""
+    if source is None and not compatible(paged, obj):
         raise ValueError(f"{paged.name} and {obj.name} do not hold the same KV content")
     mode = mode_of(obj)
     if mode == WHOLE:
@@ -242,26 +260,33 @@ def make_plan(paged: Spec, obj: Spec) -> CopyPlan:
                  *(Loop(LOOP_VARS[a], a, EXTENT[a]) for a in paged.lists if a != "L"))
     fixed = {lp.axis: lp.var for lp in loops}
 
-    widen = ends_in_c(paged) and ends_in_c(obj)
-    extent = {**EXTENT, "C": "w.C"} if widen else EXTENT
-    raw = "{}.view(w.dtype)" if widen else "runtime.bits({})"
-    leaf = "kvcaches" + "".join(f"[{LOOP_VARS[a]}]" for a in paged.lists)
-    cache = select(canonical(raw.format(leaf), paged.dims, extent), fixed)
-    whole_obj = canonical(raw.format("tensor"), obj.dims, extent)
+    if source is None:
+        widen = ends_in_c(paged) and ends_in_c(obj)
+        extent = {**EXTENT, "C": "w.C"} if widen else EXTENT
+        raw = "{}.view(w.dtype)" if widen else "runtime.bits({})"
+        leaf = "kvcaches" + "".join(f"[{LOOP_VARS[a]}]" for a in paged.lists)
+        cache = select(canonical(raw.format(leaf), paged.dims, extent), fixed)
+        whole_obj = canonical(raw.format("tensor"), obj.dims, extent)
+    else:
+        widen, extent = False, source.extent
+        cache = select(canonical(source.raw.format(source.leaf), paged.dims, extent), fixed)
+        whole_obj = canonical(source.tensor, obj.dims, extent)
     part = select(View("o", whole_obj.axes), fixed)
 
     y = _part_name(part)
     slot_axes = (SLOT,) if SLOT in cache.axes else ("B", "N")
     index_names = {SLOT: "ck.slots", "B": "ck.blk", "N": "ck.off"}
-    token_index = index_suffix(cache.axes, {a: index_names[a] for a in slot_axes})
-    result = indexed_order(cache.axes, slot_axes)
+    token_index = index_suffix(cache.axes, {a: index_names[a] for a in slot_axes if a in cache.axes})
+    has_slots = any(a in cache.axes for a in slot_axes)
+    result = indexed_order(cache.axes, slot_axes) if has_slots else cache.axes
     token_object = View(y + permute_suffix(part.axes, result), result)
     token_rows = slot_axes == (SLOT,) and cache.axes[0] == SLOT and result[0] == "T"
+    block = _block_path(cache, whole_obj, fixed, extent) if slot_axes == ("B", "N") and has_slots else None
 
     return CopyPlan(
         paged=paged, obj=obj, mode=mode, loops=loops, widen=widen, object_view=whole_obj, cache_view=cache,
         object_part=part, token_index=token_index, token_object=token_object, token_rows=token_rows,
-        block=_block_path(cache, whole_obj, fixed) if slot_axes == ("B", "N") else None, shape=shape_exprs(obj),
+        block=block, shape=shape_exprs(obj),
     )
 
 

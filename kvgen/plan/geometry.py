@@ -9,7 +9,7 @@ nothing: it only runs the checks (`kvgen.runtime.CacheReader`) the body calls.
 from __future__ import annotations
 
 from kvgen.notation import format_dim
-from kvgen.spec.model import Spec
+from kvgen.spec.model import ITEMSIZE, Dim, Spec
 
 
 def _name(axes: tuple[str, ...], index: int) -> str:
@@ -63,3 +63,96 @@ def geometry_body(spec: Spec) -> tuple[str, ...]:
     lines.append(f"return runtime.Geometry(L=L, KV={kv}, H={heads}, C=C, N={block}, S={slots}, "
                  "dtype=leaf.dtype, device=leaf.device)")
     return tuple(lines)
+
+
+def parts_geometry_body(spec: Spec) -> tuple[str, ...]:
+    """Lines of `read_geometry(kvcaches)` for a format-2 cache: every part's tensors read
+    and checked, shared extents (L, KV, B, N, H) equal across parts, each part's C, and
+    each plane's bytes per value row."""
+    levels = [a for a in spec.lists if a != "P"]
+    head = ", ".join(levels) + ("," if len(levels) == 1 else "")
+    lines = ["reader = runtime.CacheReader(PAGED, kvcaches)",
+             f"({head}), leaves = reader.parts()" if levels else "_, leaves = reader.parts()"]
+    known: dict[str, str] = {a: a for a in levels}  # an extent -> the variable holding it
+    fused: list[tuple[int, Dim, str]] = []
+    plain: list[str] = list(levels)
+    for p, part in enumerate(spec.parts):
+        names = [_part_dim_name(d, j, p, known) for j, d in enumerate(part.dims)]
+        if names:
+            lines.append(f"{', '.join(names)}{',' if len(names) == 1 else ''} = leaves[{p}].shape")
+        for j, (dim, name) in enumerate(zip(part.dims, names, strict=True)):
+            axis = "S" if dim.is_slot else (_own(dim.axes[0], p) if len(dim.axes) == 1 else None)
+            if dim.is_singleton:
+                lines.append(f"reader.singleton({j}, {name})")
+            elif axis is None:
+                fused.append((p, dim, name))
+            elif axis in known and known[axis] != name:
+                lines.append(f"reader.same({axis.split('_')[0]!r}, {known[axis]}, {name})")
+            else:
+                known[axis] = name
+                plain.append(name)
+        if part.has("C"):
+            lines.append(f"reader.byte_rows({p}{', block=True' if part.fields_in == 'block' else ''})")
+    for axis, value in spec.sizes:
+        lines.append(f"reader.fixed({axis!r}, {known[axis]}, {value})" if axis in known else f"{axis} = {value}")
+        known.setdefault(axis, axis)
+    for p, part in enumerate(spec.parts):
+        width = part.size("C")
+        if part.fields and part.dtypes:
+            width = (part.row_bytes or 0) // ITEMSIZE[part.dtypes[0]]
+        c = _own("C", p)
+        if width is not None:
+            lines.append(f"reader.fixed('C', {known[c]}, {width})" if c in known else f"{c} = {width}")
+            known.setdefault(c, c)
+    solved = []
+    for p, dim, name in fused:
+        axes = [_own(a, p) for a in dim.axes]
+        unknown = [a for a in axes if a not in known]
+        product = " * ".join(known[a] for a in axes if a in known)
+        label = format_dim(dim.axes)
+        if unknown:
+            lines.append(f"{unknown[0]} = reader.split({label!r}, {name}, {product})")
+            known[unknown[0]] = unknown[0]
+            solved.append(unknown[0])
+        else:
+            lines.append(f"reader.fused({label!r}, {name}, {product})")
+    lines.append(f"reader.positive({', '.join(f'{n}={n}' for n in dict.fromkeys([*plain, *solved]))})")
+    planes = []
+    for i, plane in enumerate(spec.moved_planes()):
+        p = plane.index
+        if plane.field is not None:
+            size, word = str(plane.field.nbytes), f"reader.word({p}, {plane.field.offset}, {plane.field.nbytes})"
+        else:
+            c = _own("C", p)
+            lines.append(f"row{i} = {known[c]} * leaves[{p}].element_size()" if c in known
+                         else f"row{i} = leaves[{p}].element_size()")
+            size, word = f"row{i}", f"reader.word({p}, 0, row{i}{'' if c in known else ', keep_last=True'})"
+        planes.append(f"runtime.PlaneGeometry({plane.name!r}, {size}, {word})")
+    first_c = _own("C", 0)
+    slots = known.get("S", f"{known.get('B', 'B')} * {known.get('N', 'N')}")
+    block = "None" if "S" in known else known.get("N", "N")
+    lines += ["return runtime.Geometry(",
+              f"    L={known.get('L', '1')}, KV={known.get('KV', '1')}, H={known.get('H', '1')}, "
+              f"C={known.get(first_c, '1')}, N={block}, S={slots},",
+              "    dtype=leaves[0].dtype, device=leaves[0].device,",
+              "    planes=(",
+              *(f"        {text}," for text in planes),
+              "    ),",
+              ")"]
+    return tuple(lines)
+
+
+def _own(axis: str, part: int) -> str:
+    """C belongs to each part; every other axis is shared by all parts."""
+    return f"C_{part}" if axis == "C" else axis
+
+
+def _part_dim_name(dim: Dim, index: int, part: int, known: dict[str, str]) -> str:
+    if dim.is_singleton:
+        return f"unit{index}_{part}"
+    if dim.is_slot:
+        return "S" if "S" not in known else f"S_{part}"
+    if dim.is_fused:
+        return "_".join(dim.axes) + f"_{part}"
+    axis = _own(dim.axes[0], part)
+    return axis if axis not in known else f"{axis}_{part}"

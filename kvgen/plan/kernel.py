@@ -171,3 +171,9 @@ def make_kernel_plan(plan: CopyPlan) -> KernelPlan:
              f"o = {obj.expr}  # the object: [{' '.join(obj.axes)}]",
              "return x, o")
     return KernelPlan(plan, leaf, obj, paged.lists, slot, row, outer, extents, params, body, views)
+
+
+def kernel_grid(plan: object) -> str | None:
+    """The launch grid of a connector's kernel, for people; None where a connector has no
+    kernel (caches of several parts or fields move by torch ops)."""
+    return make_kernel_plan(plan).grid if isinstance(plan, CopyPlan) else None

@@ -7,15 +7,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
 from typing import Any
 
-from kvgen.plan.code import Method, copy_methods, shape_body
+from kvgen.plan.code import Method, copy_methods, parts_methods, parts_shape_body, shape_body
 from kvgen.plan.convert import Converter, plan_converters
 from kvgen.plan.copy import CopyPlan, Mode, plan_library
-from kvgen.plan.geometry import geometry_body
+from kvgen.plan.geometry import geometry_body, parts_geometry_body
 from kvgen.plan.kernel import KernelPlan, make_kernel_plan
+from kvgen.plan.parts import PartsPlan, compatible_parts, plan_parts
 from kvgen.spec.library import UNDEFINED, Library
-from kvgen.spec.model import Spec
+from kvgen.spec.model import DTYPES, Spec
 
 #: A layout constant's fields in the order the runtime's dataclass declares them.
 Fields = tuple[tuple[str, Any], ...]
@@ -24,10 +26,17 @@ Fields = tuple[tuple[str, Any], ...]
 def layout_fields(spec: Spec) -> Fields:
     dims = tuple(d.axes for d in spec.dims)
     if spec.is_paged:
-        return (("name", spec.name), ("lists", spec.lists), ("dims", dims), ("sizes", spec.sizes),
-                ("dtypes", spec.dtypes))
-    return (("name", spec.name), ("format", spec.format), ("code", spec.code), ("accepts", spec.accepts),
-            ("lists", spec.lists), ("dims", dims))
+        fields: Fields = (("name", spec.name), ("lists", spec.lists), ("dims", dims), ("sizes", spec.sizes),
+                          ("dtypes", spec.dtypes))
+        if not spec.is_simple:
+            # () for a part of any dtype keeps each part's entry on one line
+            parts = tuple((p.name, tuple(d.axes for d in p.dims), () if set(p.dtypes) == set(DTYPES) else p.dtypes)
+                          for p in spec.parts)
+            fields += (("parts", parts),)
+        return fields
+    fields = (("name", spec.name), ("format", spec.format), ("code", spec.code), ("accepts", spec.accepts),
+              ("lists", spec.lists), ("dims", dims))
+    return fields + ((("pack", str(spec.pack)),) if spec.pack is not None else ())
 
 
 def layout_facts(spec: Spec) -> Fields:
@@ -39,14 +48,22 @@ def layout_facts(spec: Spec) -> Fields:
         facts += [("lmcache", spec.lmcache_format), ("engines", spec.engines)]
     else:
         facts += [("format", spec.format)]
-    return (*facts, ("planes", spec.planes))
+    facts.append(("planes", spec.planes))
+    if spec.is_paged and not spec.is_simple:
+        # Format 2: what each moved plane is (its part, field, value dtype and count).
+        facts.append(("parts", tuple(p.name for p in spec.parts)))
+        facts.append(("moved", tuple((pl.name, pl.dtype, pl.field.count if pl.field else None)
+                                     for pl in spec.moved_planes())))
+    if spec.pack is not None:
+        facts.append(("pack", str(spec.pack)))
+    return tuple(facts)
 
 
 @dataclass(frozen=True)
 class ConnectorPlan:
     """One generated connector module."""
 
-    copy: CopyPlan
+    copy: CopyPlan | PartsPlan
     base_class: str
     paged_fields: Fields
     object_fields: Fields
@@ -54,6 +71,8 @@ class ConnectorPlan:
     geometry: tuple[str, ...]
     shape: str
     methods: tuple[Method, ...]
+    #: Fields of the PAGED constant written one item per line (a format-2 cache's parts).
+    wide_fields: tuple[str, ...] = ()
 
     @property
     def module(self) -> str:
@@ -83,10 +102,21 @@ class PackagePlan:
         return tuple((alias, spec.name) for spec in self.library.specs for alias in spec.aliases)
 
 
-def connector_plan(plan: CopyPlan) -> ConnectorPlan:
+def connector_plan(plan: CopyPlan | PartsPlan) -> ConnectorPlan:
     base = "LayerwiseConnector" if plan.mode is Mode.LAYERWISE else "ChunkConnector"
+    if isinstance(plan, PartsPlan):
+        return ConnectorPlan(plan, base, layout_fields(plan.paged), layout_fields(plan.obj),
+                             parts_geometry_body(plan.paged), parts_shape_body(plan), parts_methods(plan),
+                             ("parts",))
     return ConnectorPlan(plan, base, layout_fields(plan.paged), layout_fields(plan.obj),
                          geometry_body(plan.paged), shape_body(plan), copy_methods(plan))
+
+
+def plan_connectors(library: Library) -> list[CopyPlan | PartsPlan]:
+    """Every connector of a build: format-1 pairs (kvgen.plan.copy.plan_library), then the
+    format-2 pairs of caches of several parts or fields with packed objects."""
+    parts = [plan_parts(p, o) for p, o in product(library.paged, library.objects) if compatible_parts(p, o)]
+    return [*plan_library(library), *parts]
 
 
 def format_transitions(library: Library) -> tuple[tuple[str, str], ...]:
@@ -100,7 +130,7 @@ def plan_package(library: Library) -> PackagePlan:
     plans = plan_library(library)
     return PackagePlan(
         library=library,
-        connectors=tuple(connector_plan(p) for p in plans),
+        connectors=tuple(connector_plan(p) for p in plan_connectors(library)),
         formats=tuple(library.formats()),
         transitions=format_transitions(library),
         converters=tuple(plan_converters(library)),
@@ -109,4 +139,4 @@ def plan_package(library: Library) -> PackagePlan:
     )
 
 
-__all__ = ["UNDEFINED", "ConnectorPlan", "PackagePlan", "plan_package"]
+__all__ = ["UNDEFINED", "ConnectorPlan", "PackagePlan", "plan_connectors", "plan_package"]

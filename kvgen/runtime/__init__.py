@@ -8,7 +8,7 @@ from kvgen.interface import ABI
 from kvgen.runtime.devices import Backend, available_devices, backend_for, register_backend
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layerwise import LayerwiseConnector
-from kvgen.runtime.layout import CacheReader, Geometry, ObjectLayout, PagedLayout
+from kvgen.runtime.layout import CacheReader, Geometry, ObjectLayout, PagedLayout, PlaneGeometry
 from kvgen.runtime.memory import UNDEFINED, Format, MemoryObj, Metadata, format_name
 from kvgen.runtime.ops import (
     bits,
@@ -20,6 +20,18 @@ from kvgen.runtime.ops import (
     take_index,
     take_rows,
     take_tokens,
+)
+from kvgen.runtime.planes import (
+    as_words,
+    block_field,
+    bytes_of,
+    copy_into,
+    plane_words,
+    region,
+    region_bytes,
+    region_starts,
+    row_field,
+    units,
 )
 from kvgen.runtime.registry import DEVICES, Registry, check_transition, convert
 from kvgen.runtime.slots import Chunk, plan_chunk
@@ -41,4 +53,6 @@ __all__ = [
     "DEVICES", "Registry", "check_transition", "convert",
     "require_abi", "take_tokens", "Words", "gather_slots", "scatter_slots", "take_rows", "put_rows",
     "take_index", "put_index",
+    "PlaneGeometry", "block_field", "bytes_of", "copy_into", "region", "region_bytes", "region_starts", "row_field",
+    "units", "as_words", "plane_words",
 ]

@@ -150,6 +150,15 @@ class ConnectorBase(KernelCopies):
         g = self.geometry if kvcaches is None else self.bind(kvcaches)
         return torch.Size(self._shape(g, num_tokens))
 
+    def get_dtype(self, kvcaches: Any = None) -> torch.dtype:
+        """Element type of the memory object for `kvcaches` (default: the cache bound last):
+        the cache's, or for a format-2 object of regions, bytes."""
+        g = self.geometry if kvcaches is None else self.bind(kvcaches)
+        return self._dtype(g)
+
+    def _dtype(self, g: Geometry) -> torch.dtype:
+        return g.dtype
+
     @property
     def backend(self) -> Backend:
         """The backend of the cache bound last."""
@@ -185,7 +194,7 @@ class ConnectorBase(KernelCopies):
     def _expected(self, g: Geometry, num_tokens: int | None) -> str:
         """`kv_2ltd [KV=2 L=32 T=256 (H=8 C=128)] bfloat16`; T left open when None."""
         ext = g.extents() if num_tokens is None else {**g.extents(), "T": num_tokens}
-        return f"{self.memory.name} {self.memory.arrow(ext)} {str(g.dtype).removeprefix('torch.')}"
+        return f"{self.memory.name} {self.memory.arrow(ext)} {str(self._dtype(g)).removeprefix('torch.')}"
 
     def _check_object(self, obj: Any, g: Geometry, num_tokens: int, *, storing: bool) -> torch.Tensor:
         expected = self._expected(g, num_tokens)
@@ -196,7 +205,7 @@ class ConnectorBase(KernelCopies):
                                 f"got {describe(obj)}"
                                 + (f" with .tensor {describe(tensor)}" if hasattr(obj, "tensor") else ""))
         shape = self._shape(g, num_tokens)
-        if tuple(tensor.shape) != shape or tensor.dtype != g.dtype:
+        if tuple(tensor.shape) != shape or tensor.dtype != self._dtype(g):
             raise KVLayoutError(f"memory object must be {expected} "
                                 f"(shape {list(shape)}), got {describe(tensor)}")
         if tensor.device.type == "meta":

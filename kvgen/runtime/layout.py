@@ -17,9 +17,21 @@ Dims = tuple[tuple[str, ...], ...]  # per tensor dim: () singleton, (a,) one axi
 
 
 @dataclass(frozen=True)
+class PlaneGeometry:
+    """One plane of a format-2 cache (a part, or a field of a part): its name and C, the
+    bytes of one value row (one token, K or V, head)."""
+
+    name: str
+    C: int
+    #: The widest word (bytes) every tensor of the cache allows for this plane's rows.
+    word: int = 1
+
+
+@dataclass(frozen=True)
 class Geometry:
     """Extents of a registered cache. KV and H are 1 where the layout has none (MLA);
-    N is None for a folded slot axis; S is the number of addressable slots."""
+    N is None for a folded slot axis; S is the number of addressable slots. A format-2
+    cache adds its planes (C is then the first part's C, dtype the first part's)."""
 
     L: int
     KV: int
@@ -29,12 +41,26 @@ class Geometry:
     S: int
     dtype: torch.dtype
     device: torch.device
+    planes: tuple[PlaneGeometry, ...] = ()
 
     def extents(self) -> dict[str, int]:
         ext = {"L": self.L, "KV": self.KV, "H": self.H, "C": self.C, "S": self.S}
         if self.N is not None:
             ext.update(N=self.N, B=self.S // self.N)
         return ext
+
+    def plane_start(self, index: int) -> int:
+        """Where plane `index` starts in a row of every plane (the bytes of the planes before it)."""
+        return sum(p.C for p in self.planes[:index])
+
+    @property
+    def row_bytes(self) -> int:
+        """The bytes of one row holding every plane."""
+        return sum(p.C for p in self.planes)
+
+
+#: A part of a format-2 cache: (name, dims, dtypes).
+PartLayout = tuple[str, Dims, tuple[str, ...]]
 
 
 @dataclass(frozen=True)
@@ -44,9 +70,15 @@ class PagedLayout:
     dims: Dims
     sizes: tuple[tuple[str, int], ...]
     dtypes: tuple[str, ...]
+    #: Format 2: the parts under the list level P, in order.
+    parts: tuple[PartLayout, ...] = ()
 
     def arrow(self, ext: dict[str, int] | None = None) -> str:
-        return format_layout(self.lists, self.dims, ext)
+        if not self.parts:
+            return format_layout(self.lists, self.dims, ext)
+        levels = [f"{a}={ext[a]}" if ext and a in ext else a for a in self.lists]
+        inner = ", ".join(f"{name} {format_layout((), dims, ext)}" for name, dims, _ in self.parts)
+        return " -> ".join([*levels, "{" + inner + "}"])
 
     def has(self, axis: str) -> bool:
         return axis in self.lists or any(axis in d for d in self.dims)
@@ -60,9 +92,16 @@ class ObjectLayout:
     accepts: tuple[str, ...]
     lists: tuple[str, ...]
     dims: Dims
+    #: Format 2: "rows" or "regions" (how the planes of a cache are laid out), else None.
+    pack: str | None = None
 
     def arrow(self, ext: dict[str, int] | None = None) -> str:
-        return format_layout(self.lists, self.dims, ext)
+        if self.pack == "regions":
+            region = format_layout((), tuple(d for d in self.dims if d != ("L",)))
+            outer = format_layout(self.lists, (("L",), ("R",)) if not self.lists else (("R",),), ext)
+            return f"{outer} bytes, per layer each plane as a region {region}"
+        text = format_layout(self.lists, self.dims, ext)
+        return f"{text} (C: each token's planes, one after another)" if self.pack == "rows" else text
 
 
 def describe(value: Any, depth: int = 0) -> str:
@@ -143,6 +182,99 @@ class CacheReader:
                 self.fail(f"dims {shared} of a cache tensor have stride 0 (an expanded view), so distinct "
                           "slots would share memory; pass a tensor with its own storage")
         return tuple(lengths), first
+
+    def parts(self) -> tuple[tuple[int, ...], tuple[torch.Tensor, ...]]:
+        """Format 2: the lengths of the list levels other than P, and the first tensor of
+        each part, after checking that the level P holds one entry per part everywhere,
+        that every tensor of a part has one shape, dtype and device, the part's rank and
+        dtypes, and that all parts share one device."""
+        names = [name for name, _, _ in self.layout.parts]
+        lengths: list[int] = []
+        # Without a level P (one part with fields) every tensor belongs to part 0.
+        level: list[tuple[Any, int | None]] = [(self.kvcaches, None if "P" in self.layout.lists else 0)]
+        for axis in self.layout.lists:
+            found, nxt = set(), []
+            for node, part in level:
+                if not isinstance(node, (list, tuple)):
+                    self.fail(f"level {axis} must be a list or tuple, got {type(node).__name__}")
+                found.add(len(node))
+                nxt.extend((child, i if axis == "P" else part) for i, child in enumerate(node))
+            if axis == "P":
+                if found != {len(names)}:
+                    self.fail(f"level P must hold the {len(names)} parts ({', '.join(names)}) everywhere, "
+                              f"got lengths {sorted(found)}")
+            else:
+                if len(found) != 1 or 0 in found:
+                    self.fail(f"level {axis} must be non-empty and the same length everywhere, got lengths "
+                              f"{sorted(found)}")
+                lengths.append(found.pop())
+            level = nxt
+        firsts: list[torch.Tensor] = []
+        for index, (name, dims, dtypes) in enumerate(self.layout.parts):
+            mine = [node for node, part in level if part == index]
+            for node in mine:
+                if not isinstance(node, torch.Tensor):
+                    self.fail(f"part {name}: expected tensors under the list levels, got {type(node).__name__}")
+            first = mine[0]
+            for leaf in mine[1:]:
+                if leaf.shape != first.shape or leaf.dtype != first.dtype or leaf.device != first.device:
+                    self.fail(f"part {name}: every tensor must have one shape, dtype and device; found "
+                              f"{_placed(first)} and {_placed(leaf)}")
+            if first.dim() != len(dims):
+                self.fail(f"part {name}: tensors must have {len(dims)} dims, got {first.dim()} "
+                          f"(tensor[{', '.join(map(str, first.shape))}])")
+            dtype_name = str(first.dtype).removeprefix("torch.")
+            if dtypes and dtype_name not in dtypes:  # () allows every dtype
+                self.fail(f"part {name}: dtype {dtype_name} is not one of {', '.join(dtypes)}")
+            if first.device.type == "meta":
+                self.fail(f"part {name}: cache tensors must have storage, got tensors on the meta device")
+            if firsts and first.device != firsts[0].device:
+                self.fail(f"every part must be on one device; found {_placed(firsts[0])} and {_placed(first)}")
+            for leaf in mine:
+                shared = broadcast_dims(leaf)
+                if shared:
+                    self.fail(f"part {name}: dims {shared} of a cache tensor have stride 0 (an expanded view), so "
+                              "distinct slots would share memory; pass a tensor with its own storage")
+            firsts.append(first)
+        return tuple(lengths), tuple(firsts)
+
+    def same(self, axis: str, first: int, other: int) -> None:
+        """An extent every part shares (L, KV, B, N, H) has one value."""
+        if first != other:
+            self.fail(f"parts disagree on {axis}: {first} and {other}")
+
+    def byte_rows(self, part: int, block: bool = False) -> None:
+        """Every tensor of a part can be read as bytes: its last dim is contiguous (and, for
+        fields inside a block, the block's N x C elements are one run)."""
+        name = self.layout.parts[part][0] if self.layout.parts else self.layout.name
+        for leaf in self._part_leaves(part):
+            if leaf.dim() and leaf.shape[-1] > 1 and leaf.stride(-1) != 1:
+                self.fail(f"part {name}: the last dim of every tensor must be contiguous (stride 1) so its rows "
+                          f"move as bytes; got strides {list(leaf.stride())}")
+            if block and leaf.shape[-2] > 1 and leaf.stride(-2) != leaf.shape[-1] * leaf.stride(-1):
+                self.fail(f"part {name}: each block's N x C elements must be one contiguous run (fields fill "
+                          f"the block's bytes); got strides {list(leaf.stride())}")
+
+    def word(self, part: int, offset: int, nbytes: int, keep_last: bool = False) -> int:
+        """The widest word every tensor of a part allows for a plane of `nbytes` per row at
+        byte `offset` (kvgen.runtime.planes.leaf_word)."""
+        from kvgen.runtime.planes import leaf_word
+
+        return min(leaf_word(t, offset, nbytes, keep_last) for t in self._part_leaves(part))
+
+    def _part_leaves(self, part: int) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+
+        def walk(node: Any, depth: int, mine: bool) -> None:
+            if depth == len(self.layout.lists):
+                if mine:
+                    out.append(node)
+                return
+            for i, child in enumerate(node):
+                walk(child, depth + 1, mine and (self.layout.lists[depth] != "P" or i == part))
+
+        walk(self.kvcaches, 0, True)
+        return out
 
     def singleton(self, index: int, extent: int) -> None:
         if extent != 1:

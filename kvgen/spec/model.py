@@ -1,4 +1,11 @@
-"""The typed spec model: frozen dataclasses built from a schema-checked document."""
+"""The typed spec model: frozen dataclasses built from a schema-checked document.
+
+Format 1 describes one tree of uniform tensors. Format 2 adds *parts* (several named tensor
+trees in one cache: K and V of different widths, values and their scales), *fields* (typed
+values at byte offsets inside a row or a block) and, for memory objects, a *pack* (how the
+planes of such a cache are laid out in one object). A plane is the unit a connector moves:
+one part, or one field of a part. docs/spec-language.md has the grammar.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +22,10 @@ AXES = ("L", "KV", "B", "N", "H", "C", "T")
 #: Axes whose extent is 1 when a layout leaves them out (MLA has one plane and no heads).
 OPTIONAL_AXES = ("KV", "H")
 DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
+#: Bytes per element of each dtype.
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
+#: The list level whose entries are the parts of a format-2 cache (`lists: [L, P]`).
+PART_LEVEL = "P"
 
 
 class Vocabulary(str, enum.Enum):
@@ -54,6 +65,113 @@ class Dim:
         return format_dim(self.axes, extents)
 
 
+class FieldsIn(Vocabulary):
+    """Where typed fields live: inside each row (the C axis of one token and head), or
+    inside each block (one region per field, every token of the block in order)."""
+
+    ROW = "row"
+    BLOCK = "block"
+
+
+class Pack(Vocabulary):
+    """How a format-2 object holds the planes of a cache: each token's planes one after
+    another in one row (LMCache's flat MLA plane), or each plane as its own dense region."""
+
+    ROWS = "rows"
+    REGIONS = "regions"
+
+
+@dataclass(frozen=True)
+class Field:
+    """One typed field: `count` values of `dtype` per token (and head) at a byte offset.
+
+    Row fields: `offset` is the byte offset inside the row. Block fields: the field's region
+    starts at byte `offset * N` of the block (the regions before it hold `offset` bytes per
+    token) and token n's values start `n * nbytes` bytes into the region."""
+
+    name: str
+    dtype: str
+    count: int
+    offset: int
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per token (and head)."""
+        return self.count * self.itemsize
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True)
+class Part:
+    """One named tensor tree of a cache: its dims, sizes of its own axes, dtypes, fields."""
+
+    name: str
+    dims: tuple[Dim, ...]
+    #: Extents fixed for this part only (its C).
+    sizes: tuple[tuple[str, int], ...]
+    dtypes: tuple[str, ...]
+    fields: tuple[Field, ...] = ()
+    fields_in: FieldsIn | None = None
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return tuple(a for d in self.dims for a in d.axes)
+
+    def has(self, axis: str) -> bool:
+        return axis in self.axes
+
+    def size(self, axis: str) -> int | None:
+        return dict(self.sizes).get(axis)
+
+    @property
+    def has_slots(self) -> bool:
+        return self.has("B")
+
+    @property
+    def row_bytes(self) -> int | None:
+        """Bytes of one row (or, for block fields, per token) that the fields fill."""
+        return max((f.end for f in self.fields), default=0) or None
+
+    def render(self) -> str:
+        return "[" + " ".join(d.render() for d in self.dims) + "]"
+
+
+@dataclass(frozen=True)
+class Plane:
+    """What a connector moves as one unit: a part, or one field of a part."""
+
+    part: Part
+    #: Position of the part among the spec's parts (its index in the P list level).
+    index: int
+    field: Field | None
+    #: The logical axes of one value besides the slot (or token): L, KV, H, C as present.
+    axes: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        if self.field is None:
+            return self.part.name
+        return self.field.name if not self.part.name else f"{self.part.name}.{self.field.name}"
+
+    @property
+    def dtype(self) -> str | None:
+        """The element type of the plane's values (None when the part's dtype is free)."""
+        if self.field is not None:
+            return self.field.dtype
+        return self.part.dtypes[0] if len(self.part.dtypes) == 1 else None
+
+    @property
+    def has_slots(self) -> bool:
+        return self.part.has_slots
+
+
 @dataclass(frozen=True)
 class Spec:
     """One layout or memory-object spec, as declared in its YAML file."""
@@ -76,6 +194,11 @@ class Spec:
     #: Where the spec came from, stable across machines (`specs/vllm/mla.yaml`).
     origin: str
     digest: str
+    #: Format 2: the parts of the cache. A format-1 spec (or one without `parts`) has one
+    #: part, named "", holding `dims`, its sizes, dtypes and fields.
+    parts: tuple[Part, ...] = ()
+    #: Format 2 objects: how the planes of a cache are laid out.
+    pack: Pack | None = None
 
     @property
     def is_paged(self) -> bool:
@@ -101,9 +224,53 @@ class Spec:
         """How many K/V planes the layout holds: 2, or 1 for MLA."""
         return 2 if self.has("KV") else 1
 
+    @property
+    def is_multipart(self) -> bool:
+        return len(self.parts) > 1
+
+    @property
+    def is_simple(self) -> bool:
+        """One tensor tree of one content, no fields, no pack: what format 1 says. Everything
+        else is planned plane by plane (kvgen.plan.parts)."""
+        return len(self.parts) <= 1 and not any(p.fields for p in self.parts) and self.pack is None
+
+    @property
+    def part_lists(self) -> tuple[str, ...]:
+        """The list levels without the part level P."""
+        return tuple(a for a in self.lists if a != PART_LEVEL)
+
+    def moved_planes(self) -> tuple[Plane, ...]:
+        """The planes a connector moves, in order: parts in declaration order, each part's
+        fields in declaration order (a part without fields is one plane)."""
+        out = []
+        for i, part in enumerate(self.parts):
+            axes = tuple(a for a in ("L", "KV", "H", "C") if a in self.part_lists or part.has(a))
+            for f in part.fields or (None,):
+                out.append(Plane(part, i, f, axes))
+        return tuple(out)
+
     def arrow(self, extents: Mapping[str, int] | None = None) -> str:
-        """`KV -> L -> [(B N) H C]`; with extents, `L=32 -> [KV=2 B=10 N=16 H=8 C=128]`."""
-        return format_layout(self.lists, [d.axes for d in self.dims], extents)
+        """`KV -> L -> [(B N) H C]`; with extents, `L=32 -> [KV=2 B=10 N=16 H=8 C=128]`.
+
+        Format 2 adds the parts at their list level, `L -> P{k [B N H C], v [B N H C]}`, a
+        field list after the dims, `[B N C]{nope float8_e4m3fn x512, ...}`, and an object's
+        pack, `[1 L T C] rows`."""
+        if self.is_simple:
+            return format_layout(self.lists, [d.axes for d in self.dims], extents)
+        if not self.is_multipart:
+            text = format_layout(self.lists, [d.axes for d in self.dims], extents) + _fields_text(self.parts[0])
+            return text if self.pack is None else f"{text} {self.pack}"
+        levels = [f"{a}={extents[a]}" if extents and a in extents else a for a in self.lists]
+        inner = ", ".join(f"{p.name} {format_layout((), [d.axes for d in p.dims], extents)}{_fields_text(p)}"
+                          for p in self.parts)
+        return " -> ".join([*levels, "{" + inner + "}"])
+
+
+def _fields_text(part: Part) -> str:
+    if not part.fields:
+        return ""
+    body = ", ".join(f"{f.name} {f.dtype} x{f.count}" for f in part.fields)
+    return f"{{{part.fields_in}: {body}}}"
 
 
 def _dim(value: object) -> Dim:
@@ -114,25 +281,82 @@ def _dim(value: object) -> Dim:
     return Dim((str(value),))
 
 
+def _sizes(data: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(data.items(), key=lambda kv: AXES.index(kv[0]) if kv[0] in AXES else len(AXES)))
+
+
+def _fields(data: Mapping[str, object] | None) -> tuple[tuple[Field, ...], FieldsIn | None]:
+    """Fields of a row or block, with their byte offsets (explicit `at`, else packed)."""
+    if not data:
+        return (), None
+    where, items = next(iter(data.items()))
+    out, at = [], 0
+    for item in items:  # type: ignore[attr-defined]
+        dtype, count = item["dtype"], item["count"]
+        at = item.get("at", at)
+        out.append(Field(item["name"], dtype, count, at))
+        at += count * ITEMSIZE[dtype]
+    return tuple(out), FieldsIn(where)
+
+
+def _part(name: str, d: Mapping[str, object]) -> Part:
+    fields, where = _fields(d.get("fields"))  # type: ignore[arg-type]
+    return Part(name=name, dims=tuple(_dim(v) for v in d.get("dims", ())),  # type: ignore[attr-defined]
+                sizes=_sizes(d.get("sizes", {})), dtypes=tuple(d.get("dtypes", DTYPES)),  # type: ignore[arg-type]
+                fields=fields, fields_in=where)
+
+
 def build_spec(doc: Document, origin: str | None = None) -> Spec:
     """Typed view of a document that passed the schema."""
     d = doc.data
+    if "parts" in d:
+        parts = tuple(_part(name, body) for name, body in d["parts"].items())
+        dims: tuple[Dim, ...] = ()
+        # Every element type some part may hold, in the canonical order.
+        dtypes = tuple(t for t in DTYPES if any(t in p.dtypes for p in parts))
+    else:
+        dims = tuple(_dim(v) for v in d["dims"])
+        dtypes = tuple(d.get("dtypes", DTYPES))
+        fields, where = _fields(d.get("fields"))
+        own = tuple((k, v) for k, v in _sizes(d.get("sizes", {})) if k == "C")
+        parts = (Part("", dims, own, dtypes, fields, where),)
     return Spec(
         version=d["kvgen"],
         name=d["name"],
         kind=Kind(d["kind"]),
         summary=d["summary"],
         lists=tuple(d.get("lists", ())),
-        dims=tuple(_dim(v) for v in d["dims"]),
-        sizes=tuple(sorted(d.get("sizes", {}).items(), key=lambda kv: AXES.index(kv[0]))),
+        dims=dims,
+        sizes=_sizes(d.get("sizes", {})),
         aliases=tuple(d.get("aliases", ())),
         lmcache_format=d.get("lmcache", {}).get("format"),
         engines=tuple(d.get("engines", ())),
-        dtypes=tuple(d.get("dtypes", DTYPES)),
+        dtypes=dtypes,
         format=d.get("format"),
         code=d.get("code"),
         accepts=tuple(d.get("accepts", ())),
         source=doc.file,
         origin=origin or doc.file,
         digest=hashlib.sha256(doc.text).hexdigest(),
+        parts=parts,
+        pack=Pack(d["pack"]) if "pack" in d else None,
     )
+
+
+def format2_facts(spec: Spec) -> dict[str, object]:
+    """Parts, fields, planes and pack of a format-2 spec as plain data (`kvgen list --json`)."""
+    def dims(part: Part) -> list[object]:
+        return [list(d.axes) if d.is_fused else (d.axes[0] if d.axes else 1) for d in part.dims]
+
+    out: dict[str, object] = {"version": spec.version}
+    if spec.is_paged:
+        out["parts"] = [{"name": p.name, "dims": dims(p), "sizes": dict(p.sizes), "dtypes": list(p.dtypes),
+                         "fields_in": str(p.fields_in) if p.fields_in else None,
+                         "fields": [{"name": f.name, "dtype": f.dtype, "count": f.count, "offset": f.offset}
+                                    for f in p.fields]} for p in spec.parts]
+        out["moved_planes"] = [{"name": pl.name, "part": pl.part.name, "field": pl.field.name if pl.field else None,
+                          "dtype": pl.dtype, "count": pl.field.count if pl.field else None,
+                          "slots": pl.has_slots, "axes": list(pl.axes)} for pl in spec.moved_planes()]
+    if spec.pack is not None:
+        out["pack"] = str(spec.pack)
+    return out

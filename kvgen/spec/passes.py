@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from kvgen.errors import Problem, YamlPath, format_path
 from kvgen.interface import UNDEFINED
 from kvgen.spec.loader import Document
-from kvgen.spec.model import Spec
+from kvgen.spec.model import PART_LEVEL, Spec
 
 Pass = Callable[[Spec, Document], list[Problem]]
 
@@ -83,8 +83,9 @@ def check_fused(spec: Spec, doc: Document) -> list[Problem]:
 
 
 def check_lists(spec: Spec, doc: Document) -> list[Problem]:
+    # P, the list level of parts, is checked with the other format-2 rules (kvgen.spec.passes_v2).
     return [doc.problem(("lists", i), f"{axis} cannot be a list level; lists hold {' or '.join(LIST_AXES)}")
-            for i, axis in enumerate(spec.lists) if axis not in LIST_AXES]
+            for i, axis in enumerate(spec.lists) if axis not in (*LIST_AXES, PART_LEVEL)]
 
 
 def check_sizes(spec: Spec, doc: Document) -> list[Problem]:
@@ -148,7 +149,11 @@ PASSES: tuple[Pass, ...] = (
 
 
 def check_spec(spec: Spec, doc: Document) -> list[Problem]:
-    return [p for check in PASSES for p in check(spec, doc)]
+    from kvgen.spec.passes_v2 import PASSES_V2
+
+    # A cache of several parts has no top-level dims: its parts are checked one by one there.
+    tree = (check_lists,) if spec.is_multipart else PASSES
+    return [p for check in (*tree, *PASSES_V2) for p in check(spec, doc)]
 
 
 def _path_of(spec: Spec, axis: str) -> YamlPath:

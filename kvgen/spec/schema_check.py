@@ -86,6 +86,11 @@ def _describe(error: jsonschema.ValidationError) -> str:
     if v == "uniqueItems":
         dups = sorted({repr(x) for i, x in enumerate(value) if x in value[:i]})
         return f"items must be unique: {', '.join(dups)} given more than once"
+    if v in ("minProperties", "maxProperties") and tuple(error.absolute_path)[:1] == ("parts",):
+        return (f"{len(value)} part{'s' if len(value) != 1 else ''}; a cache of parts has 2 to 8 "
+                "(write a single tensor tree with dims instead)")
+    if v in ("minProperties", "maxProperties") and tuple(error.absolute_path)[-1:] == ("fields",):
+        return "fields holds one list: row (fields of each row) or block (fields of each block)"
     if v == "anyOf" and _is_dim(error):
         return (f"{short(value)} is not a dim: expected an axis letter ({_AXES_WORDS}), "
                 "1 for a singleton, or a list of 2-4 axis letters for a fused axis")
@@ -93,7 +98,9 @@ def _describe(error: jsonschema.ValidationError) -> str:
 
 
 def _is_dim(error: jsonschema.ValidationError) -> bool:
-    return len(error.absolute_path) == 2 and error.absolute_path[0] == "dims"
+    """A dim of the top-level dims, or of a part's (`parts.k.dims[2]`)."""
+    path = list(error.absolute_path)
+    return (len(path) == 2 and path[0] == "dims") or (len(path) == 4 and path[0] == "parts" and path[2] == "dims")
 
 
 def _fused_problems(doc: Document, error: jsonschema.ValidationError) -> list[Problem]:
@@ -127,6 +134,12 @@ def schema_problems(doc: Document) -> list[Problem]:
                     problems.append(key_problem(
                         doc, path, key, f"unknown field {short(key)}; allowed: {', '.join(allowed)}"))
             continue
+        if ("propertyNames" in error.relative_schema_path and isinstance(error.instance, str)
+                and path[-1:] == ("parts",)):
+            problems.append(key_problem(doc, path, error.instance,
+                                         f"part name {short(error.instance)} is not allowed; expected "
+                                         f"{_PATTERN_WORDS['^[a-z][a-z0-9]*(_[a-z0-9]+)*$']}"))
+            continue
         if "propertyNames" in error.relative_schema_path and isinstance(error.instance, str):
             # jsonschema reports a bad key at its mapping, as the key's own (enum) error.
             problems.append(key_problem(doc, path, error.instance,
@@ -135,8 +148,9 @@ def schema_problems(doc: Document) -> list[Problem]:
             continue
         if error.validator == "required" and isinstance(error.instance, dict):
             # One error per missing field, but jsonschema gives no field name apart from its text.
-            why = " (kind: object needs it)" if "then" in error.relative_schema_path else ""
-            problems.extend(doc.problem(path, f"missing required field {k!r}{why}")
+            why = {"format": " (kind: object needs it)", "code": " (kind: object needs it)",
+                   "dims": " (or parts, in kvgen: 2)"} if "then" in error.relative_schema_path else {}
+            problems.extend(doc.problem(path, f"missing required field {k!r}{why.get(k, '')}")
                             for k in error.validator_value if k not in error.instance)
             continue
         if error.validator == "not":

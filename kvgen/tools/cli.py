@@ -120,7 +120,7 @@ def _backend_line() -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from kvgen.plan.copy import plan_library
+    from kvgen.plan.package import plan_connectors as plan_library
     from kvgen.tools.specset import load_lenient
 
     _require(args.specs, "--specs")
@@ -140,11 +140,15 @@ def cmd_list(args: argparse.Namespace) -> int:
                              connectors=[p.obj.name for p in plans if p.paged is s])
             else:
                 facts.update(format=s.format, code=s.code, accepts=list(s.accepts))
+            if not s.is_simple:
+                from kvgen.spec.model import format2_facts
+
+                facts.update(format2_facts(s))
             layouts[s.name] = facts
-        from kvgen.plan.kernel import make_kernel_plan
+        from kvgen.plan.kernel import kernel_grid
 
         pairs = [{"paged": p.paged.name, "object": p.obj.name, "mode": p.mode, "module": p.module,
-                  "strategy": p.strategy, "kernel": make_kernel_plan(p).grid} for p in plans]
+                  "strategy": p.strategy, "kernel": kernel_grid(p)} for p in plans]
         json.dump({"kvgen": __version__, "layouts": layouts, "connectors": pairs, "backends": _backends()},
                   sys.stdout, indent=2)
         print()
@@ -164,8 +168,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from kvgen.oracle.address import symbolic_address
-    from kvgen.plan.copy import plan_library
+    from kvgen.oracle.address import explain_lines, symbolic_address
+    from kvgen.plan.package import plan_connectors as plan_library
     from kvgen.tools.specset import load_lenient
 
     _require(args.specs, "--specs")
@@ -182,7 +186,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     coord = "(l, kv, slot, h, c)" if spec.is_paged else "(l, kv, t, h, c)"
     print(f"{spec.name} ({spec.kind}): {spec.summary}")
     print(f"  layout:   {spec.arrow()}")
-    print(f"  element {coord}: {symbolic_address(spec)}")
+    if spec.is_simple:
+        print(f"  element {coord}: {symbolic_address(spec)}")
+    for line in explain_lines(spec):
+        print(line)
     print(f"  aliases:  {', '.join(spec.aliases) or '-'}")
     print(f"  source:   {spec.origin}")
     if spec.is_paged:
@@ -192,12 +199,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"  format:   {spec.format} (code {spec.code}), accepts {', '.join(spec.accepts) or '-'}")
     plans = [p for p in plan_library(library) if spec in (p.paged, p.obj)]
     if plans:
-        from kvgen.plan.kernel import make_kernel_plan
+        from kvgen.plan.kernel import kernel_grid
 
         print("  connectors:")
         for p in plans:
             print(f"    {p.module} ({p.mode}): {p.strategy}")
-            print(f"      triton kernel: {make_kernel_plan(p).grid}")
+            grid = kernel_grid(p)
+            print(f"      triton kernel: {grid}" if grid else "      triton kernel: none (several planes: torch ops)")
         print(f"  {_backend_line()}")
     return 0
 

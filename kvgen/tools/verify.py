@@ -100,9 +100,10 @@ def _check_facts(library: Any) -> int:
     """Built-in specs against the engines' own facts (kvgen.oracle.facts): a wrong spec
     would otherwise verify, since the reference reads the same spec as the generator."""
     from kvgen.oracle.facts import FACTS, Geometry, disagreement
+    from kvgen.oracle.facts_parts import PACKED_FACTS, PARTS_FACTS
 
     geometry = Geometry(L=3, B=5, N=4, H=6, C=7, T=9)  # no two extents equal
-    checked = [s for s in library.specs if s.name in FACTS]
+    checked = [s for s in library.specs if s.name in FACTS or s.name in PARTS_FACTS or s.name in PACKED_FACTS]
     wrong = [(s.name, why) for s in checked if (why := disagreement(s, geometry)) is not None]
     for name, why in wrong:
         print(f"kvgen verify: spec {name} disagrees with the engine's facts: {why}", file=sys.stderr)
@@ -124,7 +125,7 @@ def _prepare_triton(devices: list[str]) -> None:
 
 
 def main(args: Any) -> int:
-    from kvgen.plan.copy import plan_library
+    from kvgen.plan.package import plan_connectors as plan_library
     from kvgen.spec.library import load_library
 
     library = load_library(args.specs)

@@ -1,0 +1,401 @@
+"""Facts about the built-in format-2 specs (parts and fields), written from the sources.
+
+Like kvgen.oracle.facts, this table does not read specs. For each cache it says the containers
+the engine hands over (the tuple of parts included), each part's tensor shape and dtype, and for
+every value of every plane (a part, or a field of a part) where its first byte lies: a container
+path, the index of the storage element holding it, and the byte inside that element. For the
+packed objects it says where the same value lies in the object, given the planes of the cache.
+
+Sources (projects as named on GitHub):
+
+- vLLM (vllm-project/vllm): vllm/attention/layer.py (Attention.__init__: `self._k_scale =
+  torch.tensor(1.0, dtype=torch.float32)`, `_v_scale` likewise: 0-dim per-layer scales),
+  vllm/v1/attention/backends/flash_attn.py (get_kv_cache_shape (2, num_blocks, block_size,
+  num_kv_heads, head_size)), vllm/v1/attention/backends/mla/flashmla_sparse.py (the fp8_ds_mla
+  cache: (num_blocks, block_size, 656) uint8).
+- DeepSeek FlashMLA (deepseek-ai/FlashMLA) README, "FP8 KV cache": each token's 656 bytes are 512
+  float8_e4m3 NoPE values, then 4 float32 scales (one per 128 values), then 64 bfloat16 RoPE values.
+- vLLM-Gaudi (vllm-project/vllm-gaudi): vllm_gaudi/attention/ops/hpu_paged_attn.py
+  (get_kv_cache_shape returns (num_blocks * block_size, num_kv_heads, head_size); split_kv_cache
+  reads kv_cache[0..3] as key_cache, value_cache, k_scale, v_scale), vllm_gaudi/v1/worker/
+  hpu_model_runner.py before commit 472ed884 (kv_scales_shape = kv_cache_shape[:-1] + (1,),
+  bfloat16; `kv_caches[layer_name] = (key_cache, value_cache, key_scales, value_scales)`).
+- SGLang (sgl-project/sglang): python/sglang/srt/mem_cache/memory_pool.py MHATokenToKVPool
+  (k_buffer [size + page_size, head_num, head_dim], v_buffer [..., head_num, v_head_dim]).
+- LMCache 0.5.6 (LMCache/LMCache): kv_format/specs/nl_x_np_x_nb_bs_one_hs.py ("NL x NP x [NB, BS,
+  1, HS]": a tuple of NP planes [num_blocks, block_size, 1, width], 2 for MLA (latent, rope), 3
+  for DSA (latent, rope, dsa); "The transferred object is one flat plane of the summed width";
+  hidden_dim counts "Columns ... in dtype elements" of the first plane), kv_format/specs/
+  nl_x_nb_bsv_bss.py ("NL x [NB, BS, 132] uint8": "per block, all tokens' 128-byte fp8 values
+  first, then all tokens' 4-byte fp32 scales"), kv_format/detectors/vllm.py (a 3-D uint8 plane of
+  last dim 132 is the indexer cache, any other 3-D plane NL_X_NB_BS_HS), platform/torch_ops/
+  mp_mem_kernels.py _transfer_per_layer_mla_tuple (an object row holds the planes in order, each
+  at the byte offset after the one before), LMCache's blocked-scale transfer test ("LMCache's
+  chunk rows are canonical token-major [vals | scale] (132 B)"), memory_management.py (KV_MLA_FMT
+  = 6, "[1, num_layers, num_tokens, aligned_head_size]").
+- kvgen's own regions objects (KVGEN_PLANES, KVGEN_PLANES_LAYER): docs/spec-language.md, "Packed
+  objects": per layer, each plane as a dense [KV T H C] region (the axes it lacks left out), in
+  plane order, each starting at a multiple of 16 bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvgen.oracle.address import ObjectAddresses, plane_address, plane_count
+from kvgen.oracle.facts import Geometry, Level
+from kvgen.oracle.planes import part_shape
+from kvgen.spec.model import Spec
+
+#: (container path, index of the storage element holding the value's first byte, byte in it).
+ByteAddress = tuple[tuple[int, ...], tuple[int, ...], int]
+#: where(g, layer, kv, pos, h, c); pos is the slot for caches, the token for objects.
+PlaneAddress = Callable[[Geometry, int, int, int, int, int], ByteAddress]
+
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1, "int8": 1}
+#: The dtype a test gives a part whose source leaves its dtype open.
+FREE_DTYPE = "bfloat16"
+
+
+def width(g: Geometry, part: int) -> int:
+    """The C of a part whose width the source leaves open (latent, rope, K, V head sizes):
+    different per part, so a swapped pair of parts changes a shape."""
+    return g.C + 3 * part
+
+
+@dataclass(frozen=True)
+class PartFact:
+    name: str
+    shape: Callable[[Geometry], tuple[int, ...]]
+    #: The dtypes the source allows the part's tensors (empty: any); tests use the first.
+    dtypes: tuple[str, ...]
+
+    @property
+    def dtype(self) -> str | None:
+        return self.dtypes[0] if self.dtypes else None
+
+    def item(self) -> int:
+        return BYTES[self.dtype or FREE_DTYPE]
+
+
+@dataclass(frozen=True)
+class PlaneFact:
+    name: str
+    part: int
+    #: The dtype of one value: a field's, else the part's (None when any).
+    dtype: str | None
+    count: Callable[[Geometry], int]
+    kv: bool
+    heads: bool
+    slots: bool
+    address: PlaneAddress
+
+
+@dataclass(frozen=True)
+class PartsFact:
+    name: str
+    container: tuple[Level, ...]
+    parts: tuple[PartFact, ...]
+    planes: tuple[PlaneFact, ...]
+    fixed: Mapping[str, int] = field(default_factory=dict)
+    lmcache: str | None = None
+
+    def value_bytes(self, plane: PlaneFact) -> int:
+        return BYTES[plane.dtype or self.parts[plane.part].dtype or FREE_DTYPE]
+
+
+PARTS_FACTS: dict[str, PartsFact] = {}
+
+PER_LAYER_TUPLE: tuple[Level, ...] = (("list", "L"), ("tuple", "P"))
+
+
+def _register(fact: PartsFact) -> None:
+    PARTS_FACTS[fact.name] = fact
+
+
+def _elements(shape: Sequence[int], index: Sequence[int]) -> int:
+    flat = 0
+    for i, n in zip(index, shape, strict=True):
+        flat = flat * n + i
+    return flat
+
+
+# -- vLLM fp8 MLA (fp8_ds_mla): 656-byte rows ------------------------------------------------------
+# flashmla_sparse.py: (num_blocks, block_size, 656) uint8; FlashMLA: bytes [0, 512) fp8 NoPE,
+# [512, 528) 4 float32 scales, [528, 656) 64 bfloat16 RoPE values. LMCache: NL_X_NB_BS_HS.
+def _fp8_mla(start: int, size: int) -> PlaneAddress:
+    return lambda g, layer, kv, slot, h, c: ((layer,), (slot // g.N, slot % g.N, start + c * size), 0)
+
+
+_register(PartsFact(
+    "vllm_mla_fp8", (("list", "L"),), (PartFact("", lambda g: (g.B, g.N, 656), ("uint8",)),),
+    (PlaneFact("nope", 0, "float8_e4m3fn", lambda g: 512, False, False, True, _fp8_mla(0, 1)),
+     PlaneFact("scale", 0, "float32", lambda g: 4, False, False, True, _fp8_mla(512, 4)),
+     PlaneFact("rope", 0, "bfloat16", lambda g: 64, False, False, True, _fp8_mla(528, 2))),
+    lmcache="NL_X_NB_BS_HS"))
+
+
+# -- DeepSeek-V3.2 indexer keys: [BS x 128 fp8][BS x fp32 scale] per block ---------------------------
+# nl_x_nb_bsv_bss.py: tensor [NB, BS, 132] uint8; block b's 132 * BS bytes hold token n's values at
+# n * 128 and its scale at BS * 128 + n * 4.
+def _indexer(region: Callable[[Geometry], int], per_token: int) -> PlaneAddress:
+    def where(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> ByteAddress:
+        byte = region(g) + (slot % g.N) * per_token + c
+        return (layer,), (slot // g.N, byte // 132, byte % 132), 0
+    return where
+
+
+_register(PartsFact(
+    "vllm_dsa_indexer", (("list", "L"),), (PartFact("", lambda g: (g.B, g.N, 132), ("uint8",)),),
+    (PlaneFact("values", 0, "float8_e4m3fn", lambda g: 128, False, False, True, _indexer(lambda g: 0, 128)),
+     PlaneFact("scale", 0, "float32", lambda g: 1, False, False, True, _indexer(lambda g: 128 * g.N, 4))),
+    lmcache="NL_X_NB_BSV_BSS"))
+
+
+# -- vLLM-Ascend MLA / DSA plane tuples -------------------------------------------------------------
+# nl_x_np_x_nb_bs_one_hs.py: per layer a tuple of [num_blocks, block_size, 1, width_p] planes,
+# (latent, rope) or (latent, rope, dsa); widths differ, dtypes may differ.
+def _ascend(part: int) -> PlaneAddress:
+    return lambda g, layer, kv, slot, h, c: ((layer, part), (slot // g.N, slot % g.N, 0, c), 0)
+
+
+def _ascend_fact(name: str, planes: Sequence[str]) -> PartsFact:
+    parts = tuple(PartFact(p, lambda g, i=i: (g.B, g.N, 1, width(g, i)), ()) for i, p in enumerate(planes))
+    return PartsFact(name, PER_LAYER_TUPLE, parts,
+                     tuple(PlaneFact(p, i, None, lambda g, i=i: width(g, i), False, False, True, _ascend(i))
+                           for i, p in enumerate(planes)),
+                     lmcache="NL_X_NP_X_NB_BS_ONE_HS")
+
+
+_register(_ascend_fact("vllm_ascend_mla", ("latent", "rope")))
+_register(_ascend_fact("vllm_ascend_dsa", ("latent", "rope", "indexer")))
+
+
+# -- vLLM-Gaudi: (key_cache, value_cache, k_scale, v_scale) per layer --------------------------------
+# key/value [num_blocks * block_size, num_kv_heads, head_size] fp8; scales [..., num_kv_heads, 1] bf16.
+def _gaudi(part: int) -> PlaneAddress:
+    return lambda g, layer, kv, slot, h, c: ((layer, part), (slot, h, c), 0)
+
+
+_register(PartsFact(
+    "vllm_gaudi_fp8", PER_LAYER_TUPLE,
+    (PartFact("k", lambda g: (g.B * g.N, g.H, width(g, 0)), ("float8_e4m3fn",)),
+     PartFact("v", lambda g: (g.B * g.N, g.H, width(g, 1)), ("float8_e4m3fn",)),
+     PartFact("k_scale", lambda g: (g.B * g.N, g.H, 1), ("bfloat16",)),
+     PartFact("v_scale", lambda g: (g.B * g.N, g.H, 1), ("bfloat16",))),
+    (PlaneFact("k", 0, "float8_e4m3fn", lambda g: width(g, 0), False, True, True, _gaudi(0)),
+     PlaneFact("v", 1, "float8_e4m3fn", lambda g: width(g, 1), False, True, True, _gaudi(1)),
+     PlaneFact("k_scale", 2, "bfloat16", lambda g: 1, False, True, True, _gaudi(2)),
+     PlaneFact("v_scale", 3, "bfloat16", lambda g: 1, False, True, True, _gaudi(3)))))
+
+
+# -- vLLM fp8 FlashAttention cache with the layer's per-tensor scales --------------------------------
+# flash_attn.py: (2, num_blocks, block_size, num_kv_heads, head_size); layer.py: 0-dim float32
+# _k_scale and _v_scale, one each per layer, no slot: they hold for every token.
+_register(PartsFact(
+    "vllm_fp8_tensor_scales", PER_LAYER_TUPLE,
+    (PartFact("kv", lambda g: (2, g.B, g.N, g.H, width(g, 0)), ("float8_e4m3fn", "float8_e5m2")),
+     PartFact("k_scale", lambda g: (), ("float32",)), PartFact("v_scale", lambda g: (), ("float32",))),
+    (PlaneFact("kv", 0, None, lambda g: width(g, 0), True, True, True,
+               lambda g, layer, kv, slot, h, c: ((layer, 0), (kv, slot // g.N, slot % g.N, h, c), 0)),
+     PlaneFact("k_scale", 1, "float32", lambda g: 1, False, False, False,
+               lambda g, layer, kv, slot, h, c: ((layer, 1), (), 0)),
+     PlaneFact("v_scale", 2, "float32", lambda g: 1, False, False, False,
+               lambda g, layer, kv, slot, h, c: ((layer, 2), (), 0))),
+    fixed={"KV": 2}))
+
+
+# -- SGLang MHA with a V head size of its own: (k_buffer, v_buffer), each a list over layers ---------
+_register(PartsFact(
+    "sglang_mha_v_head", (("seq", "P"), ("list", "L")),
+    (PartFact("k", lambda g: (g.B * g.N, g.H, width(g, 0)), ()),
+     PartFact("v", lambda g: (g.B * g.N, g.H, width(g, 1)), ())),
+    (PlaneFact("k", 0, None, lambda g: width(g, 0), False, True, True,
+               lambda g, layer, kv, slot, h, c: ((0, layer), (slot, h, c), 0)),
+     PlaneFact("v", 1, None, lambda g: width(g, 1), False, True, True,
+               lambda g, layer, kv, slot, h, c: ((1, layer), (slot, h, c), 0)))))
+
+
+# -- packed objects ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PackedFact:
+    """An object holding a cache's planes: its format, code, containers and where a value
+    lies given the cache's planes (their value bytes and counts)."""
+
+    name: str
+    lmcache: str
+    code: int
+    layerwise: bool
+    shape: Callable[[Geometry, PartsFact], tuple[int, ...]]
+    address: Callable[[Geometry, PartsFact, PlaneFact, int, int, int, int, int], ByteAddress]
+    #: Whether the object can hold this cache's planes.
+    fits: Callable[[PartsFact], bool]
+
+
+PACKED_FACTS: dict[str, PackedFact] = {}
+
+
+def _row_bytes(cache: PartsFact, g: Geometry, upto: int | None = None) -> int:
+    planes = cache.planes if upto is None else cache.planes[:upto]
+    return sum(p.count(g) * cache.value_bytes(p) for p in planes)
+
+
+def _row_fits(cache: PartsFact) -> bool:
+    return all(p.slots and not p.kv and not p.heads for p in cache.planes)
+
+
+def _rows(layerwise: bool) -> PackedFact:
+    # One flat plane of the summed width, in elements of the first part's dtype; each token's row
+    # holds plane 0's bytes, then plane 1's, ... (mp_mem_kernels byte_off += nbytes per plane).
+    def shape(g: Geometry, cache: PartsFact) -> tuple[int, ...]:
+        w = _row_bytes(cache, g) // cache.parts[0].item()
+        return (g.T, w) if layerwise else (1, g.L, g.T, w)
+
+    def where(g: Geometry, cache: PartsFact, plane: PlaneFact, layer: int, kv: int, t: int, h: int,
+              c: int) -> ByteAddress:
+        item = cache.parts[0].item()
+        byte = _row_bytes(cache, g, cache.planes.index(plane)) + c * cache.value_bytes(plane)
+        return ((layer,), (t, byte // item), byte % item) if layerwise else ((), (0, layer, t, byte // item),
+                                                                              byte % item)
+    return PackedFact("kv_mla_rows_layer" if layerwise else "kv_mla_rows", "KV_MLA_FMT", 6, layerwise, shape, where,
+                      _row_fits)
+
+
+PACKED_FACTS["kv_mla_rows"] = _rows(False)
+PACKED_FACTS["kv_mla_rows_layer"] = _rows(True)
+
+
+def _region_extents(g: Geometry, cache: PartsFact, plane: PlaneFact) -> tuple[int, ...]:
+    """A plane's region per layer: [KV, T, H, C] with the axes it lacks left out."""
+    return tuple(n for n, here in ((2, plane.kv), (g.T, plane.slots), (g.H, plane.heads),
+                                   (plane.count(g), True)) if here)
+
+
+def _regions(g: Geometry, cache: PartsFact) -> tuple[list[int], int]:
+    starts, at = [], 0
+    for plane in cache.planes:
+        starts.append(at)
+        size = cache.value_bytes(plane)
+        for n in _region_extents(g, cache, plane):
+            size *= n
+        at += (size + 15) // 16 * 16
+    return starts, at
+
+
+def _planes(layerwise: bool) -> PackedFact:
+    def shape(g: Geometry, cache: PartsFact) -> tuple[int, ...]:
+        layer = _regions(g, cache)[1]
+        return (layer,) if layerwise else (g.L, layer)
+
+    def where(g: Geometry, cache: PartsFact, plane: PlaneFact, layer: int, kv: int, t: int, h: int,
+              c: int) -> ByteAddress:
+        index = [i for i, here in ((kv, plane.kv), (t, plane.slots), (h, plane.heads), (c, True)) if here]
+        start = _regions(g, cache)[0][cache.planes.index(plane)]
+        byte = start + _elements(_region_extents(g, cache, plane), index) * cache.value_bytes(plane)
+        return ((layer,), (byte,), 0) if layerwise else ((), (layer, byte), 0)
+
+    name = "kv_planes_layer" if layerwise else "kv_planes"
+    return PackedFact(name, "KVGEN_PLANES_LAYER" if layerwise else "KVGEN_PLANES", 129 if layerwise else 128,
+                      layerwise, shape, where, lambda cache: True)
+
+
+PACKED_FACTS["kv_planes"] = _planes(False)
+PACKED_FACTS["kv_planes_layer"] = _planes(True)
+
+
+# -- using the table ---------------------------------------------------------------------------------
+
+def values(fact: PartsFact, plane: PlaneFact, g: Geometry) -> Iterator[tuple[int, int, int, int, int]]:
+    """Every (layer, kv, slot, h, c) of one plane (slot 0 only for a plane without slots)."""
+    return itertools.product(range(g.L), range(2 if plane.kv else 1), range(g.B * g.N if plane.slots else 1),
+                             range(g.H if plane.heads else 1), range(plane.count(g)))
+
+
+def extents(fact: PartsFact, g: Geometry) -> dict[str, int]:
+    """The geometry as kvgen extents, with each part's free width."""
+    out = {"L": g.L, "KV": 2, "B": g.B, "N": g.N, "H": g.H, "C": g.C, "T": g.T}
+    out.update({f"C.{p.name}": width(g, i) for i, p in enumerate(fact.parts)})
+    return out
+
+
+def parts_disagreement(spec: Spec, g: Geometry) -> str | None:
+    """The first way a format-2 spec differs from the facts, or None. A packed object is
+    compared through every built-in cache whose planes it holds."""
+    if not spec.is_paged:
+        return _packed_disagreement(spec, g)
+    fact = PARTS_FACTS.get(spec.name)
+    if fact is None:
+        return f"no fact entry for {spec.name}"
+    if spec.lmcache_format != fact.lmcache:
+        return f"LMCache format {spec.lmcache_format}, the source says {fact.lmcache}"
+    if dict(spec.sizes) != dict(fact.fixed):
+        return f"sizes {dict(spec.sizes)}, the source fixes {dict(fact.fixed)}"
+    levels = tuple(axis for _, axis in fact.container)
+    if spec.lists != levels:
+        return f"lists {list(spec.lists)}, the source hands over {list(levels)}"
+    if tuple(p.name for p in spec.parts) != tuple(p.name for p in fact.parts):
+        return f"parts {[p.name for p in spec.parts]}, the source has {[p.name for p in fact.parts]}"
+    ext = extents(fact, g)
+    for part, pf in zip(spec.parts, fact.parts, strict=True):
+        if part_shape(spec, part, ext) != pf.shape(g):
+            return f"part {part.name}: shape {part_shape(spec, part, ext)} at {g}, the source says {pf.shape(g)}"
+        if pf.dtypes and part.dtypes != pf.dtypes:
+            return f"part {part.name}: dtypes {list(part.dtypes)}, the source stores {list(pf.dtypes)}"
+    planes = spec.moved_planes()
+    if tuple(p.name for p in planes) != tuple(p.name for p in fact.planes):
+        return f"planes {[p.name for p in planes]}, the source has {[p.name for p in fact.planes]}"
+    for plane, pf in zip(planes, fact.planes, strict=True):
+        if plane.dtype != pf.dtype or plane_count(spec, plane, ext) != pf.count(g):
+            return (f"plane {plane.name}: {plane_count(spec, plane, ext)} x {plane.dtype}, the source has "
+                    f"{pf.count(g)} x {pf.dtype}")
+        if (plane.has_slots, "KV" in plane.axes, "H" in plane.axes) != (pf.slots, pf.kv, pf.heads):
+            return f"plane {plane.name}: axes {plane.axes} (slots: {plane.has_slots}), the source differs"
+        item = fact.parts[pf.part].item()
+        for layer, kv, slot, h, c in values(fact, pf, g):
+            got = plane_address(spec, plane, {"l": layer, "kv": kv, "slot": slot, "h": h, "c": c}, ext, item)
+            want = pf.address(g, layer, kv, slot, h, c)
+            if got != want:
+                return (f"plane {plane.name} (l={layer}, kv={kv}, slot={slot}, h={h}, c={c}) at {got}, the source "
+                        f"says {want} ({g})")
+    return None
+
+
+@functools.cache
+def _builtin_caches() -> tuple[Spec, ...]:
+    from kvgen.spec.library import load_library
+
+    return tuple(s for s in load_library().paged if s.name in PARTS_FACTS)
+
+
+def _packed_disagreement(spec: Spec, g: Geometry) -> str | None:
+    fact = PACKED_FACTS.get(spec.name)
+    if fact is None:
+        return f"no fact entry for {spec.name}"
+    if (spec.format, spec.code) != (fact.lmcache, fact.code):
+        return f"format {spec.format} ({spec.code}), the source says {fact.lmcache} ({fact.code})"
+    if bool(spec.lists) != fact.layerwise:
+        return f"lists {list(spec.lists)}, the source has {'one object per layer' if fact.layerwise else 'one'}"
+    for cache in _builtin_caches():
+        cf = PARTS_FACTS[cache.name]
+        if not fact.fits(cf):
+            continue
+        ext = extents(cf, g)
+        sizes = {p.name: cf.value_bytes(pf) for p, pf in zip(cache.moved_planes(), cf.planes, strict=True)}
+        item = BYTES["uint8"] if spec.pack == "regions" else cf.parts[0].item()
+        try:
+            at = ObjectAddresses(cache, spec, ext, sizes, item)
+        except (KeyError, ValueError) as exc:
+            return f"holding {cache.name}: {type(exc).__name__} {exc}"
+        for plane, pf in zip(cache.moved_planes(), cf.planes, strict=True):
+            for layer, kv, t, h, c in values(cf, pf, dataclasses.replace(g, B=1, N=g.T)):
+                got = at.address(plane, {"l": layer, "kv": kv, "t": t, "h": h, "c": c})
+                want = fact.address(g, cf, pf, layer, kv, t, h, c)
+                if got != want:
+                    return (f"holding {cache.name}: plane {plane.name} (l={layer}, kv={kv}, t={t}, h={h}, c={c}) "
+                            f"at {got}, the source says {want} ({g})")
+    return None

@@ -1,0 +1,172 @@
+"""Copy plans of format-2 pairs: a cache made of several parts or typed fields, and an
+object that packs its planes (rows or regions).
+
+A *plane* is a part, or one field of a part (kvgen.spec.model.Plane). Each plane is planned
+as a format-1 copy of its own (kvgen.plan.copy.make_plan with a `Source`): its cache leaf
+and its object view are byte views (a plane's C is the bytes of one value row), so planes of
+any dtype, fields at byte offsets in a row and fields laid out per block all reuse the same
+block path and token path. A plane without a slot axis (a per-layer scale) is copied whole
+with every chunk that moves a token.
+
+Objects:
+* rows: each token's row is every plane's bytes, one after another in plane order (LMCache's
+  flat MLA plane: KV_MLA_FMT of the summed width, in the cache's first dtype);
+* regions: bytes, per layer each plane as a dense region laid out by the object's dims with
+  the axes the plane lacks left out, each region at a multiple of 16 bytes.
+
+No torch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kvgen.plan.copy import EXTENT, LOOP_VARS, CopyPlan, Mode, Source, make_plan, mode_of
+from kvgen.spec.model import PART_LEVEL, Dim, FieldsIn, Pack, Plane, Spec
+from kvgen.spec.passes_v2 import part_view
+
+#: The tokens of the chunk inside a copy method, and in `_shape`.
+TOKENS = {"copy": "ck.num_tokens", "shape": "num_tokens"}
+
+
+@dataclass(frozen=True)
+class PlaneCopy:
+    """One plane's copy: its format-1 plan over byte views."""
+
+    plane: Plane
+    copy: CopyPlan
+
+    @property
+    def slotless(self) -> bool:
+        return not self.plane.has_slots
+
+
+@dataclass(frozen=True)
+class PartsPlan:
+    """A connector of a format-2 pair: the planes' copies and what they share. It answers
+    to the same names as a CopyPlan where tools read them (paged, obj, mode, module,
+    strategy, widen)."""
+
+    paged: Spec
+    obj: Spec
+    mode: Mode
+    planes: tuple[PlaneCopy, ...]
+    #: Statements every copy method starts with (the object's byte view, region starts).
+    preamble: tuple[str, ...]
+    #: Object shape, as expressions over `g` and `num_tokens`.
+    shape: tuple[str, ...]
+    #: The object's dtype as an expression; None: the cache's (first part's) dtype.
+    dtype: str | None
+    widen: bool = False
+    #: Regions objects: each plane's region bytes per layer, over `g` and `num_tokens`.
+    sizes: tuple[str, ...] = ()
+
+    @property
+    def module(self) -> str:
+        return f"{self.paged.name}__{self.obj.name}"
+
+    @property
+    def strategy(self) -> str:
+        names = ", ".join(pc.plane.name for pc in self.planes)
+        per = "per layer" if self.mode is Mode.LAYERWISE else "all layers"
+        return f"{len(self.planes)} planes ({names}) as bytes, {per}, into {self.obj.pack}"
+
+
+def compatible_parts(paged: Spec, obj: Spec) -> bool:
+    """A format-2 cache and a packed object whose dims can hold every plane."""
+    if not paged.is_paged or obj.is_paged or paged.is_simple or obj.pack is None:
+        return False
+    if obj.lists not in ((), ("L",)):
+        return False
+    room = set(obj.axes) - {"T"}
+    for plane in paged.moved_planes():
+        need = set(plane.axes) | {"C"}
+        if "L" not in need:
+            return False
+        if obj.pack is Pack.ROWS and (not plane.has_slots or need - {"L", "C"}):
+            return False
+        if obj.pack is Pack.REGIONS and need - room:
+            return False
+    return True
+
+
+def _cache_dims(plane: Plane) -> tuple[tuple[Dim, ...], str]:
+    """The part's dims over its byte view, and how a leaf becomes that view. A part without
+    C gets a trailing byte dim (its value's bytes)."""
+    part, f = plane.part, plane.field
+    if f is not None:
+        if part.fields_in is FieldsIn.ROW:
+            return part.dims, f"runtime.row_field({{}}, {f.offset}, {f.nbytes})"
+        return part.dims, f"runtime.block_field({{}}, {f.offset}, {f.nbytes}, g.N)"
+    if part.has("C"):
+        return part.dims, "runtime.bytes_of({})"
+    return (*part.dims, Dim(("C",))), "runtime.bytes_of({}.unsqueeze(-1))"
+
+
+def _extent(axis: str, index: int, tokens: str) -> str:
+    if axis == "T":
+        return tokens
+    return f"g.planes[{index}].C" if axis == "C" else EXTENT[axis]  # regions are cut in bytes
+
+
+def _region_dims(obj: Spec, plane: Plane) -> tuple[Dim, ...]:
+    """The object's dims with what the plane lacks left out (and L, which holds regions)."""
+    keep = set(plane.axes) | {"C"} | ({"T"} if plane.has_slots else set())
+    out = []
+    for d in obj.dims:
+        axes = tuple(a for a in d.axes if a in keep and a != "L")
+        if axes:
+            out.append(Dim(axes))
+    return tuple(out)
+
+
+def _region_size(dims: tuple[Dim, ...], index: int, tokens: str) -> str:
+    return " * ".join(_extent(a, index, tokens) for d in dims for a in d.axes)
+
+
+def plan_parts(paged: Spec, obj: Spec) -> PartsPlan:
+    if not compatible_parts(paged, obj):
+        raise ValueError(f"{paged.name} and {obj.name} do not hold the same planes")
+    mode = mode_of(obj)
+    planes = paged.moved_planes()
+    whole = mode is Mode.WHOLE
+    preamble = ["rows = runtime.bytes_of(tensor)",
+                f"wd = runtime.plane_words(g, tensor, {obj.pack is Pack.ROWS})  # each plane's word this call"]
+    sizes: tuple[str, ...] = ()
+    if obj.pack is Pack.REGIONS:
+        regions = [_region_dims(obj, p) for p in planes]
+        sizes = tuple(_region_size(r, i, TOKENS["shape"]) for i, r in enumerate(regions))
+        preamble.append("at = runtime.region_starts(self._sizes(g, ck.num_tokens))  # each region in a layer")
+        shape = (*(("g.L",) if whole else ()), "runtime.region_bytes(self._sizes(g, num_tokens))")
+        dtype: str | None = "torch.uint8"
+    else:
+        shape = tuple("1" if d.is_singleton else ("num_tokens" if d.axes == ("T",) else
+                                                  ("runtime.units(g.row_bytes, g.dtype)" if d.axes == ("C",)
+                                                   else EXTENT[d.axes[0]])) for d in obj.dims)
+        dtype = None
+
+    copies = []
+    for i, plane in enumerate(planes):
+        dims, raw = _cache_dims(plane)
+        view = dataclasses.replace(part_view(paged, plane.part), dims=dims)
+        leaf = "kvcaches" + "".join(f"[{plane.index}]" if a == PART_LEVEL else f"[{LOOP_VARS[a]}]"
+                                    for a in paged.lists)
+        if obj.pack is Pack.REGIONS:
+            odims = _region_dims(obj, plane)
+            shape_i = ", ".join(" * ".join(_extent(a, i, TOKENS["copy"]) for a in d.axes) for d in odims)
+            one = "," if len(odims) == 1 else ""
+            tensor = f"runtime.region(rows, {1 if whole else 0}, at[{i}], ({shape_i}{one}), wd[{i}])"
+            odims = ((Dim(("L",)),) if whole else ()) + odims
+        else:
+            odims = obj.dims
+            tensor = f"rows.narrow({len(odims) - 1}, g.plane_start({i}), g.planes[{i}].C)"
+        ospec = dataclasses.replace(obj, dims=odims, pack=None)
+        # Both sides move in the plane's word of this call: C counts words.
+        raw = f"runtime.as_words({raw}, wd[{i}])"
+        if obj.pack is Pack.ROWS:
+            tensor = f"runtime.as_words({tensor}, wd[{i}])"
+        source = Source(leaf, tensor, {**EXTENT, "C": f"(g.planes[{i}].C // wd[{i}])"}, raw)
+        copies.append(PlaneCopy(plane, make_plan(view, ospec, source)))
+    return PartsPlan(paged, obj, mode, tuple(copies), tuple(preamble), shape, dtype, sizes=sizes)
+
