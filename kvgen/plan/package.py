@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvgen.plan.code import Method, copy_methods, shape_body
 from kvgen.plan.convert import Converter, plan_converters
@@ -15,6 +16,10 @@ from kvgen.plan.copy import CopyPlan, Mode, plan_library
 from kvgen.plan.geometry import geometry_body
 from kvgen.spec.library import UNDEFINED, Library
 from kvgen.spec.model import Spec
+
+if TYPE_CHECKING:
+    from kvgen.plan.transfer import TransferPlan
+    from kvgen.spec.transfers import TransferPair
 
 #: A layout constant's fields in the order the runtime's dataclass declares them.
 Fields = tuple[tuple[str, Any], ...]
@@ -74,6 +79,8 @@ class PackagePlan:
     transitions: tuple[tuple[str, str], ...]
     converters: tuple[Converter, ...]
     layouts: tuple[tuple[str, Fields], ...]
+    #: Layout-to-layout transfer modules (kvgen.plan.transfer), from the transfers files.
+    transfers: tuple[TransferPlan, ...] = ()
 
     @property
     def aliases(self) -> tuple[tuple[str, str], ...]:
@@ -93,7 +100,9 @@ def format_transitions(library: Library) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(pairs))
 
 
-def plan_package(library: Library) -> PackagePlan:
+def plan_package(library: Library, transfers: Sequence[TransferPair] = ()) -> PackagePlan:
+    from kvgen.plan.transfer import plan_transfers  # it builds on this module's layout fields
+
     return PackagePlan(
         library=library,
         connectors=tuple(connector_plan(p) for p in plan_library(library)),
@@ -101,6 +110,7 @@ def plan_package(library: Library) -> PackagePlan:
         transitions=format_transitions(library),
         converters=tuple(plan_converters(library)),
         layouts=tuple((s.name, layout_facts(s)) for s in library.specs),
+        transfers=plan_transfers(tuple(transfers)),
     )
 
 

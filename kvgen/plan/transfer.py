@@ -1,0 +1,159 @@
+"""Transfer plans: how KV moves from a cache of one paged layout into a cache of another,
+decided at build time, in one pass and without an intermediate object.
+
+Both caches become canonical views (kvgen.plan.copy's `canonical`: one dim per axis). The
+container levels of either side (a list per layer, a (K, V) pair) become loops, and an axis
+that one side keeps in a list and the other in a tensor dim is selected from the tensor. What
+is left on both sides is the same set of axes (L?, KV?, H?, C plus the slot axes), in two
+orders:
+
+* block path: whole blocks that map onto whole blocks (same block size, aligned pairs of
+  slots, found per call by kvgen.runtime.transfer) move by one index op over B on each side,
+  the source view permuted into the destination's dim order;
+* token path: every other token is gathered from the source by its slot (`x[blk, off]`, or
+  rows of a folded slot axis) and put at its destination slot, the gathered tensor permuted
+  from the order torch gives the source index into the order of the destination index.
+
+Head ranges (`src_heads`, `dst_heads`) narrow the H dim of each view. When both sides end in
+C, values move as wide integer words. String and tuple work only; torch is never imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgen.plan.code import INDENT, Method
+from kvgen.plan.copy import (
+    LOOP_VARS,
+    SLOT,
+    Loop,
+    View,
+    canonical,
+    ends_in_c,
+    index_suffix,
+    indexed_order,
+    permute_suffix,
+    select,
+)
+from kvgen.plan.geometry import geometry_body
+from kvgen.plan.package import Fields, layout_fields
+from kvgen.spec.model import Spec
+from kvgen.spec.transfers import TransferPair
+
+#: Parameters of the generated copy methods, after `self` (and `layer`).
+COPY_PARAMS = ("src_caches: Any", "dst_caches: Any", "gs: runtime.Geometry", "gd: runtime.Geometry",
+               "p: runtime.Pairs", "w: runtime.Words")
+#: Extents of the geometry of each side, by the name the generated code gives it.
+AXES = ("L", "KV", "H", "C", "N")
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """One generated transfer module."""
+
+    pair: TransferPair
+    #: True when both sides end in C, so copies may move C as wide integer words.
+    widen: bool
+    #: The container loops of a whole copy, outermost first (L first when either side lists it).
+    loops: tuple[Loop, ...]
+    #: Both sides address whole blocks (B and N dims), so a call may take the block path.
+    blocks: bool
+    src_fields: Fields
+    dst_fields: Fields
+    #: Bodies of `read_src_geometry` / `read_dst_geometry`.
+    src_geometry: tuple[str, ...]
+    dst_geometry: tuple[str, ...]
+    methods: tuple[Method, ...]
+
+    @property
+    def src(self) -> Spec:
+        return self.pair.src
+
+    @property
+    def dst(self) -> Spec:
+        return self.pair.dst
+
+    @property
+    def module(self) -> str:
+        return self.pair.module
+
+    @property
+    def sources(self) -> tuple[Spec, ...]:
+        return (self.src,) if self.src is self.dst else (self.src, self.dst)
+
+    @property
+    def strategy(self) -> str:
+        """One line for people: what the generated copy does."""
+        loops = " x ".join(lp.axis for lp in self.loops)
+        per = f"per {loops}" if loops else "all layers at once"
+        how = ("whole blocks onto whole blocks by index over B, the other tokens by slot"
+               if self.blocks else "tokens by slot")
+        return f"{per}: {how}" + ("; wide words" if self.widen else "")
+
+
+def _loops(src: Spec, dst: Spec, layerwise: bool) -> tuple[Loop, ...]:
+    """Axes either side keeps in containers; the layer first. A layerwise copy fixes L itself."""
+    listed = dict.fromkeys(a for a in ("L", "KV") if a in src.lists or a in dst.lists)
+    if layerwise:
+        listed.pop("L", None)
+    return tuple(Loop(LOOP_VARS[a], a, f"gs.{a}") for a in listed)
+
+
+def _view(spec: Spec, side: str, fixed: dict[str, str], widen: bool) -> View:
+    """The canonical view of one side's leaf inside the loops, its heads narrowed to the call's range."""
+    geometry = "gs" if side == "src" else "gd"
+    extent = {a: f"{geometry}.{a}" for a in AXES}
+    if widen:
+        extent["C"] = "w.C"
+    leaf = f"{side}_caches" + "".join(f"[{fixed[a]}]" for a in spec.lists)
+    raw = f"{leaf}.view(w.dtype)" if widen else f"runtime.bits({leaf})"
+    view = select(canonical(raw, spec.dims, extent), fixed)
+    if "H" in view.axes:
+        view = View(f"{view.expr}.narrow({view.axes.index('H')}, p.{side}_h, p.heads)", view.axes)
+    return view
+
+
+def _token_index(view: View, side: str) -> tuple[str, tuple[str, ...]]:
+    """The index suffix picking the call's tokens on one side, and the dims of the result."""
+    slots = (SLOT,) if SLOT in view.axes else ("B", "N")
+    names = {SLOT: f"p.{side}_slots", "B": f"p.{side}_blk", "N": f"p.{side}_off"}
+    return index_suffix(view.axes, {a: names[a] for a in slots}), indexed_order(view.axes, slots)
+
+
+def _axes(axes: tuple[str, ...]) -> str:
+    return f"[{' '.join(axes)}]"
+
+
+def copy_body(src: Spec, dst: Spec, widen: bool, layerwise: bool) -> tuple[str, ...]:
+    """The statements of `_copy` (every layer) or `_copy_layer` (one layer, `layer`)."""
+    loops = _loops(src, dst, layerwise)
+    fixed = {lp.axis: lp.var for lp in loops}
+    if layerwise:
+        fixed["L"] = "layer"
+    x, y = _view(src, "src", fixed, widen), _view(dst, "dst", fixed, widen)
+    inner = [f"x = {x.expr}  # {_axes(x.axes)}", f"y = {y.expr}  # {_axes(y.axes)}"]
+    if SLOT not in x.axes and SLOT not in y.axes:
+        order = ", ".join(str(x.axes.index(a)) for a in y.axes)
+        inner += ["if p.has_blocks:  # whole blocks onto whole blocks, x's blocks in y's dim order",
+                  f"    runtime.move_blocks(x, {x.axes.index('B')}, p.src_blocks, y, {y.axes.index('B')}, "
+                  f"p.dst_blocks, ({order}))"]
+    src_index, src_order = _token_index(x, "src")
+    dst_index, dst_order = _token_index(y, "dst")
+    inner += [f"if p.has_tokens:  # x{src_index} is {_axes(src_order)}, y{dst_index} is {_axes(dst_order)}",
+              f"    y{dst_index} = runtime.carry(x{src_index}{permute_suffix(src_order, dst_order)}, y)"]
+    head = [INDENT * i + f"for {lp.var} in range({lp.extent}):" for i, lp in enumerate(loops)]
+    return tuple(head + [INDENT * len(loops) + line for line in inner])
+
+
+def plan_transfer(pair: TransferPair) -> TransferPlan:
+    src, dst = pair.src, pair.dst
+    widen = ends_in_c(src) and ends_in_c(dst)
+    blocks = not any(d.is_slot for d in src.dims) and not any(d.is_slot for d in dst.dims)
+    methods = (Method("_copy", COPY_PARAMS, copy_body(src, dst, widen, layerwise=False)),
+               Method("_copy_layer", ("layer: int", *COPY_PARAMS), copy_body(src, dst, widen, layerwise=True)))
+    return TransferPlan(pair, widen, _loops(src, dst, False), blocks, layout_fields(src), layout_fields(dst),
+                        ("PAGED = SRC", *geometry_body(src)), ("PAGED = DST", *geometry_body(dst)), methods)
+
+
+def plan_transfers(pairs: tuple[TransferPair, ...]) -> tuple[TransferPlan, ...]:
+    return tuple(plan_transfer(p) for p in pairs)
