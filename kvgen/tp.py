@@ -101,9 +101,32 @@ def plan(num_kv_heads: int, src_tp: int, dst_tp: int, *, mla: bool = False) -> t
     return tuple(routes)
 
 
+def explain(num_kv_heads: int, src_tp: int, dst_tp: int, *, mla: bool = False) -> list[str]:
+    """The plan in words, one line per route (what `kvgen explain --tp` prints)."""
+    routes = plan(num_kv_heads, src_tp, dst_tp, mla=mla)
+    if mla:
+        head = (f"TP {src_tp} -> {dst_tp}, MLA: every rank holds the whole latent; each destination rank reads it "
+                "from one source rank")
+    else:
+        head = (f"TP {src_tp} -> {dst_tp}, {num_kv_heads} KV heads: a source rank holds "
+                f"{local_heads(num_kv_heads, src_tp)}, a destination rank {local_heads(num_kv_heads, dst_tp)}"
+                + (" (heads replicated over ranks: each is read from one)" if max(src_tp, dst_tp) > num_kv_heads
+                   else ""))
+    lines = [head]
+    for r in routes:
+        first = 0 if mla else rank_heads(num_kv_heads, src_tp, r.src_rank)[0] + r.src_heads[0]
+        where = "" if mla else f"   global head {first}" if r.count == 1 else \
+            f"   global heads {first}..{first + r.count - 1}"
+        lines.append(f"  src rank {r.src_rank} -> dst rank {r.dst_rank}: src_heads={r.src_heads}, "
+                     f"dst_heads={r.dst_heads}{where}")
+    lines.append(f"{len(routes)} transfer calls: T().copy(src_caches, src_slots, dst_caches, dst_slots, "
+                 "src_heads=..., dst_heads=...) on each route")
+    return lines
+
+
 def _route(run: list[int], d: int, src: list[Heads], dst: list[Heads]) -> Route:
     first, end, s = run
     return Route(s, d, (first - src[s][0], end - src[s][0]), (first - dst[d][0], end - dst[d][0]))
 
 
-__all__ = ["Heads", "Route", "local_heads", "plan", "rank_heads"]
+__all__ = ["Heads", "Route", "explain", "local_heads", "plan", "rank_heads"]

@@ -25,8 +25,9 @@ from kvgen.oracle.scenarios import allocate, clone_tree, same_bits
 from kvgen.runtime.ops import bits
 from kvgen.spec.model import Spec
 
-#: Source extents: 3 layers, 2 heads, 4 values per head, 12 blocks of 4 slots.
-SRC_EXT = {"L": 3, "KV": 2, "H": 2, "C": 4, "N": 4, "B": 12}
+#: Source extents: 2 layers, 2 heads, 4 values per head (16-byte words at float32), 12 blocks
+#: of 4 slots. Equal extents hide nothing: every element's value encodes its coordinates.
+SRC_EXT = {"L": 2, "KV": 2, "H": 2, "C": 4, "N": 4, "B": 12}
 #: Destination extents: another block count, so a B/N mix-up lands elsewhere.
 DST_EXT = {**SRC_EXT, "B": 10}
 #: Destination salt: its codes never equal a source code (float32 and 16-bit types).
@@ -56,12 +57,20 @@ def _partial_ends(rng: random.Random, s: Mapping[str, int], d: Mapping[str, int]
     return block_table(rng, s, 14, 1), block_table(rng, d, 14, 1)
 
 
+def _partial_minus1(rng: random.Random, s: Mapping[str, int], d: Mapping[str, int]) -> Mapping2:
+    """Partial blocks at both ends, whole blocks between, a -1 inside a whole block on each side
+    (so those blocks fall back to single tokens) and a -1 on both sides at once."""
+    src, dst = _partial_ends(rng, s, d)
+    src[5], dst[9], src[12], dst[12] = -1, -1, -1, -1
+    return src, dst
+
+
 def _misaligned(rng: random.Random, s: Mapping[str, int], d: Mapping[str, int]) -> Mapping2:
-    return block_table(rng, s, 13, 2), block_table(rng, d, 13)
+    return block_table(rng, s, 9, 2), block_table(rng, d, 9)
 
 
 def _random(rng: random.Random, s: Mapping[str, int], d: Mapping[str, int]) -> Mapping2:
-    return rng.sample(range(s["B"] * s["N"]), 20), rng.sample(range(d["B"] * d["N"]), 20)
+    return rng.sample(range(s["B"] * s["N"]), 12), rng.sample(range(d["B"] * d["N"]), 12)
 
 
 def _minus1(side: int) -> MakeMapping:
@@ -107,6 +116,7 @@ SCENARIOS = {sc.name: sc for sc in (
     TransferScenario("whole_blocks", _blocks),
     TransferScenario("consecutive_blocks", _consecutive_blocks),
     TransferScenario("partial_ends", _partial_ends),
+    TransferScenario("partial_minus1", _partial_minus1),
     TransferScenario("misaligned", _misaligned),
     TransferScenario("random_slots", _random),
     TransferScenario("minus1_src", _minus1(0)),

@@ -151,6 +151,8 @@ def _pairs(doc: Document, library: Library) -> tuple[list[tuple[Spec, Spec, tupl
     pairs, problems = [], []
     for i, line in enumerate(doc.data["transfers"]):
         path = ("transfers", i)
+        if not isinstance(line, str):
+            continue  # the schema's problem
         match = _LINE.match(line)
         if match is None:
             problems.append(doc.problem(path, f"{short(line)} is not a transfer: write 'SOURCE -> DESTINATION', or "
@@ -190,9 +192,9 @@ def check_transfers(library: Library, files: Iterable[Path]) -> tuple[TransferPa
             problems.extend(exc.problems)
             continue
         found = _schema_problems(doc)
-        if found:
-            problems.extend(found)
-            continue
+        problems.extend(found)
+        if any(len(p.path) != 2 or p.path[0] != "transfers" for p in found):
+            continue  # the file's shape is wrong; a wrong item still lets the others be checked
         pairs, found = _pairs(doc, library)
         problems.extend(found)
         for src, dst, where in pairs:
