@@ -102,7 +102,7 @@ def test_every_scenario(module: str, layerwise: bool, device: str) -> None:
 @pytest.mark.parametrize("module", REPRESENTATIVE[:3])
 def test_dtypes(module: str, dtype: torch.dtype, device: str) -> None:
     src, dst = MODULES[module]
-    for name in ("partial_ends", "strided_and_odd"):
+    for name in ("partial_ends", "strided_src_odd_dst", "odd_src_strided_dst"):
         assert check_transfer(generated, src, dst, device, SCENARIOS[name], dtype=dtype)
 
 

@@ -102,10 +102,11 @@ class TransferScenario:
     dst_ext: Mapping[str, int] = field(default_factory=lambda: DST_EXT)
     src_heads: tuple[int, int] | None = None
     dst_heads: tuple[int, int] | None = None
-    #: Source leaves are permuted views into a larger buffer; destination leaves start one
-    #: element into their storage (no wide word fits either).
-    strided_src: bool = False
-    odd_dst: bool = False
+    #: How each side's leaves are stored: "" contiguous, "strided" permuted views into a larger
+    #: buffer (no dims merge, the last dim is not contiguous), "odd" one element into their
+    #: storage (no wide word fits).
+    src_storage: str = ""
+    dst_storage: str = ""
 
     @property
     def needs_heads(self) -> bool:
@@ -129,7 +130,8 @@ SCENARIOS = {sc.name: sc for sc in (
     TransferScenario("heads_into_wider", _blocks, dst_ext={**DST_EXT, "H": 4}, dst_heads=(2, 4)),
     TransferScenario("heads_shifted", _random, src_ext={**SRC_EXT, "H": 3}, dst_ext={**DST_EXT, "H": 3},
                      src_heads=(0, 2), dst_heads=(1, 3)),
-    TransferScenario("strided_and_odd", _partial_ends, strided_src=True, odd_dst=True),
+    TransferScenario("strided_src_odd_dst", _partial_ends, src_storage="strided", dst_storage="odd"),
+    TransferScenario("odd_src_strided_dst", _misaligned, src_storage="odd", dst_storage="strided"),
 )}
 
 
@@ -179,8 +181,10 @@ def check_transfer(package: Any, src: Spec, dst: Spec, device: str, scenario: Tr
     src_map, dst_map = scenario.mapping(rng, scenario.src_ext, scenario.dst_ext)
     if transfer is None:
         transfer = package.transfer(src.name, dst.name)()
-    src_cache = make_cache(src, scenario.src_ext, dtype, device, strided=scenario.strided_src)
-    dst_cache = make_cache(dst, scenario.dst_ext, dtype, device, DST_SALT, odd_offset=scenario.odd_dst)
+    src_cache = make_cache(src, scenario.src_ext, dtype, device, strided=scenario.src_storage == "strided",
+                           odd_offset=scenario.src_storage == "odd")
+    dst_cache = make_cache(dst, scenario.dst_ext, dtype, device, DST_SALT, strided=scenario.dst_storage == "strided",
+                           odd_offset=scenario.dst_storage == "odd")
     src_before, want = clone_tree(src_cache), clone_tree(dst_cache)
     heads = {k: v for k, v in (("src_heads", scenario.src_heads), ("dst_heads", scenario.dst_heads)) if v}
     run_transfer(transfer, src_cache, torch.tensor(src_map, device=device), dst_cache,

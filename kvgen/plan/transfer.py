@@ -120,6 +120,32 @@ def _token_index(view: View, side: str) -> tuple[str, tuple[str, ...]]:
     return index_suffix(view.axes, {a: names[a] for a in slots}), indexed_order(view.axes, slots)
 
 
+def _token_copy(x: View, y: View) -> tuple[str, str]:
+    """The token path's comment and statement. A folded slot axis is one index over one dim:
+    rows move by index_select / index_copy_ (a plain copy for consecutive slots); blocks and
+    offsets index two dims at once (advanced indexing)."""
+    src_index, src_order = _token_index(x, "src")
+    dst_index, dst_order = _token_index(y, "dst")
+    if SLOT in x.axes:
+        value = f"runtime.pick(x, {x.axes.index(SLOT)}, p.src_slots)"
+    elif _adjacent(x):  # B then N: one index over both when the strides let them merge
+        value = f"runtime.pick_slots(x, {x.axes.index('B')}, p.src)"
+    else:
+        value = f"x{src_index}"
+    value += permute_suffix(src_order, dst_order)
+    if SLOT in y.axes:
+        put = f"runtime.put_index(y, {y.axes.index(SLOT)}, p.dst_slots, runtime.carry({value}, y))"
+    elif _adjacent(y):
+        put = f"runtime.put_slots(y, {y.axes.index('B')}, p.dst, runtime.carry({value}, y))"
+    else:
+        put = f"y{dst_index} = runtime.carry({value}, y)"
+    return f"x{src_index} is {_axes(src_order)}, y{dst_index} is {_axes(dst_order)}", put
+
+
+def _adjacent(view: View) -> bool:
+    return "B" in view.axes and view.axes.index("N") == view.axes.index("B") + 1
+
+
 def _axes(axes: tuple[str, ...]) -> str:
     return f"[{' '.join(axes)}]"
 
@@ -137,10 +163,8 @@ def copy_body(src: Spec, dst: Spec, widen: bool, layerwise: bool) -> tuple[str, 
         inner += ["if p.has_blocks:  # whole blocks onto whole blocks, x's blocks in y's dim order",
                   f"    runtime.move_blocks(x, {x.axes.index('B')}, p.src_blocks, y, {y.axes.index('B')}, "
                   f"p.dst_blocks, ({order}))"]
-    src_index, src_order = _token_index(x, "src")
-    dst_index, dst_order = _token_index(y, "dst")
-    inner += [f"if p.has_tokens:  # x{src_index} is {_axes(src_order)}, y{dst_index} is {_axes(dst_order)}",
-              f"    y{dst_index} = runtime.carry(x{src_index}{permute_suffix(src_order, dst_order)}, y)"]
+    comment, put = _token_copy(x, y)
+    inner += [f"if p.has_tokens:  # {comment}", f"    {put}"]
     head = [INDENT * i + f"for {lp.var} in range({lp.extent}):" for i, lp in enumerate(loops)]
     return tuple(head + [INDENT * len(loops) + line for line in inner])
 

@@ -21,7 +21,7 @@ from kvgen.runtime.ops import (
     take_rows,
     take_tokens,
 )
-from kvgen.runtime.pairs import Pairs, carry, move_blocks
+from kvgen.runtime.pairs import Pairs, carry, move_blocks, pick, pick_slots, put_slots
 from kvgen.runtime.registry import DEVICES, Registry, check_transition, convert
 from kvgen.runtime.slots import Chunk, plan_chunk
 from kvgen.runtime.transfer import TransferBase
@@ -42,5 +42,5 @@ __all__ = [
     "backend_for", "bits", "format_name", "plan_chunk", "put_tokens", "register_backend", "CacheReader",
     "DEVICES", "Registry", "check_transition", "convert",
     "require_abi", "take_tokens", "Words", "gather_slots", "scatter_slots", "take_rows", "put_rows",
-    "take_index", "put_index", "Pairs", "TransferBase", "carry", "move_blocks",
+    "take_index", "put_index", "Pairs", "TransferBase", "carry", "move_blocks", "pick", "pick_slots", "put_slots",
 ]

@@ -20,6 +20,7 @@ import torch
 
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry
+from kvgen.runtime.ops import put_index
 
 Index = torch.Tensor | slice
 
@@ -100,7 +101,7 @@ def _side(slots: torch.Tensor, block_ids: torch.Tensor | None, g: Geometry, devi
     slots = slots.to(device)
     if g.N is None:  # a folded slot axis: rows by slot
         return Side(blocks, _run(slots), None, None)
-    return Side(blocks, None, slots // g.N, slots % g.N)
+    return Side(blocks, _run(slots), slots // g.N, slots % g.N)
 
 
 def pair_slots(src_slots: torch.Tensor, dst_slots: torch.Tensor, gs: Geometry, gd: Geometry,
@@ -153,6 +154,40 @@ def pair_slots(src_slots: torch.Tensor, dst_slots: torch.Tensor, gs: Geometry, g
 def carry(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """`value` on the device of `like` (a transfer between a GPU cache and a host pool)."""
     return value if value.device == like.device else value.to(like.device)
+
+
+def pick(x: torch.Tensor, dim: int, index: Index) -> torch.Tensor:
+    """x's entries `index` along `dim`: a view for a slice, else index_select."""
+    if isinstance(index, slice):
+        return x.narrow(dim, index.start, index.stop - index.start)
+    return x.index_select(dim, index)
+
+
+def _merged(x: torch.Tensor, b: int) -> torch.Tensor | None:
+    """x with its dims b (blocks) and b + 1 (slots in a block) as one slot dim, when that is a view."""
+    if x.stride(b) != x.shape[b + 1] * x.stride(b + 1):
+        return None
+    return x.view(*x.shape[:b], x.shape[b] * x.shape[b + 1], *x.shape[b + 2:])
+
+
+def pick_slots(x: torch.Tensor, b: int, side: Side) -> torch.Tensor:
+    """The tokens of `side` from x, whose dims b and b + 1 are blocks and slots in a block: one
+    index over the merged slot dim (a view for consecutive slots) where the strides allow."""
+    merged = _merged(x, b)
+    if merged is None:
+        return x[(slice(None),) * b + (side.blk, side.off)]
+    assert side.slots is not None
+    return pick(merged, b, side.slots)
+
+
+def put_slots(y: torch.Tensor, b: int, side: Side, value: torch.Tensor) -> None:
+    """Write `value` (tokens at dim b) at the slots of `side` in y, as pick_slots reads them."""
+    merged = _merged(y, b)
+    if merged is None:
+        y[(slice(None),) * b + (side.blk, side.off)] = value
+    else:
+        assert side.slots is not None
+        put_index(merged, b, side.slots, value)
 
 
 def move_blocks(x: torch.Tensor, dx: int, xs: Index, y: torch.Tensor, dy: int, ys: Index,
