@@ -218,3 +218,26 @@ def test_one_transfer_shared_by_four_threads() -> None:
     for th in threads:
         th.join()
     assert not errors and results == [True] * 20
+
+
+def test_slots_on_another_device_are_refused() -> None:
+    src, dst = _caches()
+    _refused(_run(src, SLOTS.to("meta"), dst, SLOTS), src, dst, "must be on the cpu or on cpu (its cache's device)")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("where", ["gpu to host", "host to gpu"])
+def test_between_a_gpu_cache_and_a_host_pool(where: str) -> None:
+    nhd, host = LIBRARY["vllm_flash_attn_nhd"], LIBRARY["sglang_host_page_first"]
+    to_host = where == "gpu to host"
+    pair, (src_dev, dst_dev) = ((nhd, host), ("cuda", "cpu")) if to_host else ((host, nhd), ("cpu", "cuda"))
+    src = make_cache(pair[0], SRC_EXT, torch.float32, src_dev)
+    dst = make_cache(pair[1], DST_EXT, torch.float32, dst_dev, 10000)
+    want = [t.cpu() for t in dst] if isinstance(dst, list) else dst.cpu()
+    s, d = [4, 5, 6, 7, 9, -1, 30, 31], [1, 2, 3, 8, 9, 10, -1, 39]
+    t = generated.transfer(pair[0].name, pair[1].name)()
+    t.copy(src, torch.tensor(s), dst, torch.tensor(d, device=dst_dev))
+    host_src = [x.cpu() for x in src] if isinstance(src, list) else src.cpu()
+    transfer_reference.transfer(pair[0], SRC_EXT, host_src, s, pair[1], DST_EXT, want, d)
+    got = [x.cpu() for x in dst] if isinstance(dst, list) else dst.cpu()
+    assert same_bits(got, want)

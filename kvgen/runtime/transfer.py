@@ -261,6 +261,7 @@ def _mapping(what: str, value: Any, device: torch.device) -> torch.Tensor:
     dtype = value.dtype
     if dtype.is_floating_point or dtype.is_complex or dtype in (torch.bool, torch.uint8):
         raise KVLayoutError(f"{what} must hold signed integers (int64, int32, ...), got {describe(value)}")
-    if value.device.type == "meta":
-        raise KVLayoutError(f"{what} must be on the cpu or on {device}, got {describe(value)}")
+    if value.device.type != "cpu" and value.device != device:
+        raise KVLayoutError(f"{what} must be on the cpu or on {device} (its cache's device), got {describe(value)} "
+                            f"on {value.device}")
     return value
