@@ -52,6 +52,15 @@ def _consecutive_blocks(rng: random.Random, s: Mapping[str, int], d: Mapping[str
     return list(range(2 * s["N"], 5 * s["N"])), list(range(5 * d["N"], 5 * d["N"] + 3 * s["N"]))
 
 
+def _into_consecutive_blocks(rng: random.Random, s: Mapping[str, int], d: Mapping[str, int]) -> Mapping2:
+    """Random source blocks into consecutive destination blocks (a gather straight into them)."""
+    return block_table(rng, s, 12), list(range(4 * d["N"], 4 * d["N"] + 12))
+
+
+def _from_consecutive_blocks(rng: random.Random, s: Mapping[str, int], d: Mapping[str, int]) -> Mapping2:
+    return list(range(6 * s["N"], 6 * s["N"] + 12)), block_table(rng, d, 12)
+
+
 def _partial_ends(rng: random.Random, s: Mapping[str, int], d: Mapping[str, int]) -> Mapping2:
     """Both sides start one slot into a block: a partial block, whole blocks, a partial block."""
     return block_table(rng, s, 14, 1), block_table(rng, d, 14, 1)
@@ -116,6 +125,8 @@ class TransferScenario:
 SCENARIOS = {sc.name: sc for sc in (
     TransferScenario("whole_blocks", _blocks),
     TransferScenario("consecutive_blocks", _consecutive_blocks),
+    TransferScenario("into_consecutive_blocks", _into_consecutive_blocks),
+    TransferScenario("from_consecutive_blocks", _from_consecutive_blocks),
     TransferScenario("partial_ends", _partial_ends),
     TransferScenario("partial_minus1", _partial_minus1),
     TransferScenario("misaligned", _misaligned),

@@ -127,9 +127,9 @@ def _token_copy(x: View, y: View) -> tuple[str, str]:
     src_index, src_order = _token_index(x, "src")
     dst_index, dst_order = _token_index(y, "dst")
     if SLOT in x.axes:
-        value = f"runtime.pick(x, {x.axes.index(SLOT)}, p.src_slots)"
+        value = f"runtime.pick(x, {x.axes.index(SLOT)}, p.src_slots, p.scratch)"
     elif _adjacent(x):  # B then N: one index over both when the strides let them merge
-        value = f"runtime.pick_slots(x, {x.axes.index('B')}, p.src)"
+        value = f"runtime.pick_slots(x, {x.axes.index('B')}, p.src, p.scratch)"
     else:
         value = f"x{src_index}"
     value += permute_suffix(src_order, dst_order)
@@ -162,7 +162,7 @@ def copy_body(src: Spec, dst: Spec, widen: bool, layerwise: bool) -> tuple[str, 
         order = ", ".join(str(x.axes.index(a)) for a in y.axes)
         inner += ["if p.has_blocks:  # whole blocks onto whole blocks, x's blocks in y's dim order",
                   f"    runtime.move_blocks(x, {x.axes.index('B')}, p.src_blocks, y, {y.axes.index('B')}, "
-                  f"p.dst_blocks, ({order}))"]
+                  f"p.dst_blocks, ({order}), p.scratch)"]
     comment, put = _token_copy(x, y)
     inner += [f"if p.has_tokens:  # {comment}", f"    {put}"]
     head = [INDENT * i + f"for {lp.var} in range({lp.extent}):" for i, lp in enumerate(loops)]

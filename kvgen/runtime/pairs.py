@@ -14,6 +14,8 @@ slot written twice) and split into:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,23 @@ class Side:
     off: torch.Tensor | None
 
 
+class Scratch:
+    """Reusable gather buffers of one thread's whole copies, or of one layerwise generator: a
+    gathered chunk goes into memory that is already mapped, instead of a fresh allocation per
+    layer (on a CPU, first-touch page faults of fresh buffers cost as much as the copy). One
+    buffer per device; each use ends (its values consumed) before the next begins."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[torch.device, torch.Tensor] = {}
+
+    def take(self, shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+        need = math.prod(shape) * like.element_size()
+        buffer = self.buffers.get(like.device)
+        if buffer is None or buffer.numel() < need:
+            buffer = self.buffers[like.device] = torch.empty(need, dtype=torch.uint8, device=like.device)
+        return buffer[:need].view(like.dtype).view(tuple(shape))
+
+
 @dataclass(frozen=True)
 class Pairs:
     """What one transfer call moves; immutable, so threads never share a half-made one."""
@@ -48,6 +67,7 @@ class Pairs:
     heads: int
     has_blocks: bool
     has_tokens: bool
+    scratch: Scratch | None = None
 
     # The generated copies read these names.
     @property
@@ -156,11 +176,15 @@ def carry(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return value if value.device == like.device else value.to(like.device)
 
 
-def pick(x: torch.Tensor, dim: int, index: Index) -> torch.Tensor:
-    """x's entries `index` along `dim`: a view for a slice, else index_select."""
+def pick(x: torch.Tensor, dim: int, index: Index, scratch: Scratch | None = None) -> torch.Tensor:
+    """x's entries `index` along `dim`: a view for a slice, else index_select (into scratch)."""
     if isinstance(index, slice):
         return x.narrow(dim, index.start, index.stop - index.start)
-    return x.index_select(dim, index)
+    if scratch is None:
+        return x.index_select(dim, index)
+    shape = list(x.shape)
+    shape[dim] = index.numel()
+    return torch.index_select(x, dim, index, out=scratch.take(shape, x))
 
 
 def _merged(x: torch.Tensor, b: int) -> torch.Tensor | None:
@@ -170,14 +194,14 @@ def _merged(x: torch.Tensor, b: int) -> torch.Tensor | None:
     return x.view(*x.shape[:b], x.shape[b] * x.shape[b + 1], *x.shape[b + 2:])
 
 
-def pick_slots(x: torch.Tensor, b: int, side: Side) -> torch.Tensor:
+def pick_slots(x: torch.Tensor, b: int, side: Side, scratch: Scratch | None = None) -> torch.Tensor:
     """The tokens of `side` from x, whose dims b and b + 1 are blocks and slots in a block: one
     index over the merged slot dim (a view for consecutive slots) where the strides allow."""
     merged = _merged(x, b)
     if merged is None:
         return x[(slice(None),) * b + (side.blk, side.off)]
     assert side.slots is not None
-    return pick(merged, b, side.slots)
+    return pick(merged, b, side.slots, scratch)
 
 
 def put_slots(y: torch.Tensor, b: int, side: Side, value: torch.Tensor) -> None:
@@ -190,12 +214,39 @@ def put_slots(y: torch.Tensor, b: int, side: Side, value: torch.Tensor) -> None:
         put_index(merged, b, side.slots, value)
 
 
+#: On a CPU, blocks at least this large move one copy per run of consecutive block pairs: one
+#: pass over the data, where index_select into scratch plus index_copy_ takes two (and CPU
+#: index_copy_ is slow per element); smaller blocks go by index ops, whose cost is per call.
+LOOP_BLOCK_BYTES = 16384
+
+
+def _runs(xs: torch.Tensor, ys: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(x block, y block, count) of each run where both sides' blocks step by one."""
+    out: list[tuple[int, int, int]] = []
+    for a, b in zip(xs.tolist(), ys.tolist(), strict=True):
+        if out and out[-1][0] + out[-1][2] == a and out[-1][1] + out[-1][2] == b:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((a, b, 1))
+    return out
+
+
 def move_blocks(x: torch.Tensor, dx: int, xs: Index, y: torch.Tensor, dy: int, ys: Index,
-                order: tuple[int, ...]) -> None:
+                order: tuple[int, ...], scratch: Scratch | None = None) -> None:
     """y's blocks `ys` (over dim dy) = x's blocks `xs` (over dim dx), x's dims permuted by
-    `order` into y's: one copy of views when either side's blocks are consecutive."""
-    part = x.narrow(dx, xs.start, xs.stop - xs.start) if isinstance(xs, slice) else x.index_select(dx, xs)
-    part = part.permute(order)
+    `order` into y's: one pass when either side's blocks are consecutive (a view on that side)
+    or, on a CPU, for large blocks; else a gather into scratch and a scatter."""
+    if (not isinstance(xs, slice) and not isinstance(ys, slice) and x.device.type == "cpu" == y.device.type
+            and x.numel() // max(1, x.shape[dx]) * x.element_size() >= LOOP_BLOCK_BYTES):
+        for a, b, n in _runs(xs, ys):
+            y.narrow(dy, b, n).copy_(x.narrow(dx, a, n).permute(order))
+        return
+    if isinstance(ys, slice) and not isinstance(xs, slice) and x.device == y.device:
+        # Gather straight into y's consecutive blocks, seen in x's dim order.
+        inverse = tuple(order.index(i) for i in range(len(order)))
+        torch.index_select(x, dx, xs, out=y.narrow(dy, ys.start, ys.stop - ys.start).permute(inverse))
+        return
+    part = pick(x, dx, xs, scratch).permute(order)
     if isinstance(ys, slice):
         y.narrow(dy, ys.start, ys.stop - ys.start).copy_(part)
     else:

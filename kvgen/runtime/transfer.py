@@ -20,7 +20,7 @@ from __future__ import annotations
 import operator
 import threading
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -32,7 +32,7 @@ from kvgen.runtime.connector import MAX_WORD
 from kvgen.runtime.devices import Backend, backend_for, on_stream
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, PagedLayout, describe
-from kvgen.runtime.pairs import Pairs, pair_slots
+from kvgen.runtime.pairs import Pairs, Scratch, pair_slots
 from kvgen.runtime.words import Words, widest, words
 
 COPY_KEYWORDS = ("src_heads", "dst_heads")
@@ -69,6 +69,7 @@ class TransferBase:
         self._bindings: dict[tuple[str, Any], Binding] = {}
         self._apart: set[tuple[Any, Any]] = set()
         self._streams: dict[torch.device, Any] = {}
+        self._local = threading.local()  # per-thread scratch of whole copies
 
     @property
     def name(self) -> str:
@@ -80,7 +81,8 @@ class TransferBase:
              src_heads: Any = None, dst_heads: Any = None, **unknown: Any) -> None:
         """Copy every layer of the given slots; returns once the copy is done."""
         calls.refuse_unknown("copy", unknown, COPY_KEYWORDS)
-        call = self._begin(src_caches, src_slots, dst_caches, dst_slots, src_heads, dst_heads)
+        scratch = self._local.__dict__.setdefault("scratch", Scratch())  # a whole copy ends before the next
+        call = self._begin(src_caches, src_slots, dst_caches, dst_slots, src_heads, dst_heads, scratch)
         if call.pairs.moved:
             self._copy(call.src, call.dst, call.gs, call.gd, call.pairs, call.words)
         for device in dict.fromkeys((call.gs.device, call.gd.device)):
@@ -99,7 +101,8 @@ class TransferBase:
 
     def _layers(self, src_caches: Any, src_slots: Any, dst_caches: Any, dst_slots: Any, src_heads: Any,
                 dst_heads: Any, sync: bool) -> Generator[None, None, None]:
-        call = self._begin(src_caches, src_slots, dst_caches, dst_slots, src_heads, dst_heads)
+        # A generator's own scratch: two generators stepped in turn may run on streams at once.
+        call = self._begin(src_caches, src_slots, dst_caches, dst_slots, src_heads, dst_heads, Scratch())
         device = call.gs.device if call.gs.device.type != "cpu" else call.gd.device
         backend = self._backend_for(device)
         stream = self._stream(device, backend)
@@ -123,7 +126,7 @@ class TransferBase:
         return sb.geometry, db.geometry
 
     def _begin(self, src_caches: Any, src_slots: Any, dst_caches: Any, dst_slots: Any, src_heads: Any,
-               dst_heads: Any) -> Call:
+               dst_heads: Any, scratch: Scratch) -> Call:
         sb, src_tree = self._bind("src", src_caches)
         db, dst_tree = self._bind("dst", dst_caches)
         self._check_pair(sb, db)
@@ -139,7 +142,7 @@ class TransferBase:
             raise KVLayoutError(f"{self.name}: {error}") from None
         size = torch.empty(0, dtype=gs.dtype).element_size()
         width = min(sb.width, db.width) if self.widen else size
-        return Call(src_tree, dst_tree, gs, gd, pairs, words(width, size, gs.C))
+        return Call(src_tree, dst_tree, gs, gd, replace(pairs, scratch=scratch), words(width, size, gs.C))
 
     def _bind(self, side: str, kvcaches: Any) -> tuple[Binding, Any]:
         """(binding, frozen tree) of one side's cache; any changed leaf makes a new binding."""
