@@ -19,7 +19,7 @@ TINY = ["-L", "2", "--heads", "2", "--head-size", "8", "--block-size", "4", "--w
 
 def test_transfer_rows_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "r.json"
-    rc = main(["bench", *TINY, "--tokens", "6,16", "--transfers", "HND:NHD,MLA:sglang_host_mla_page_first",
+    rc = main(["bench", *TINY, "--tokens", "6,16", "--transfers", "HND:NHD,MLA:hicache_mla_page_first",
                "--json", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0
@@ -29,7 +29,7 @@ def test_transfer_rows_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixt
     rows = json.loads(out.read_text())["transfers"]
     assert [(r["src"], r["dst"], r["tokens"]) for r in rows] == [
         ("vllm_flash_attn_hnd", "vllm_flash_attn_nhd", 6), ("vllm_flash_attn_hnd", "vllm_flash_attn_nhd", 16),
-        ("vllm_mla", "sglang_host_mla_page_first", 6), ("vllm_mla", "sglang_host_mla_page_first", 16)]
+        ("vllm_mla", "hicache_mla_page_first", 6), ("vllm_mla", "hicache_mla_page_first", 16)]
     assert [r["via"] for r in rows] == ["kv_2ltd", "kv_2ltd", "kv_mla", "kv_mla"]
     for r in rows:
         assert r["matches"] is True

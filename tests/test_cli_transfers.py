@@ -10,10 +10,10 @@ from kvgen.tp import plan
 
 
 def test_explain_lists_the_transfers_of_a_layout(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["explain", "sglang_host_page_first"]) == 0
+    assert main(["explain", "hicache_page_first"]) == 0
     out = capsys.readouterr().out
     assert "  transfers:" in out
-    assert "vllm_flash_attn_nhd -> sglang_host_page_first (xfer__vllm_flash_attn_nhd__sglang_host_page_first, " \
+    assert "vllm_flash_attn_nhd -> hicache_page_first (xfer__vllm_flash_attn_nhd__hicache_page_first, " \
            "declared at specs/transfers.yaml:" in out
 
 

@@ -132,7 +132,7 @@ def test_bad_head_ranges(heads: dict[str, Any], word: str, layerwise: bool) -> N
 
 
 def test_a_layout_without_heads_takes_only_the_whole_latent() -> None:
-    mla, host = LIBRARY["vllm_mla"], LIBRARY["sglang_host_mla_page_first"]
+    mla, host = LIBRARY["vllm_mla"], LIBRARY["hicache_mla_page_first"]
     src, dst = make_cache(mla, SRC_EXT, torch.float32, "cpu"), make_cache(host, DST_EXT, torch.float32, "cpu", 10000)
     t = generated.transfer(mla.name, host.name)()
     with pytest.raises(KVLayoutError, match="no head axis"):
@@ -228,7 +228,7 @@ def test_slots_on_another_device_are_refused() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("where", ["gpu to host", "host to gpu"])
 def test_between_a_gpu_cache_and_a_host_pool(where: str) -> None:
-    nhd, host = LIBRARY["vllm_flash_attn_nhd"], LIBRARY["sglang_host_page_first"]
+    nhd, host = LIBRARY["vllm_flash_attn_nhd"], LIBRARY["hicache_page_first"]
     to_host = where == "gpu to host"
     pair, (src_dev, dst_dev) = ((nhd, host), ("cuda", "cpu")) if to_host else ((host, nhd), ("cpu", "cuda"))
     src = make_cache(pair[0], SRC_EXT, torch.float32, src_dev)

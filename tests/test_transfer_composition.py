@@ -116,7 +116,7 @@ def test_resharding_there_and_back_restores_every_head(heads: int, there: int, m
 
 
 def test_resharding_an_mla_latent_reads_one_source_per_destination() -> None:
-    mla, host = LIBRARY["vllm_mla"], LIBRARY["sglang_host_mla_page_first"]
+    mla, host = LIBRARY["vllm_mla"], LIBRARY["hicache_mla_page_first"]
     latent = make_cache(mla, SRC_EXT, torch.float32, "cpu")
     sources = [clone_tree(latent) for _ in range(2)]  # replicated: every rank holds the same latent
     dests = [make_cache(host, DST_EXT, torch.float32, "cpu", 10000) for _ in range(4)]

@@ -32,10 +32,10 @@ CORE = ("partial_minus1", "larger_dst_blocks", "heads_shifted")
 REPRESENTATIVE = (
     "xfer__vllm_flash_attn_hnd__vllm_flash_attn_nhd",
     "xfer__sglang_mha__vllm_flash_attn_nhd",
-    "xfer__vllm_flash_attn_nhd__sglang_host_page_first",
+    "xfer__vllm_flash_attn_nhd__hicache_page_first",
     "xfer__dynamo_universal__vllm_kv_tuple",
-    "xfer__sglang_host_layer_first__vllm_flashinfer_nhd",
-    "xfer__vllm_mla__sglang_host_mla_page_first_direct",
+    "xfer__hicache_layer_first__vllm_flashinfer_nhd",
+    "xfer__vllm_mla__hicache_mla_page_first_direct",
     "xfer__vllm_flash_attn_nhd__vllm_flash_attn_nhd",
 )
 #: Layer by layer, every scenario on these (each module's per-layer copy runs once below).
@@ -54,10 +54,10 @@ def test_the_builtin_set_covers_the_issue() -> None:
     assert both("vllm_flashinfer_nhd", "vllm_flash_attn_nhd")
     assert both("sglang_mha", "vllm_flash_attn_nhd") and both("sglang_mla", "vllm_mla")
     engines = ("vllm_flash_attn_nhd", "vllm_flash_attn_hnd", "vllm_flashinfer_nhd", "vllm_kv_tuple", "sglang_mha")
-    hosts = ("sglang_host_layer_first", "sglang_host_page_first", "sglang_host_page_first_direct",
+    hosts = ("hicache_layer_first", "hicache_page_first", "hicache_page_first_direct",
              "vllm_offload_nhd", "dynamo_universal")
     assert all(both(e, h) for e in engines for h in hosts)
-    mla_hosts = ("sglang_host_mla_layer_first", "sglang_host_mla_page_first", "sglang_host_mla_page_first_direct",
+    mla_hosts = ("hicache_mla_layer_first", "hicache_mla_page_first", "hicache_mla_page_first_direct",
                  "vllm_offload_mla")
     assert all(both(e, h) for e in ("vllm_mla", "sglang_mla") for h in mla_hosts)
 

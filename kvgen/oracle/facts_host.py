@@ -21,42 +21,42 @@ from kvgen.oracle.facts import ONE_TENSOR, Address, Geometry, _fact
 
 # MHATokenToKVPoolHost.init_kv_buffer, layout "layer_first": dims (2, layer_num, size, head_num,
 # head_dim); k_buffer is kv_buffer[0], v_buffer kv_buffer[1].
-@_fact("sglang_host_layer_first", "paged", ONE_TENSOR, lambda g: (2, g.L, g.B * g.N, g.H, g.C))
-def sglang_host_layer_first(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+@_fact("hicache_layer_first", "paged", ONE_TENSOR, lambda g: (2, g.L, g.B * g.N, g.H, g.C))
+def hicache_layer_first(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (kv, layer, slot, h, c)
 
 
 # layout "page_first": dims (2, size, layer_num, head_num, head_dim) (per-layer views are
 # kv_buffer[i].transpose(0, 1)[layer]).
-@_fact("sglang_host_page_first", "paged", ONE_TENSOR, lambda g: (2, g.B * g.N, g.L, g.H, g.C))
-def sglang_host_page_first(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+@_fact("hicache_page_first", "paged", ONE_TENSOR, lambda g: (2, g.B * g.N, g.L, g.H, g.C))
+def hicache_page_first(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (kv, slot, layer, h, c)
 
 
 # layout "page_first_direct": dims (2, page_num, layer_num, page_size, head_num, head_dim); a host
 # slot is page slot // page_size, row slot % page_size (transfer_kv_per_layer_direct_pf_lf copies
 # whole pages).
-@_fact("sglang_host_page_first_direct", "paged", ONE_TENSOR, lambda g: (2, g.B, g.L, g.N, g.H, g.C))
-def sglang_host_page_first_direct(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+@_fact("hicache_page_first_direct", "paged", ONE_TENSOR, lambda g: (2, g.B, g.L, g.N, g.H, g.C))
+def hicache_page_first_direct(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (kv, slot // g.N, layer, slot % g.N, h, c)
 
 
 # MLATokenToKVPoolHost.init_kv_buffer: "layer_first" dims (layer_num, size, 1, kv_cache_dim) with
 # kv_cache_dim = kv_lora_rank + qk_rope_head_dim; one latent, no K/V planes.
-@_fact("sglang_host_mla_layer_first", "paged", ONE_TENSOR, lambda g: (g.L, g.B * g.N, 1, g.C), {}, mla=True)
-def sglang_host_mla_layer_first(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+@_fact("hicache_mla_layer_first", "paged", ONE_TENSOR, lambda g: (g.L, g.B * g.N, 1, g.C), {}, mla=True)
+def hicache_mla_layer_first(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (layer, slot, 0, c)
 
 
 # "page_first": dims (size, layer_num, 1, kv_cache_dim).
-@_fact("sglang_host_mla_page_first", "paged", ONE_TENSOR, lambda g: (g.B * g.N, g.L, 1, g.C), {}, mla=True)
-def sglang_host_mla_page_first(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+@_fact("hicache_mla_page_first", "paged", ONE_TENSOR, lambda g: (g.B * g.N, g.L, 1, g.C), {}, mla=True)
+def hicache_mla_page_first(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (slot, layer, 0, c)
 
 
 # "page_first_direct": dims (page_num, layer_num, page_size, 1, kv_cache_dim).
-@_fact("sglang_host_mla_page_first_direct", "paged", ONE_TENSOR, lambda g: (g.B, g.L, g.N, 1, g.C), {}, mla=True)
-def sglang_host_mla_page_first_direct(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+@_fact("hicache_mla_page_first_direct", "paged", ONE_TENSOR, lambda g: (g.B, g.L, g.N, 1, g.C), {}, mla=True)
+def hicache_mla_page_first_direct(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (slot // g.N, layer, slot % g.N, 0, c)
 
 

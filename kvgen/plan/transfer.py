@@ -86,8 +86,7 @@ class TransferPlan:
         """One line for people: what the generated copy does."""
         loops = " x ".join(lp.axis for lp in self.loops)
         per = f"per {loops}" if loops else "all layers at once"
-        how = ("whole blocks onto whole blocks by index over B, the other tokens by slot"
-               if self.blocks else "tokens by slot")
+        how = "whole blocks by index over B, the other tokens by slot" if self.blocks else "tokens by slot"
         return f"{per}: {how}" + ("; wide words" if self.widen else "")
 
 
@@ -120,10 +119,10 @@ def _token_index(view: View, side: str) -> tuple[str, tuple[str, ...]]:
     return index_suffix(view.axes, {a: names[a] for a in slots}), indexed_order(view.axes, slots)
 
 
-def _token_copy(x: View, y: View) -> tuple[str, str]:
-    """The token path's comment and statement. A folded slot axis is one index over one dim:
-    rows move by index_select / index_copy_ (a plain copy for consecutive slots); blocks and
-    offsets index two dims at once (advanced indexing)."""
+def _token_copy(x: View, y: View) -> list[str]:
+    """The token path: gather `v` from x, put it into y. A folded slot axis is one index over
+    one dim: rows move by index_select / index_copy_ (a plain copy for consecutive slots);
+    blocks and offsets index two dims at once, as one merged dim where the strides allow."""
     src_index, src_order = _token_index(x, "src")
     dst_index, dst_order = _token_index(y, "dst")
     if SLOT in x.axes:
@@ -132,14 +131,27 @@ def _token_copy(x: View, y: View) -> tuple[str, str]:
         value = f"runtime.pick_slots(x, {x.axes.index('B')}, p.src, p.scratch)"
     else:
         value = f"x{src_index}"
-    value += permute_suffix(src_order, dst_order)
+    gather = f"v = runtime.carry({value}{permute_suffix(src_order, dst_order)}, y)  # {_axes(dst_order)}"
     if SLOT in y.axes:
-        put = f"runtime.put_index(y, {y.axes.index(SLOT)}, p.dst_slots, runtime.carry({value}, y))"
+        put = f"runtime.put_index(y, {y.axes.index(SLOT)}, p.dst_slots, v)"
     elif _adjacent(y):
-        put = f"runtime.put_slots(y, {y.axes.index('B')}, p.dst, runtime.carry({value}, y))"
+        put = f"runtime.put_slots(y, {y.axes.index('B')}, p.dst, v)"
     else:
-        put = f"y{dst_index} = runtime.carry({value}, y)"
-    return f"x{src_index} is {_axes(src_order)}, y{dst_index} is {_axes(dst_order)}", put
+        put = f"y{dst_index} = v"
+    return ["if p.has_tokens:  # single tokens by slot", f"{INDENT}{gather}", f"{INDENT}{put}"]
+
+
+def _fit(lines: list[str], indent: int = 8) -> list[str]:
+    """Lines as placed `indent` deep in a method: a trailing comment that would pass 120
+    characters goes on a line of its own above its statement."""
+    out = []
+    for line in lines:
+        code, sep, comment = line.partition("  # ")
+        if sep and indent + len(line) > 120:
+            out += [f"{code[:len(code) - len(code.lstrip())]}# {comment}", code]
+        else:
+            out.append(line)
+    return out
 
 
 def _adjacent(view: View) -> bool:
@@ -161,12 +173,11 @@ def copy_body(src: Spec, dst: Spec, widen: bool, layerwise: bool) -> tuple[str, 
     if SLOT not in x.axes and SLOT not in y.axes:
         order = ", ".join(str(x.axes.index(a)) for a in y.axes)
         inner += ["if p.has_blocks:  # whole blocks onto whole blocks, x's blocks in y's dim order",
-                  f"    runtime.move_blocks(x, {x.axes.index('B')}, p.src_blocks, y, {y.axes.index('B')}, "
+                  f"{INDENT}runtime.move_blocks(x, {x.axes.index('B')}, p.src_blocks, y, {y.axes.index('B')}, "
                   f"p.dst_blocks, ({order}), p.scratch)"]
-    comment, put = _token_copy(x, y)
-    inner += [f"if p.has_tokens:  # {comment}", f"    {put}"]
+    inner += _token_copy(x, y)
     head = [INDENT * i + f"for {lp.var} in range({lp.extent}):" for i, lp in enumerate(loops)]
-    return tuple(head + [INDENT * len(loops) + line for line in inner])
+    return tuple(_fit(head + [INDENT * len(loops) + line for line in inner]))
 
 
 def plan_transfer(pair: TransferPair) -> TransferPlan:

@@ -6,7 +6,7 @@ paged layouts, one line each:
     kvgen: 1
     transfers:
       - vllm_flash_attn_hnd -> vllm_flash_attn_nhd     # one direction
-      - NHD <-> sglang_host_page_first                 # both directions
+      - NHD <-> hicache_page_first                 # both directions
 
 Names resolve like everywhere else (spec name, alias, LMCache format name, any case). The
 file is read with the spec loader's safe YAML, checked against its own JSON Schema

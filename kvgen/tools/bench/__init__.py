@@ -31,7 +31,7 @@ from kvgen.errors import KVGenError, SpecError
 from kvgen.tools.bench.targets import DEFAULT_LAYOUTS, DEFAULT_OBJECTS, DEFAULT_TOKENS, MLA_C
 
 #: Default transfer rows (kept here too: this module imports no torch).
-DEFAULT_TRANSFERS = ("vllm_flash_attn_hnd:vllm_flash_attn_nhd", "vllm_flash_attn_nhd:sglang_host_page_first")
+DEFAULT_TRANSFERS = ("vllm_flash_attn_hnd:vllm_flash_attn_nhd", "vllm_flash_attn_nhd:hicache_page_first")
 
 
 def _csv(text: str) -> list[str]:
