@@ -142,3 +142,23 @@ def test_a_block_path_and_a_token_path_share_a_call() -> None:
     assert torch.equal(torch.as_tensor(p.src_blocks), torch.tensor([5, 2]))  # sorted by destination block
     assert torch.equal(torch.as_tensor(p.dst_blocks), torch.tensor([3, 7]))
     assert sorted(p.dst_off.tolist()) == [1, 2, 3, 3]
+
+
+def test_a_folded_side_moves_whole_blocks_of_the_other_sides_size() -> None:
+    """A folded slot axis splits into blocks of the other side's size when that divides its
+    slots (SGLang's host pools hold whole pages); otherwise every token goes by slot."""
+    import dataclasses
+
+    from kvgen.runtime.pairs import pair_slots
+
+    src, dst = MODULES["xfer__hicache_page_first__vllm_flash_attn_nhd"]
+    t = generated.transfer(src.name, dst.name)()
+    gs, gd = t.check(make_cache(src, SRC_EXT, torch.float32, "cpu"), make_cache(dst, SRC_EXT, torch.float32, "cpu"))
+    assert gs.N is None and gd.N == 4
+    s, d = torch.arange(8, 16), torch.tensor([4, 5, 6, 7, 40, 41, 42, 43])
+    p = pair_slots(s, d, gs, gd, (0, 0, 2))
+    assert p.has_blocks and not p.has_tokens and p.block == 4
+    assert p.src_blocks == slice(2, 4) and torch.equal(torch.as_tensor(p.dst_blocks), torch.tensor([1, 10]))
+    odd = dataclasses.replace(gs, S=50)  # not whole pages of 4
+    p = pair_slots(s, d, odd, gd, (0, 0, 2))
+    assert not p.has_blocks and p.has_tokens

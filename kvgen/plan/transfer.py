@@ -154,6 +154,15 @@ def _fit(lines: list[str], indent: int = 8) -> list[str]:
     return out
 
 
+def _blocks_of(view: View, name: str) -> tuple[str, tuple[str, ...]]:
+    """A side as blocks: a folded slot axis split into (blocks, slots in a block) of the other
+    side's block size (`p.block`; the runtime takes this path only when it divides the slots)."""
+    if SLOT not in view.axes:
+        return name, view.axes
+    i = view.axes.index(SLOT)
+    return f"{name}.unflatten({i}, (-1, p.block))", (*view.axes[:i], "B", "N", *view.axes[i + 1:])
+
+
 def _adjacent(view: View) -> bool:
     return "B" in view.axes and view.axes.index("N") == view.axes.index("B") + 1
 
@@ -170,11 +179,12 @@ def copy_body(src: Spec, dst: Spec, widen: bool, layerwise: bool) -> tuple[str, 
         fixed["L"] = "layer"
     x, y = _view(src, "src", fixed, widen), _view(dst, "dst", fixed, widen)
     inner = [f"x = {x.expr}  # {_axes(x.axes)}", f"y = {y.expr}  # {_axes(y.axes)}"]
-    if SLOT not in x.axes and SLOT not in y.axes:
-        order = ", ".join(str(x.axes.index(a)) for a in y.axes)
+    if SLOT not in x.axes or SLOT not in y.axes:
+        (xe, xa), (ye, ya) = _blocks_of(x, "x"), _blocks_of(y, "y")
+        order = ", ".join(str(xa.index(a)) for a in ya)
         inner += ["if p.has_blocks:  # whole blocks onto whole blocks, x's blocks in y's dim order",
-                  f"{INDENT}runtime.move_blocks(x, {x.axes.index('B')}, p.src_blocks, y, {y.axes.index('B')}, "
-                  f"p.dst_blocks, ({order}), p.scratch)"]
+                  f"{INDENT}runtime.move_blocks({xe}, {xa.index('B')}, p.src_blocks,",
+                  f"{INDENT}                    {ye}, {ya.index('B')}, p.dst_blocks, ({order}), p.scratch)"]
     inner += _token_copy(x, y)
     head = [INDENT * i + f"for {lp.var} in range({lp.extent}):" for i, lp in enumerate(loops)]
     return tuple(_fit(head + [INDENT * len(loops) + line for line in inner]))
@@ -183,7 +193,7 @@ def copy_body(src: Spec, dst: Spec, widen: bool, layerwise: bool) -> tuple[str, 
 def plan_transfer(pair: TransferPair) -> TransferPlan:
     src, dst = pair.src, pair.dst
     widen = ends_in_c(src) and ends_in_c(dst)
-    blocks = not any(d.is_slot for d in src.dims) and not any(d.is_slot for d in dst.dims)
+    blocks = not any(d.is_slot for d in src.dims) or not any(d.is_slot for d in dst.dims)
     methods = (Method("_copy", COPY_PARAMS, copy_body(src, dst, widen, layerwise=False)),
                Method("_copy_layer", ("layer: int", *COPY_PARAMS), copy_body(src, dst, widen, layerwise=True)))
     return TransferPlan(pair, widen, _loops(src, dst, False), blocks, layout_fields(src), layout_fields(dst),

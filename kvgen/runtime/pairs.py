@@ -68,6 +68,8 @@ class Pairs:
     has_blocks: bool
     has_tokens: bool
     scratch: Scratch | None = None
+    #: Slots per block of the block path (a folded side is split into blocks of this size).
+    block: int = 0
 
     # The generated copies read these names.
     @property
@@ -152,8 +154,8 @@ def pair_slots(src_slots: torch.Tensor, dst_slots: torch.Tensor, gs: Geometry, g
         tokens = ((dst_slots.to(work).long() == slot) & keep).nonzero().flatten().tolist()
         raise KVLayoutError(f"dst_slots: slot {slot} is written by more than one token (tokens {tokens}): only one "
                             "would survive; give each token its own destination slot, or -1 to skip it")
-    n = gs.N
-    if n is None or n != gd.N or m < n:
+    n = _block_size(gs, gd)
+    if n is None or m < n:
         return Pairs(m, _side(s, None, gs, gs.device), _side(d, None, gd, gd.device), *heads, False, True)
     # A block starts at pair p when both slots start a block and the next N - 1 pairs step by
     # one on both sides; such runs never overlap (each starts at a multiple of N).
@@ -168,7 +170,20 @@ def pair_slots(src_slots: torch.Tensor, dst_slots: torch.Tensor, gs: Geometry, g
     rest[(starts[:, None] + torch.arange(n, device=work)).flatten()] = False
     src = _side(s[rest], s[starts] // n, gs, gs.device)
     dst = _side(d[rest], d[starts] // n, gd, gd.device)
-    return Pairs(m, src, dst, *heads, True, src.slots is not None or src.blk is not None)
+    return Pairs(m, src, dst, *heads, True, src.slots is not None or src.blk is not None, block=n)
+
+
+def _block_size(gs: Geometry, gd: Geometry) -> int | None:
+    """The block size whole blocks move in: both sides' N when they agree; a folded side
+    (N None) takes the other side's when it divides its slots; None: no block path."""
+    if gs.N is None and gd.N is None:
+        return None
+    n = gs.N if gs.N is not None else gd.N
+    assert n is not None
+    for g in (gs, gd):
+        if (g.N is not None and g.N != n) or g.S % n:
+            return None
+    return n
 
 
 def carry(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
