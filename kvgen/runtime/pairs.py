@@ -229,33 +229,13 @@ def put_slots(y: torch.Tensor, b: int, side: Side, value: torch.Tensor) -> None:
         put_index(merged, b, side.slots, value)
 
 
-#: On a CPU, blocks at least this large move one copy per run of consecutive block pairs: one
-#: pass over the data, where index_select into scratch plus index_copy_ takes two (and CPU
-#: index_copy_ is slow per element); smaller blocks go by index ops, whose cost is per call.
-LOOP_BLOCK_BYTES = 16384
-
-
-def _runs(xs: torch.Tensor, ys: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(x block, y block, count) of each run where both sides' blocks step by one."""
-    out: list[tuple[int, int, int]] = []
-    for a, b in zip(xs.tolist(), ys.tolist(), strict=True):
-        if out and out[-1][0] + out[-1][2] == a and out[-1][1] + out[-1][2] == b:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((a, b, 1))
-    return out
-
-
 def move_blocks(x: torch.Tensor, dx: int, xs: Index, y: torch.Tensor, dy: int, ys: Index,
                 order: tuple[int, ...], scratch: Scratch | None = None) -> None:
     """y's blocks `ys` (over dim dy) = x's blocks `xs` (over dim dx), x's dims permuted by
-    `order` into y's: one pass when either side's blocks are consecutive (a view on that side)
-    or, on a CPU, for large blocks; else a gather into scratch and a scatter."""
-    if (not isinstance(xs, slice) and not isinstance(ys, slice) and x.device.type == "cpu" == y.device.type
-            and x.numel() // max(1, x.shape[dx]) * x.element_size() >= LOOP_BLOCK_BYTES):
-        for a, b, n in _runs(xs, ys):
-            y.narrow(dy, b, n).copy_(x.narrow(dx, a, n).permute(order))
-        return
+    `order` into y's: one pass when either side's blocks are consecutive (a view on that side),
+    else a gather into scratch (memory already mapped, often still in cache) and a scatter.
+    (One copy per block pair would be one pass too, but single-threaded per call: slower on a
+    quiet CPU and far slower on a GPU.)"""
     if isinstance(ys, slice) and not isinstance(xs, slice) and x.device == y.device:
         # Gather straight into y's consecutive blocks, seen in x's dim order.
         inverse = tuple(order.index(i) for i in range(len(order)))
