@@ -40,13 +40,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 if hasattr(torch, "float8_e4m3fn"):
     DTYPES.append(torch.float8_e4m3fn)
 
-#: Host pools and offload stores (specs/host/) reach objects through the planner paths the engine
-#: layouts already take through every scenario; theirs run a spread of scenarios and one dtype
-#: here (`kvgen verify` runs all of them), which keeps the suite's time in bounds.
-HOST_SCENARIOS = ("partial_blocks", "noncontiguous_chunks", "strided_cache", "minus1_chunk_ends")
-HOST = {m for m, p in PLANS.items() if "/host/" in p.paged.origin}
-CASES = [(m, s, torch.float32) for m in PLANS for s in SCENARIOS if m not in HOST or s in HOST_SCENARIOS]
-CASES += [(m, "partial_blocks", d) for m in PLANS for d in DTYPES[1:2 if m in HOST else None]]
+CASES = [(m, s, torch.float32) for m in PLANS for s in SCENARIOS]
+CASES += [(m, "partial_blocks", d) for m in PLANS for d in DTYPES[1:]]
 
 
 def _ids(case: tuple) -> str:
