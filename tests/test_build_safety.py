@@ -280,7 +280,10 @@ def test_every_file_has_the_do_not_edit_header(files: dict[str, str]) -> None:
             sources.append(spec)
         assert sources, f"{name}: names no source spec"
         assert lines[2 + len(sources)].startswith("# Change the specs or templates/"), name
-        if "__" in name.removesuffix(".py").strip("_"):
+        if name.startswith("xfer__"):  # a transfer: its source and destination (once when they are one)
+            src, dst = name.removesuffix(".py").split("__")[1:]
+            assert [s.name for s in sources] == list(dict.fromkeys([src, dst])), name
+        elif "__" in name.removesuffix(".py").strip("_"):
             paged, obj = name.removesuffix(".py").removesuffix("_triton").split("__")  # a connector or its kernel
             assert [s.name for s in sources] == [paged, obj], name
         elif name == "__init__.py":

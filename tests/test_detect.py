@@ -223,9 +223,11 @@ def test_cli_detect_prints_the_layout_and_refuses_ambiguity(capsys: pytest.Captu
 
 
 def test_only_single_tree_kv_and_mla_caches_are_detected() -> None:
-    """Caches of several parts or typed fields, and K or V alone, are named, never detected."""
+    """Caches of several parts or typed fields, K or V alone, and host pools are named, never detected."""
     left = {s.name for s in LIBRARY.paged} - set(PAGED)
-    assert left == {s.name for s in LIBRARY.paged if not s.is_simple or (s.planes == 1 and s.has("H"))}
+    assert left == {s.name for s in LIBRARY.paged
+                    if not s.is_simple or (s.planes == 1 and s.has("H")) or s.placement == "host"}
+    assert "vllm_offload_nhd" in left and "vllm_cross_layer" in PAGED  # one arrangement, two places
     assert "vllm_flash_attn_nhd" in PAGED and "vllm_mla" in PAGED and "vllm_mla_fp8" in left
     cache = [torch.zeros(12, 4, 656, dtype=torch.uint8) for _ in range(3)]
     with pytest.raises(KVLayoutError, match="take its connector by name"):

@@ -38,6 +38,7 @@ from kvgen.emit.render import body_digest, render_package, unseal
 from kvgen.errors import BuildError, display_path
 from kvgen.plan.package import plan_package
 from kvgen.spec.library import data_dir, load_library
+from kvgen.spec.transfers import load_transfers
 
 try:
     import fcntl
@@ -53,7 +54,8 @@ NO_EXCHANGE_HOOK = "KVGEN_TESTHOOK_NO_EXCHANGE"
 
 def render(extra_specs: Sequence[Path] = (), *, builtin: bool = True) -> dict[str, str]:
     library = load_library(extra_specs, builtin=builtin)
-    return render_package(plan_package(library))
+    transfers = load_transfers(library, extra_specs, builtin=builtin)
+    return render_package(plan_package(library, transfers))
 
 
 def _pause() -> None:

@@ -133,8 +133,8 @@ def detectable(facts: dict[str, Any]) -> bool:
     cache of one tensor tree (spec format 1). Caches of several parts or typed fields (spec
     format 2), and caches that hold K or V alone (heads but one plane), look like others
     from their tensors alone; a deployment names them (`kv_layout=` a spec name or alias)."""
-    if "parts" in facts:
-        return False
+    if "parts" in facts or facts.get("placement", "device") != "device":
+        return False  # host pools are never what an engine hands a GPU connector
     has_heads = any("H" in dim for dim in facts["dims"])
     return not (facts.get("planes") == 1 and has_heads)
 

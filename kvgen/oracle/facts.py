@@ -22,6 +22,8 @@ Sources (projects as named on GitHub):
 - vLLM plugins: vllm-project/vllm-ascend vllm_ascend/attention/attention_v1.py,
   rebellions-sw/vllm-rbln vllm_rbln/v1/attention/backends/flash_attention.py.
 - SGLang (sgl-project/sglang): python/sglang/srt/mem_cache/memory_pool.py.
+- Host pools and offload stores (SGLang HiCache, vLLM's canonical CPU offload, Dynamo KVBM):
+  kvgen/oracle/facts_host.py, with their sources.
 - TensorRT-LLM (NVIDIA/TensorRT-LLM): cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp,
   cpp/tensorrt_llm/kernels/kvCacheUtils.h.
 - LMCache 0.5.6 (LMCache/LMCache): lmcache/v1/memory_management.py (MemoryFormat),
@@ -407,3 +409,7 @@ def disagreement(spec: Spec, g: Geometry) -> str | None:
         if got != want:
             return f"(l={layer}, kv={kv}, {pos}={p}, h={h}, c={c}) at {got}, the source says {want} ({g})"
     return None
+
+
+# Host pools and offload stores register their entries from their own module.
+from kvgen.oracle import facts_host  # noqa: E402,F401

@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import product
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvgen.plan.code import Method, copy_methods, parts_methods, parts_shape_body, shape_body
 from kvgen.plan.convert import Converter, plan_converters
@@ -18,6 +19,10 @@ from kvgen.plan.kernel import KernelPlan, make_kernel_plan
 from kvgen.plan.parts import PartsPlan, compatible_parts, plan_parts
 from kvgen.spec.library import UNDEFINED, Library
 from kvgen.spec.model import DTYPES, Spec
+
+if TYPE_CHECKING:
+    from kvgen.plan.transfer import TransferPlan
+    from kvgen.spec.transfers import TransferPair
 
 #: A layout constant's fields in the order the runtime's dataclass declares them.
 Fields = tuple[tuple[str, Any], ...]
@@ -45,7 +50,7 @@ def layout_facts(spec: Spec) -> Fields:
                                     ("dims", tuple(d.axes for d in spec.dims)), ("arrow", spec.arrow()),
                                     ("aliases", spec.aliases)]
     if spec.is_paged:
-        facts += [("lmcache", spec.lmcache_format), ("engines", spec.engines)]
+        facts += [("lmcache", spec.lmcache_format), ("engines", spec.engines), ("placement", spec.placement)]
     else:
         facts += [("format", spec.format)]
     facts.append(("planes", spec.planes))
@@ -96,6 +101,8 @@ class PackagePlan:
     layouts: tuple[tuple[str, Fields], ...]
     #: The Triton kernel of each connector, in the connectors' order.
     kernels: tuple[KernelPlan, ...] = ()
+    #: Layout-to-layout transfer modules (kvgen.plan.transfer), from the transfers files.
+    transfers: tuple[TransferPlan, ...] = ()
 
     @property
     def aliases(self) -> tuple[tuple[str, str], ...]:
@@ -126,7 +133,9 @@ def format_transitions(library: Library) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(pairs))
 
 
-def plan_package(library: Library) -> PackagePlan:
+def plan_package(library: Library, transfers: Sequence[TransferPair] = ()) -> PackagePlan:
+    from kvgen.plan.transfer import plan_transfers  # it builds on this module's layout fields
+
     plans = plan_library(library)
     return PackagePlan(
         library=library,
@@ -136,6 +145,7 @@ def plan_package(library: Library) -> PackagePlan:
         converters=tuple(plan_converters(library)),
         layouts=tuple((s.name, layout_facts(s)) for s in library.specs),
         kernels=tuple(make_kernel_plan(p) for p in plans),
+        transfers=plan_transfers(tuple(transfers)),
     )
 
 

@@ -21,6 +21,7 @@ from kvgen.runtime.ops import (
     take_rows,
     take_tokens,
 )
+from kvgen.runtime.pairs import Pairs, carry, move_blocks, pick, pick_slots, put_slots
 from kvgen.runtime.planes import (
     as_words,
     block_field,
@@ -35,6 +36,7 @@ from kvgen.runtime.planes import (
 )
 from kvgen.runtime.registry import DEVICES, Registry, check_transition, convert
 from kvgen.runtime.slots import Chunk, plan_chunk
+from kvgen.runtime.transfer import TransferBase
 from kvgen.runtime.whole import ChunkConnector
 from kvgen.runtime.words import Words
 
@@ -55,4 +57,5 @@ __all__ = [
     "take_index", "put_index",
     "PlaneGeometry", "block_field", "bytes_of", "copy_into", "region", "region_bytes", "region_starts", "row_field",
     "units", "as_words", "plane_words",
+    "Pairs", "TransferBase", "carry", "move_blocks", "pick", "pick_slots", "put_slots",
 ]

@@ -23,11 +23,14 @@ class Registry:
     """The connectors of one generated package, by (layout, object) name."""
 
     def __init__(self, package: str, layouts: Mapping[str, Mapping[str, Any]], aliases: Mapping[str, str],
-                 modules: Mapping[tuple[str, str], tuple[str, str]]):
+                 modules: Mapping[tuple[str, str], tuple[str, str]],
+                 transfers: Mapping[tuple[str, str], str] | None = None):
         self.package = package
         self.layouts = layouts
         self.aliases = aliases
         self.modules = modules
+        #: (source layout, destination layout) -> transfer module.
+        self.transfers = transfers or {}
         self.named = [Named(name, tuple(facts["aliases"]),
                             tuple(f for f in (facts.get("format"), facts.get("lmcache")) if f))
                       for name, facts in layouts.items()]
@@ -50,6 +53,17 @@ class Registry:
                                 f"{', '.join(partners) or 'nothing'}")
         module = importlib.import_module(f".{self.modules[pair][0]}", self.package)
         return module.Connector
+
+    def transfer(self, src: str, dst: str) -> type:
+        """The transfer class copying KV from `src` caches into `dst` caches (kvgen.runtime.transfer)."""
+        pair = (self.resolve(src), self.resolve(dst))
+        if pair not in self.transfers:
+            partners = sorted(d for s, d in self.transfers if s == pair[0])
+            raise KVLayoutError(f"no transfer {pair[0]} -> {pair[1]} was generated; {pair[0]} transfers to: "
+                                f"{', '.join(partners) or 'nothing'}. Declare it with one line, "
+                                f"'{pair[0]} -> {pair[1]}', in a transfers.yaml of a --specs folder and build")
+        module = importlib.import_module(f".{self.transfers[pair]}", self.package)
+        return module.Transfer
 
     def connector(self, layout: str, obj: str, device: str = "cpu", **kwargs: Any) -> Any:
         """A connector for `device`, refused now (not mid-transfer) when unsupported."""

@@ -84,15 +84,21 @@ class Library:
 
 SpecFile = tuple[Path, str]  # the file and its origin, named from its spec folder
 
+#: Files of a spec folder that declare transfers between layouts rather than a layout
+#: (read by kvgen.spec.transfers).
+TRANSFER_FILES = ("transfers.yaml", "transfers.yml")
+
 
 def spec_files(dirs: Iterable[Path]) -> list[SpecFile]:
     """Every *.yaml / *.yml under `dirs` (or the file itself), in a stable order."""
     files: list[SpecFile] = []
     for d in dirs:
         if d.is_file():
-            files.append((d, d.name))
+            if d.name not in TRANSFER_FILES:
+                files.append((d, d.name))
         elif d.is_dir():
-            found = sorted(p for p in d.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file())
+            found = sorted(p for p in d.rglob("*")
+                           if p.suffix in (".yaml", ".yml") and p.is_file() and p.name not in TRANSFER_FILES)
             files.extend((p, f"{d.resolve().name}/{p.relative_to(d).as_posix()}") for p in found)
         else:
             raise FileNotFoundError(f"spec folder {d} does not exist")

@@ -186,6 +186,8 @@ class Spec:
     aliases: tuple[str, ...]
     lmcache_format: str | None
     engines: tuple[str, ...]
+    #: "device" (an engine's GPU-side cache) or "host" (a CPU-side pool).
+    placement: str
     dtypes: tuple[str, ...]
     format: str | None
     code: int | None
@@ -331,6 +333,7 @@ def build_spec(doc: Document, origin: str | None = None) -> Spec:
         aliases=tuple(d.get("aliases", ())),
         lmcache_format=d.get("lmcache", {}).get("format"),
         engines=tuple(d.get("engines", ())),
+        placement=d.get("placement", "device"),
         dtypes=dtypes,
         format=d.get("format"),
         code=d.get("code"),

@@ -167,7 +167,7 @@ def _misplaced_fields(doc: Document) -> list[Problem]:
     """The fields that belong to the other kind, said plainly."""
     data, out = doc.data, []
     if data.get("kind") == "object":
-        for key in ("lmcache", "engines"):
+        for key in ("lmcache", "engines", "placement"):
             if key in data:
                 out.append(doc.problem((key,), f"field {key!r} is for kind: paged, not kind: object", key=True))
     else:

@@ -23,6 +23,14 @@ def _specs_arg(p: argparse.ArgumentParser) -> None:
                    help="a folder of spec files (or one file) to add to the built-in specs; repeatable")
 
 
+def _tp_sizes(text: str) -> tuple[int, int]:
+    """`2:8` -> (2, 8)."""
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"--tp takes SRC:DST, two positive TP sizes such as 2:8, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def _out_arg(p: argparse.ArgumentParser, what: str) -> None:
     from kvgen.tools.paths import default_out, describe_default_out
 
@@ -207,7 +215,31 @@ def cmd_explain(args: argparse.Namespace) -> int:
             grid = kernel_grid(p)
             print(f"      triton kernel: {grid}" if grid else "      triton kernel: none (several planes: torch ops)")
         print(f"  {_backend_line()}")
+    _explain_transfers(spec, library, args)
     return 0
+
+
+def _explain_transfers(spec: Any, library: Any, args: argparse.Namespace) -> None:
+    """The layout's declared transfers, and with --tp the resharding plan (kvgen.tp)."""
+    from kvgen.spec.transfers import load_transfers
+    from kvgen.tp import explain
+
+    if spec.is_paged:
+        try:
+            moves = [t for t in load_transfers(library, args.specs) if spec in (t.src, t.dst)]
+        except SpecError:
+            moves = []  # `kvgen build` reports a broken transfers file; explain shows the layout
+        if moves:
+            print("  transfers:")
+            for t in moves:
+                print(f"    {t.src.name} -> {t.dst.name} ({t.module}, declared at {t.declared})")
+    if args.tp is not None:
+        if not spec.is_paged:
+            raise KVGenError(f"--tp plans a resharding of paged caches; {spec.name} is a memory object")
+        src_tp, dst_tp = args.tp
+        print()
+        for line in explain(args.kv_heads, src_tp, dst_tp, mla=not spec.has("H")):
+            print(line)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -275,6 +307,10 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="how a layout addresses an element, and its connectors")
     _specs_arg(p)
     p.add_argument("name", help="layout or object: a name, an alias (any case), or an LMCache format name")
+    p.add_argument("--tp", type=_tp_sizes, default=None, metavar="SRC:DST",
+                   help="print the TP resharding plan from SRC ranks to DST ranks (head ranges per rank pair)")
+    p.add_argument("--kv-heads", type=int, default=8, metavar="N",
+                   help="the model's total KV heads, for --tp (default: 8; MLA layouts ignore it)")
     p.set_defaults(run=cmd_explain)
 
     p = sub.add_parser("verify", help="run every connector of a generated package against the reference")

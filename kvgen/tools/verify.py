@@ -127,18 +127,23 @@ def _prepare_triton(devices: list[str]) -> None:
 def main(args: Any) -> int:
     from kvgen.plan.package import plan_connectors as plan_library
     from kvgen.spec.library import load_library
+    from kvgen.spec.transfers import load_transfers
+    from kvgen.tools import verify_transfers
 
     library = load_library(args.specs)
     plans = plan_library(library)
+    transfers = load_transfers(library, args.specs)
     package = import_package(args.out)
-    problem = _mismatch(package, library, plans, args.out, args.specs)
+    problem = _mismatch(package, library, plans, args.out, args.specs) or \
+        verify_transfers.mismatch(package, transfers, args.out, args.specs)
     if problem:
         raise KVGenError(problem)
     selected = [p for p in plans if not args.only or args.only in p.module]
-    if not selected:
+    moves = [t for t in transfers if not args.only or args.only in t.module]
+    if not selected and not moves:
         raise KVGenError(f"--only {args.only!r} matches no connector of the {len(plans)} in "
-                         f"{display_path(args.out)} (it is a part of a module name such as "
-                         f"{plans[0].module}; `kvgen list` shows them)")
+                         f"{display_path(args.out)} and no transfer (it is a part of a module name such as "
+                         f"{plans[0].module} or xfer__SOURCE__DESTINATION; `kvgen list` shows them)")
     from kvgen.runtime import available_devices
 
     present = available_devices()
@@ -172,4 +177,5 @@ def main(args: Any) -> int:
     print(f"\n{rows} connector runs on {', '.join(devices)} ({len(scenarios)} slot scenarios each"
           + (f", backend {args.backend}" if args.backend else "") + "): "
           f"{rows * 2 - failures} checks passed, {failures} failed")
+    failures += verify_transfers.run(package, moves, devices)[1]
     return 1 if failures else 0

@@ -31,6 +31,9 @@ from typing import Any
 from kvgen.errors import KVGenError, SpecError
 from kvgen.tools.bench.targets import DEFAULT_LAYOUTS, DEFAULT_OBJECTS, DEFAULT_TOKENS, MLA_C
 
+#: Default transfer rows (kept here too: this module imports no torch).
+DEFAULT_TRANSFERS = ("vllm_flash_attn_hnd:vllm_flash_attn_nhd", "vllm_flash_attn_nhd:hicache_page_first")
+
 
 def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
@@ -69,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--objects", type=_csv, default=list(DEFAULT_OBJECTS), metavar="A,B",
                    help="memory objects; each layout is paired with those it has a connector for "
                         "(default: " + ",".join(DEFAULT_OBJECTS) + ")")
+    p.add_argument("--transfers", default=",".join(DEFAULT_TRANSFERS), metavar="SRC:DST,...",
+                   help="layout-to-layout transfers to measure against memcpy and the two-copy path (store into "
+                        "an object, load from it), or 'none' (default: " + ",".join(DEFAULT_TRANSFERS) + ")")
     p.add_argument("-L", "--layers", type=_positive, default=32, help="layers of the cache (default: 32)")
     p.add_argument("--heads", type=_positive, default=8, help="KV heads (ignored by MLA layouts; default: 8)")
     p.add_argument("--head-size", type=_positive, default=128,
@@ -137,7 +143,7 @@ def main(args: argparse.Namespace) -> int:
     if args.plot is not None:
         report.plot(data, args.plot)
         print(f"wrote {args.plot}")
-    return 1 if any(not r.naive_matches for r in result.rows) else 0
+    return 1 if any(not r.naive_matches for r in result.rows) or any(not r.matches for r in result.transfers) else 0
 
 
 __all__ = ["DEFAULT_LAYOUTS", "DEFAULT_OBJECTS", "DEFAULT_TOKENS", "MLA_C", "add_arguments", "main"]

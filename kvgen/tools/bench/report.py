@@ -84,7 +84,8 @@ def as_json(result: Result, machine: dict[str, Any]) -> dict[str, Any]:
     return {"machine": machine, "config": result.config, "rows": rows,
             "check_costs": [c.as_dict() for c in result.checks],
             "memcpy_variation_limit": MEMCPY_VARIATION_LIMIT,
-            "memcpy_unstable_rows": sum(1 for r in result.rows if r.memcpy_unstable)}
+            "memcpy_unstable_rows": sum(1 for r in result.rows if r.memcpy_unstable),
+            "transfers": [r.as_dict() for r in result.transfers]}
 
 
 def text(result: Result, machine: dict[str, Any]) -> str:
@@ -110,6 +111,10 @@ def text(result: Result, machine: dict[str, Any]) -> str:
         out.append(f"naive baseline DISAGREED with the connector on {bad} of {len(result.rows)} rows")
     else:
         out.append(f"naive baseline agreed bit for bit with the connector on all {len(result.rows)} rows")
+    if result.transfers:
+        from kvgen.tools.bench.transfers import text as transfer_text
+
+        out += transfer_text(result.transfers)
     return "\n".join(out)
 
 

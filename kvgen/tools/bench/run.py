@@ -18,6 +18,7 @@ from kvgen.oracle.scenarios import clone_tree, same_bits, tensors_of
 from kvgen.runtime import MemoryObj, backend_for, bits, plan_chunk
 from kvgen.runtime.aliasing import check_objects_apart, check_unique_slots
 from kvgen.spec.library import load_library
+from kvgen.tools.bench import transfers as bench_transfers
 from kvgen.tools.bench.baseline import NaiveConnector, memcpy
 from kvgen.tools.bench.measure import CheckCost, Row, micro, timed_repeats
 from kvgen.tools.bench.targets import Target, connector_package, extents, select_targets, slot_mapping
@@ -136,6 +137,8 @@ class Result:
     config: dict[str, Any]
     rows: list[Row] = field(default_factory=list)
     checks: list[CheckCost] = field(default_factory=list)
+    #: Layout-to-layout transfer rows (kvgen.tools.bench.transfers).
+    transfers: list[Any] = field(default_factory=list)
 
 
 def run(args: argparse.Namespace, progress: Callable[[Row, int, int], None] | None = None) -> Result:
@@ -161,6 +164,7 @@ def run(args: argparse.Namespace, progress: Callable[[Row, int, int], None] | No
 
     with connector_package(specs) as package:
         targets = select_targets(library, package, args.layouts, args.objects)
+        moves = bench_transfers.select(args.transfers, library, package)
         total = len(targets) * len(tokens) * 2
         for layout in dict.fromkeys(t.layout for t in targets):
             paged = library[layout]
@@ -187,4 +191,6 @@ def run(args: argparse.Namespace, progress: Callable[[Row, int, int], None] | No
                         result.rows.append(row)
                         if progress:
                             progress(row, len(result.rows), total)
+        result.transfers = bench_transfers.rows(moves, args, library, package, device, dtype, num_blocks, sync, rng,
+                                                lambda t: fill_random(t, tgen), progress is not None)
     return result

@@ -1,0 +1,89 @@
+"""Facts about the host pools and offload stores that layout-to-layout transfers reach, written
+from the engines' own sources; registered into kvgen.oracle.facts.FACTS (which imports this
+module), so every test and `kvgen verify` check them like the engine layouts.
+
+Sources (projects as named on GitHub): SGLang (sgl-project/sglang)
+python/sglang/srt/mem_cache/pool_host/mha.py, mla.py and base.py; vLLM (vllm-project/vllm)
+vllm/v1/kv_offload/sharding.py and vllm/v1/kv_offload/cpu/common.py; Dynamo (ai-dynamo/dynamo)
+lib/kvbm-kernels/README.md.
+"""
+
+from __future__ import annotations
+
+from kvgen.oracle.facts import ONE_TENSOR, Address, Geometry, _fact
+
+# -- Host pools and offload stores (the far side of layout-to-layout transfers) -------------------
+
+# SGLang HiCache host pools (python/sglang/srt/mem_cache/pool_host/mha.py and mla.py, older releases
+# memory_pool_host.py). HostKVCache.__init__ (pool_host/base.py) rounds the host size up to whole
+# pages: page_num = size // page_size + 1, size = page_num * page_size, so a host slot is a token
+# row and `size` is num_blocks * block_size. Each pool is one tensor, `kv_buffer`.
+
+# MHATokenToKVPoolHost.init_kv_buffer, layout "layer_first": dims (2, layer_num, size, head_num,
+# head_dim); k_buffer is kv_buffer[0], v_buffer kv_buffer[1].
+@_fact("hicache_layer_first", "paged", ONE_TENSOR, lambda g: (2, g.L, g.B * g.N, g.H, g.C))
+def hicache_layer_first(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+    return (), (kv, layer, slot, h, c)
+
+
+# layout "page_first": dims (2, size, layer_num, head_num, head_dim) (per-layer views are
+# kv_buffer[i].transpose(0, 1)[layer]).
+@_fact("hicache_page_first", "paged", ONE_TENSOR, lambda g: (2, g.B * g.N, g.L, g.H, g.C))
+def hicache_page_first(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+    return (), (kv, slot, layer, h, c)
+
+
+# layout "page_first_direct": dims (2, page_num, layer_num, page_size, head_num, head_dim); a host
+# slot is page slot // page_size, row slot % page_size (transfer_kv_per_layer_direct_pf_lf copies
+# whole pages).
+@_fact("hicache_page_first_direct", "paged", ONE_TENSOR, lambda g: (2, g.B, g.L, g.N, g.H, g.C))
+def hicache_page_first_direct(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+    return (), (kv, slot // g.N, layer, slot % g.N, h, c)
+
+
+# MLATokenToKVPoolHost.init_kv_buffer: "layer_first" dims (layer_num, size, 1, kv_cache_dim) with
+# kv_cache_dim = kv_lora_rank + qk_rope_head_dim; one latent, no K/V planes.
+@_fact("hicache_mla_layer_first", "paged", ONE_TENSOR, lambda g: (g.L, g.B * g.N, 1, g.C), {}, mla=True)
+def hicache_mla_layer_first(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+    return (), (layer, slot, 0, c)
+
+
+# "page_first": dims (size, layer_num, 1, kv_cache_dim).
+@_fact("hicache_mla_page_first", "paged", ONE_TENSOR, lambda g: (g.B * g.N, g.L, 1, g.C), {}, mla=True)
+def hicache_mla_page_first(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+    return (), (slot, layer, 0, c)
+
+
+# "page_first_direct": dims (page_num, layer_num, page_size, 1, kv_cache_dim).
+@_fact("hicache_mla_page_first_direct", "paged", ONE_TENSOR, lambda g: (g.B, g.L, g.N, 1, g.C), {}, mla=True)
+def hicache_mla_page_first_direct(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+    return (), (slot // g.N, layer, slot % g.N, 0, c)
+
+
+# vLLM canonical CPU offload (vllm-project/vllm PRs #48408 / #48414): vllm/v1/kv_offload/sharding.py
+# defines each layer's canonical page as the whole block with all KV heads. For split K/V in NHD order
+# `_attention_channels` places region r (K = 0, V = 1), token t, global head h at byte
+# ((r * block_size + t) * total_heads + h) * head_size * element_size: a page [2, N, H, C].
+# vllm/v1/kv_offload/cpu/common.py lays a CPU row (one offloaded block) out as the layers' canonical
+# pages one after another (canonical_offset grows by canonical_page_size_bytes per layer), so the
+# CPU region is [num_blocks, L, 2, N, H, C] (format identity "v1-nhd").
+@_fact("vllm_offload_nhd", "paged", ONE_TENSOR, lambda g: (g.B, g.L, 2, g.N, g.H, g.C))
+def vllm_offload_nhd(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+    return (), (slot // g.N, layer, kv, slot % g.N, h, c)
+
+
+# sharding.py `_layer_mapping` for MLAAttentionSpec: the latent is TP-replicated, one row of
+# page_size_bytes // block_size per token, stored once (only TP rank 0 writes): a page [N, C], rows
+# of layers as above: [num_blocks, L, N, C].
+@_fact("vllm_offload_mla", "paged", ONE_TENSOR, lambda g: (g.B, g.L, g.N, g.C), {}, mla=True)
+def vllm_offload_mla(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+    return (), (slot // g.N, layer, slot % g.N, c)
+
+
+# Dynamo KVBM (ai-dynamo/dynamo lib/kvbm-kernels/README.md, "Layout Cheat Sheet"): a universal
+# block is one contiguous buffer [nh, nl, no, nt, hd] (heads, layers, K/V, tokens, head dim), heads
+# outermost so that any TP size reads its heads as one slice; a pool of them is
+# [num_blocks, H, L, 2, N, C].
+@_fact("dynamo_universal", "paged", ONE_TENSOR, lambda g: (g.B, g.H, g.L, 2, g.N, g.C))
+def dynamo_universal(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+    return (), (slot // g.N, h, layer, kv, slot % g.N, c)

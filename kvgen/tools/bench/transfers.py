@@ -1,0 +1,183 @@
+"""Transfer rows of `kvgen bench`: a generated layout-to-layout transfer against a plain copy
+of the same bytes (memcpy) and against the two-copy path a system without it takes (store the
+source cache's tokens into a memory object with the source layout's connector, load them into
+the destination cache with the destination layout's connector), in one run.
+
+The three contenders run in rotated order on every repeat; ratios are paired per repeat, as in
+the connector rows. Before timing, each row checks that the direct transfer and the two-copy
+path leave the destination cache bit for bit the same.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvgen.errors import KVLayoutError
+from kvgen.oracle.reference import leaf_shape, nest
+from kvgen.oracle.scenarios import clone_tree, same_bits
+from kvgen.runtime import MemoryObj
+from kvgen.tools.bench.baseline import memcpy
+from kvgen.tools.bench.measure import Spread, paired_ratios, timed_repeats, unstable, variation
+from kvgen.tools.bench.targets import extents, slot_mapping
+
+HEADERS = ("source", "destination", "tokens", "GB/s", "memcpy GB/s", "x memcpy min-med-max", "two-copy GB/s",
+           "x two-copy min-med-max", "via object", "memcpy var", "direct==two-copy")
+
+
+@dataclass(frozen=True)
+class TransferRow:
+    src: str
+    dst: str
+    tokens: int
+    bytes: int
+    #: The memory object of the two-copy path (None: no whole-chunk object serves both layouts).
+    via: str | None
+    seconds: Mapping[str, Sequence[float]]
+    matches: bool
+
+    def gbps(self, contender: str = "kvgen") -> float:
+        return self.bytes / statistics.median(self.seconds[contender]) / 1e9
+
+    @property
+    def x_memcpy(self) -> Spread:
+        return paired_ratios(self.seconds["memcpy"], self.seconds["kvgen"])
+
+    @property
+    def x_two_copy(self) -> Spread | None:
+        """The direct transfer's speedup over store-then-load, per repeat."""
+        return paired_ratios(self.seconds["two-copy"], self.seconds["kvgen"]) if self.via else None
+
+    def cells(self) -> tuple[str, ...]:
+        var = f"{variation(self.seconds['memcpy']) * 100:.0f}%" + (" !" if unstable(self.seconds["memcpy"]) else "  ")
+        two = self.x_two_copy
+        return (self.src, self.dst, str(self.tokens), f"{self.gbps():.2f}", f"{self.gbps('memcpy'):.2f}",
+                self.x_memcpy.cell(), f"{self.gbps('two-copy'):.2f}" if two else "-", two.cell() if two else "-",
+                self.via or "-", var, "yes" if self.matches else "NO")
+
+    def as_dict(self) -> dict[str, object]:
+        two = self.x_two_copy
+        return {"src": self.src, "dst": self.dst, "tokens": self.tokens, "bytes": self.bytes, "via": self.via,
+                "gbps": self.gbps(), "memcpy_gbps": self.gbps("memcpy"),
+                "two_copy_gbps": self.gbps("two-copy") if two else None, "x_memcpy": vars(self.x_memcpy),
+                "x_two_copy": vars(two) if two else None, "memcpy_variation": variation(self.seconds["memcpy"]),
+                "matches": self.matches, "repeat_seconds": {k: list(v) for k, v in self.seconds.items()}}
+
+
+def parse(text: str) -> list[tuple[str, str]]:
+    """`A:B,C:D` -> [(A, B), (C, D)]; `none` (or nothing) -> no transfer rows."""
+    if text.strip().lower() in ("", "none"):
+        return []
+    pairs = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        src, sep, dst = item.partition(":")
+        if not sep or not src or not dst:
+            raise ValueError(f"--transfers takes SOURCE:DESTINATION pairs separated by commas, got {item!r}")
+        pairs.append((src, dst))
+    return pairs
+
+
+def _via(package: Any, library: Any, src: str, dst: str) -> tuple[str, type, type] | None:
+    """A whole-chunk memory object both layouts have connectors for: the two-copy path's."""
+    for obj in library.objects:
+        classes = []
+        for layout in (src, dst):
+            try:
+                cls = package.get(layout, obj.name)
+            except KVLayoutError:
+                break
+            if cls.layerwise:
+                break
+            classes.append(cls)
+        if len(classes) == 2:
+            return obj.name, classes[0], classes[1]
+    return None
+
+
+def select(text: str, library: Any, package: Any) -> list[tuple[Any, Any, type]]:
+    """(source spec, destination spec, transfer class) of each pair `text` names; a name that
+    is not a layout, or a pair with no generated transfer, raises before anything is measured."""
+    out = []
+    for src_name, dst_name in parse(text):
+        src, dst = library[src_name], library[dst_name]
+        out.append((src, dst, package.transfer(src.name, dst.name)))
+    return out
+
+
+def rows(moves: Sequence[tuple[Any, Any, type]], args: Any, library: Any, package: Any, device: torch.device,
+         dtype: torch.dtype, num_blocks: int, sync: Callable[[], None], rng: random.Random,
+         fill: Callable[[torch.Tensor], None], progress: bool) -> list[TransferRow]:
+    """Measure every selected transfer at every token count."""
+    out: list[TransferRow] = []
+    for src, dst, T in moves:
+        caches = []
+        for spec in (src, dst):
+            ext = extents(spec, args.layers, args.heads, args.head_size, args.block_size, num_blocks)
+            shape = leaf_shape(spec, ext)
+
+            def make(path: Any, shape: tuple[int, ...] = shape) -> torch.Tensor:
+                t = torch.empty(shape, dtype=dtype, device=device)
+                fill(t)
+                return t
+
+            caches.append(nest(spec, ext, make))
+        via = _via(package, library, src.name, dst.name)
+        for tokens in args.tokens:
+            maps = [torch.tensor(slot_mapping(tokens, num_blocks, args.block_size, args.alloc, rng), device=device)
+                    for _ in range(2)]
+            row = _row(T(), via, caches[0], maps[0], caches[1], maps[1], tokens, device, sync, args)
+            out.append(TransferRow(src.name, dst.name, tokens, row[0], via[0] if via else None, row[1], row[2]))
+            if progress:
+                r = out[-1]
+                print(f"[transfer {len(out)}] {r.src} -> {r.dst} T={tokens}: {r.gbps():.2f} GB/s (memcpy "
+                      f"{r.gbps('memcpy'):.2f}, two-copy {r.gbps('two-copy') if r.via else float('nan'):.2f}, "
+                      f"direct==two-copy {'yes' if r.matches else 'NO'})", file=sys.stderr, flush=True)
+    return out
+
+
+def _row(transfer: Any, via: tuple[str, type, type] | None, src: Any, s: torch.Tensor, dst: Any, d: torch.Tensor,
+         tokens: int, device: torch.device, sync: Callable[[], None],
+         args: Any) -> tuple[int, dict[str, list[float]], bool]:
+    gs, _ = transfer.check(src, dst)
+    size = torch.empty(0, dtype=gs.dtype).element_size()
+    nbytes = tokens * gs.L * gs.KV * gs.H * gs.C * size
+
+    def direct() -> None:
+        transfer.copy(src, s, dst, d)
+
+    fns: dict[str, Callable[[], None]] = {"kvgen": direct, "memcpy": memcpy(nbytes, device)}
+    matches = True
+    if via is not None:
+        store, load = via[1](device=device), via[2](device=device)
+        obj = MemoryObj(torch.empty(tuple(store.get_shape(tokens, src)), dtype=gs.dtype, device=device))
+
+        def two_copy(into: Any = dst) -> None:
+            store.from_gpu(obj, 0, tokens, kvcaches=src, slot_mapping=s)
+            load.to_gpu(obj, 0, tokens, kvcaches=into, slot_mapping=d)
+
+        fns["two-copy"] = two_copy
+        twin = clone_tree(dst)
+        direct()
+        two_copy(twin)
+        matches = same_bits(dst, twin)
+    return nbytes, timed_repeats(fns, sync, args.warmup, args.repeats), matches
+
+
+def text(found: Sequence[TransferRow]) -> list[str]:
+    from kvgen.tools.bench.report import table
+
+    lines = ["", "Layout-to-layout transfers: the generated transfer (GB/s of KV moved), a plain copy of the same "
+             "bytes, and the two-copy path (store into the object, then load from it)",
+             table(HEADERS, [r.cells() for r in found]),
+             "x memcpy = memcpy seconds / transfer seconds, x two-copy = two-copy seconds / transfer seconds, "
+             "each of the same repeat"]
+    bad = sum(1 for r in found if not r.matches)
+    lines.append(f"direct transfer and two-copy path DISAGREED on {bad} of {len(found)} rows" if bad else
+                 f"direct transfer and two-copy path agreed bit for bit on all {len(found)} rows")
+    return lines

@@ -1,0 +1,68 @@
+"""`kvgen verify` for layout-to-layout transfers: the package must hold exactly the transfers
+the transfers files declare, and each one, whole and layer by layer, must leave every scenario's
+destination as the element-by-element reference does (kvgen.oracle.transfer_scenarios)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from kvgen.errors import display_path
+
+
+def mismatch(package: ModuleType, transfers: Sequence[Any], out: Path, specs: Sequence[Path]) -> str | None:
+    """Why the package's transfers and the declared ones disagree, or None."""
+    shown = display_path(out)
+    declared = {(p.src.name, p.dst.name) for p in transfers}
+    have = set(getattr(package, "TRANSFERS", {}))
+    rebuild = f"`kvgen build --out {shown}{''.join(f' --specs {display_path(s)}' for s in specs)}`"
+    extra = sorted(have - declared)
+    if extra:
+        return (f"the package at {shown} holds {len(extra)} transfers no transfers file given declares: "
+                f"{', '.join(f'{a} -> {b}' for a, b in extra)}; pass the --specs folders it was built with")
+    missing = sorted(declared - have)
+    if missing:
+        return (f"the package at {shown} lacks {len(missing)} declared transfers: "
+                f"{', '.join(f'{a} -> {b}' for a, b in missing)}; rebuild it with {rebuild}")
+    return None
+
+
+def _check(package: ModuleType, pair: Any, device: str, layerwise: bool) -> bool:
+    """Every applicable scenario through one transfer object; a raise counts as a failure."""
+    from kvgen.oracle.transfer_scenarios import SCENARIOS, applies, check_transfer
+
+    transfer = package.transfer(pair.src.name, pair.dst.name)()
+    ok = True
+    for sc in SCENARIOS.values():
+        if not applies(pair.src, pair.dst, sc):
+            continue
+        try:
+            ok &= check_transfer(package, pair.src, pair.dst, device, sc, transfer=transfer, layerwise=layerwise)
+        except Exception as exc:  # a wrong transfer may raise anything; report it and go on
+            print(f"kvgen verify: {pair.module} on {device}, scenario {sc.name}: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+            ok = False
+    return ok
+
+
+def run(package: ModuleType, selected: Sequence[Any], devices: Sequence[str]) -> tuple[int, int]:
+    """Print one row per transfer and device; (checks, failures)."""
+    if not selected:
+        return 0, 0
+    from kvgen.oracle.transfer_scenarios import SCENARIOS
+
+    print(f"\n{'source':<30} {'destination':<34} {'device':<6} {'whole ok':<8} per layer ok")
+    failures = 0
+    for device in devices:
+        for pair in selected:
+            whole, layers = _check(package, pair, device, False), _check(package, pair, device, True)
+            failures += (not whole) + (not layers)
+            print(f"{pair.src.name:<30} {pair.dst.name:<34} {device:<6} {'yes' if whole else 'NO':<8} "
+                  f"{'yes' if layers else 'NO'}", flush=True)
+    checks = 2 * len(selected) * len(devices)
+    print(f"\n{len(selected) * len(devices)} transfer runs ({len(SCENARIOS)} scenarios each, whole and per layer): "
+          f"{checks - failures} checks passed, {failures} failed")
+    return checks, failures

@@ -1,0 +1,243 @@
+"""Every input of a transfer is checked before the first write, whole and layer by layer:
+caches (each against its layout, then against each other: L, KV, C, dtype, shared memory),
+slot tensors, head ranges and keywords. A refused call leaves both caches bit-for-bit as they
+were; a layerwise transfer refuses at its first next(), before layer 0."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from kvgen import generated
+from kvgen.oracle import transfer_reference
+from kvgen.oracle.scenarios import clone_tree, same_bits
+from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT, make_cache
+from kvgen.runtime import KVLayoutError
+from kvgen.spec.library import load_library
+
+LIBRARY = load_library()
+HND, NHD = LIBRARY["vllm_flash_attn_hnd"], LIBRARY["vllm_flash_attn_nhd"]
+T = generated.transfer("vllm_flash_attn_hnd", "vllm_flash_attn_nhd")
+SLOTS = torch.tensor([4, 5, 6, 7, 9, 10, 30])
+
+
+def _caches(src_ext: dict[str, int] = SRC_EXT, dst_ext: dict[str, int] = DST_EXT) -> tuple[Any, Any]:
+    return make_cache(HND, src_ext, torch.float32, "cpu"), make_cache(NHD, dst_ext, torch.float32, "cpu", 10000)
+
+
+def _refused(call: Callable[[Any, Any], Any], src: Any, dst: Any, *words: str, layerwise: bool = False) -> str:
+    """Run `call(transfer, layerwise)`; it must raise KVLayoutError saying `words` and write nothing."""
+    before_src, before_dst = clone_tree(src), clone_tree(dst)
+    transfer = T()
+    with pytest.raises(KVLayoutError) as info:
+        result = call(transfer, layerwise)
+        if layerwise:
+            next(result)  # the checks run at the first step
+    message = str(info.value)
+    for word in words:
+        assert word in message, message
+    assert same_bits(src, before_src) and same_bits(dst, before_dst), "a refused transfer wrote"
+    return message
+
+
+def _run(src: Any, s: Any, dst: Any, d: Any, **kw: Any) -> Callable[[Any, bool], Any]:
+    def call(transfer: Any, layerwise: bool) -> Any:
+        if layerwise:
+            return transfer.copy_layers(src, s, dst, d, **kw)
+        return transfer.copy(src, s, dst, d, **kw)
+    return call
+
+
+FORMS = pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+
+
+@FORMS
+def test_source_cache_of_another_layout(layerwise: bool) -> None:
+    src, dst = _caches()
+    wrong = make_cache(LIBRARY["vllm_kv_tuple"], SRC_EXT, torch.float32, "cpu")
+    _refused(_run(wrong, SLOTS, dst, SLOTS), src, dst, "src_caches", "vllm_flash_attn_hnd", "L -> [KV=2 B H N C]",
+             layerwise=layerwise)
+
+
+@FORMS
+def test_destination_that_is_no_cache(layerwise: bool) -> None:
+    src, dst = _caches()
+    _refused(_run(src, SLOTS, {"k": 1}, SLOTS), src, dst, "dst_caches", "vllm_flash_attn_nhd", layerwise=layerwise)
+
+
+@FORMS
+@pytest.mark.parametrize("axis,value", [("L", 3), ("C", 8)])
+def test_caches_that_disagree_on_an_extent(axis: str, value: int, layerwise: bool) -> None:
+    src, dst = _caches(dst_ext={**DST_EXT, axis: value})
+    _refused(_run(src, SLOTS, dst, SLOTS), src, dst, f"agree on {axis}", f"{axis}={value}", layerwise=layerwise)
+
+
+@FORMS
+def test_caches_of_two_dtypes(layerwise: bool) -> None:
+    src = make_cache(HND, SRC_EXT, torch.float32, "cpu")
+    dst = make_cache(NHD, DST_EXT, torch.bfloat16, "cpu")
+    _refused(_run(src, SLOTS, dst, SLOTS), src, dst, "float32", "bfloat16", layerwise=layerwise)
+
+
+BAD_SLOTS = [
+    ("float", lambda: (SLOTS.float(), SLOTS), "signed integers"),
+    ("2-D", lambda: (SLOTS[None], SLOTS), "1-D"),
+    ("list", lambda: (SLOTS.tolist(), SLOTS), "1-D integer tensor"),
+    ("lengths differ", lambda: (SLOTS, SLOTS[:-1]), "7 and 6 slots"),
+    ("source slot outside", lambda: (torch.tensor([0, 48]), torch.tensor([0, 1])), "src_slots: slot 48"),
+    ("destination slot outside", lambda: (torch.tensor([0, 1]), torch.tensor([2, 40])), "dst_slots: slot 40"),
+    ("destination slot twice", lambda: (torch.tensor([0, 1, 2]), torch.tensor([5, 6, 5])), "slot 5 is written"),
+]
+
+
+@FORMS
+@pytest.mark.parametrize("name,make,word", BAD_SLOTS, ids=[b[0] for b in BAD_SLOTS])
+def test_bad_slots(name: str, make: Callable[[], tuple[Any, Any]], word: str, layerwise: bool) -> None:
+    src, dst = _caches()
+    s, d = make()
+    message = _refused(_run(src, s, dst, d), src, dst, word, layerwise=layerwise)
+    if name == "destination slot twice":
+        assert "tokens [0, 2]" in message
+
+
+def test_a_repeated_destination_slot_whose_source_is_skipped_moves_once() -> None:
+    src, dst = _caches()
+    want = clone_tree(dst)
+    s, d = [0, -1, 2], [5, 5, 7]
+    T().copy(src, torch.tensor(s), dst, torch.tensor(d))
+    transfer_reference.transfer(HND, SRC_EXT, src, s, NHD, DST_EXT, want, d)
+    assert same_bits(dst, want)
+
+
+BAD_HEADS = [
+    (dict(src_heads=(0, 1, 2)), "(start, stop) pair"),
+    (dict(src_heads="01"), "(start, stop) pair"),
+    (dict(src_heads=(True, 2)), "(start, stop) pair"),
+    (dict(src_heads=(0, 3)), "has 2 heads"),
+    (dict(dst_heads=(1, 1)), "non-empty range"),
+    (dict(src_heads=(0, 1)), "1 heads but dst_heads (0, 2) is 2"),
+    (dict(src_heads=(0, 1), dst_heads=(0, 2)), "src_heads (0, 1) is 1 heads"),
+]
+
+
+@FORMS
+@pytest.mark.parametrize("heads,word", BAD_HEADS, ids=[str(h[0]) for h in BAD_HEADS])
+def test_bad_head_ranges(heads: dict[str, Any], word: str, layerwise: bool) -> None:
+    src, dst = _caches()
+    _refused(_run(src, SLOTS, dst, SLOTS, **heads), src, dst, word, layerwise=layerwise)
+
+
+def test_a_layout_without_heads_takes_only_the_whole_latent() -> None:
+    mla, host = LIBRARY["vllm_mla"], LIBRARY["hicache_mla_page_first"]
+    src, dst = make_cache(mla, SRC_EXT, torch.float32, "cpu"), make_cache(host, DST_EXT, torch.float32, "cpu", 10000)
+    t = generated.transfer(mla.name, host.name)()
+    with pytest.raises(KVLayoutError, match="no head axis"):
+        t.copy(src, SLOTS, dst, SLOTS, src_heads=(0, 2), dst_heads=(0, 2))
+    want = clone_tree(dst)
+    t.copy(src, SLOTS, dst, SLOTS, src_heads=(0, 1), dst_heads=(0, 1))
+    transfer_reference.transfer(mla, SRC_EXT, src, SLOTS.tolist(), host, DST_EXT, want, SLOTS.tolist())
+    assert same_bits(dst, want)
+
+
+@FORMS
+def test_one_cache_as_source_and_destination(layerwise: bool) -> None:
+    same = generated.transfer("vllm_flash_attn_nhd", "vllm_flash_attn_nhd")
+    cache = make_cache(NHD, SRC_EXT, torch.float32, "cpu")
+    before = clone_tree(cache)
+    with pytest.raises(KVLayoutError, match=r"dst_caches\[0\] shares memory with src_caches\[0\]"):
+        t = same()
+        out = t.copy_layers(cache, SLOTS, cache, SLOTS + 8) if layerwise else t.copy(cache, SLOTS, cache, SLOTS + 8)
+        if layerwise:
+            next(out)
+    assert same_bits(cache, before)
+
+
+@FORMS
+def test_destination_leaf_that_views_a_source_leaf(layerwise: bool) -> None:
+    src, dst = _caches(dst_ext=SRC_EXT)
+    # the destination's layer 1 is the source's layer 0 seen in NHD order
+    dst[1] = src[0].permute(0, 1, 3, 2, 4)
+    _refused(_run(src, SLOTS, dst, SLOTS), src, dst, "dst_caches[1] shares memory with src_caches[0]",
+             layerwise=layerwise)
+
+
+def test_caches_in_two_halves_of_one_buffer_are_fine() -> None:
+    shape = (2, SRC_EXT["B"], SRC_EXT["H"], SRC_EXT["N"], SRC_EXT["C"])
+    pool = torch.zeros((4, *shape))
+    src, dst = [pool[0], pool[1]], [pool[2].view(2, 12, 4, 2, 4), pool[3].view(2, 12, 4, 2, 4)]
+    for i, t in enumerate(src):
+        t.copy_(torch.arange(t.numel(), dtype=torch.float32).view(t.shape) + 1000 * i)
+    T().copy(src, SLOTS, dst, SLOTS)
+    assert torch.equal(dst[1][1, 1, 1, 0], src[1][1, 1, 0, 1])  # slot 5, head 0, value 0 of V
+
+
+@pytest.mark.parametrize("method,keyword,hint", [("copy", "src_head", "src_heads"), ("copy_layers", "snyc", "sync")])
+def test_unknown_keyword_names_a_close_match(method: str, keyword: str, hint: str) -> None:
+    src, dst = _caches()
+    with pytest.raises(TypeError, match=f"did you mean '{hint}'"):
+        getattr(T(), method)(src, SLOTS, dst, SLOTS, **{keyword: 1})
+
+
+def test_asking_for_a_pair_that_was_not_generated_says_how_to_add_it() -> None:
+    with pytest.raises(KVLayoutError, match="'vllm_rbln -> vllm_packed_nhd', in a transfers.yaml"):
+        generated.transfer("RBLN", "LBNHC")
+    with pytest.raises(KVLayoutError, match="no layout or object named 'nope'"):
+        generated.transfer("nope", "NHD")
+
+
+def test_one_transfer_shared_by_four_threads() -> None:
+    t = T()
+    errors: list[BaseException] = []
+    results: list[bool] = []
+
+    def work(seed: int) -> None:
+        try:
+            for i in range(5):
+                gen = torch.Generator().manual_seed(seed * 10 + i)
+                s = torch.randperm(48, generator=gen)[:16]
+                d = torch.randperm(40, generator=gen)[:16]
+                src, dst = _caches()
+                want = clone_tree(dst)
+                if i % 2:
+                    for _ in t.copy_layers(src, s, dst, d):
+                        pass
+                else:
+                    t.copy(src, s, dst, d)
+                transfer_reference.transfer(HND, SRC_EXT, src, s.tolist(), NHD, DST_EXT, want, d.tolist())
+                results.append(same_bits(dst, want))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors and results == [True] * 20
+
+
+def test_slots_on_another_device_are_refused() -> None:
+    src, dst = _caches()
+    _refused(_run(src, SLOTS.to("meta"), dst, SLOTS), src, dst, "must be on the cpu or on cpu (its cache's device)")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("where", ["gpu to host", "host to gpu"])
+def test_between_a_gpu_cache_and_a_host_pool(where: str) -> None:
+    nhd, host = LIBRARY["vllm_flash_attn_nhd"], LIBRARY["hicache_page_first"]
+    to_host = where == "gpu to host"
+    pair, (src_dev, dst_dev) = ((nhd, host), ("cuda", "cpu")) if to_host else ((host, nhd), ("cpu", "cuda"))
+    src = make_cache(pair[0], SRC_EXT, torch.float32, src_dev)
+    dst = make_cache(pair[1], DST_EXT, torch.float32, dst_dev, 10000)
+    want = [t.cpu() for t in dst] if isinstance(dst, list) else dst.cpu()
+    s, d = [4, 5, 6, 7, 9, -1, 30, 31], [1, 2, 3, 8, 9, 10, -1, 39]
+    t = generated.transfer(pair[0].name, pair[1].name)()
+    t.copy(src, torch.tensor(s), dst, torch.tensor(d, device=dst_dev))
+    host_src = [x.cpu() for x in src] if isinstance(src, list) else src.cpu()
+    transfer_reference.transfer(pair[0], SRC_EXT, host_src, s, pair[1], DST_EXT, want, d)
+    got = [x.cpu() for x in dst] if isinstance(dst, list) else dst.cpu()
+    assert same_bits(got, want)
