@@ -105,8 +105,8 @@ def spec_files(dirs: Iterable[Path]) -> list[SpecFile]:
     return files
 
 
-def load_specs(files: Sequence[Path | SpecFile]) -> list[tuple[Spec, Document]]:
-    """Load and check each file on its own; raise one SpecError with the problems of all files."""
+def load_each(files: Sequence[Path | SpecFile]) -> tuple[list[tuple[Spec, Document]], list[Problem]]:
+    """Load and check every file on its own: the good ones, and every problem of the others."""
     problems: list[Problem] = []
     entries: list[tuple[Spec, Document]] = []
     for item in files:
@@ -121,6 +121,12 @@ def load_specs(files: Sequence[Path | SpecFile]) -> list[tuple[Spec, Document]]:
         problems.extend(found)
         if not found:
             entries.append((spec, doc))
+    return entries, problems
+
+
+def load_specs(files: Sequence[Path | SpecFile]) -> list[tuple[Spec, Document]]:
+    """Load and check each file on its own; raise one SpecError with the problems of all files."""
+    entries, problems = load_each(files)
     if problems:
         raise SpecError(problems)
     return entries

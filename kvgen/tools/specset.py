@@ -12,31 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvgen.errors import Problem, SpecError, display_path
-from kvgen.spec.library import BUILTIN_SPECS, Library, SpecFile, load_specs, spec_files
-from kvgen.spec.loader import Document, load_document
-from kvgen.spec.model import Spec, build_spec
-from kvgen.spec.passes import check_library, check_spec
+from kvgen.errors import Problem, display_path
+from kvgen.spec.library import BUILTIN_SPECS, Library, SpecFile, load_each, load_specs, spec_files
+from kvgen.spec.loader import Document
+from kvgen.spec.model import Spec
+from kvgen.spec.passes import check_library
 
 Entry = tuple[Spec, Document]
-
-
-def load_each(files: Sequence[SpecFile]) -> tuple[list[Entry], list[Problem]]:
-    """Load and check every file on its own: the good ones, and every problem of the others."""
-    entries: list[Entry] = []
-    problems: list[Problem] = []
-    for path, origin in files:
-        try:
-            doc = load_document(path)
-        except SpecError as exc:
-            problems.extend(exc.problems)
-            continue
-        spec = build_spec(doc, origin)
-        found = check_spec(spec, doc)
-        problems.extend(found)
-        if not found:
-            entries.append((spec, doc))
-    return entries, problems
 
 
 def user_files(paths: Sequence[Path]) -> tuple[list[Entry], list[SpecFile]]:
