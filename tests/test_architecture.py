@@ -108,3 +108,19 @@ def test_generated_and_runtime_code_import_no_generator_stage() -> None:
 def test_no_hand_written_module_over_400_lines(path: Path) -> None:
     lines = len(path.read_text("utf-8").splitlines())
     assert lines <= 420, f"{path.relative_to(PACKAGE)} has {lines} lines; split it by job"
+
+
+def test_closed_vocabularies_are_enums() -> None:
+    from kvgen.plan.convert import Conversion, Direction, plan_converters
+    from kvgen.plan.copy import CopyPath, Mode, plan_library
+    from kvgen.spec.library import load_library
+    from kvgen.spec.model import Kind, Vocabulary
+
+    library = load_library()
+    plans = plan_library(library)
+    assert all(isinstance(s.kind, Kind) for s in library.specs)
+    assert {p.mode for p in plans} == set(Mode) and {p.path for p in plans} == set(CopyPath)
+    converters = plan_converters(library)
+    assert {c.kind for c in converters} <= set(Conversion) and {c.direction for c in converters} <= set(Direction)
+    assert all(issubclass(e, Vocabulary) for e in (Kind, Mode, CopyPath, Conversion, Direction))
+    assert str(Mode.WHOLE) == "whole" == Mode.WHOLE  # prints and compares as its word

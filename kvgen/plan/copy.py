@@ -36,6 +36,15 @@ class Mode(Vocabulary):
 
 WHOLE, LAYERWISE = Mode.WHOLE, Mode.LAYERWISE
 
+
+class CopyPath(Vocabulary):
+    """The copy strategy: whole blocks by index over B with the rest by slot, single tokens
+    by (block, offset) index, or rows of a folded slot axis by slot."""
+
+    BLOCKS_THEN_TOKENS = "blocks_then_tokens"
+    TOKENS_BY_SLOT = "tokens_by_slot"
+    ROWS_BY_SLOT = "rows_by_slot"
+
 #: Name of the loop variable for each axis a Python container can hold.
 LOOP_VARS = {"L": "layer", "KV": "kv"}
 #: Extent expression of each axis on the runtime geometry `g`.
@@ -117,12 +126,19 @@ class CopyPlan:
         return self.token_object.axes.index("T")
 
     @property
+    def path(self) -> CopyPath:
+        """How the generated copy reaches the cache's slots."""
+        if self.block is not None:
+            return CopyPath.BLOCKS_THEN_TOKENS
+        return CopyPath.ROWS_BY_SLOT if self.token_rows else CopyPath.TOKENS_BY_SLOT
+
+    @property
     def strategy(self) -> str:
         """One line for people: what the generated copy does."""
         loops = " x ".join(lp.axis for lp in self.loops)
         per = f"per {loops} leaf" if loops else "all layers at once"
         if self.block is None:
-            how = "tokens as rows by slot" if self.token_rows else "tokens by slot"
+            how = "tokens as rows by slot" if self.path is CopyPath.ROWS_BY_SLOT else "tokens by slot"
         else:
             extra = " x ".join(lp.axis for lp in self.block.loops)
             how = (f"whole blocks by index over B (dim {self.block.dim})" + (f" per {extra}" if extra else "")
