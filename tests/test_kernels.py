@@ -258,3 +258,16 @@ def test_list_and_explain_show_kernels_and_backends(capsys: pytest.CaptureFixtur
     assert main(["explain", "NHD"]) == 0
     out = capsys.readouterr().out
     assert "triton kernel: one launch per layer and chunk" in out and "copy backend (backend=None): cpu torch" in out
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install 'kvgen[triton]')")
+def test_verify_backend_triton_runs_kernels_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """Caches of several planes have no kernel: verify --backend triton says so instead of failing them."""
+    from kvgen.tools.cli import main
+
+    assert main(["verify", "--backend", "triton", "--device", "cpu", "--only", "vllm_mla_fp8"]) == 1
+    captured = capsys.readouterr()
+    assert "have no Triton kernel and are not run here" in captured.out
+    assert "none of the selected connectors has a Triton kernel" in captured.err
+    assert main(["verify", "--backend", "triton", "--device", "cpu", "--only", "mla__kv_mla_layer"]) == 0
+    assert "0 failed" in capsys.readouterr().out
