@@ -52,3 +52,17 @@ def test_widest_respects_storage_offset(offset: int, width: int) -> None:
     out = torch.empty_like(wide)
     take_rows(wide, index, out)
     assert torch.equal(out.view(torch.int16), rows.view(torch.int16)[index])
+
+
+def test_plane_words_view_a_single_row_with_an_odd_row_stride() -> None:
+    """A one-token chunk of a row-packed object: its row stride (30 bytes) is no whole word,
+    but a dim of one element addresses nothing, so the 4-byte view of its plane is allowed.
+    (Found by test_parts_properties: the view raised.)"""
+    from kvgen.runtime.planes import as_words
+
+    big = torch.arange(60, dtype=torch.uint8)
+    plane = big.as_strided((1, 4), (30, 1), 4)
+    words = as_words(plane, 4)
+    assert words.shape == (1, 1) and words.view(torch.uint8).tolist() == [[4, 5, 6, 7]]
+    words.fill_(0)
+    assert big[4:8].tolist() == [0, 0, 0, 0] and big[3] == 3 and big[8] == 8
