@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
-from kvgen.runtime.aliasing import CacheMemory
+from kvgen.runtime.aliasing import CacheMemory, check_cache_memory
+from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry
+from kvgen.runtime.words import widest
 
 #: The fingerprint: container lengths and per-leaf facts in tree order.
 Key = tuple[Any, ...]
@@ -75,3 +77,21 @@ def leaf_names(tree: Any, prefix: str = "kvcaches") -> list[str]:
     if isinstance(tree, torch.Tensor):
         return [prefix]
     return [name for i, sub in enumerate(tree) for name in leaf_names(sub, f"{prefix}[{i}]")]
+
+
+def new_binding(kvcaches: Any, tree: Any, key: Key, geometry: Geometry, names: tuple[str, ...], *,
+                word_limit: int | None, owner: str, argument: str) -> Binding:
+    """The checks a cache gets once its geometry is read, then its binding: its tensors'
+    memory (nothing shared), the widest copy word they allow (`word_limit` bytes at most;
+    None: the element size), and that the cache did not change while it was checked.
+    `owner` prefixes a memory problem; `argument` names the cache when it changed."""
+    tensors = leaves(tree)
+    try:
+        memory = check_cache_memory(tensors, names)
+    except KVLayoutError as error:
+        raise KVLayoutError(f"{owner}: {error}") from None
+    width = tensors[0].element_size() if word_limit is None else widest(tensors, geometry.C, word_limit)
+    if snapshot(kvcaches)[1] != key:
+        raise KVLayoutError(f"{argument} changed while it was being checked (another thread is changing it); "
+                            "nothing was moved")
+    return Binding(key, geometry, width, memory, names)

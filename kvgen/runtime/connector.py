@@ -22,8 +22,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvgen.runtime.aliasing import check_cache_memory, check_objects_apart, check_unique_slots
-from kvgen.runtime.binding import Binding, leaf_names, leaves, snapshot
+from kvgen.runtime.aliasing import check_objects_apart, check_unique_slots
+from kvgen.runtime.binding import Binding, leaf_names, new_binding, snapshot
 from kvgen.runtime.devices import Backend, backend_for, check_device
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.kernels import KernelCopies
@@ -118,17 +118,9 @@ class ConnectorBase(KernelCopies):
         if key is None:  # the geometry check accepted what is no tree of tensors
             raise KVLayoutError(f"{self.layout.name}: kvcaches must be lists or tuples of tensors, got "
                                 f"{describe(kvcaches)}")
-        tensors, names = leaves(tree), tuple(leaf_names(tree))
-        try:
-            memory = check_cache_memory(tensors, names)
-        except KVLayoutError as error:
-            raise KVLayoutError(f"{self.layout.name}: {error}") from None
-        width = widest(tensors, geometry.C, MAX_WORD.get(geometry.device.type, 8)) if self.widen \
-            else tensors[0].element_size()
-        if snapshot(kvcaches)[1] != key:
-            raise KVLayoutError(f"{self.layout.name}: kvcaches changed while it was being checked (another thread "
-                                "is changing it); nothing was moved")
-        binding = Binding(key, geometry, width, memory, names)
+        limit = MAX_WORD.get(geometry.device.type, 8) if self.widen else None
+        binding = new_binding(kvcaches, tree, key, geometry, tuple(leaf_names(tree)), word_limit=limit,
+                              owner=self.layout.name, argument=f"{self.layout.name}: kvcaches")
         with self._lock:
             if len(self._bindings) >= _BINDINGS_KEPT:
                 self._bindings.pop(next(iter(self._bindings)))

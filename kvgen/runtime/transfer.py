@@ -26,14 +26,14 @@ from typing import Any, ClassVar
 import torch
 
 from kvgen.runtime import calls
-from kvgen.runtime.aliasing import CacheMemory, check_cache_memory, share_elements
-from kvgen.runtime.binding import Binding, leaf_names, leaves, snapshot
+from kvgen.runtime.aliasing import CacheMemory, share_elements
+from kvgen.runtime.binding import Binding, leaf_names, new_binding, snapshot
 from kvgen.runtime.connector import MAX_WORD
 from kvgen.runtime.devices import Backend, backend_for, on_stream
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, PagedLayout, describe
 from kvgen.runtime.pairs import Pairs, Scratch, pair_slots
-from kvgen.runtime.words import Words, widest, words
+from kvgen.runtime.words import Words, words
 
 COPY_KEYWORDS = ("src_heads", "dst_heads")
 LAYER_KEYWORDS = (*COPY_KEYWORDS, "sync")
@@ -162,17 +162,9 @@ class TransferBase:
         if key is None:
             raise KVLayoutError(f"{side}_caches: {layout.name} caches are lists or tuples of tensors, got "
                                 f"{describe(kvcaches)}")
-        tensors, names = leaves(tree), tuple(leaf_names(tree, f"{side}_caches"))
-        try:
-            memory = check_cache_memory(tensors, names)
-        except KVLayoutError as error:
-            raise KVLayoutError(f"{layout.name}: {error}") from None
-        width = widest(tensors, geometry.C, MAX_WORD.get(geometry.device.type, 8)) if self.widen \
-            else tensors[0].element_size()
-        if snapshot(kvcaches)[1] != key:
-            raise KVLayoutError(f"{side}_caches changed while it was being checked (another thread is changing "
-                                "it); nothing was moved")
-        binding = Binding(key, geometry, width, memory, names)
+        limit = MAX_WORD.get(geometry.device.type, 8) if self.widen else None
+        binding = new_binding(kvcaches, tree, key, geometry, tuple(leaf_names(tree, f"{side}_caches")),
+                              word_limit=limit, owner=layout.name, argument=f"{side}_caches")
         with self._lock:
             mine = [k for k in self._bindings if k[0] == side]
             if len(mine) >= _BINDINGS_KEPT:

@@ -108,8 +108,29 @@ class Field:
         return self.offset + self.nbytes
 
 
+class Shaped:
+    """What a spec and each of its parts answer about their tensor dims and fixed sizes."""
+
+    dims: tuple[Dim, ...]
+    sizes: tuple[tuple[str, int], ...]
+
+    @property
+    def tensor_axes(self) -> tuple[str, ...]:
+        return tuple(a for d in self.dims for a in d.axes)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return self.tensor_axes
+
+    def has(self, axis: str) -> bool:
+        return axis in self.axes
+
+    def size(self, axis: str) -> int | None:
+        return dict(self.sizes).get(axis)
+
+
 @dataclass(frozen=True)
-class Part:
+class Part(Shaped):
     """One named tensor tree of a cache: its dims, sizes of its own axes, dtypes, fields."""
 
     name: str
@@ -119,16 +140,6 @@ class Part:
     dtypes: tuple[str, ...]
     fields: tuple[Field, ...] = ()
     fields_in: FieldsIn | None = None
-
-    @property
-    def axes(self) -> tuple[str, ...]:
-        return tuple(a for d in self.dims for a in d.axes)
-
-    def has(self, axis: str) -> bool:
-        return axis in self.axes
-
-    def size(self, axis: str) -> int | None:
-        return dict(self.sizes).get(axis)
 
     @property
     def has_slots(self) -> bool:
@@ -173,7 +184,7 @@ class Plane:
 
 
 @dataclass(frozen=True)
-class Spec:
+class Spec(Shaped):
     """One layout or memory-object spec, as declared in its YAML file."""
 
     version: int
@@ -209,17 +220,7 @@ class Spec:
     @property
     def axes(self) -> tuple[str, ...]:
         """Every axis the layout names, list levels first, in declaration order."""
-        return self.lists + tuple(a for d in self.dims for a in d.axes)
-
-    @property
-    def tensor_axes(self) -> tuple[str, ...]:
-        return tuple(a for d in self.dims for a in d.axes)
-
-    def has(self, axis: str) -> bool:
-        return axis in self.axes
-
-    def size(self, axis: str) -> int | None:
-        return dict(self.sizes).get(axis)
+        return self.lists + self.tensor_axes
 
     @property
     def planes(self) -> int:

@@ -9,6 +9,7 @@ using that environment, so a build must not change it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import kvgen
@@ -72,3 +73,8 @@ def refuse_foreign_out(out: Path) -> None:
     if _MARK not in head:
         raise BuildError(f"--out {shown} holds files that kvgen build did not write; a build replaces its --out "
                          "folder whole, so give a new folder or one a previous build wrote")
+
+
+def rebuild_command(out: Path, specs: Sequence[Path]) -> str:
+    """The `kvgen build` that writes the package at `out` from these spec folders, quoted."""
+    return f"`kvgen build --out {display_path(out)}{''.join(f' --specs {display_path(s)}' for s in specs)}`"

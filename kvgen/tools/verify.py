@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from kvgen.errors import KVGenError, display_path
+from kvgen.tools.paths import rebuild_command
 
 if TYPE_CHECKING:
     from kvgen.oracle.scenarios import Scenario
@@ -59,7 +60,7 @@ def _mismatch(package: ModuleType, library: Any, plans: list[Any], out: Path, sp
     shown = display_path(out)
     planned = {(p.paged.name, p.obj.name) for p in plans}
     have = set(package.CONNECTORS)
-    rebuild = f"`kvgen build --out {shown}{''.join(f' --specs {display_path(s)}' for s in specs)}`"
+    rebuild = rebuild_command(out, specs)
     extra = sorted(have - planned)
     if extra:
         layouts = sorted({layout for layout, _ in extra})

@@ -11,6 +11,7 @@ from types import ModuleType
 from typing import Any
 
 from kvgen.errors import display_path
+from kvgen.tools.paths import rebuild_command
 
 
 def mismatch(package: ModuleType, transfers: Sequence[Any], out: Path, specs: Sequence[Path]) -> str | None:
@@ -18,7 +19,7 @@ def mismatch(package: ModuleType, transfers: Sequence[Any], out: Path, specs: Se
     shown = display_path(out)
     declared = {(p.src.name, p.dst.name) for p in transfers}
     have = set(getattr(package, "TRANSFERS", {}))
-    rebuild = f"`kvgen build --out {shown}{''.join(f' --specs {display_path(s)}' for s in specs)}`"
+    rebuild = rebuild_command(out, specs)
     extra = sorted(have - declared)
     if extra:
         return (f"the package at {shown} holds {len(extra)} transfers no transfers file given declares: "

@@ -93,8 +93,31 @@ def micro(fn: Callable[..., object], iters: int, setup: Callable[[], object] | N
 CONTENDERS = ("kvgen", "memcpy", "naive")
 
 
+class Timed:
+    """What every bench row derives from `bytes` and `seconds` (per contender, per repeat)."""
+
+    bytes: int
+    seconds: Mapping[str, Sequence[float]]
+
+    def gbps(self, contender: str = "kvgen") -> float:
+        return self.bytes / statistics.median(self.seconds[contender]) / 1e9
+
+    @property
+    def x_memcpy(self) -> Spread:
+        """kvgen's speed as a fraction of memcpy's, per repeat: memcpy seconds / kvgen seconds."""
+        return paired_ratios(self.seconds["memcpy"], self.seconds["kvgen"])
+
+    @property
+    def memcpy_variation(self) -> float:
+        return variation(self.seconds["memcpy"])
+
+    @property
+    def memcpy_unstable(self) -> bool:
+        return unstable(self.seconds["memcpy"])
+
+
 @dataclass(frozen=True)
-class Row:
+class Row(Timed):
     """One direction of one connector at one token count: seconds per contender per repeat."""
 
     layout: str
@@ -106,26 +129,10 @@ class Row:
     seconds: Mapping[str, Sequence[float]]
     naive_matches: bool
 
-    def gbps(self, contender: str = "kvgen") -> float:
-        return self.bytes / statistics.median(self.seconds[contender]) / 1e9
-
-    @property
-    def x_memcpy(self) -> Spread:
-        """kvgen's speed as a fraction of memcpy's, per repeat: memcpy seconds / kvgen seconds."""
-        return paired_ratios(self.seconds["memcpy"], self.seconds["kvgen"])
-
     @property
     def x_naive(self) -> Spread:
         """kvgen's speedup over the naive connector, per repeat."""
         return paired_ratios(self.seconds["naive"], self.seconds["kvgen"])
-
-    @property
-    def memcpy_variation(self) -> float:
-        return variation(self.seconds["memcpy"])
-
-    @property
-    def memcpy_unstable(self) -> bool:
-        return unstable(self.seconds["memcpy"])
 
     def as_dict(self) -> dict[str, object]:
         return {"layout": self.layout, "obj": self.obj, "mode": self.mode, "tokens": self.tokens, "dir": self.dir,

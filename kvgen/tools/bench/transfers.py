@@ -11,7 +11,6 @@ path leave the destination cache bit for bit the same.
 from __future__ import annotations
 
 import random
-import statistics
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from kvgen.oracle.reference import leaf_shape, nest
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.runtime import MemoryObj
 from kvgen.tools.bench.baseline import memcpy
-from kvgen.tools.bench.measure import Spread, paired_ratios, timed_repeats, unstable, variation
+from kvgen.tools.bench.measure import Spread, Timed, paired_ratios, timed_repeats
 from kvgen.tools.bench.targets import extents, slot_mapping
 
 HEADERS = ("source", "destination", "tokens", "GB/s", "memcpy GB/s", "x memcpy min-med-max", "two-copy GB/s",
@@ -32,7 +31,7 @@ HEADERS = ("source", "destination", "tokens", "GB/s", "memcpy GB/s", "x memcpy m
 
 
 @dataclass(frozen=True)
-class TransferRow:
+class TransferRow(Timed):
     src: str
     dst: str
     tokens: int
@@ -42,20 +41,13 @@ class TransferRow:
     seconds: Mapping[str, Sequence[float]]
     matches: bool
 
-    def gbps(self, contender: str = "kvgen") -> float:
-        return self.bytes / statistics.median(self.seconds[contender]) / 1e9
-
-    @property
-    def x_memcpy(self) -> Spread:
-        return paired_ratios(self.seconds["memcpy"], self.seconds["kvgen"])
-
     @property
     def x_two_copy(self) -> Spread | None:
         """The direct transfer's speedup over store-then-load, per repeat."""
         return paired_ratios(self.seconds["two-copy"], self.seconds["kvgen"]) if self.via else None
 
     def cells(self) -> tuple[str, ...]:
-        var = f"{variation(self.seconds['memcpy']) * 100:.0f}%" + (" !" if unstable(self.seconds["memcpy"]) else "  ")
+        var = f"{self.memcpy_variation * 100:.0f}%" + (" !" if self.memcpy_unstable else "  ")
         two = self.x_two_copy
         return (self.src, self.dst, str(self.tokens), f"{self.gbps():.2f}", f"{self.gbps('memcpy'):.2f}",
                 self.x_memcpy.cell(), f"{self.gbps('two-copy'):.2f}" if two else "-", two.cell() if two else "-",
@@ -66,7 +58,7 @@ class TransferRow:
         return {"src": self.src, "dst": self.dst, "tokens": self.tokens, "bytes": self.bytes, "via": self.via,
                 "gbps": self.gbps(), "memcpy_gbps": self.gbps("memcpy"),
                 "two_copy_gbps": self.gbps("two-copy") if two else None, "x_memcpy": vars(self.x_memcpy),
-                "x_two_copy": vars(two) if two else None, "memcpy_variation": variation(self.seconds["memcpy"]),
+                "x_two_copy": vars(two) if two else None, "memcpy_variation": self.memcpy_variation,
                 "matches": self.matches, "repeat_seconds": {k: list(v) for k, v in self.seconds.items()}}
 
 
