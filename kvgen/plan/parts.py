@@ -75,8 +75,8 @@ class PartsPlan:
 
 def compatible_parts(paged: Spec, obj: Spec) -> bool:
     """A format-2 cache and a packed object whose dims can hold every plane."""
-    if not paged.is_paged or obj.is_paged or paged.is_simple or obj.pack is None:
-        return False
+    if not paged.is_paged or obj.is_paged or paged.is_simple or obj.pack in (None, Pack.GROUPS):
+        return False  # a groups object pairs with a model (kvgen.plan.models)
     if obj.lists not in ((), ("L",)):
         return False
     room = set(obj.axes) - {"T"}

@@ -11,7 +11,9 @@ from kvgen.errors import Problem, SpecError
 from kvgen.names import Named, described, resolve
 from kvgen.spec.loader import Document, load_document
 from kvgen.spec.model import Spec, build_spec
+from kvgen.spec.models import ModelKind, ModelSpec, build_model
 from kvgen.spec.passes import UNDEFINED, check_library, check_spec
+from kvgen.spec.passes_models import check_model
 
 #: The kvgen package folder, and the checkout around it (when run from one).
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
@@ -47,14 +49,30 @@ BUILTIN_SPECS = data_dir("specs")
 TEMPLATES = data_dir("templates")
 
 
+#: A loaded file: a layout or object spec, or a model spec.
+AnySpec = Spec | ModelSpec
+
+
 @dataclass(frozen=True)
 class Library:
-    """Every spec of a build, by name, in a stable order."""
+    """Every spec of a build, by name, in a stable order, and the model specs beside them."""
 
     specs: tuple[Spec, ...]
+    models: tuple[ModelSpec, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {s.name: s for s in self.specs})
+
+    @classmethod
+    def of(cls, specs: Iterable[AnySpec]) -> Library:
+        """Layouts first, then objects, each by name; models by name."""
+        items = list(specs)
+        return cls(tuple(sorted((s for s in items if isinstance(s, Spec)), key=lambda s: (s.kind != "paged", s.name))),
+                   tuple(sorted((m for m in items if isinstance(m, ModelSpec)), key=lambda m: m.name)))
+
+    def model(self, name: str) -> ModelSpec:
+        """A model spec by name (any case); an unknown name raises KVLayoutError naming the models."""
+        return {m.name: m for m in self.models}[resolve(name, [Named(m.name, (), ()) for m in self.models])]
 
     def __getitem__(self, name: str) -> Spec:
         """A spec by its name, an alias or an LMCache format name (see kvgen.names); an
@@ -105,10 +123,10 @@ def spec_files(dirs: Iterable[Path]) -> list[SpecFile]:
     return files
 
 
-def load_each(files: Sequence[Path | SpecFile]) -> tuple[list[tuple[Spec, Document]], list[Problem]]:
+def load_each(files: Sequence[Path | SpecFile]) -> tuple[list[tuple[AnySpec, Document]], list[Problem]]:
     """Load and check every file on its own: the good ones, and every problem of the others."""
     problems: list[Problem] = []
-    entries: list[tuple[Spec, Document]] = []
+    entries: list[tuple[AnySpec, Document]] = []
     for item in files:
         path, origin = item if isinstance(item, tuple) else (item, item.name)
         try:
@@ -116,15 +134,20 @@ def load_each(files: Sequence[Path | SpecFile]) -> tuple[list[tuple[Spec, Docume
         except SpecError as exc:
             problems.extend(exc.problems)
             continue
-        spec = build_spec(doc, origin)
-        found = check_spec(spec, doc)
+        spec: AnySpec
+        if doc.data.get("kind") == ModelKind.MODEL:
+            spec = build_model(doc, origin)
+            found = check_model(spec, doc)
+        else:
+            spec = build_spec(doc, origin)
+            found = check_spec(spec, doc)
         problems.extend(found)
         if not found:
             entries.append((spec, doc))
     return entries, problems
 
 
-def load_specs(files: Sequence[Path | SpecFile]) -> list[tuple[Spec, Document]]:
+def load_specs(files: Sequence[Path | SpecFile]) -> list[tuple[AnySpec, Document]]:
     """Load and check each file on its own; raise one SpecError with the problems of all files."""
     entries, problems = load_each(files)
     if problems:
@@ -139,4 +162,4 @@ def load_library(extra_dirs: Sequence[Path] = (), *, builtin: bool = True) -> Li
     problems = check_library(entries)
     if problems:
         raise SpecError(problems)
-    return Library(tuple(sorted((s for s, _ in entries), key=lambda s: (s.kind != "paged", s.name))))
+    return Library.of(s for s, _ in entries)

@@ -215,7 +215,7 @@ def load_document(path: Path) -> Document:
     future = version_problem(doc)
     if future is not None:
         raise SpecError([future])
-    problems = schema_problems(doc)
+    problems = schema_problems(doc, "model" if doc.data.get("kind") == "model" else "spec")
     if problems:
         raise SpecError(dict.fromkeys(problems))
     return doc

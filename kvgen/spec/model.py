@@ -79,6 +79,27 @@ class Pack(Vocabulary):
 
     ROWS = "rows"
     REGIONS = "regions"
+    #: A model's layer groups and state (kvgen.spec.models): one section per carried group,
+    #: laid out as one of the object's members, then each carried state tensor.
+    GROUPS = "groups"
+
+
+@dataclass(frozen=True)
+class Carries:
+    """Which layer groups and state groups of a model a `pack: groups` object holds: "all",
+    "none" or names."""
+
+    groups: str | tuple[str, ...]
+    state: str | tuple[str, ...]
+
+    @staticmethod
+    def pick(which: str | tuple[str, ...], names: tuple[str, ...]) -> tuple[str, ...]:
+        """The carried names among `names` (a model's), in the model's order."""
+        if which == "all":
+            return names
+        if which == "none":
+            return ()
+        return tuple(n for n in names if n in which)
 
 
 @dataclass(frozen=True)
@@ -212,6 +233,9 @@ class Spec(Shaped):
     parts: tuple[Part, ...] = ()
     #: Format 2 objects: how the planes of a cache are laid out.
     pack: Pack | None = None
+    #: `pack: groups` objects: the objects a group's section may take, and what is carried.
+    members: tuple[str, ...] = ()
+    carries: Carries | None = None
 
     @property
     def is_paged(self) -> bool:
@@ -258,6 +282,10 @@ class Spec(Shaped):
         Format 2 adds the parts at their list level, `L -> P{k [B N H C], v [B N H C]}`, a
         field list after the dims, `[B N C]{nope float8_e4m3fn x512, ...}`, and an object's
         pack, `[1 L T C] rows`."""
+        if self.carries is not None:
+            c = self.carries
+            said = [v if isinstance(v, str) else ", ".join(v) for v in (c.groups, c.state)]
+            return f"groups as {' | '.join(self.members)}; groups: {said[0]}; state: {said[1]}"
         if self.is_simple:
             return format_layout(self.lists, [d.axes for d in self.dims], extents)
         if not self.is_multipart:
@@ -312,9 +340,13 @@ def _part(name: str, d: Mapping[str, object]) -> Part:
 def build_spec(doc: Document, origin: str | None = None) -> Spec:
     """Typed view of a document that passed the schema."""
     d = doc.data
-    if "parts" in d:
-        parts = tuple(_part(name, body) for name, body in d["parts"].items())
+    if d.get("pack") == Pack.GROUPS:
+        parts: tuple[Part, ...] = ()
         dims: tuple[Dim, ...] = ()
+        dtypes: tuple[str, ...] = ("uint8",)
+    elif "parts" in d:
+        parts = tuple(_part(name, body) for name, body in d["parts"].items())
+        dims = ()
         # Every element type some part may hold, in the canonical order.
         dtypes = tuple(t for t in DTYPES if any(t in p.dtypes for p in parts))
     else:
@@ -344,6 +376,10 @@ def build_spec(doc: Document, origin: str | None = None) -> Spec:
         digest=hashlib.sha256(doc.text).hexdigest(),
         parts=parts,
         pack=Pack(d["pack"]) if "pack" in d else None,
+        members=tuple(d.get("members", ())),
+        carries=Carries(*(c if isinstance(c, str) else tuple(c) for c in (d["carries"]["groups"],
+                                                                            d["carries"]["state"])))
+        if "carries" in d else None,
     )
 
 
@@ -363,4 +399,8 @@ def format2_facts(spec: Spec) -> dict[str, object]:
                           "slots": pl.has_slots, "axes": list(pl.axes)} for pl in spec.moved_planes()]
     if spec.pack is not None:
         out["pack"] = str(spec.pack)
+    if spec.carries is not None:
+        out["members"] = list(spec.members)
+        out["carries"] = {k: v if isinstance(v, str) else list(v)
+                          for k, v in (("groups", spec.carries.groups), ("state", spec.carries.state))}
     return out

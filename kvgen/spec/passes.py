@@ -149,8 +149,13 @@ PASSES: tuple[Pass, ...] = (
 
 
 def check_spec(spec: Spec, doc: Document) -> list[Problem]:
-    from kvgen.spec.passes_v2 import PASSES_V2
+    from kvgen.spec.model import Pack
+    from kvgen.spec.passes_models import check_groups_object
+    from kvgen.spec.passes_v2 import PASSES_V2, check_version_features
 
+    if spec.pack is Pack.GROUPS:
+        found = (check_version_features, check_groups_object, check_accepts_self, check_reserved_format)
+        return [p for check in found for p in check(spec, doc)]
     # A cache of several parts has no top-level dims: its parts are checked one by one there.
     tree = (check_lists,) if spec.is_multipart else PASSES
     return [p for check in (*tree, *PASSES_V2) for p in check(spec, doc)]
@@ -193,5 +198,7 @@ def check_library(entries: Sequence[tuple[Spec, Document]], known_formats: Seque
             if name not in valid:
                 out.append(doc.problem(("accepts", i), f"unknown format {name!r}; known: "
                                                        f"{', '.join(sorted(valid))}"))
-    return out
+    from kvgen.spec.passes_models import check_model_library
+
+    return out + check_model_library(entries)
 

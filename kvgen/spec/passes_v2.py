@@ -19,7 +19,7 @@ from kvgen.spec.model import ITEMSIZE, PART_LEVEL, FieldsIn, Pack, Part, Spec
 Pass = Callable[[Spec, Document], list[Problem]]
 
 #: Fields only format 2 knows, at the top of a spec.
-V2_FIELDS = ("parts", "fields", "pack")
+V2_FIELDS = ("parts", "fields", "pack", "members", "carries")
 
 
 class _PartDocument:

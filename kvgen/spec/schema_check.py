@@ -17,13 +17,14 @@ from kvgen import SPEC_FORMAT_VERSION
 from kvgen.errors import Problem, YamlPath
 from kvgen.spec.document import Document, key_problem, one_line, short
 
-#: The published JSON Schema for spec files, shipped inside the package.
-SCHEMA_PATH = Path(__file__).resolve().parent / "schema" / "spec.schema.json"
+#: The published JSON Schemas, shipped inside the package: layouts and objects, and models.
+SCHEMA_DIR = Path(__file__).resolve().parent / "schema"
+SCHEMA_PATH = SCHEMA_DIR / "spec.schema.json"
 
 
 @cache
-def schema() -> dict[str, Any]:
-    return json.loads(SCHEMA_PATH.read_text("utf-8"))
+def schema(which: str = "spec") -> dict[str, Any]:
+    return json.loads((SCHEMA_DIR / f"{which}.schema.json").read_text("utf-8"))
 
 
 
@@ -122,8 +123,8 @@ def _fused_problems(doc: Document, error: jsonschema.ValidationError) -> list[Pr
     return out or [doc.problem(path, _describe(error))]
 
 
-def schema_problems(doc: Document) -> list[Problem]:
-    validator = _Validator(schema())
+def schema_problems(doc: Document, which: str = "spec") -> list[Problem]:
+    validator = _Validator(schema(which))
     problems: list[Problem] = []
     for error in sorted(validator.iter_errors(doc.data), key=lambda e: list(map(str, e.absolute_path))):
         path: YamlPath = tuple(error.absolute_path)
@@ -135,10 +136,16 @@ def schema_problems(doc: Document) -> list[Problem]:
                         doc, path, key, f"unknown field {short(key)}; allowed: {', '.join(allowed)}"))
             continue
         if ("propertyNames" in error.relative_schema_path and isinstance(error.instance, str)
-                and path[-1:] == ("parts",)):
+                and path[-1:] in (("parts",), ("groups",), ("state",))):
+            what = {"parts": "part", "groups": "group", "state": "state group"}[str(path[-1])]
             problems.append(key_problem(doc, path, error.instance,
-                                         f"part name {short(error.instance)} is not allowed; expected "
+                                         f"{what} name {short(error.instance)} is not allowed; expected "
                                          f"{_PATTERN_WORDS['^[a-z][a-z0-9]*(_[a-z0-9]+)*$']}"))
+            continue
+        if "propertyNames" in error.relative_schema_path and path[-1:] == ("sizes",) and which == "model":
+            problems.append(key_problem(doc, path, error.instance,
+                                         f"unknown size {short(error.instance)}; a group fixes H, C, N, "
+                                         "or C.PART for one part of its layout"))
             continue
         if "propertyNames" in error.relative_schema_path and isinstance(error.instance, str):
             # jsonschema reports a bad key at its mapping, as the key's own (enum) error.
@@ -154,7 +161,10 @@ def schema_problems(doc: Document) -> list[Problem]:
                             for k in error.validator_value if k not in error.instance)
             continue
         if error.validator == "not":
-            problems.extend(_misplaced_fields(doc))
+            problems.extend(_misplaced_fields(doc, error))
+            continue
+        if which == "model" and path == ("kvgen",) and error.validator == "minimum":
+            problems.append(doc.problem(path, f"a model spec needs kvgen: 2 (this one says kvgen: {error.instance})"))
             continue
         if error.validator == "anyOf" and _is_dim(error) and isinstance(error.instance, list):
             problems.extend(_fused_problems(doc, error))
@@ -163,9 +173,12 @@ def schema_problems(doc: Document) -> list[Problem]:
     return problems
 
 
-def _misplaced_fields(doc: Document) -> list[Problem]:
-    """The fields that belong to the other kind, said plainly."""
+def _misplaced_fields(doc: Document, error: jsonschema.ValidationError) -> list[Problem]:
+    """The fields that belong to the other kind (or pack), said plainly."""
     data, out = doc.data, []
+    if any(r == {"required": ["members"]} for r in error.validator_value.get("anyOf", ())):
+        return [doc.problem((key,), f"field {key!r} is for objects of pack: groups", key=True)
+                for key in ("members", "carries") if key in data]
     if data.get("kind") == "object":
         for key in ("lmcache", "engines", "placement"):
             if key in data:

@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvgen.errors import Problem, display_path
-from kvgen.spec.library import BUILTIN_SPECS, Library, SpecFile, load_each, load_specs, spec_files
+from kvgen.spec.library import BUILTIN_SPECS, AnySpec, Library, SpecFile, load_each, load_specs, spec_files
 from kvgen.spec.loader import Document
-from kvgen.spec.model import Spec
 from kvgen.spec.passes import check_library
 
-Entry = tuple[Spec, Document]
+Entry = tuple[AnySpec, Document]
 
 
 def user_files(paths: Sequence[Path]) -> tuple[list[Entry], list[SpecFile]]:
@@ -31,7 +30,7 @@ def user_files(paths: Sequence[Path]) -> tuple[list[Entry], list[SpecFile]]:
 
 @dataclass
 class Validation:
-    ok: list[Spec] = field(default_factory=list)  # specs of the given files without problems
+    ok: list[AnySpec] = field(default_factory=list)  # specs of the given files without problems
     problems: list[Problem] = field(default_factory=list)
     files: int = 0  # spec files found under the given paths
 
@@ -77,8 +76,7 @@ def load_lenient(extra: Sequence[Path]) -> Lenient:
             break  # not a user file's problem: the same as build reports, nothing more to leave out
         kept = [(s, d) for s, d in kept if d.file not in bad]
     left_out = set(_shown(files)) - {d.file for _, d in kept}
-    specs = sorted((s for s, _ in [*builtin, *kept]), key=lambda s: (s.kind != "paged", s.name))
-    return Lenient(Library(tuple(specs)), problems, sorted(left_out))
+    return Lenient(Library.of(s for s, _ in [*builtin, *kept]), problems, sorted(left_out))
 
 
 def _shown(files: Sequence[SpecFile]) -> list[str]:

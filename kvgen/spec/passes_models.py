@@ -1,0 +1,159 @@
+"""Passes over model specs and `pack: groups` objects: what their schemas cannot say.
+
+`check_model` looks at one model file (every cache-list entry named exactly once, state
+tensor splits, names); `check_groups_object` at one groups object. `check_model_library`
+checks what needs the other files: a group's layout exists and keeps one entry per layer,
+its sizes fit that layout, an object's members are whole-chunk objects. Every problem is
+located by YAML path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvgen.errors import KVLayoutError, Problem
+from kvgen.names import Named, resolve
+from kvgen.spec.loader import Document
+from kvgen.spec.model import Pack, Spec
+from kvgen.spec.models import OTHERS, ModelSpec
+
+
+def check_model(model: ModelSpec, doc: Document) -> list[Problem]:
+    """One model file: layer sets, state tensors, names."""
+    out: list[Problem] = []
+    sections = [("groups", g.name, g.layers) for g in model.groups] + [("state", s.name, s.layers)
+                                                                       for s in model.states]
+    others = [(sec, name) for sec, name, _ in sections if doc.data[sec][name]["layers"] == OTHERS]
+    for sec, name in others[1:]:
+        out.append(doc.problem((sec, name, "layers"), f"only one group may take the others; "
+                                                             f"{others[0][1]!r} already does"))
+    owner: dict[int, str] = {}
+    for sec, name, layers in sections:
+        path = (sec, name, "layers")
+        past = [i for i in layers if i >= model.layers]
+        if past:
+            out.append(doc.problem(path, f"layer {past[0]} is past the model's {model.layers} cache entries "
+                                         f"(0..{model.layers - 1})"))
+        if not layers:
+            out.append(doc.problem(path, "this layer set names no entry of the cache list"))
+        for i in layers:
+            if i in owner and i < model.layers:
+                out.append(doc.problem(path, f"layer {i} is already in {owner[i]!r}; each entry of the cache "
+                                             "list belongs to one group or state group"))
+                break
+        for i in layers:
+            owner.setdefault(i, name)
+    missing = [i for i in range(model.layers) if i not in owner]
+    if missing:
+        shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+        out.append(doc.problem(("layers",), f"{len(missing)} of {model.layers} cache entries belong to no group "
+                                            f"or state group: {shown} (give them a group, or `layers: others`)"))
+    clash = set(model.group_names) & set(model.state_names)
+    for name in sorted(clash):
+        out.append(doc.problem(("state", name), f"{name!r} names a group and a state group; names must differ "
+                                                "(an object's carries names them)", key=True))
+    for s in model.states:
+        seen: set[str] = set()
+        for j, t in enumerate(s.tensors):
+            path = ("state", s.name, "tensors", j)
+            if t.name in seen:
+                out.append(doc.problem((*path, "name"), f"state tensor {t.name!r} appears twice in {s.name!r}"))
+            seen.add(t.name)
+            if t.split is not None and t.split >= len(t.shape):
+                out.append(doc.problem((*path, "split"), f"split {t.split} is not a dim of shape "
+                                                         f"{list(t.shape)} (dims 0..{len(t.shape) - 1})"))
+    return out
+
+
+def check_groups_object(spec: Spec, doc: Document) -> list[Problem]:
+    """A `pack: groups` object: bytes, shaped by its members; nothing of its own to lay out."""
+    if spec.pack is not Pack.GROUPS:
+        return []
+    out = [doc.problem((key,), f"a groups object takes its layout from its members; leave {key} out", key=True)
+           for key in ("lists", "dims", "sizes", "dtypes", "parts", "fields") if key in doc.data]
+    if spec.kind != "object":
+        out.append(doc.problem(("pack",), "pack: groups is for kind: object"))
+    return out
+
+
+def check_model_library(entries: Sequence[tuple[Any, Document]]) -> list[Problem]:
+    """Models against the layouts they name; groups objects against their members."""
+    specs = {s.name: s for s, _ in entries if isinstance(s, Spec)}
+    named = [Named(s.name, s.aliases, tuple(f for f in (s.format, s.lmcache_format) if f)) for s in specs.values()]
+    out: list[Problem] = []
+    for spec, doc in entries:
+        if isinstance(spec, ModelSpec):
+            for g in spec.groups:
+                out += _group_problems(spec, g.name, doc, specs, named)
+        elif isinstance(spec, Spec) and spec.pack is Pack.GROUPS:
+            for i, name in enumerate(spec.members):
+                member = _lookup(name, specs, named)
+                why = None
+                if member is None:
+                    why = f"unknown object {name!r}"
+                elif member.is_paged or member.pack is Pack.GROUPS:
+                    why = f"{member.name} is not a memory object of one cache"
+                elif member.lists:
+                    why = f"{member.name} is a per-layer object; a groups object holds whole chunks"
+                if why:
+                    out.append(doc.problem(("members", i), f"{why}; members are whole-chunk objects "
+                                                           "such as kv_2ltd, kv_mla, kv_planes"))
+    return out
+
+
+def _lookup(name: str, specs: dict[str, Spec], named: list[Named]) -> Spec | None:
+    try:
+        return specs[resolve(name, named)]
+    except KVLayoutError:  # an unknown or ambiguous name: the caller says so
+        return None
+
+
+def _group_problems(model: ModelSpec, name: str, doc: Document, specs: dict[str, Spec],
+                    named: list[Named]) -> list[Problem]:
+    group = next(g for g in model.groups if g.name == name)
+    path = ("groups", name)
+    layout = _lookup(group.layout, specs, named)
+    if layout is None:
+        return [doc.problem((*path, "layout"), f"unknown layout {group.layout!r}; a group names a paged layout "
+                                               "of the library (kvgen list)")]
+    if not layout.is_paged:
+        return [doc.problem((*path, "layout"), f"{layout.name} is a memory object; a group names a paged layout")]
+    if layout.lists[:1] != ("L",):
+        return [doc.problem((*path, "layout"), f"{layout.name} keeps its layers {_where_layers(layout)}; a group's "
+                                               "layout holds one cache-list entry per layer (lists start with L)")]
+    out = []
+    parts = {p.name for p in layout.parts if p.name}
+    for key, value in group.sizes:
+        axis, _, part = key.partition(".")
+        at = (*path, "sizes", key)
+        if part and part not in parts:
+            out.append(doc.problem(at, f"{layout.name} has no part {part!r}" +
+                                       (f" (parts: {', '.join(sorted(parts))})" if parts else ""), key=True))
+            continue
+        if axis == "C" and not part and layout.is_multipart:
+            out.append(doc.problem(at, f"{layout.name} has parts of their own widths: write C.{sorted(parts)[0]} "
+                                       "and so on", key=True))
+            continue
+        owner = next((p for p in layout.parts if p.name == part), layout.parts[0])
+        has = owner.has(axis) or axis in layout.lists
+        if axis in ("H", "N") and not has and not layout.has(axis):
+            out.append(doc.problem(at, f"{layout.name} has no {axis} axis", key=True))
+            continue
+        fixed = owner.size(axis) if axis == "C" else layout.size(axis)
+        if fixed is not None and fixed != value:
+            out.append(doc.problem(at, f"{layout.name} fixes {axis} = {fixed}; this group says {value}"))
+    for i, dtype in enumerate(group.dtypes):
+        if dtype not in layout.dtypes:
+            out.append(doc.problem((*path, "dtypes", i), f"{layout.name} cannot hold {dtype}; it holds "
+                                                         f"{', '.join(layout.dtypes)}"))
+    return out
+
+
+def _where_layers(layout: Spec) -> str:
+    if "L" in layout.lists:
+        return f"at list level {layout.lists.index('L')} (lists: {list(layout.lists)})"
+    return "inside its tensors" if layout.has("L") else "nowhere"
+
+
+__all__ = ["check_groups_object", "check_model", "check_model_library"]
