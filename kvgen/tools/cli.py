@@ -129,6 +129,8 @@ def _backend_line() -> str:
 
 def cmd_list(args: argparse.Namespace) -> int:
     from kvgen.plan.package import plan_connectors as plan_library
+    from kvgen.spec.models import model_facts
+    from kvgen.tools.models_view import print_models
     from kvgen.tools.specset import load_lenient
 
     _require(args.specs, "--specs")
@@ -157,8 +159,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
         pairs = [{"paged": p.paged.name, "object": p.obj.name, "mode": p.mode, "module": p.module,
                   "strategy": p.strategy, "kernel": kernel_grid(p)} for p in plans]
-        json.dump({"kvgen": __version__, "layouts": layouts, "connectors": pairs, "backends": _backends()},
-                  sys.stdout, indent=2)
+        json.dump({"kvgen": __version__, "layouts": layouts, "connectors": pairs, "backends": _backends(),
+                   "models": {m.name: model_facts(m) for m in library.models}}, sys.stdout, indent=2)
         print()
         return EXIT_FAILED if loaded.left_out else 0
     header = ("NAME", "KIND", "ALIASES", "LAYOUT", "LMCACHE/FORMAT", "CONNECTORS")
@@ -168,8 +170,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
     for row in [header, *rows]:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1])
-    print(f"\n{len(library.paged)} paged layouts, {len(library.objects)} memory objects, {len(plans)} connectors "
-          "(module names: LAYOUT__OBJECT)")
+    print_models(library)
+    print(f"\n{len(library.paged)} paged layouts, {len(library.objects)} memory objects, {len(library.models)} "
+          f"model{'s' if len(library.models) != 1 else ''}, {len(plans)} connectors (module names: LAYOUT__OBJECT)")
     print(_backend_line())
     # Like ls with a missing file: what could be read is listed, the status says it is not all.
     return EXIT_FAILED if loaded.left_out else 0
@@ -184,6 +187,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
     loaded = load_lenient(args.specs)
     _warn_left_out(loaded)
     library = loaded.library
+    if any(m.name == args.name.lower() for m in library.models):
+        from kvgen.tools.models_view import explain_model
+
+        print("\n".join(explain_model(library.model(args.name), library)))
+        return 0
     try:
         spec = library[args.name]
     except KVGenError as exc:
