@@ -380,6 +380,10 @@ def elements(fact: Fact, g: Geometry) -> Iterator[tuple[int, int, int, int, int]
 
 def disagreement(spec: Spec, g: Geometry) -> str | None:
     """The first way `spec` differs from the facts about the layout it names, or None."""
+    if spec.carries is not None:  # a model's groups object
+        from kvgen.oracle.facts_groups import groups_disagreement
+
+        return groups_disagreement(spec)
     if not spec.is_simple:  # format 2: parts, fields, packed objects
         from kvgen.oracle.facts_parts import parts_disagreement
 

@@ -115,6 +115,13 @@ class ModelSpec:
     def state_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.states)
 
+    def arrow(self) -> str:
+        """One line: `sliding vllm_flash_attn_nhd x18, full vllm_flash_attn_nhd x18 | state linear x36`."""
+        text = ", ".join(f"{g.name} {g.layout} x{len(g.layers)}" for g in self.groups)
+        if self.states:
+            text += " | state " + ", ".join(f"{s.name} x{len(s.layers)}" for s in self.states)
+        return text
+
     def owner(self, layer: int) -> Group | StateGroup | None:
         """The group or state group holding entry `layer` of the cache list."""
         for g in (*self.groups, *self.states):
