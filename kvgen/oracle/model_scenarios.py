@@ -106,7 +106,7 @@ def make_kvcaches(case: models.ModelCase, device: str = "cpu", *, dtype: str = "
         want = pick_dtype(group.dtypes or g.paged.dtypes, dtype)
         if g.paged.is_simple:
             shape = reference.leaf_shape(g.paged, g.ext)
-            cache = reference.nest(g.paged, g.ext, 
+            cache = reference.nest(g.paged, g.ext,
                                    lambda path, shape=shape, want=want: torch.zeros(shape, dtype=want,
                                                                                     device=device))
             for t in leaves(cache):
