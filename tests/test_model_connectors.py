@@ -272,3 +272,14 @@ def test_skipped_pairs_say_why(tmp_path: Path) -> None:
     lib = load_library([tmp_path])
     why = {(m, o): w for m, o, w in skipped_models(lib)}
     assert "group 'even' (vllm_mla) has no member" in why[("toy_mla", "kv_groups_2ltd")]
+
+
+def test_verify_runs_and_matches_model_connectors(toys: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvgen.tools import verify_models
+
+    twin = [p for p in toys.plans if p.model.name == "toy_twin"]
+    assert verify_models.run(toys, toys.library, twin, ["cpu"]) == (4, 0)
+    assert "toy_twin                 kv_groups              cpu    yes      yes" in capsys.readouterr().out
+    package = type("Package", (), {"MODELS": {("toy_twin", "kv_groups"): "x"}})
+    said = verify_models.mismatch(package, twin, Path("out"), [])  # type: ignore[arg-type]
+    assert said is not None and "lacks 1 model connectors" in said and "toy_twin__kv_groups_attention" in said
