@@ -126,10 +126,10 @@ def _prepare_triton(devices: list[str]) -> None:
 
 
 def main(args: Any) -> int:
+    from kvgen.plan.models import plan_models
     from kvgen.plan.package import plan_connectors as plan_library
     from kvgen.spec.library import load_library
     from kvgen.spec.transfers import load_transfers
-    from kvgen.plan.models import plan_models
     from kvgen.tools import verify_models, verify_transfers
 
     library = load_library(args.specs)
