@@ -82,13 +82,27 @@ SCENARIOS = {s.name: s for s in (
 def fill_codes(t: torch.Tensor, base: int) -> None:
     """Every element gets a finite code of `base` plus its position (float caches stay finite)."""
     raw = bits(t)
-    width = t.element_size()
-    if width == 1 or not t.dtype.is_floating_point:
-        planes.fill_bytes(t, f"codes/{base}")
+    if not t.dtype.is_floating_point or t.element_size() == 1:
+        fill_words(t, base)
         return
-    space = reference.code_space(t.dtype) - 1
-    codes = (torch.arange(t.numel(), dtype=torch.int64) + base) % space + 1
-    raw.copy_(codes.to(raw.dtype).view(raw.shape).to(raw.device))
+    space, n = reference.code_space(t.dtype) - 1, t.numel()
+    if base + n <= space and raw.dtype == torch.int32:  # the common case, without int64 arithmetic
+        codes = torch.arange(base + 1, base + n + 1, dtype=torch.int32)
+    else:
+        codes = ((torch.arange(n, dtype=torch.int64) + base) % space + 1).to(raw.dtype)
+    raw.view(-1).copy_(codes) if raw.is_contiguous() else raw.copy_(codes.view(raw.shape))
+
+
+def fill_words(t: torch.Tensor, base: int) -> None:
+    """Every 4 bytes of `t` (contiguous) get the code `base` + their position, so a misplaced
+    run of bytes differs from the one expected; any tail byte the code of its position."""
+    raw = t.view(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+    words, tail = divmod(raw.numel(), 4)
+    if words:
+        codes = torch.arange(base, base + words, dtype=torch.int64).to(torch.int32)
+        raw[:4 * words].view(torch.int32).copy_(codes.to(raw.device))
+    if tail:
+        raw[4 * words:].copy_(torch.arange(tail, dtype=torch.uint8) + base % 200)
 
 
 def pick_dtype(allowed: Sequence[str], prefer: str = "float32") -> torch.dtype:
@@ -114,8 +128,9 @@ def make_kvcaches(case: models.ModelCase, device: str = "cpu", *, dtype: str = "
                 base += t.numel() + 7919
         else:
             cache = planes.make_parts_cache(g.paged, g.ext, want, device)
-            for j, t in enumerate(leaves(cache)):
-                planes.fill_bytes(t, f"{case.model.name}/{g.name}/{j}")
+            for t in leaves(cache):
+                fill_words(t, base)
+                base += t.numel() + 7919
         for k, layer in enumerate(g.layers):
             entries[layer] = cache[k]
     for s in case.states:
@@ -123,8 +138,9 @@ def make_kvcaches(case: models.ModelCase, device: str = "cpu", *, dtype: str = "
         for layer in s.layers:
             tensors = []
             for (name, shape), spec in zip(s.tensors, state.tensors, strict=True):
-                t = torch.zeros((slots, *shape), dtype=pick_dtype(spec.dtypes, dtype), device=device)
-                planes.fill_bytes(t, f"{case.model.name}/{s.name}/{layer}/{name}")
+                t = torch.empty((slots, *shape), dtype=pick_dtype(spec.dtypes, dtype), device=device)
+                fill_codes(t, base)
+                base += t.numel() + 7919
                 tensors.append(t)
             entries[layer] = tuple(tensors)
     for i, e in enumerate(entries):  # entries of groups the object does not carry: left empty
@@ -138,7 +154,7 @@ def make_objects(connector: Any, lengths: Sequence[int], kvcaches: Any, salt: st
     out = []
     for k, n in enumerate(lengths):
         t = torch.zeros(connector.get_shape(n, kvcaches), dtype=torch.uint8, device=device)
-        planes.fill_bytes(t, f"object/{salt}/{k}")
+        fill_words(t, 1_000_000_000 + 10_000_000 * k + sum(map(ord, salt)))
         out.append(MemoryObj(t, fmt))
     return out
 
@@ -158,13 +174,13 @@ def state_slots(sc: ModelScenario, chunks: int, slot: int) -> list[int | None] |
 
 def check_model(package: Any, library: Library, model: ModelSpec, obj: Spec, sc: ModelScenario, *,
                 device: str = "cpu", tp: int = 1, connector: Any = None, slot: int = 1,
-                block_size: int | None = None) -> tuple[bool, bool]:
+                block_size: int | None = None, blocks: int = 8, requests: int = STATE_SLOTS) -> tuple[bool, bool]:
     """(store ok, load ok) of a model connector against the reference for one scenario."""
     available: Collection[tuple[str, str]] = set(package.CONNECTORS)
-    case = models.model_case(library, model, obj, available, tp=tp, blocks=8, block_size=block_size)
+    case = models.model_case(library, model, obj, available, tp=tp, blocks=blocks, block_size=block_size)
     if connector is None:
         connector = package.get_model(model.name, obj.name)(device=device, tp=tp)
-    kvcaches = make_kvcaches(case, device)
+    kvcaches = make_kvcaches(case, device, slots=requests)
     maps = group_mappings(case, sc, f"{model.name}/{obj.name}/{sc.name}")
     tensors = {g: torch.tensor(m, dtype=torch.long, device=device) for g, m in maps.items()}
     lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=True)]
@@ -177,7 +193,7 @@ def check_model(package: Any, library: Library, model: ModelSpec, obj: Spec, sc:
         models.store(case, kvcaches, o.tensor, maps, s, e, sc.offset, slots[k] if slots else None)
     store_ok = same_bits([o.tensor for o in objs], [o.tensor for o in want])
     # Load into a cache whose every value differs, so a missed or misplaced write shows.
-    fresh = make_kvcaches(case, device)
+    fresh = make_kvcaches(case, device, slots=requests)
     for t in leaves(fresh):
         if t.numel():
             bits(t).view(torch.uint8 if t.element_size() == 1 else bits(t).dtype).bitwise_not_()
