@@ -137,7 +137,7 @@ def make_kvcaches(case: models.ModelCase, device: str = "cpu", *, dtype: str = "
         state = next(x for x in case.model.states if x.name == s.name)
         for layer in s.layers:
             tensors = []
-            for (name, shape), spec in zip(s.tensors, state.tensors, strict=True):
+            for (_, shape), spec in zip(s.tensors, state.tensors, strict=True):
                 t = torch.empty((slots, *shape), dtype=pick_dtype(spec.dtypes, dtype), device=device)
                 fill_codes(t, base)
                 base += t.numel() + 7919
