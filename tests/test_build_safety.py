@@ -264,7 +264,7 @@ def test_generator_never_imports_torch(tmp_path: Path) -> None:
 
 def test_every_file_has_the_do_not_edit_header(files: dict[str, str]) -> None:
     library = load_library()
-    by_origin = {s.origin: s for s in library.specs}
+    by_origin = {s.origin: s for s in (*library.specs, *library.models)}  # models: their connectors
     for name, text in files.items():
         lines = text.splitlines()
         assert re.fullmatch(r"# kvgen-body-sha256: [0-9a-f]{64}", lines[0]), name

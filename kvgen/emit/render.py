@@ -18,6 +18,7 @@ from kvgen import __version__
 from kvgen.errors import BuildError
 from kvgen.interface import ABI
 from kvgen.plan.kernel import KernelPlan
+from kvgen.plan.models import ModelPlan
 from kvgen.plan.package import ConnectorPlan, PackagePlan
 from kvgen.plan.transfer import TransferPlan
 from kvgen.spec.library import TEMPLATES
@@ -116,12 +117,17 @@ def render_transfer(t: TransferPlan) -> str:
     return environment().get_template("transfer.py.j2").render(t=t)
 
 
+def render_model(p: ModelPlan) -> str:
+    return environment().get_template("model.py.j2").render(p=p)
+
+
 def render_package(plan: PackagePlan) -> dict[str, str]:
     """Every file of a generated package, by file name, sealed."""
     env = environment()
     files = {f"{c.module}.py": render_connector(c) for c in plan.connectors}
     files.update({f"{k.module}.py": render_kernel(k) for k in plan.kernels})
     files.update({f"{t.module}.py": render_transfer(t) for t in plan.transfers})
+    files.update({f"{p.module}.py": render_model(p) for p in plan.models})
     files["formats.py"] = env.get_template("formats.py.j2").render(plan=plan)
     files["__init__.py"] = env.get_template("init.py.j2").render(plan=plan)
     return {name: seal(name, text) for name, text in sorted(files.items())}

@@ -21,6 +21,7 @@ from kvgen.spec.library import UNDEFINED, Library
 from kvgen.spec.model import DTYPES, Spec
 
 if TYPE_CHECKING:
+    from kvgen.plan.models import ModelPlan
     from kvgen.plan.transfer import TransferPlan
     from kvgen.spec.transfers import TransferPair
 
@@ -103,6 +104,8 @@ class PackagePlan:
     kernels: tuple[KernelPlan, ...] = ()
     #: Layout-to-layout transfer modules (kvgen.plan.transfer), from the transfers files.
     transfers: tuple[TransferPlan, ...] = ()
+    #: Model connectors, one per (model, groups object) pair (kvgen.plan.models).
+    models: tuple[ModelPlan, ...] = ()
 
     @property
     def aliases(self) -> tuple[tuple[str, str], ...]:
@@ -134,18 +137,21 @@ def format_transitions(library: Library) -> tuple[tuple[str, str], ...]:
 
 
 def plan_package(library: Library, transfers: Sequence[TransferPair] = ()) -> PackagePlan:
+    from kvgen.plan.models import plan_models
     from kvgen.plan.transfer import plan_transfers  # it builds on this module's layout fields
 
     plans = plan_library(library)
+    connectors = plan_connectors(library)
     return PackagePlan(
         library=library,
-        connectors=tuple(connector_plan(p) for p in plan_connectors(library)),
+        connectors=tuple(connector_plan(p) for p in connectors),
         formats=tuple(library.formats()),
         transitions=format_transitions(library),
         converters=tuple(plan_converters(library)),
         layouts=tuple((s.name, layout_facts(s)) for s in library.specs),
         kernels=tuple(make_kernel_plan(p) for p in plans),
         transfers=plan_transfers(tuple(transfers)),
+        models=tuple(plan_models(library, connectors)[0]),
     )
 
 

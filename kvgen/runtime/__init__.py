@@ -10,6 +10,8 @@ from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layerwise import LayerwiseConnector
 from kvgen.runtime.layout import CacheReader, Geometry, ObjectLayout, PagedLayout, PlaneGeometry
 from kvgen.runtime.memory import UNDEFINED, Format, MemoryObj, Metadata, format_name
+from kvgen.runtime.model import ModelConnector
+from kvgen.runtime.model_table import GroupTable, Section, StateTable
 from kvgen.runtime.ops import (
     bits,
     gather_slots,
@@ -57,5 +59,6 @@ __all__ = [
     "take_index", "put_index",
     "PlaneGeometry", "block_field", "bytes_of", "copy_into", "region", "region_bytes", "region_starts", "row_field",
     "units", "as_words", "plane_words",
+    "ModelConnector", "GroupTable", "StateTable", "Section",
     "Pairs", "TransferBase", "carry", "move_blocks", "pick", "pick_slots", "put_slots",
 ]

@@ -24,13 +24,16 @@ class Registry:
 
     def __init__(self, package: str, layouts: Mapping[str, Mapping[str, Any]], aliases: Mapping[str, str],
                  modules: Mapping[tuple[str, str], tuple[str, str]],
-                 transfers: Mapping[tuple[str, str], str] | None = None):
+                 transfers: Mapping[tuple[str, str], str] | None = None,
+                 models: Mapping[tuple[str, str], str] | None = None):
         self.package = package
         self.layouts = layouts
         self.aliases = aliases
         self.modules = modules
         #: (source layout, destination layout) -> transfer module.
         self.transfers = transfers or {}
+        #: (model, groups object) -> model connector module.
+        self.models = models or {}
         self.named = [Named(name, tuple(facts["aliases"]),
                             tuple(f for f in (facts.get("format"), facts.get("lmcache")) if f))
                       for name, facts in layouts.items()]
@@ -45,13 +48,32 @@ class Registry:
         return resolve(name, self.named)
 
     def get(self, layout: str, obj: str) -> type:
-        """The connector class moving `layout` caches to and from `obj` memory objects."""
+        """The connector class moving `layout` caches to and from `obj` memory objects; given a
+        model's name instead of a layout, the model connector (get_model)."""
+        if layout.lower() in {m.lower() for m, _ in self.models} and layout.lower() not in \
+                {n.lower() for n in self.layouts}:
+            return self.get_model(layout, obj)
         pair = (self.resolve(layout), self.resolve(obj))
         if pair not in self.modules:
             partners = sorted(o for p, o in self.modules if p == pair[0])
             raise KVLayoutError(f"no connector for {pair[0]} <-> {pair[1]}; {pair[0]} pairs with: "
                                 f"{', '.join(partners) or 'nothing'}")
         module = importlib.import_module(f".{self.modules[pair][0]}", self.package)
+        return module.Connector
+
+    def get_model(self, model: str, obj: str) -> type:
+        """The model connector class moving `model`'s whole cache (groups and state) to and from
+        `obj` groups objects (kvgen.runtime.model)."""
+        models = {m.lower(): m for m, _ in self.models}
+        if model.lower() not in models:
+            raise KVLayoutError(f"no model connector for {model!r}; models: {', '.join(sorted(set(models.values())))}"
+                                if models else f"no model connector for {model!r}: this build has no model specs")
+        name, target = models[model.lower()], self.resolve(obj)
+        if (name, target) not in self.models:
+            partners = sorted(o for m, o in self.models if m == name)
+            raise KVLayoutError(f"no model connector for {name} <-> {target}; {name} pairs with: "
+                                f"{', '.join(partners) or 'nothing'} (`kvgen explain {name}` says why)")
+        module = importlib.import_module(f".{self.models[(name, target)]}", self.package)
         return module.Connector
 
     def transfer(self, src: str, dst: str) -> type:

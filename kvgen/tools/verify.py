@@ -128,22 +128,26 @@ def _prepare_triton(devices: list[str]) -> None:
 
 
 def main(args: Any) -> int:
+    from kvgen.plan.models import plan_models
     from kvgen.plan.package import plan_connectors as plan_library
     from kvgen.spec.library import load_library
     from kvgen.spec.transfers import load_transfers
-    from kvgen.tools import verify_transfers
+    from kvgen.tools import verify_models, verify_transfers
 
     library = load_library(args.specs)
     plans = plan_library(library)
     transfers = load_transfers(library, args.specs)
+    model_plans = plan_models(library, plans)[0]
     package = import_package(args.out)
     problem = _mismatch(package, library, plans, args.out, args.specs) or \
-        verify_transfers.mismatch(package, transfers, args.out, args.specs)
+        verify_transfers.mismatch(package, transfers, args.out, args.specs) or \
+        verify_models.mismatch(package, model_plans, args.out, args.specs)
     if problem:
         raise KVGenError(problem)
     selected = [p for p in plans if not args.only or args.only in p.module]
     moves = [t for t in transfers if not args.only or args.only in t.module]
-    if not selected and not moves:
+    model_runs = [p for p in model_plans if not args.only or args.only in p.module]
+    if not selected and not moves and not model_runs:
         raise KVGenError(f"--only {args.only!r} matches no connector of the {len(plans)} in "
                          f"{display_path(args.out)} and no transfer (it is a part of a module name such as "
                          f"{plans[0].module} or xfer__SOURCE__DESTINATION; `kvgen list` shows them)")
@@ -169,7 +173,7 @@ def main(args: Any) -> int:
                   "run here (they move by torch ops; `kvgen verify` checks them)")
         if not selected:
             raise KVGenError("--backend triton: none of the selected connectors has a Triton kernel")
-        moves = []
+        moves = model_runs = []
     from kvgen.oracle.scenarios import SCENARIOS  # torch: only once the inputs are known good
     from kvgen.runtime import kernels
 
@@ -193,4 +197,5 @@ def main(args: Any) -> int:
           + (f", backend {args.backend}" if args.backend else "") + "): "
           f"{rows * 2 - failures} checks passed, {failures} failed")
     failures += verify_transfers.run(package, moves, devices)[1]
+    failures += verify_models.run(package, library, model_runs, devices)[1]
     return 1 if failures else 0
