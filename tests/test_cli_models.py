@@ -46,7 +46,8 @@ def test_explain_model_shows_groups_with_their_layouts(capsys: pytest.CaptureFix
     for line in ("group sliding: vllm_flash_attn_nhd, 18 layers, sliding window 128 tokens",
                  "layers:   0, 2, ..., 34 (every 2nd from 0)", "layers:   1, 3, ..., 35 (every 2nd from 1)",
                  "layout:   L=18 -> [KV=2 B N H=8 C=64]", "config:   openai/gpt-oss-120b",
-                 "cache list: 36 entries in the engine's order (18 in sliding, 18 in full)"):
+                 "cache list: 36 entries in the engine's order (18 in sliding, 18 in full)",
+                 "gpt_oss_120b__kv_groups: KVGEN_GROUPS: sliding as kv_2ltd, full as kv_2ltd"):
         assert line in out, out
 
 
@@ -58,7 +59,9 @@ def test_explain_model_shows_fields_planes_and_state(hybrid: Path, capsys: pytes
                  "state linear: 4 layers, each a tuple of 2 tensors indexed by request slot S",
                  "layers:   1, 3, 5, 7", "conv       [S 3 96] bfloat16, TP splits dim 2 (96); 576 bytes per request",
                  "ssm        [S 4 8 8] float32, TP splits dim 1 (4); 1024 bytes per request",
-                 "per request: 1600 bytes per layer, 6400 bytes in all (at TP 1)"):
+                 "per request: 1600 bytes per layer, 6400 bytes in all (at TP 1)",
+                 "toy_hybrid__kv_groups: KVGEN_GROUPS: wide as kv_2ltd, mla as kv_planes; state linear",
+                 "toy_hybrid__kv_groups_attention: KVGEN_GROUPS_ATTENTION: wide as kv_2ltd, mla as kv_planes"):
         assert line in out, out
 
 

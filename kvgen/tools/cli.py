@@ -188,9 +188,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     _warn_left_out(loaded)
     library = loaded.library
     if any(m.name == args.name.lower() for m in library.models):
-        from kvgen.tools.models_view import explain_model
+        from kvgen.tools.models_view import explain_model, model_connectors
 
-        print("\n".join(explain_model(library.model(args.name), library)))
+        model = library.model(args.name)
+        print("\n".join(explain_model(model, library, model_connectors(model, library))))
         return 0
     try:
         spec = library[args.name]

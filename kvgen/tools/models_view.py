@@ -94,6 +94,24 @@ def explain_model(model: ModelSpec, library: Library, connectors: list[tuple[str
     return out
 
 
+def model_connectors(model: ModelSpec, library: Library) -> list[tuple[str, str]]:
+    """(module, what it moves) of each connector a build generates for `model`, and the
+    groups objects it leaves out with why."""
+    from kvgen.plan.models import plan_models
+    from kvgen.plan.package import plan_connectors
+
+    plans, skipped = plan_models(library, plan_connectors(library))
+    out = []
+    for p in plans:
+        if p.model is model:
+            members = ", ".join(f"{g} as {m}" for g, m in p.members)
+            carries = p.obj.carries
+            state = ", ".join(carries.pick(carries.state, model.state_names)) if carries else ""
+            out.append((p.module, f"{p.obj.format}: {members}" + (f"; state {state}" if state else "")))
+    out += [(f"{m}__{o}", f"not generated: {why}") for m, o, why in skipped if m == model.name]
+    return out
+
+
 def model_rows(library: Library) -> list[tuple[str, str, str, str]]:
     """(name, groups, state, summary) of every model, for `kvgen list`."""
     rows = []
