@@ -15,7 +15,7 @@ from typing import Any
 from kvgen.errors import KVLayoutError, Problem
 from kvgen.names import Named, resolve
 from kvgen.spec.loader import Document
-from kvgen.spec.model import Pack, Spec
+from kvgen.spec.model import ITEMSIZE, Pack, Part, Spec
 from kvgen.spec.models import OTHERS, ModelSpec
 
 
@@ -132,22 +132,37 @@ def _group_problems(model: ModelSpec, name: str, doc: Document, specs: dict[str,
                                        (f" (parts: {', '.join(sorted(parts))})" if parts else ""), key=True))
             continue
         if axis == "C" and not part and layout.is_multipart:
-            out.append(doc.problem(at, f"{layout.name} has parts of their own widths: write C.{sorted(parts)[0]} "
-                                       "and so on", key=True))
+            wide = [p.name for p in layout.parts if p.has("C")]
+            out.append(doc.problem(at, f"{layout.name} has parts of their own widths: write "
+                                       f"{', '.join(f'C.{p}' for p in wide)} instead of C", key=True))
             continue
         owner = next((p for p in layout.parts if p.name == part), layout.parts[0])
         has = owner.has(axis) or axis in layout.lists
         if axis in ("H", "N") and not has and not layout.has(axis):
             out.append(doc.problem(at, f"{layout.name} has no {axis} axis", key=True))
             continue
-        fixed = owner.size(axis) if axis == "C" else layout.size(axis)
+        if axis == "C" and not owner.has("C"):
+            where = f"part {part!r} of {layout.name}" if part else layout.name
+            out.append(doc.problem(at, f"{where} has no C axis (its dims: {owner.render()})", key=True))
+            continue
+        fixed = _fixed_c(owner) if axis == "C" else layout.size(axis)
         if fixed is not None and fixed != value:
-            out.append(doc.problem(at, f"{layout.name} fixes {axis} = {fixed}; this group says {value}"))
+            out.append(doc.problem(at, f"{layout.name} fixes {key} = {fixed}"
+                                       f"{' (its fields)' if owner.fields else ''}; this group says {value}"))
     for i, dtype in enumerate(group.dtypes):
         if dtype not in layout.dtypes:
             out.append(doc.problem((*path, "dtypes", i), f"{layout.name} cannot hold {dtype}; it holds "
                                                          f"{', '.join(layout.dtypes)}"))
     return out
+
+
+def _fixed_c(part: Part) -> int | None:
+    """C that a part fixes: its own size, or the row its fields fill (in its dtype's units)."""
+    if part.size("C") is not None:
+        return part.size("C")
+    if part.fields and part.dtypes and part.row_bytes:
+        return part.row_bytes // ITEMSIZE[part.dtypes[0]]
+    return None
 
 
 def _where_layers(layout: Spec) -> str:
