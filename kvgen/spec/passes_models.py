@@ -22,6 +22,13 @@ from kvgen.spec.models import OTHERS, ModelSpec
 def check_model(model: ModelSpec, doc: Document) -> list[Problem]:
     """One model file: layer sets, state tensors, names."""
     out: list[Problem] = []
+    clash = set(model.group_names) & set(model.state_names)
+    for name in sorted(clash):
+        out.append(doc.problem(("state", name), f"{name!r} names a group and a state group; names must differ "
+                                                "(an object's carries names them)", key=True))
+    out += _tensor_problems(model, doc)
+    if clash:  # the layer sets of the two are one entry in the typed model: checking them would mislead
+        return out
     sections = [("groups", g.name, g.layers) for g in model.groups] + [("state", s.name, s.layers)
                                                                        for s in model.states]
     others = [(sec, name) for sec, name, _ in sections if doc.data[sec][name]["layers"] == OTHERS]
@@ -35,7 +42,7 @@ def check_model(model: ModelSpec, doc: Document) -> list[Problem]:
         if past:
             out.append(doc.problem(path, f"layer {past[0]} is past the model's {model.layers} cache entries "
                                          f"(0..{model.layers - 1})"))
-        if not layers:
+        if not layers and (sec, name) not in others[1:]:  # a second `others` is reported as such
             out.append(doc.problem(path, "this layer set names no entry of the cache list"))
         for i in layers:
             if i in owner and i < model.layers:
@@ -49,10 +56,11 @@ def check_model(model: ModelSpec, doc: Document) -> list[Problem]:
         shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
         out.append(doc.problem(("layers",), f"{len(missing)} of {model.layers} cache entries belong to no group "
                                             f"or state group: {shown} (give them a group, or `layers: others`)"))
-    clash = set(model.group_names) & set(model.state_names)
-    for name in sorted(clash):
-        out.append(doc.problem(("state", name), f"{name!r} names a group and a state group; names must differ "
-                                                "(an object's carries names them)", key=True))
+    return out
+
+
+def _tensor_problems(model: ModelSpec, doc: Document) -> list[Problem]:
+    out: list[Problem] = []
     for s in model.states:
         seen: set[str] = set()
         for j, t in enumerate(s.tensors):
@@ -95,7 +103,7 @@ def check_model_library(entries: Sequence[tuple[Any, Document]]) -> list[Problem
                 elif member.is_paged or member.pack is Pack.GROUPS:
                     why = f"{member.name} is not a memory object of one cache"
                 elif member.lists:
-                    why = f"{member.name} is a per-layer object; a groups object holds whole chunks"
+                    why = f"{member.name} is a per-layer object (lists: {list(member.lists)})"
                 if why:
                     out.append(doc.problem(("members", i), f"{why}; members are whole-chunk objects "
                                                            "such as kv_2ltd, kv_mla, kv_planes"))
