@@ -58,6 +58,9 @@ def test_facts_formulas_give_the_published_geometry() -> None:
     assert qn.groups[0].layers == tuple(range(3, 48, 4))
     assert [t.shape for t in qn.states[0].tensors] == [(3, 8192), (32, 128, 128)]
     assert MODEL_FACTS["llama31_8b"].groups[0].sizes == {"H": 8, "C": 128}
+    jamba = MODEL_FACTS["jamba_v01"]
+    assert jamba.groups[0].layers == (4, 12, 20, 28) and len(jamba.states[0].layers) == 28
+    assert [t.shape for t in jamba.states[0].tensors] == [(3, 8192), (8192, 16)]
 
 
 def _verdict(tmp_path: Path, text: str) -> str:
@@ -122,6 +125,9 @@ MUTATIONS: dict[str, tuple[Any, str]] = {
     "gaudi_size_of_a_scale_part": (lambda: _edit("llama31_8b_gaudi_fp8", "C.v: 128", "C.v_scale: 128"), "refused"),
     "gaudi_plain_c": (lambda: _edit("llama31_8b_gaudi_fp8", "C.k: 128, C.v: 128", "C: 128"), "refused"),
     "gaudi_head_size": (lambda: _edit("llama31_8b_gaudi_fp8", "C.v: 128", "C.v: 64"), "facts"),
+    "jamba_attention_offset": (lambda: _edit("jamba_v01", "{from: 4, every: 8}", "{from: 3, every: 8}"), "facts"),
+    "jamba_ssm_transposed": (lambda: _edit("jamba_v01", "[8192, 16]", "[16, 8192]"), "facts"),
+    "jamba_ssm_split": (lambda: _edit("jamba_v01", "split: 0}", "split: 1}"), "facts"),
     "gemma_window": (lambda: _edit("gemma3_27b", "window: 1024", "window: 4096"), "facts"),
 }
 

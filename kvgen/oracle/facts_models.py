@@ -17,7 +17,8 @@ Sources (projects as named on Hugging Face / GitHub):
   (fp8_ds_mla rows: kv_lora_rank fp8 values, kv_lora_rank / 128 float32 scales, rope bf16 values);
   model_executor/layers/mamba/mamba_utils.py (gated_delta_net_state_shape: conv (kernel - 1,
   conv_dim / tp) in the default "SD" layout, recurrent (num_v_heads / tp, head_v_dim, head_k_dim);
-  gated_delta_net_state_dtype: conv in the model dtype, recurrent in mamba_ssm_cache_dtype).
+  gated_delta_net_state_dtype: conv in the model dtype, recurrent in mamba_ssm_cache_dtype;
+  mamba1_state_shape: conv (kernel - 1, intermediate / tp), SSM (intermediate / tp, d_state)).
 - vLLM-Gaudi (vllm-project/vllm-gaudi): per layer (key, value, key scales, value scales), values
   fp8, scales one bfloat16 per token and head.
 """
@@ -173,6 +174,24 @@ def _qwen3_next() -> ModelFact:
 
 
 _register(_qwen3_next())
+
+
+def _jamba_v01() -> ModelFact:
+    v = {"num_hidden_layers": 32, "attn_layer_period": 8, "attn_layer_offset": 4, "num_key_value_heads": 8,
+         "hidden_size": 4096, "num_attention_heads": 32, "mamba_expand": 2, "mamba_d_state": 16, "mamba_d_conv": 4}
+    n = v["num_hidden_layers"]
+    attn = tuple(i for i in range(n) if i % v["attn_layer_period"] == v["attn_layer_offset"])
+    mamba = tuple(i for i in range(n) if i not in attn)
+    inner = v["mamba_expand"] * v["hidden_size"]  # Mamba-1: the conv runs over the expanded width
+    return ModelFact("jamba_v01", "ai21labs/Jamba-v0.1", v, n,
+                     (GroupFact("attn", "vllm_flash_attn_nhd", attn,
+                                {"H": v["num_key_value_heads"], "C": v["hidden_size"] // v["num_attention_heads"]}),),
+                     (StateFact("mamba", mamba, (TensorFact("conv", (v["mamba_d_conv"] - 1, inner), ("bfloat16",), 1),
+                                                 TensorFact("ssm", (inner, v["mamba_d_state"]),
+                                                            ("bfloat16", "float32"), 0))),))
+
+
+_register(_jamba_v01())
 
 
 def model_disagreement(model: Any) -> str | None:
