@@ -15,13 +15,20 @@ from typing import Any
 from kvgen.errors import KVLayoutError, Problem
 from kvgen.names import Named, resolve
 from kvgen.spec.loader import Document
-from kvgen.spec.model import Pack, Spec
+from kvgen.spec.model import ITEMSIZE, Pack, Part, Spec
 from kvgen.spec.models import OTHERS, ModelSpec
 
 
 def check_model(model: ModelSpec, doc: Document) -> list[Problem]:
     """One model file: layer sets, state tensors, names."""
     out: list[Problem] = []
+    clash = set(model.group_names) & set(model.state_names)
+    for name in sorted(clash):
+        out.append(doc.problem(("state", name), f"{name!r} names a group and a state group; names must differ "
+                                                "(an object's carries names them)", key=True))
+    out += _tensor_problems(model, doc)
+    if clash:  # the layer sets of the two are one entry in the typed model: checking them would mislead
+        return out
     sections = [("groups", g.name, g.layers) for g in model.groups] + [("state", s.name, s.layers)
                                                                        for s in model.states]
     others = [(sec, name) for sec, name, _ in sections if doc.data[sec][name]["layers"] == OTHERS]
@@ -35,7 +42,7 @@ def check_model(model: ModelSpec, doc: Document) -> list[Problem]:
         if past:
             out.append(doc.problem(path, f"layer {past[0]} is past the model's {model.layers} cache entries "
                                          f"(0..{model.layers - 1})"))
-        if not layers:
+        if not layers and (sec, name) not in others[1:]:  # a second `others` is reported as such
             out.append(doc.problem(path, "this layer set names no entry of the cache list"))
         for i in layers:
             if i in owner and i < model.layers:
@@ -49,10 +56,11 @@ def check_model(model: ModelSpec, doc: Document) -> list[Problem]:
         shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
         out.append(doc.problem(("layers",), f"{len(missing)} of {model.layers} cache entries belong to no group "
                                             f"or state group: {shown} (give them a group, or `layers: others`)"))
-    clash = set(model.group_names) & set(model.state_names)
-    for name in sorted(clash):
-        out.append(doc.problem(("state", name), f"{name!r} names a group and a state group; names must differ "
-                                                "(an object's carries names them)", key=True))
+    return out
+
+
+def _tensor_problems(model: ModelSpec, doc: Document) -> list[Problem]:
+    out: list[Problem] = []
     for s in model.states:
         seen: set[str] = set()
         for j, t in enumerate(s.tensors):
@@ -95,7 +103,7 @@ def check_model_library(entries: Sequence[tuple[Any, Document]]) -> list[Problem
                 elif member.is_paged or member.pack is Pack.GROUPS:
                     why = f"{member.name} is not a memory object of one cache"
                 elif member.lists:
-                    why = f"{member.name} is a per-layer object; a groups object holds whole chunks"
+                    why = f"{member.name} is a per-layer object (lists: {list(member.lists)})"
                 if why:
                     out.append(doc.problem(("members", i), f"{why}; members are whole-chunk objects "
                                                            "such as kv_2ltd, kv_mla, kv_planes"))
@@ -132,22 +140,37 @@ def _group_problems(model: ModelSpec, name: str, doc: Document, specs: dict[str,
                                        (f" (parts: {', '.join(sorted(parts))})" if parts else ""), key=True))
             continue
         if axis == "C" and not part and layout.is_multipart:
-            out.append(doc.problem(at, f"{layout.name} has parts of their own widths: write C.{sorted(parts)[0]} "
-                                       "and so on", key=True))
+            wide = [p.name for p in layout.parts if p.has("C")]
+            out.append(doc.problem(at, f"{layout.name} has parts of their own widths: write "
+                                       f"{', '.join(f'C.{p}' for p in wide)} instead of C", key=True))
             continue
         owner = next((p for p in layout.parts if p.name == part), layout.parts[0])
         has = owner.has(axis) or axis in layout.lists
         if axis in ("H", "N") and not has and not layout.has(axis):
             out.append(doc.problem(at, f"{layout.name} has no {axis} axis", key=True))
             continue
-        fixed = owner.size(axis) if axis == "C" else layout.size(axis)
+        if axis == "C" and not owner.has("C"):
+            where = f"part {part!r} of {layout.name}" if part else layout.name
+            out.append(doc.problem(at, f"{where} has no C axis (its dims: {owner.render()})", key=True))
+            continue
+        fixed = _fixed_c(owner) if axis == "C" else layout.size(axis)
         if fixed is not None and fixed != value:
-            out.append(doc.problem(at, f"{layout.name} fixes {axis} = {fixed}; this group says {value}"))
+            out.append(doc.problem(at, f"{layout.name} fixes {key} = {fixed}"
+                                       f"{' (its fields)' if owner.fields else ''}; this group says {value}"))
     for i, dtype in enumerate(group.dtypes):
         if dtype not in layout.dtypes:
             out.append(doc.problem((*path, "dtypes", i), f"{layout.name} cannot hold {dtype}; it holds "
                                                          f"{', '.join(layout.dtypes)}"))
     return out
+
+
+def _fixed_c(part: Part) -> int | None:
+    """C that a part fixes: its own size, or the row its fields fill (in its dtype's units)."""
+    if part.size("C") is not None:
+        return part.size("C")
+    if part.fields and part.dtypes and part.row_bytes:
+        return part.row_bytes // ITEMSIZE[part.dtypes[0]]
+    return None
 
 
 def _where_layers(layout: Spec) -> str:

@@ -111,6 +111,21 @@ def _check_facts(library: Any) -> int:
     for name, why in wrong:
         print(f"kvgen verify: spec {name} disagrees with the engine's facts: {why}", file=sys.stderr)
     print(f"{len(checked) - len(wrong)} of {len(checked)} built-in specs agree with the engines' facts")
+    return len(wrong) + _check_model_facts(library)
+
+
+def _check_model_facts(library: Any) -> int:
+    """Built-in model specs against the models' published configs (kvgen.oracle.facts_models);
+    a model spec without facts counts as wrong."""
+    from kvgen.oracle.facts_models import model_disagreement
+    from kvgen.spec.library import BUILTIN_SPECS
+
+    builtin = BUILTIN_SPECS.resolve()
+    models = [m for m in library.models if builtin in Path(m.source).resolve().parents]
+    wrong = [(m.name, why) for m in models if (why := model_disagreement(m)) is not None]
+    for name, why in wrong:
+        print(f"kvgen verify: model {name} disagrees with its published config: {why}", file=sys.stderr)
+    print(f"{len(models) - len(wrong)} of {len(models)} built-in model specs agree with their configs")
     return len(wrong)
 
 
