@@ -44,7 +44,8 @@ def _group_lines(group: Group, layout: Spec) -> list[str]:
            f"    layers:   {layer_text(group.layers)}",
            f"    layout:   {layout.arrow(_extents(group, layout))}"]
     fixed = ", ".join(f"{k} = {v}" for k, v in group.sizes) or "none (all read from the tensors)"
-    out.append(f"    sizes:    {fixed} (at TP 1; a rank of TP t holds H / t heads)")
+    tp = " (at TP 1; a rank of TP t holds H / t heads)" if group.size("H") else ""
+    out.append(f"    sizes:    {fixed}{tp}")
     dtypes = group.dtypes or layout.dtypes
     out.append(f"    dtypes:   {', '.join(dtypes)}")
     # The layout's parts, fields and planes, indented under the group.
