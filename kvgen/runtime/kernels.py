@@ -356,7 +356,8 @@ class KernelCopies:
         kernel = self._kernel_for(torch.device(device))
         return "torch" if kernel is None else kernel if isinstance(kernel, str) else "triton"
 
-    def _kernel_copy(self, store: bool, copy: Callable[..., None], device: torch.device) -> Callable[..., None]:
+    def _kernel_copy(self, store: bool, copy: Callable[..., None], device: torch.device,
+                     binding: Any = None) -> Callable[..., None]:
         """The generated copy `copy` (a bound `_store`/`_load`, or a `_store_layer`/`_load_layer`
         partial over its layer), or the kernel in its place; on the CPU, the torch ops run
         with the intra-op threads `cpu_threads` picks."""
@@ -374,7 +375,7 @@ class KernelCopies:
             return threaded
         layer = copy.args[0] if isinstance(copy, partial) else None
         if kernel == "native":
-            return self._native_copy(store, copy, layer)
+            return self._native_copy(store, copy, layer, binding)
         forced = self.copy_backend == "triton"
 
         def run(tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk, w: Words) -> None:
@@ -387,7 +388,8 @@ class KernelCopies:
 
         return run
 
-    def _native_copy(self, store: bool, copy: Callable[..., None], layer: int | None) -> Callable[..., None]:
+    def _native_copy(self, store: bool, copy: Callable[..., None], layer: int | None,
+                     binding: Any) -> Callable[..., None]:
         """The compiled CPU kernel in place of `copy`; a cache it cannot describe (leaves with
         different strides) falls back to `copy`, unless backend='native' was forced."""
         forced = self.copy_backend == "native"
@@ -396,7 +398,7 @@ class KernelCopies:
         def run(tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk, w: Words) -> None:
             threads = cpu_threads(tensor.numel() * tensor.element_size())
             try:
-                native.move(m, store, layer, tensor, kvcaches, g, ck, threads)
+                native.move(m, store, layer, tensor, kvcaches, g, ck, threads, binding)
             except native.Unsupported as why:
                 if forced:
                     raise KVLayoutError(f"backend='native' cannot move this cache: {why}") from None

@@ -22,6 +22,7 @@ so one kernel serves every connector of a one-tree cache; caches of several plan
 
 from __future__ import annotations
 
+import array
 import ctypes
 import hashlib
 import os
@@ -44,7 +45,7 @@ from kvgen.runtime.slots import Chunk
 #: of one user, and glibc's memcpy already picks the widest vector unit at run time.
 FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-std=c99")
 #: The kernel's calling convention (kvgen_abi() in csrc/kvcopy.c).
-ABI = 1
+ABI = 2
 #: Int64 fields per dim (csrc/kvcopy.c) and the most dims it takes.
 FIELDS, MAX_DIMS = 9, 8
 
@@ -128,7 +129,7 @@ def _load() -> tuple[Any, str | None]:
         return None, f"{path} speaks another calling convention"
     lib.kvgen_move.restype = ctypes.c_int
     lib.kvgen_move.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_int]
+                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     return lib, None
 
 
@@ -209,17 +210,18 @@ def _strides(dims: Any, tensor: torch.Tensor, ext: dict[str, int], folded: bool)
 
 
 class _Cache:
-    """One cache tree as the kernel sees it: its leaves' addresses and one leaf's axis strides."""
+    """One bound cache as the kernel sees it: its leaves' addresses and one leaf's axis strides."""
 
-    __slots__ = ("tree", "ptrs", "strides", "ls")
+    __slots__ = ("binding", "ptrs", "base", "strides", "ls")
 
-    def __init__(self, tree: Any, m: LayoutMap, g: Geometry, ext: dict[str, int]):
+    def __init__(self, binding: Any, tree: Any, m: LayoutMap, g: Geometry, ext: dict[str, int]):
         tensors = leaves(tree)
         first = tensors[0]
         if any(t.stride() != first.stride() for t in tensors[1:]):
             raise Unsupported("cache tensors differ in strides")
-        self.tree = tree  # held so that id(tree) is not reused while this entry lives
-        self.ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+        self.binding = binding  # held so that id(binding) is not reused while this entry lives
+        self.ptrs = array.array("Q", [t.data_ptr() for t in tensors])
+        self.base = self.ptrs.buffer_info()[0]
         self.strides = _strides(m.paged.dims, first, ext, g.N is None)
         self.ls: dict[str, int] = {}
         step = 1
@@ -229,17 +231,20 @@ class _Cache:
 
 
 _caches: dict[int, _Cache] = {}
-_CACHES_KEPT = 4
+_CACHES_KEPT = 8
 
 
-def _cache_of(tree: Any, m: LayoutMap, g: Geometry, ext: dict[str, int]) -> _Cache:
-    found = _caches.get(id(tree))
-    if found is None or found.tree is not tree:
-        found = _Cache(tree, m, g, ext)
-        with _lock:
-            if len(_caches) >= _CACHES_KEPT:
-                _caches.pop(next(iter(_caches)))
-            _caches[id(tree)] = found
+def _cache_of(binding: Any, tree: Any, m: LayoutMap, g: Geometry, ext: dict[str, int]) -> _Cache:
+    """Per binding (immutable, one per cache fingerprint: leaf addresses, shapes, strides),
+    so every tree a call brings with that binding has these leaves; without one, per call."""
+    found = _caches.get(id(binding)) if binding is not None else None
+    if found is None or found.binding is not binding:
+        found = _Cache(binding, tree, m, g, ext)
+        if binding is not None:
+            with _lock:
+                if len(_caches) >= _CACHES_KEPT:
+                    _caches.pop(next(iter(_caches)))
+                _caches[id(binding)] = found
     return found
 
 
@@ -252,11 +257,11 @@ def _address(t: torch.Tensor | None) -> int:
 
 
 def describe(m: LayoutMap, store: bool, layer: int | None, tensor: torch.Tensor, kvcaches: Any, g: Geometry,
-             ck: Chunk) -> list[tuple[list[list[int]], int, int, int, _Cache]]:
+             ck: Chunk, binding: Any = None) -> list[tuple[list[list[int]], int, int, int, int, _Cache]]:
     """The kernel calls that move `ck`: (dims, run bytes, cache leaf/byte base, object byte
     offset, cache) for its block path and its token path."""
     ext = g.extents()
-    cache = _cache_of(kvcaches, m, g, ext)
+    cache = _cache_of(binding, kvcaches, m, g, ext)
     cs, ls = cache.strides, cache.ls
     ext_t = {**ext, "T": ck.num_tokens}
     os_ = _strides(m.obj.dims, tensor, ext_t, False)
@@ -304,13 +309,15 @@ def describe(m: LayoutMap, store: bool, layer: int | None, tensor: torch.Tensor,
         if len(dims) > MAX_DIMS:
             raise Unsupported(f"{len(dims)} dims exceed the kernel's {MAX_DIMS}")
         out.append((dims, run, leaf0, coff0, ooff, cache))
-    return out  # type: ignore[return-value]
+    return out
 
 
 def _order(dims: list[list[int]], store: bool, item: int) -> tuple[int, list[list[int]]]:
     """Dims outermost first in the destination's order (so it is written front to back),
     then the innermost dims both sides keep contiguous merged into the run."""
-    if store:
+    if store and os.environ.get("KVGEN_NATIVE_ORDER") == "src":
+        dims = sorted(dims, key=lambda d: (-d[8], -d[4]))
+    elif store:
         dims = sorted(dims, key=lambda d: -d[7])
     else:  # the cache: other leaves first, then its byte strides
         dims = sorted(dims, key=lambda d: (-d[8], -d[4]))
@@ -325,7 +332,7 @@ def _order(dims: list[list[int]], store: bool, item: int) -> tuple[int, list[lis
 
 
 def move(m: LayoutMap, store: bool, layer: int | None, tensor: torch.Tensor, kvcaches: Any, g: Geometry,
-         ck: Chunk, threads: int) -> None:
+         ck: Chunk, threads: int, binding: Any = None) -> None:
     """Move one chunk (of one layer when `layer` is given) with the compiled kernel.
     Unsupported (before anything is written) when it cannot."""
     if not ck.has_blocks and not ck.has_tokens:
@@ -333,13 +340,12 @@ def move(m: LayoutMap, store: bool, layer: int | None, tensor: torch.Tensor, kvc
     lib = library()
     if lib is None:
         raise Unsupported(_state["why"])
-    calls = describe(m, store, layer, tensor, kvcaches, g, ck)
+    calls = describe(m, store, layer, tensor, kvcaches, g, ck, binding)
     obj = tensor.data_ptr()
     for dims, run, leaf0, coff0, ooff, cache in calls:
-        flat = (ctypes.c_int64 * (len(dims) * FIELDS))(*[v for d in dims for v in d])
-        ptrs = cache.ptrs
-        if leaf0 or coff0:  # one layer: shift every leaf address by the layer's bytes, or pick its leaf
-            ptrs = (ctypes.c_void_p * (len(ptrs) - leaf0))(*[p + coff0 for p in ptrs[leaf0:]])
+        flat = array.array("q", [v for d in dims for v in d])
         stats["calls"] += 1
-        if lib.kvgen_move(int(store), len(dims), flat, run, ptrs, obj + ooff, threads) != 0:
+        # leaf0: one layer of a cache whose layers are leaves starts at that leaf (8-byte addresses)
+        if lib.kvgen_move(int(store), len(dims), flat.buffer_info()[0], run, cache.base + 8 * leaf0, coff0,
+                          obj + ooff, threads) != 0:
             raise Unsupported("the kernel refused the description")

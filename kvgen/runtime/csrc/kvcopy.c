@@ -39,43 +39,68 @@ typedef struct {
     int store;
     char *const *leaves;
     char *obj;
+    int64_t shift; /* cache bytes before the first moved element of every leaf */
     int64_t lo, hi; /* the share of dim 0 one thread moves */
 } kv_job;
 
-static void kv_walk(const kv_job *job, int k, int64_t leaf, int64_t coff, int64_t ooff) {
-    if (k == job->nd) {
-        char *c = job->leaves[leaf] + coff;
-        char *o = job->obj + ooff;
-        if (job->store)
-            memcpy(o, c, (size_t)job->run);
-        else
-            memcpy(c, o, (size_t)job->run);
-        return;
+/* One run: short runs of whole 16-byte words inline (no call), others by memcpy. */
+static inline void kv_copy(char *dst, const char *src, int64_t run) {
+    if (run <= 512 && (run & 15) == 0) {
+        for (int64_t b = 0; b < run; b += 16)
+            memcpy(dst + b, src + b, 16);
+    } else {
+        memcpy(dst, src, (size_t)run);
     }
+}
+
+static void kv_walk(const kv_job *job, int k, int64_t leaf, int64_t coff, int64_t ooff) {
     const kv_dim *d = &job->d[k];
     int64_t lo = k == 0 ? job->lo : 0, hi = k == 0 ? job->hi : d->ext;
+    int last = k == job->nd - 1;
+    if (last && !d->idx && !d->tok && d->div <= 1 && !d->ls) { /* a plain innermost dim: step both pointers */
+        char *cp = job->leaves[leaf] + coff + (d->first + lo) * d->cs;
+        char *op = job->obj + ooff + lo * d->os;
+        for (int64_t i = lo; i < hi; i++, cp += d->cs, op += d->os) {
+            if (job->store)
+                kv_copy(op, cp, job->run);
+            else
+                kv_copy(cp, op, job->run);
+        }
+        return;
+    }
     for (int64_t i = lo; i < hi; i++) {
         int64_t v = d->idx ? d->idx[i] : d->first + i;
         if (v < 0)
             continue;
         int64_t c = d->div > 1 ? (v / d->div) * d->cs + (v % d->div) * d->cs2 : v * d->cs;
         int64_t p = d->tok ? d->tok[i] : i;
-        kv_walk(job, k + 1, leaf + v * d->ls, coff + c, ooff + p * d->os);
+        if (last) {
+            char *cp = job->leaves[leaf + v * d->ls] + coff + c;
+            char *op = job->obj + ooff + p * d->os;
+            if (job->store)
+                kv_copy(op, cp, job->run);
+            else
+                kv_copy(cp, op, job->run);
+        } else {
+            kv_walk(job, k + 1, leaf + v * d->ls, coff + c, ooff + p * d->os);
+        }
     }
 }
 
 static void *kv_thread(void *arg) {
     const kv_job *job = (const kv_job *)arg;
-    kv_walk(job, 0, 0, 0, 0);
+    kv_walk(job, 0, 0, job->shift, 0);
     return NULL;
 }
 
 /* Move one chunk. dims: nd * KV_FIELDS int64 values, outermost dim first; run: bytes of
  * the innermost contiguous run; leaves: base address of every cache tensor; obj: the
- * object's base address; threads: how many threads share dim 0 (1: this one only).
+ * object's base address; shift: bytes added to every leaf address (one layer of a cache
+ * whose layers are a dim); threads: how many threads share dim 0 (1: this one only).
  * Returns 0, or -1 for a description it cannot run (the caller then uses torch). */
-int kvgen_move(int store, int nd, const int64_t *dims, int64_t run, char *const *leaves, char *obj,
+int kvgen_move(int store, int nd, const int64_t *dims, int64_t run, char *const *leaves, int64_t shift, char *obj,
                int threads) {
+
     if (nd < 0 || nd > KV_MAXD || run <= 0)
         return -1;
     kv_job job;
@@ -85,6 +110,7 @@ int kvgen_move(int store, int nd, const int64_t *dims, int64_t run, char *const 
     job.store = store;
     job.leaves = leaves;
     job.obj = obj;
+    job.shift = shift;
     for (int k = 0; k < nd; k++) {
         const int64_t *f = dims + (int64_t)k * KV_FIELDS;
         kv_dim *d = &job.d[k];
@@ -101,9 +127,10 @@ int kvgen_move(int store, int nd, const int64_t *dims, int64_t run, char *const 
             return 0; /* nothing to move */
     }
     if (nd == 0) {
-        job.lo = 0;
-        job.hi = 0;
-        kv_walk(&job, 0, 0, 0, 0);
+        if (store)
+            kv_copy(obj, leaves[0] + shift, run);
+        else
+            kv_copy(leaves[0] + shift, obj, run);
         return 0;
     }
     int64_t ext = job.d[0].ext;
@@ -114,7 +141,7 @@ int kvgen_move(int store, int nd, const int64_t *dims, int64_t run, char *const 
     if (threads <= 1) {
         job.lo = 0;
         job.hi = ext;
-        kv_walk(&job, 0, 0, 0, 0);
+        kv_walk(&job, 0, 0, shift, 0);
         return 0;
     }
     kv_job jobs[KV_MAXT];
@@ -129,15 +156,15 @@ int kvgen_move(int store, int nd, const int64_t *dims, int64_t run, char *const 
     /* this thread takes share 0; a thread that cannot start has its share moved here too */
     for (int t = 1; t < threads; t++)
         started[t] = pthread_create(&ids[t], NULL, kv_thread, &jobs[t]) == 0;
-    kv_walk(&jobs[0], 0, 0, 0, 0);
+    kv_walk(&jobs[0], 0, 0, shift, 0);
     for (int t = 1; t < threads; t++) {
         if (started[t])
             pthread_join(ids[t], NULL);
         else
-            kv_walk(&jobs[t], 0, 0, 0, 0);
+            kv_walk(&jobs[t], 0, 0, shift, 0);
     }
     return 0;
 }
 
 /* The version of the calling convention above; the loader refuses a library with another. */
-int kvgen_abi(void) { return 1; }
+int kvgen_abi(void) { return 2; }
