@@ -258,8 +258,8 @@ def _address(t: torch.Tensor | None) -> int:
 
 def describe(m: LayoutMap, store: bool, layer: int | None, tensor: torch.Tensor, kvcaches: Any, g: Geometry,
              ck: Chunk, binding: Any = None) -> list[tuple[list[list[int]], int, int, int, int, _Cache]]:
-    """The kernel calls that move `ck`: (dims, run bytes, cache leaf/byte base, object byte
-    offset, cache) for its block path and its token path."""
+    """The kernel calls that move `ck`: (dims, run bytes, first leaf, cache byte shift, object
+    byte offset, cache) for its block path and its token path."""
     ext = g.extents()
     cache = _cache_of(binding, kvcaches, m, g, ext)
     cs, ls = cache.strides, cache.ls
@@ -315,9 +315,7 @@ def describe(m: LayoutMap, store: bool, layer: int | None, tensor: torch.Tensor,
 def _order(dims: list[list[int]], store: bool, item: int) -> tuple[int, list[list[int]]]:
     """Dims outermost first in the destination's order (so it is written front to back),
     then the innermost dims both sides keep contiguous merged into the run."""
-    if store and os.environ.get("KVGEN_NATIVE_ORDER") == "src":
-        dims = sorted(dims, key=lambda d: (-d[8], -d[4]))
-    elif store:
+    if store:
         dims = sorted(dims, key=lambda d: -d[7])
     else:  # the cache: other leaves first, then its byte strides
         dims = sorted(dims, key=lambda d: (-d[8], -d[4]))
