@@ -25,7 +25,7 @@ from kvgen.oracle.scenarios import check_connector, clone_tree, same_bits
 from kvgen.plan.copy import CopyPlan, plan_library
 from kvgen.plan.kernel import make_kernel_plan
 from kvgen.plan.package import plan_package
-from kvgen.runtime import KVLayoutError, available_devices, kernels
+from kvgen.runtime import KVLayoutError, available_devices, kernels, native
 from kvgen.spec.library import load_library
 
 LIBRARY = load_library()
@@ -146,7 +146,8 @@ def _nhd(**options: object) -> object:
 
 def test_auto_never_picks_the_interpreter_and_torch_never_launches() -> None:
     before = kernels.stats["launches"]
-    assert _nhd().copy_backend_for("cpu") == "torch"
+    # On the CPU, auto takes the compiled CPU kernel where it builds, else torch ops; never Triton.
+    assert _nhd().copy_backend_for("cpu") == ("native" if native.unavailable() is None else "torch")
     plan = PLANS["vllm_flash_attn_nhd__kv_2ltd"]
     assert check_connector(generated, plan.paged, plan.obj, "cpu", [SCENARIOS["partial_blocks"]],
                            backend="torch") == [(True, True)]
@@ -154,7 +155,7 @@ def test_auto_never_picks_the_interpreter_and_torch_never_launches() -> None:
 
 
 def test_backend_names_are_checked() -> None:
-    with pytest.raises(KVLayoutError, match="backend must be one of 'triton', 'torch' or None"):
+    with pytest.raises(KVLayoutError, match="backend must be one of 'triton', 'native', 'torch' or None"):
         _nhd(backend="cuda")
 
 
@@ -250,14 +251,15 @@ def test_list_and_explain_show_kernels_and_backends(capsys: pytest.CaptureFixtur
 
     assert main(["list", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["backends"]["cpu"] == "torch"
+    cpu = "native" if native.unavailable() is None else "torch"
+    assert data["backends"]["cpu"] == cpu
     assert data["backends"]["cuda"].startswith("triton" if HAVE_TRITON else "torch")
     nhd = next(c for c in data["connectors"] if c["module"] == "vllm_flash_attn_nhd__kv_2ltd")
     assert nhd["kernel"] == ("one launch per chunk, grid (whole blocks + token tiles, KV x L); rows [H C]; "
                              "leaves by a table over L")
     assert main(["explain", "NHD"]) == 0
     out = capsys.readouterr().out
-    assert "triton kernel: one launch per layer and chunk" in out and "copy backend (backend=None): cpu torch" in out
+    assert "triton kernel: one launch per layer and chunk" in out and f"copy backend (backend=None): cpu {cpu}" in out
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install 'kvgen[triton]')")

@@ -189,21 +189,25 @@ class ConnectorBase(KernelCopies):
         return f"{self.memory.name} {self.memory.arrow(ext)} {str(self._dtype(g)).removeprefix('torch.')}"
 
     def _check_object(self, obj: Any, g: Geometry, num_tokens: int, *, storing: bool) -> torch.Tensor:
-        expected = self._expected(g, num_tokens)
+        # The layout text of a message is spelled out only for a refusal: it costs more than the checks.
+        def expected() -> str:
+            return self._expected(g, num_tokens)
+
         tensor = getattr(obj, "tensor", None)
         metadata = getattr(obj, "metadata", None)
         if not isinstance(tensor, torch.Tensor) or not hasattr(metadata, "fmt"):
-            raise KVLayoutError(f"expected a memory object with .tensor ({expected}) and .metadata.fmt, "
+            raise KVLayoutError(f"expected a memory object with .tensor ({expected()}) and .metadata.fmt, "
                                 f"got {describe(obj)}"
                                 + (f" with .tensor {describe(tensor)}" if hasattr(obj, "tensor") else ""))
         shape = self._shape(g, num_tokens)
         if tuple(tensor.shape) != shape or tensor.dtype != self._dtype(g):
-            raise KVLayoutError(f"memory object must be {expected} "
+            raise KVLayoutError(f"memory object must be {expected()} "
                                 f"(shape {list(shape)}), got {describe(tensor)}")
         if tensor.device.type == "meta":
-            raise KVLayoutError(f"memory object {expected} must have storage, got a tensor on {tensor.device}")
-        if broadcast_dims(tensor):
-            raise KVLayoutError(f"memory object {expected} has dims {broadcast_dims(tensor)} with stride 0 "
+            raise KVLayoutError(f"memory object {expected()} must have storage, got a tensor on {tensor.device}")
+        shared = broadcast_dims(tensor)
+        if shared:
+            raise KVLayoutError(f"memory object {expected()} has dims {shared} with stride 0 "
                                 "(an expanded view): distinct tokens would share memory; pass a tensor with "
                                 "its own storage")
         try:
@@ -218,7 +222,7 @@ class ConnectorBase(KernelCopies):
                                     f"{current}; allowed labels before a store: {allowed}")
         elif current != self.memory.format:
             raise KVLayoutError(f"cannot load an object labelled {current}: this connector reads "
-                                f"{self.memory.format} ({expected})")
+                                f"{self.memory.format} ({expected()})")
         return tensor
 
     @staticmethod
@@ -283,7 +287,7 @@ class ConnectorBase(KernelCopies):
         work = self._staging_for(tensor, g, role)
         if work is not tensor and not ck.covers_all:
             backend.copy(work, tensor)  # so skipped tokens come back unchanged
-        copy = self._kernel_copy(True, copy, g.device)
+        copy = self._kernel_copy(True, copy, g.device, call.binding)
         copy(work, call.kvcaches, g, ck, self._words(work, call.binding))
         if work is not tensor:
             backend.copy(tensor, work)
@@ -294,7 +298,7 @@ class ConnectorBase(KernelCopies):
         work = self._staging_for(tensor, g, role)
         if work is not tensor:
             self._backend_for(g.device).copy(work, tensor)
-        copy = self._kernel_copy(False, copy, g.device)
+        copy = self._kernel_copy(False, copy, g.device, call.binding)
         copy(work, call.kvcaches, g, ck, self._words(work, call.binding))
 
     def _check_staging(self, tensors: Sequence[torch.Tensor]) -> None:

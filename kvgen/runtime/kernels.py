@@ -6,7 +6,9 @@ picks per device: `backend=None` (auto) uses the kernel where Triton is installe
 backend for the device (CUDA, ROCm, Intel XPU), the torch ops otherwise; `backend="triton"`
 or `"torch"` forces one. On the CPU, Triton runs only in its interpreter
 (`TRITON_INTERPRET=1`), which the tests and `kvgen verify --backend triton` use to check
-every kernel against the reference; auto never picks it.
+every kernel against the reference; auto never picks it. CPU tensors get the compiled CPU
+kernel instead (`"native"`, kvgen.runtime.native) where a C compiler is present, the torch
+ops otherwise and for caches it does not describe.
 
 Triton is imported only when a kernel is about to be used, so kvgen needs it for nothing
 else (`pip install 'kvgen[triton]'`).
@@ -27,6 +29,7 @@ from typing import Any
 
 import torch
 
+from kvgen.runtime import native
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry
@@ -34,7 +37,7 @@ from kvgen.runtime.slots import Chunk
 from kvgen.runtime.words import Words, words
 
 #: What `backend=` accepts besides None (auto).
-BACKENDS = ("triton", "torch")
+BACKENDS = ("triton", "native", "torch")
 #: Widest word a kernel moves: Triton has no 16-byte integer, and two 8-byte words per
 #: thread already make 16-byte vector accesses.
 KERNEL_WORD = 8
@@ -293,7 +296,7 @@ class KernelCopies:
     """The copy-backend choice of a connector (mixed into ConnectorBase)."""
 
     copy_backend: str | None
-    _kernels: dict[torch.device, Kernel | None]
+    _kernels: dict[torch.device, Kernel | str | None]
 
     def _init_copies(self, requested: str | None, device: torch.device | None) -> None:
         if requested is not None and requested not in BACKENDS:
@@ -306,6 +309,10 @@ class KernelCopies:
                 unavailable(device) if device is not None else None
             if why:
                 raise KVLayoutError(f"backend='triton' cannot run here: {why}")
+        if requested == "native":
+            why = native_unavailable(device) if device is not None else native.unavailable()
+            if why:
+                raise KVLayoutError(f"backend='native' cannot run here: {why}")
 
     def _generated_module(self) -> str:
         for cls in type(self).__mro__:
@@ -313,12 +320,24 @@ class KernelCopies:
                 return cls.__module__
         return type(self).__module__
 
-    def _kernel_for(self, device: torch.device) -> Kernel | None:
-        """The kernel this connector uses on `device`, or None for the torch path."""
+    def _kernel_for(self, device: torch.device) -> Kernel | str | None:
+        """The kernel this connector uses on `device`: a Triton Kernel, "native" for the
+        compiled CPU kernel, or None for the torch path."""
         if device in self._kernels:
             return self._kernels[device]
-        kernel: Kernel | None = None
-        if self.copy_backend != "torch":
+        kernel: Kernel | str | None = None
+        if device.type == "cpu" and self.copy_backend in (None, "native"):
+            why = native_unavailable(device)
+            if why is None:
+                try:
+                    native.layout_map(self.layout, self.memory)  # type: ignore[attr-defined]
+                except native.Unsupported as exc:
+                    why = str(exc)
+            if why is not None and self.copy_backend == "native":
+                raise KVLayoutError(f"backend='native' cannot run on {device}: {why}")
+            self._kernels[device] = "native" if why is None else None
+            return self._kernels[device]
+        if self.copy_backend not in ("torch", "native"):
             why = unavailable(device)
             if why is None and device.type == "cpu" and self.copy_backend is None:
                 why = "auto never picks Triton's interpreter"
@@ -333,10 +352,12 @@ class KernelCopies:
         return kernel
 
     def copy_backend_for(self, device: torch.device | str) -> str:
-        """"triton" or "torch": what this connector moves data with on `device`."""
-        return "torch" if self._kernel_for(torch.device(device)) is None else "triton"
+        """"triton", "native" or "torch": what this connector moves data with on `device`."""
+        kernel = self._kernel_for(torch.device(device))
+        return "torch" if kernel is None else kernel if isinstance(kernel, str) else "triton"
 
-    def _kernel_copy(self, store: bool, copy: Callable[..., None], device: torch.device) -> Callable[..., None]:
+    def _kernel_copy(self, store: bool, copy: Callable[..., None], device: torch.device,
+                     binding: Any = None) -> Callable[..., None]:
         """The generated copy `copy` (a bound `_store`/`_load`, or a `_store_layer`/`_load_layer`
         partial over its layer), or the kernel in its place; on the CPU, the torch ops run
         with the intra-op threads `cpu_threads` picks."""
@@ -353,6 +374,8 @@ class KernelCopies:
 
             return threaded
         layer = copy.args[0] if isinstance(copy, partial) else None
+        if kernel == "native":
+            return self._native_copy(store, copy, layer, binding)
         forced = self.copy_backend == "triton"
 
         def run(tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk, w: Words) -> None:
@@ -364,3 +387,31 @@ class KernelCopies:
                 copy(tensor, kvcaches, g, ck, w)
 
         return run
+
+    def _native_copy(self, store: bool, copy: Callable[..., None], layer: int | None,
+                     binding: Any) -> Callable[..., None]:
+        """The compiled CPU kernel in place of `copy`; a cache it cannot describe (leaves with
+        different strides) falls back to `copy`, unless backend='native' was forced."""
+        forced = self.copy_backend == "native"
+        m = native.layout_map(self.layout, self.memory)  # type: ignore[attr-defined]
+
+        def run(tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk, w: Words) -> None:
+            threads = cpu_threads(tensor.numel() * tensor.element_size())
+            try:
+                native.move(m, store, layer, tensor, kvcaches, g, ck, threads, binding)
+            except native.Unsupported as why:
+                if forced:
+                    raise KVLayoutError(f"backend='native' cannot move this cache: {why}") from None
+                native.stats["fallbacks"] += 1
+                with intra_op_threads(cpu_threads(tensor.numel() * tensor.element_size() // (1 if layer is not None
+                                                                                                else g.L))):
+                    copy(tensor, kvcaches, g, ck, w)
+
+        return run
+
+
+def native_unavailable(device: torch.device) -> str | None:
+    """Why the compiled CPU kernel cannot run on `device`; None when it can."""
+    if device.type != "cpu":
+        return f"the compiled kernel moves CPU tensors only, not {device.type}"
+    return native.unavailable()

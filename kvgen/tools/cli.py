@@ -12,6 +12,8 @@ from typing import Any
 
 from kvgen import __version__
 from kvgen.errors import KVGenError, SpecError, display_path
+from kvgen.tools.backends import backend_line as _backend_line
+from kvgen.tools.backends import backends as _backends
 
 #: Exit statuses: bad input, Ctrl-C (128 + SIGINT), a closed output pipe (128 + SIGPIPE, as a
 #: C tool killed by SIGPIPE shows in the shell), a bug in kvgen.
@@ -105,26 +107,6 @@ def _connectors(spec: Any, plans: list[Any]) -> str:
                          for p in plans if p.paged is spec) or "-"
     n = sum(1 for p in plans if p.obj is spec)
     return f"{n} layout{'s' if n != 1 else ''}"
-
-
-def _backends() -> dict[str, str]:
-    """What a connector moves data with on each device type by default (backend=None), told
-    without importing torch or triton: the generated Triton kernel on GPUs when triton is
-    installed, torch ops otherwise and on the CPU."""
-    import importlib.metadata
-    import importlib.util
-
-    gpu = "torch"
-    if importlib.util.find_spec("triton") is not None:
-        gpu = f"triton {importlib.metadata.version('triton')}"
-    return {"cpu": "torch", "cuda": gpu, "xpu": gpu}
-
-
-def _backend_line() -> str:
-    backends = _backends()
-    note = "" if backends["cuda"] != "torch" else " (triton is not installed: pip install 'kvgen[triton]')"
-    return ("copy backend (backend=None): " + ", ".join(f"{d} {b}" for d, b in backends.items()) + note
-            + "; backend='triton' or 'torch' forces one")
 
 
 def cmd_list(args: argparse.Namespace) -> int:

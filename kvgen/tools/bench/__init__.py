@@ -49,6 +49,14 @@ def _tokens(text: str) -> list[int]:
     return values
 
 
+def _backends(text: str) -> list[str]:
+    values = _csv(text)
+    wrong = [v for v in values if v not in ("auto", "native", "torch", "triton")]
+    if not values or wrong:
+        raise argparse.ArgumentTypeError(f"--backend takes a comma list of auto, native, torch, triton; got {text!r}")
+    return list(dict.fromkeys(values))
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -96,13 +104,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
                    help="draw the figures (needs matplotlib: pip install 'kvgen[plot]')")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--backend", type=_backends, default=["auto"], metavar="B,B",
+                   help="copy backends to time, comma list of auto (what a connector picks by default), native "
+                        "(the compiled CPU kernel), torch, triton; one row set per backend (default: auto)")
     p.add_argument("--busy", action="store_true",
                    help="measure with a neighbour process keeping every core busy with torch work (as a "
                         "co-located inference engine would); it starts before the first row and is stopped after")
 
 
 def _progress(row: Any, done: int, total: int) -> None:
-    print(f"[{done}/{total}] {row.layout} {row.obj} T={row.tokens} {row.dir}: {row.gbps():.2f} GB/s "
+    print(f"[{done}/{total}] {row.layout} {row.obj} T={row.tokens} {row.dir} ({row.backend}): {row.gbps():.2f} GB/s "
           f"(memcpy {row.gbps('memcpy'):.2f}, naive {row.gbps('naive'):.2f}, "
           f"naive==kvgen {'yes' if row.naive_matches else 'NO'})", file=sys.stderr, flush=True)
 

@@ -89,6 +89,33 @@ def micro(fn: Callable[..., object], iters: int, setup: Callable[[], object] | N
     return statistics.median(samples) * 1e6
 
 
+def _rss_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def peak_extra_bytes(fn: Callable[[], object]) -> int | None:
+    """Resident memory one call of `fn` takes at its peak beyond what was resident before
+    (temporaries included), on Linux: the peak is reset through /proc/self/clear_refs."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return None
+    before = _rss_kib("VmRSS")
+    fn()
+    peak = _rss_kib("VmHWM")
+    if before is None or peak is None:
+        return None
+    return max(0, peak - before) * 1024
+
+
 #: The contenders of every row, in their order on the first repeat.
 CONTENDERS = ("kvgen", "memcpy", "naive")
 
@@ -128,6 +155,10 @@ class Row(Timed):
     bytes: int
     seconds: Mapping[str, Sequence[float]]
     naive_matches: bool
+    #: What the connector moved data with ("native", "torch", "triton").
+    backend: str = "torch"
+    #: Extra resident memory one kvgen call took at its peak (None: not measurable here).
+    peak_bytes: int | None = None
 
     @property
     def x_naive(self) -> Spread:
@@ -140,7 +171,7 @@ class Row(Timed):
                 "gbps": self.gbps(), "memcpy_gbps": self.gbps("memcpy"), "naive_gbps": self.gbps("naive"),
                 "x_memcpy": vars(self.x_memcpy), "x_naive": vars(self.x_naive),
                 "memcpy_variation": self.memcpy_variation, "memcpy_unstable": self.memcpy_unstable,
-                "naive_matches": self.naive_matches,
+                "naive_matches": self.naive_matches, "backend": self.backend, "peak_bytes": self.peak_bytes,
                 "repeat_seconds": {k: list(v) for k, v in self.seconds.items()}}
 
 

@@ -16,8 +16,8 @@ from kvgen.tools.bench.targets import MLA_C
 if TYPE_CHECKING:
     from kvgen.tools.bench.run import Result
 
-HEADERS = ("layout", "object", "mode", "tokens", "dir", "GB/s", "memcpy GB/s", "x memcpy min-med-max",
-           "naive GB/s", "x naive min-med-max", "memcpy var", "naive==kvgen")
+HEADERS = ("layout", "object", "mode", "backend", "tokens", "dir", "GB/s", "memcpy GB/s", "x memcpy min-med-max",
+           "naive GB/s", "x naive min-med-max", "memcpy var", "peak MiB", "naive==kvgen")
 #: Marks a row whose memcpy baseline varied more than MEMCPY_VARIATION_LIMIT.
 UNSTABLE_MARK = "!"
 
@@ -46,7 +46,7 @@ def table(headers: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
     """A plain-text table; figure columns (rates, ratios, microseconds, counts) right-aligned."""
     widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(headers)]
     right = [i for i, h in enumerate(headers)
-             if "/s" in h or h.startswith("x ") or h in ("tokens", "memcpy var") or h.endswith(" us")]
+             if "/s" in h or h.startswith("x ") or h in ("tokens", "memcpy var", "peak MiB") or h.endswith(" us")]
 
     def line(values: Sequence[str]) -> str:
         cells = [v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths, strict=True))]
@@ -57,9 +57,10 @@ def table(headers: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
 
 def row_cells(row: Row) -> tuple[str, ...]:
     var = f"{row.memcpy_variation * 100:.0f}%" + (f" {UNSTABLE_MARK}" if row.memcpy_unstable else "  ")
-    return (row.layout, row.obj, row.mode, str(row.tokens), row.dir, f"{row.gbps():.2f}", f"{row.gbps('memcpy'):.2f}",
-            row.x_memcpy.cell(), f"{row.gbps('naive'):.2f}", row.x_naive.cell(), var,
-            "yes" if row.naive_matches else "NO")
+    peak = "-" if row.peak_bytes is None else f"{row.peak_bytes / (1 << 20):.1f}"
+    return (row.layout, row.obj, row.mode, row.backend, str(row.tokens), row.dir, f"{row.gbps():.2f}",
+            f"{row.gbps('memcpy'):.2f}", row.x_memcpy.cell(), f"{row.gbps('naive'):.2f}", row.x_naive.cell(), var,
+            peak, "yes" if row.naive_matches else "NO")
 
 
 def check_table(checks: Sequence[CheckCost]) -> str:
@@ -98,7 +99,8 @@ def text(result: Result, machine: dict[str, Any]) -> str:
            + ("; a busy neighbour process ran torch work on every core" if c.get("busy") else ""), ""]
     out.append(table(HEADERS, [row_cells(r) for r in result.rows]))
     out.append("x memcpy = memcpy seconds / kvgen seconds and x naive = naive seconds / kvgen seconds, each of "
-               "the same repeat; memcpy var = max/min - 1 of the memcpy repeats")
+               "the same repeat; memcpy var = max/min - 1 of the memcpy repeats; backend = what the connector "
+               "moved data with; peak MiB = extra resident memory of one kvgen call at its peak")
     warning = stability_warning(result.rows)
     if warning:
         out += ["", warning]

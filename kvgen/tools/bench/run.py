@@ -20,7 +20,7 @@ from kvgen.runtime.aliasing import check_objects_apart, check_unique_slots
 from kvgen.spec.library import load_library
 from kvgen.tools.bench import transfers as bench_transfers
 from kvgen.tools.bench.baseline import NaiveConnector, memcpy
-from kvgen.tools.bench.measure import CheckCost, Row, micro, timed_repeats
+from kvgen.tools.bench.measure import CheckCost, Row, micro, peak_extra_bytes, timed_repeats
 from kvgen.tools.bench.targets import Target, connector_package, extents, select_targets, slot_mapping
 
 
@@ -105,7 +105,9 @@ def transfer_rows(target: Target, xfer: Transfers, sync: Callable[[], None], war
             same = xfer.check_load()
             fns = {"kvgen": xfer.load, "memcpy": copy, "naive": xfer.naive_load}
         seconds = timed_repeats(fns, sync, warmup, repeats)
-        rows.append(Row(target.layout, target.obj, target.mode, xfer.T, direction, xfer.nbytes, seconds, same))
+        peak = peak_extra_bytes(fns["kvgen"]) if xfer.cache_device.type == "cpu" else None
+        rows.append(Row(target.layout, target.obj, target.mode, xfer.T, direction, xfer.nbytes, seconds, same,
+                        xfer.c.copy_backend_for(xfer.cache_device), peak))
     return rows
 
 
@@ -165,7 +167,8 @@ def run(args: argparse.Namespace, progress: Callable[[Row, int, int], None] | No
     with connector_package(specs) as package:
         targets = select_targets(library, package, args.layouts, args.objects)
         moves = bench_transfers.select(args.transfers, library, package)
-        total = len(targets) * len(tokens) * 2
+        backends = list(getattr(args, "backend", None) or ["auto"])
+        total = len(targets) * len(tokens) * 2 * len(backends)
         for layout in dict.fromkeys(t.layout for t in targets):
             paged = library[layout]
             ext = extents(paged, args.layers, args.heads, args.head_size, args.block_size, num_blocks)
@@ -181,16 +184,17 @@ def run(args: argparse.Namespace, progress: Callable[[Row, int, int], None] | No
                                         dtype=torch.long, device=device) for t in tokens}
             for target in (t for t in targets if t.layout == layout):
                 cls = package.get(target.layout, target.obj)
-                connector = cls(device=device)
-                connector.bind(cache)
                 naive = NaiveConnector(paged, library[target.obj], ext)
                 result.checks.append(check_cost(target, cls, cache, mappings, device))
-                for t in tokens:
-                    xfer = Transfers(connector, naive, cache, mappings[t], t, device, dtype)
-                    for row in transfer_rows(target, xfer, sync, args.warmup, args.repeats):
-                        result.rows.append(row)
-                        if progress:
-                            progress(row, len(result.rows), total)
+                for name in backends:
+                    connector = cls(device=device, backend=None if name == "auto" else name)
+                    connector.bind(cache)
+                    for t in tokens:
+                        xfer = Transfers(connector, naive, cache, mappings[t], t, device, dtype)
+                        for row in transfer_rows(target, xfer, sync, args.warmup, args.repeats):
+                            result.rows.append(row)
+                            if progress:
+                                progress(row, len(result.rows), total)
         result.transfers = bench_transfers.rows(moves, args, library, package, device, dtype, num_blocks, sync, rng,
                                                 lambda t: fill_random(t, tgen), progress is not None)
     return result

@@ -1,0 +1,170 @@
+/* kvgen's CPU copy kernel: one call moves one chunk (or one layer of it) between a paged
+ * cache and a memory object, as nested loops over up to KV_MAXD dims around a contiguous
+ * run of bytes copied with memcpy.
+ *
+ * Each dim is described by 9 int64 fields (see kvgen/runtime/native.py, which builds them
+ * from a connector's layout):
+ *   ext    entries of the dim
+ *   idx    0, or the address of ext int64 values v (else v = first + i)
+ *   first  value of entry 0 when idx is 0
+ *   div    > 1: v is a slot, split into (v / div, v % div) = (block, position in block)
+ *   cs     cache bytes per unit of v (per block when div > 1)
+ *   cs2    cache bytes per position in a block (div > 1 only)
+ *   tok    0, or the address of ext int64 object positions (else position i)
+ *   os     object bytes per position
+ *   ls     cache leaves per unit of v (a list level of the cache: a different tensor)
+ * An entry whose v is < 0 is skipped (a token with no slot). Nothing here checks bounds:
+ * the connector checked every slot, block and position before calling.
+ *
+ * Built by the system C compiler on first use into a per-user cache (no torch headers);
+ * loaded with ctypes. Without a compiler, connectors use their torch path.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define KV_MAXD 8
+#define KV_FIELDS 9
+#define KV_MAXT 16
+
+typedef struct {
+    int64_t ext, first, div, cs, cs2, os, ls;
+    const int64_t *idx, *tok;
+} kv_dim;
+
+typedef struct {
+    int nd;
+    kv_dim d[KV_MAXD];
+    int64_t run;
+    int store;
+    char *const *leaves;
+    char *obj;
+    int64_t shift; /* cache bytes before the first moved element of every leaf */
+    int64_t lo, hi; /* the share of dim 0 one thread moves */
+} kv_job;
+
+/* One run: short runs of whole 16-byte words inline (no call), others by memcpy. */
+static inline void kv_copy(char *dst, const char *src, int64_t run) {
+    if (run <= 512 && (run & 15) == 0) {
+        for (int64_t b = 0; b < run; b += 16)
+            memcpy(dst + b, src + b, 16);
+    } else {
+        memcpy(dst, src, (size_t)run);
+    }
+}
+
+static void kv_walk(const kv_job *job, int k, int64_t leaf, int64_t coff, int64_t ooff) {
+    const kv_dim *d = &job->d[k];
+    int64_t lo = k == 0 ? job->lo : 0, hi = k == 0 ? job->hi : d->ext;
+    int last = k == job->nd - 1;
+    if (last && !d->idx && !d->tok && d->div <= 1 && !d->ls) { /* a plain innermost dim: step both pointers */
+        char *cp = job->leaves[leaf] + coff + (d->first + lo) * d->cs;
+        char *op = job->obj + ooff + lo * d->os;
+        for (int64_t i = lo; i < hi; i++, cp += d->cs, op += d->os) {
+            if (job->store)
+                kv_copy(op, cp, job->run);
+            else
+                kv_copy(cp, op, job->run);
+        }
+        return;
+    }
+    for (int64_t i = lo; i < hi; i++) {
+        int64_t v = d->idx ? d->idx[i] : d->first + i;
+        if (v < 0)
+            continue;
+        int64_t c = d->div > 1 ? (v / d->div) * d->cs + (v % d->div) * d->cs2 : v * d->cs;
+        int64_t p = d->tok ? d->tok[i] : i;
+        if (last) {
+            char *cp = job->leaves[leaf + v * d->ls] + coff + c;
+            char *op = job->obj + ooff + p * d->os;
+            if (job->store)
+                kv_copy(op, cp, job->run);
+            else
+                kv_copy(cp, op, job->run);
+        } else {
+            kv_walk(job, k + 1, leaf + v * d->ls, coff + c, ooff + p * d->os);
+        }
+    }
+}
+
+static void *kv_thread(void *arg) {
+    const kv_job *job = (const kv_job *)arg;
+    kv_walk(job, 0, 0, job->shift, 0);
+    return NULL;
+}
+
+/* Move one chunk. dims: nd * KV_FIELDS int64 values, outermost dim first; run: bytes of
+ * the innermost contiguous run; leaves: base address of every cache tensor; obj: the
+ * object's base address; shift: bytes added to every leaf address (one layer of a cache
+ * whose layers are a dim); threads: how many threads share dim 0 (1: this one only).
+ * Returns 0, or -1 for a description it cannot run (the caller then uses torch). */
+int kvgen_move(int store, int nd, const int64_t *dims, int64_t run, char *const *leaves, int64_t shift, char *obj,
+               int threads) {
+
+    if (nd < 0 || nd > KV_MAXD || run <= 0)
+        return -1;
+    kv_job job;
+    memset(&job, 0, sizeof job);
+    job.nd = nd;
+    job.run = run;
+    job.store = store;
+    job.leaves = leaves;
+    job.obj = obj;
+    job.shift = shift;
+    for (int k = 0; k < nd; k++) {
+        const int64_t *f = dims + (int64_t)k * KV_FIELDS;
+        kv_dim *d = &job.d[k];
+        d->ext = f[0];
+        d->idx = (const int64_t *)(intptr_t)f[1];
+        d->first = f[2];
+        d->div = f[3];
+        d->cs = f[4];
+        d->cs2 = f[5];
+        d->tok = (const int64_t *)(intptr_t)f[6];
+        d->os = f[7];
+        d->ls = f[8];
+        if (d->ext <= 0)
+            return 0; /* nothing to move */
+    }
+    if (nd == 0) {
+        if (store)
+            kv_copy(obj, leaves[0] + shift, run);
+        else
+            kv_copy(leaves[0] + shift, obj, run);
+        return 0;
+    }
+    int64_t ext = job.d[0].ext;
+    if (threads > KV_MAXT)
+        threads = KV_MAXT;
+    if (threads > ext)
+        threads = (int)ext;
+    if (threads <= 1) {
+        job.lo = 0;
+        job.hi = ext;
+        kv_walk(&job, 0, 0, shift, 0);
+        return 0;
+    }
+    kv_job jobs[KV_MAXT];
+    pthread_t ids[KV_MAXT];
+    int started[KV_MAXT];
+    for (int t = 0; t < threads; t++) {
+        jobs[t] = job;
+        jobs[t].lo = ext * t / threads;
+        jobs[t].hi = ext * (t + 1) / threads;
+        started[t] = 0;
+    }
+    /* this thread takes share 0; a thread that cannot start has its share moved here too */
+    for (int t = 1; t < threads; t++)
+        started[t] = pthread_create(&ids[t], NULL, kv_thread, &jobs[t]) == 0;
+    kv_walk(&jobs[0], 0, 0, shift, 0);
+    for (int t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(ids[t], NULL);
+        else
+            kv_walk(&jobs[t], 0, 0, shift, 0);
+    }
+    return 0;
+}
+
+/* The version of the calling convention above; the loader refuses a library with another. */
+int kvgen_abi(void) { return 2; }

@@ -1,0 +1,32 @@
+"""What `kvgen list` and `kvgen explain` say about copy backends, told without importing torch."""
+
+from __future__ import annotations
+
+import os
+
+
+def backends() -> dict[str, str]:
+    """What a connector moves data with on each device type by default (backend=None), told
+    without importing torch or triton: the generated Triton kernel on GPUs when triton is
+    installed, torch ops otherwise; on the CPU the compiled CPU kernel where a C compiler is
+    found (kvgen.runtime.native), torch ops otherwise."""
+    import importlib.metadata
+    import importlib.util
+    import shutil
+
+    gpu = "torch"
+    if importlib.util.find_spec("triton") is not None:
+        gpu = f"triton {importlib.metadata.version('triton')}"
+    # The compiler kvgen.runtime.native would take: KVGEN_CC alone when set, else cc, gcc, clang.
+    wanted = os.environ.get("KVGEN_CC")
+    compiler = shutil.which(wanted) if wanted else next(filter(None, map(shutil.which, ("cc", "gcc", "clang"))), None)
+    cpu = "native" if compiler and os.environ.get("KVGEN_NATIVE") != "0" else "torch"
+    return {"cpu": cpu, "cuda": gpu, "xpu": gpu}
+
+
+def backend_line() -> str:
+    """One line for `kvgen list` and `kvgen explain`."""
+    found = backends()
+    note = "" if found["cuda"] != "torch" else " (triton is not installed: pip install 'kvgen[triton]')"
+    return ("copy backend (backend=None): " + ", ".join(f"{d} {b}" for d, b in found.items()) + note
+            + "; backend='triton', 'native' or 'torch' forces one")

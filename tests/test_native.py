@@ -1,0 +1,215 @@
+"""The compiled CPU copy path (backend="native", kvgen.runtime.native): what it serves, that
+it moves every layout's data exactly as the reference does (coordinate-coded caches and
+objects, both directions), threads, its compile cache, and the torch fallback where no
+compiler is present. test_connectors runs every connector in every scenario with the
+default backend, which on a CPU with a compiler is this path (checked below)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+from harness import EXT, SCENARIOS, make_cache
+
+from kvgen import generated
+from kvgen.errors import KVLayoutError
+from kvgen.oracle.scenarios import check_connector, clone_tree, connector_load, connector_store, make_objects
+from kvgen.plan.copy import CopyPlan
+from kvgen.plan.package import plan_connectors
+from kvgen.runtime import MemoryObj, kernels, native
+from kvgen.spec.library import load_library
+
+LIBRARY = load_library()
+PLANS = plan_connectors(LIBRARY)
+#: Connectors of one-tree caches (the compiled path's), and of caches of several planes (torch's).
+TREE = [p for p in PLANS if isinstance(p, CopyPlan)]
+PLANES = [p for p in PLANS if not isinstance(p, CopyPlan)]
+#: Scenarios that reach every branch of the kernel: whole blocks by id and as one slice,
+#: token paths with and without positions, -1 everywhere, several chunks, strided and odd caches.
+SOME = [SCENARIOS[n] for n in ("partial_blocks", "consecutive_blocks", "minus1_chunk_ends", "random_slots",
+                               "strided_cache", "odd_offset_objects")]
+
+needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C compiler here")
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """A private compile cache, forgotten again afterwards."""
+    monkeypatch.setenv("KVGEN_CACHE_DIR", str(tmp_path / "cache"))
+    native.reset()
+    yield tmp_path / "cache" / "native"
+    native.reset()
+
+
+@needs_compiler
+def test_cpu_connectors_of_one_tree_caches_default_to_native() -> None:
+    """So the default suite's connector checks run this path; caches of planes keep torch."""
+    assert len(TREE) > 50
+    for p in TREE:
+        assert generated.get(p.paged.name, p.obj.name)(device="cpu").copy_backend_for("cpu") == "native", p.module
+    for p in PLANES:
+        assert generated.get(p.paged.name, p.obj.name)(device="cpu").copy_backend_for("cpu") == "torch", p.module
+        with pytest.raises(KVLayoutError, match="backend='native' cannot run"):
+            generated.get(p.paged.name, p.obj.name)(device="cpu", backend="native").copy_backend_for("cpu")
+
+
+@needs_compiler
+@pytest.mark.parametrize("plan", TREE, ids=lambda p: p.module)
+def test_native_matches_reference(plan) -> None:
+    """Forced native, each connector against the reference in both directions; the kernel ran."""
+    before = native.stats["calls"], native.stats["fallbacks"]
+    results = check_connector(generated, plan.paged, plan.obj, "cpu", SOME, backend="native")
+    assert results == [(True, True)] * len(SOME)
+    assert native.stats["calls"] > before[0] and native.stats["fallbacks"] == before[1]
+
+
+@needs_compiler
+@pytest.mark.parametrize("module", ["vllm_flash_attn_nhd__kv_2ltd", "vllm_flash_attn_hnd__kv_t2d",
+                                    "hicache_layer_first__kv_2td", "sglang_mha__kv_2ltd"])
+def test_threads_share_the_work(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several threads, each a share of the outermost dim, move exactly what one does."""
+    monkeypatch.setattr(kernels, "cpu_threads", lambda nbytes: 3)
+    plan = next(p for p in TREE if p.module == module)
+    assert check_connector(generated, plan.paged, plan.obj, "cpu", list(SCENARIOS.values()), backend="native") \
+        == [(True, True)] * len(SCENARIOS)
+
+
+@needs_compiler
+def test_leaves_with_different_strides_fall_back_to_torch() -> None:
+    """A cache whose leaves differ in strides is no single description: auto moves it by
+    torch ops (same bits as backend='torch'); forced native refuses before any write."""
+    paged, obj = LIBRARY["vllm_flash_attn_nhd"], LIBRARY["kv_2ltd"]
+    sc = SCENARIOS["partial_blocks"]
+    cache = make_cache(paged, torch.float32, "cpu")
+    other = make_cache(paged, torch.float32, "cpu", strided=True)
+    cache[1] = other[1]  # same shape and values, other strides
+    mapping = torch.tensor(sc.mapping(random.Random(1), EXT), dtype=torch.long)
+    lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=True)]
+    got = {}
+    for backend in (None, "torch"):
+        c = generated.get(paged.name, obj.name)(device="cpu", backend=backend)
+        c.bind(cache)
+        objs = make_objects(c, False, lengths, torch.float32, "cpu", salt=3)
+        fallbacks = native.stats["fallbacks"]
+        connector_store(c, objs, sc, cache, mapping)
+        got[backend] = [o.tensor.clone() for o in objs]
+        if backend is None:
+            assert native.stats["fallbacks"] > fallbacks
+    assert all(torch.equal(a, b) for a, b in zip(got[None], got["torch"], strict=True))
+    forced = generated.get(paged.name, obj.name)(device="cpu", backend="native")
+    forced.bind(cache)
+    objs = make_objects(forced, False, lengths, torch.float32, "cpu", salt=3)
+    before = [o.tensor.clone() for o in objs]
+    with pytest.raises(KVLayoutError, match="backend='native' cannot move this cache: .*strides"):
+        connector_store(forced, objs, sc, cache, mapping)
+    assert all(torch.equal(o.tensor, b) for o, b in zip(objs, before, strict=True))
+
+
+def test_no_compiler_means_the_torch_path(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGEN_CC", "")
+    assert native.compiler() is None
+    assert "no C compiler" in (native.unavailable() or "")
+    paged, obj = LIBRARY["vllm_flash_attn_hnd"], LIBRARY["kv_t2d"]
+    c = generated.get(paged.name, obj.name)(device="cpu")
+    assert c.copy_backend_for("cpu") == "torch"
+    calls = native.stats["calls"]
+    assert check_connector(generated, paged, obj, "cpu", SOME) == [(True, True)] * len(SOME)
+    assert native.stats["calls"] == calls
+    with pytest.raises(KVLayoutError, match="backend='native' cannot run here: no C compiler"):
+        generated.get(paged.name, obj.name)(device="cpu", backend="native")
+    assert not fresh.exists()  # nothing was compiled
+
+
+def test_switched_off(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGEN_NATIVE", "0")
+    c = generated.get("vllm_flash_attn_nhd", "kv_2ltd")(device="cpu")
+    assert c.copy_backend_for("cpu") == "torch"
+
+
+def test_a_broken_compiler_means_the_torch_path(fresh: Path, monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Path) -> None:
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'cc: cannot compile' >&2\nexit 1\n")
+    broken.chmod(broken.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("KVGEN_CC", str(broken))
+    why = native.unavailable() or ""
+    assert "could not be compiled" in why and "cannot compile" in why
+    assert generated.get("vllm_flash_attn_nhd", "kv_2ltd")(device="cpu").copy_backend_for("cpu") == "torch"
+    assert not list(fresh.glob("*.so"))
+
+
+@needs_compiler
+def test_compile_cache_is_keyed_reused_and_atomic(fresh: Path) -> None:
+    """One library per source, compiler and flags, compiled once; concurrent builds into an
+    empty cache each rename a whole file into place and leave no temporaries."""
+    cc = native.compiler()
+    assert cc is not None
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        paths = list(pool.map(lambda _: native._build(cc, fresh), range(3)))
+    assert len(set(paths)) == 1 and paths[0].parent == fresh and paths[0].name.startswith("kvcopy-")
+    assert sorted(os.listdir(fresh)) == [paths[0].name]
+    mtime = paths[0].stat().st_mtime_ns
+    assert native.library() is not None and native.unavailable() is None
+    assert native._build(cc, fresh) == paths[0] and paths[0].stat().st_mtime_ns == mtime  # reused
+
+
+@needs_compiler
+def test_load_and_store_round_trip_big_rows() -> None:
+    """bfloat16 rows of 128 values (runs of whole words, the inline copy) through a
+    layerwise HND connector whose runs are one head: values encode (layer, token, kv, head, c)."""
+    paged, obj = LIBRARY["vllm_flash_attn_hnd"], LIBRARY["kv_t2d"]
+    layers, heads, size, blocks, n = 2, 2, 128, 6, 4
+    cache = [torch.zeros(2, blocks, heads, n, size, dtype=torch.bfloat16) for _ in range(layers)]
+    c = generated.get(paged.name, obj.name)(device="cpu", backend="native")
+    c.bind(cache)
+    tokens = 7
+    slots = torch.tensor([9, 10, 11, 12, 13, 14, 15], dtype=torch.long)  # a partial block, then a whole one
+    objs = []
+    for layer in range(layers):
+        t = torch.empty(c.get_shape(tokens), dtype=torch.bfloat16)  # [T, KV, H*C]
+        code = torch.arange(t.numel(), dtype=torch.int32).view(t.shape) % 251 + 256 * layer
+        t.copy_(code.to(torch.bfloat16))
+        objs.append(MemoryObj(t, c.format))
+    gen = c.batched_to_gpu([0], [tokens], kvcaches=cache, slot_mapping=slots)
+    next(gen)
+    for o in objs:
+        gen.send([o])
+    next(gen)
+    for layer in range(layers):
+        for i, s in enumerate(slots.tolist()):
+            for kv in range(2):
+                want = objs[layer].tensor[i, kv].view(heads, size)
+                assert torch.equal(cache[layer][kv, s // n, :, s % n, :], want)
+    back = [MemoryObj(torch.zeros(c.get_shape(tokens), dtype=torch.bfloat16), None) for _ in range(layers)]
+    for _ in c.batched_from_gpu([[b] for b in back], [0], [tokens], kvcaches=clone_tree(cache), slot_mapping=slots):
+        pass
+    assert all(torch.equal(b.tensor, o.tensor) for b, o in zip(back, objs, strict=True))
+
+
+@needs_compiler
+def test_skip_prefix_with_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load told to skip the first tokens leaves their slots alone (reference comparison)."""
+    paged, obj = LIBRARY["vllm_kv_tuple"], LIBRARY["kv_2ltd"]
+    sc = SCENARIOS["whole_blocks"]
+    rng = random.Random(5)
+    mapping_list = sc.mapping(rng, EXT)
+    mapping = torch.tensor(mapping_list, dtype=torch.long)
+    c = generated.get(paged.name, obj.name)(device="cpu", backend="native")
+    cache = make_cache(paged, torch.float32, "cpu")
+    c.bind(cache)
+    objs = make_objects(c, False, [16], torch.float32, "cpu", salt=9, fmt=c.format)
+    want = clone_tree(cache)
+    connector_load(c, objs, sc, cache, mapping, skip=5)
+    t = objs[0].tensor  # [KV L T (H C)]
+    for layer in range(len(want)):
+        for kv in range(2):
+            leaf = want[layer][kv].view(-1, t.shape[-1])  # [S (H C)]
+            for i in range(5, 16):
+                leaf[mapping_list[i]] = t[kv, layer, i]
+    assert all(torch.equal(a, b) for a, b in zip([x for pair in cache for x in pair],
+                                                 [x for pair in want for x in pair], strict=True))
