@@ -34,7 +34,8 @@ from kvgen.tools.bench.run import Result, Transfers
 from kvgen.tools.bench.targets import DEFAULT_LAYOUTS, DEFAULT_OBJECTS, extents, select_targets, slot_mapping
 from kvgen.tools.cli import main
 
-TINY = ["-L", "2", "--heads", "2", "--head-size", "8", "--block-size", "4", "--warmup", "0", "--repeats", "1"]
+TINY = ["-L", "2", "--heads", "2", "--head-size", "8", "--block-size", "4", "--warmup", "0", "--repeats", "1",
+        "--models", "none"]
 
 
 # -- timing with a fake clock ---------------------------------------------------------
@@ -178,6 +179,39 @@ def test_smoke_table_and_json(tmp_path: Path, capsys) -> None:
     assert set(cost["us"]) == {"bind fresh", "bind cached"} | {
         f"{what} T={t}" for what in ("plan_chunk", "objects apart", "unique slots") for t in (6, 16)}
     assert all(us > 0 for us in cost["us"].values())
+
+
+def test_model_rows_check_against_the_per_group_path(tmp_path: Path, capsys) -> None:
+    specs = Path(__file__).parent / "specs_models"
+    out = tmp_path / "m.json"
+    rc = main(["bench", "--specs", str(specs), "--layouts", "NHD", "--objects", "kv_2ltd", "--tokens", "8,20",
+               *TINY, "--models", "toy_hybrid", "--transfers", "none", "--repeats", "2", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert "model connector and per-group path agreed bit for bit on all 4 rows" in captured.out
+    models = json.loads(out.read_text())["models"]
+    assert [(r["model"], r["tokens"], r["dir"]) for r in models] == [
+        ("toy_hybrid", 8, "store"), ("toy_hybrid", 8, "load"), ("toy_hybrid", 20, "store"), ("toy_hybrid", 20, "load")]
+    for r in models:
+        assert r["matches"] is True and r["object"] == "kv_groups"
+        assert {k: len(v) for k, v in r["repeat_seconds"].items()} == {"kvgen": 2, "memcpy": 2, "per-group": 2}
+        assert 0 < r["x_per_group"]["min"] <= r["x_per_group"]["median"] <= r["x_per_group"]["max"]
+
+
+def test_a_wrong_per_group_path_is_reported(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from kvgen.tools.bench import models as bench_models
+
+    def off_by_one(self: object, into: object = None) -> None:
+        original(self, into)
+        target = self.twin if into is None else into  # type: ignore[attr-defined]
+        target[0] ^= 1
+
+    original = bench_models._Chunk.per_group_store
+    monkeypatch.setattr(bench_models._Chunk, "per_group_store", off_by_one)
+    specs = Path(__file__).parent / "specs_models"
+    assert main(["bench", "--specs", str(specs), "--layouts", "NHD", "--objects", "kv_2ltd", "--tokens", "8",
+                 *TINY, "--models", "toy_hybrid", "--transfers", "none", "--quiet"]) == 1
+    assert "model connector and per-group path DISAGREED on 1 of 2 rows" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")

@@ -33,6 +33,7 @@ from kvgen.tools.bench.targets import DEFAULT_LAYOUTS, DEFAULT_OBJECTS, DEFAULT_
 
 #: Default transfer rows (kept here too: this module imports no torch).
 DEFAULT_TRANSFERS = ("vllm_flash_attn_hnd:vllm_flash_attn_nhd", "vllm_flash_attn_nhd:hicache_page_first")
+DEFAULT_MODELS = ("gpt_oss_120b", "qwen3_next_80b_a3b")
 
 
 def _csv(text: str) -> list[str]:
@@ -83,6 +84,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfers", default=",".join(DEFAULT_TRANSFERS), metavar="SRC:DST,...",
                    help="layout-to-layout transfers to measure against memcpy and the two-copy path (store into "
                         "an object, load from it), or 'none' (default: " + ",".join(DEFAULT_TRANSFERS) + ")")
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS), metavar="MODEL,...",
+                   help="model specs whose kv_groups connector to measure (each group with its own block table, "
+                        "a request's state) against memcpy and the per-group path, at the model's own geometry, "
+                        "or 'none' (default: " + ",".join(DEFAULT_MODELS) + ")")
     p.add_argument("-L", "--layers", type=_positive, default=32, help="layers of the cache (default: 32)")
     p.add_argument("--heads", type=_positive, default=8, help="KV heads (ignored by MLA layouts; default: 8)")
     p.add_argument("--head-size", type=_positive, default=128,
@@ -154,7 +159,8 @@ def main(args: argparse.Namespace) -> int:
     if args.plot is not None:
         report.plot(data, args.plot)
         print(f"wrote {args.plot}")
-    return 1 if any(not r.naive_matches for r in result.rows) or any(not r.matches for r in result.transfers) else 0
+    return 1 if any(not r.naive_matches for r in result.rows) or any(
+        not r.matches for r in (*result.transfers, *result.models)) else 0
 
 
-__all__ = ["DEFAULT_LAYOUTS", "DEFAULT_OBJECTS", "DEFAULT_TOKENS", "MLA_C", "add_arguments", "main"]
+__all__ = ["DEFAULT_LAYOUTS", "DEFAULT_MODELS", "DEFAULT_OBJECTS", "DEFAULT_TOKENS", "MLA_C", "add_arguments", "main"]

@@ -86,7 +86,8 @@ def as_json(result: Result, machine: dict[str, Any]) -> dict[str, Any]:
             "check_costs": [c.as_dict() for c in result.checks],
             "memcpy_variation_limit": MEMCPY_VARIATION_LIMIT,
             "memcpy_unstable_rows": sum(1 for r in result.rows if r.memcpy_unstable),
-            "transfers": [r.as_dict() for r in result.transfers]}
+            "transfers": [r.as_dict() for r in result.transfers],
+            "models": [r.as_dict() for r in result.models]}
 
 
 def text(result: Result, machine: dict[str, Any]) -> str:
@@ -117,6 +118,10 @@ def text(result: Result, machine: dict[str, Any]) -> str:
         from kvgen.tools.bench.transfers import text as transfer_text
 
         out += transfer_text(result.transfers)
+    if result.models:
+        from kvgen.tools.bench.models import text as model_text
+
+        out += model_text(result.models)
     return "\n".join(out)
 
 

@@ -18,6 +18,7 @@ from kvgen.oracle.scenarios import clone_tree, same_bits, tensors_of
 from kvgen.runtime import MemoryObj, backend_for, bits, plan_chunk
 from kvgen.runtime.aliasing import check_objects_apart, check_unique_slots
 from kvgen.spec.library import load_library
+from kvgen.tools.bench import models as bench_models
 from kvgen.tools.bench import transfers as bench_transfers
 from kvgen.tools.bench.baseline import NaiveConnector, memcpy
 from kvgen.tools.bench.measure import CheckCost, Row, micro, peak_extra_bytes, timed_repeats
@@ -141,6 +142,8 @@ class Result:
     checks: list[CheckCost] = field(default_factory=list)
     #: Layout-to-layout transfer rows (kvgen.tools.bench.transfers).
     transfers: list[Any] = field(default_factory=list)
+    #: Model connector rows (kvgen.tools.bench.models).
+    models: list[Any] = field(default_factory=list)
 
 
 def run(args: argparse.Namespace, progress: Callable[[Row, int, int], None] | None = None) -> Result:
@@ -167,6 +170,7 @@ def run(args: argparse.Namespace, progress: Callable[[Row, int, int], None] | No
     with connector_package(specs) as package:
         targets = select_targets(library, package, args.layouts, args.objects)
         moves = bench_transfers.select(args.transfers, library, package)
+        chosen = bench_models.select(getattr(args, "models", "none"), library)
         backends = list(getattr(args, "backend", None) or ["auto"])
         total = len(targets) * len(tokens) * 2 * len(backends)
         for layout in dict.fromkeys(t.layout for t in targets):
@@ -197,4 +201,5 @@ def run(args: argparse.Namespace, progress: Callable[[Row, int, int], None] | No
                                 progress(row, len(result.rows), total)
         result.transfers = bench_transfers.rows(moves, args, library, package, device, dtype, num_blocks, sync, rng,
                                                 lambda t: fill_random(t, tgen), progress is not None)
+        result.models = bench_models.rows(chosen, args, library, package, device, sync, rng, progress is not None)
     return result
