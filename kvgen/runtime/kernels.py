@@ -110,6 +110,8 @@ class KernelSpec:
     #: Axes of the canonical cache leaf and object views: their strides, in this order.
     cache_axes: tuple[str, ...]
     object_axes: tuple[str, ...]
+    #: A plane without slots (a per-layer scale of a format-2 cache): one row per leaf.
+    slotless: bool = False
 
 
 Views = Callable[[torch.Tensor, torch.Tensor, Geometry, Words], tuple[torch.Tensor, torch.Tensor]]
@@ -135,9 +137,12 @@ def _extent(axis: str, g: Geometry, w: Words) -> int:
     return w.C if axis == "C" else int(getattr(g, axis))
 
 
-def _kernel_words(w: Words, element: int, tensors: list[torch.Tensor], table: bool) -> Words:
+def leaf_words(w: Words, element: int, tensors: list[torch.Tensor], table: bool) -> Words:
     """The copy word for the kernel: at most 8 bytes, and one that divides the distance
-    between cache leaves (the table counts in words)."""
+    between cache leaves (the table counts in words). Unsupported for leaves whose strides
+    differ: one set of strides addresses them all."""
+    if any(t.stride() != tensors[0].stride() for t in tensors[1:]):
+        raise Unsupported("cache tensors differ in strides")
     size = w.dtype.itemsize
     width = min(size, KERNEL_WORD)
     gaps = [t.data_ptr() - tensors[0].data_ptr() for t in tensors[1:]] if table else []
@@ -176,13 +181,17 @@ class Kernel:
         """Move one chunk (of one layer, when layerwise) between `tensor` and the cache."""
         if not ck.has_blocks and not ck.has_tokens:
             return
-        spec = self.spec
         cache_leaves = leaves(kvcaches)
-        first = cache_leaves[0]
-        if any(t.stride() != first.stride() for t in cache_leaves[1:]):
-            raise Unsupported("cache tensors differ in strides")
-        w = _kernel_words(w, first.element_size(), cache_leaves, spec.table)
-        x, o = self.views(tensor, first, g, w)
+        w = leaf_words(w, cache_leaves[0].element_size(), cache_leaves, self.spec.table)
+        x, o = self.views(tensor, cache_leaves[0], g, w)
+        self.launch(*self.arguments(store, layer, x, o, cache_leaves, g, ck, w))
+
+    def arguments(self, store: bool, layer: int | None, x: torch.Tensor, o: torch.Tensor,
+                  cache_leaves: list[torch.Tensor], g: Geometry, ck: Chunk, w: Words
+                  ) -> tuple[tuple[int, int], dict[str, Any], torch.device]:
+        """(grid, arguments, device) of one launch over the views `x` (of the first leaf)
+        and `o`; Unsupported where the launch cannot be made."""
+        spec = self.spec
         device = x.device
         dummy = _dummy(device)
         args: dict[str, Any] = {"cache": x, "obj": o}
@@ -190,23 +199,25 @@ class Kernel:
             args["table"], args["TA"] = _table(cache_leaves, w.dtype.itemsize, device)
         if spec.layerwise:
             args["layer"] = layer
-        bn = 1 if spec.folded else int(g.N or 1)
-        blocks = ck.block_ids
+        bn = 1 if spec.folded or spec.slotless else int(g.N or 1)
+        blocks = None if spec.slotless else ck.block_ids
         args.update(ids=blocks if isinstance(blocks, torch.Tensor) else dummy,
                     first_id=blocks.start if isinstance(blocks, slice) else 0,
                     IDS=isinstance(blocks, torch.Tensor), block_start=ck.block_start,
                     num_blocks=ck.block_tokens // bn if blocks is not None else 0)
-        slots = ck.slots
+        # A plane without slots is one token at slot 0 (its slot strides are 0).
+        slots = slice(0, 1) if spec.slotless else ck.slots
         count = 0 if slots is None else (slots.stop - slots.start if isinstance(slots, slice) else slots.numel())
+        tok = None if spec.slotless else ck.tok
         args.update(slots=slots if isinstance(slots, torch.Tensor) else dummy,
                     first_slot=slots.start if isinstance(slots, slice) else 0, SLOTS=isinstance(slots, torch.Tensor),
-                    tok=ck.tok if ck.tok is not None else dummy, TOK=ck.tok is not None, num_tokens=count)
+                    tok=tok if tok is not None else dummy, TOK=tok is not None, num_tokens=count)
         args.update({f"E_{a}": _extent(a, g, w) for a in spec.extents})
         args.update({f"cs_{a}": s for a, s in zip(spec.cache_axes, x.stride(), strict=True)})
         args.update({f"os_{a}": s for a, s in zip(spec.object_axes, o.stride(), strict=True)})
         row = {f"R_{a}": _extent(a, g, w) for a in spec.row}
         width = _pow2(math.prod(row.values()))
-        tile = max(1, min(64, TILE_WORDS // width))
+        tile = 1 if spec.slotless else max(1, min(64, TILE_WORDS // width))
         if not spec.folded:
             tile = min(tile, _pow2(bn))
         programs = args["num_blocks"] + -(-count // tile)
@@ -218,6 +229,9 @@ class Kernel:
         grid = (programs, outer * (width // piece))
         if grid[1] > 65535:
             raise Unsupported(f"{grid[1]} outer parts exceed Triton's grid")
+        return grid, args, device
+
+    def launch(self, grid: tuple[int, int], args: dict[str, Any], device: torch.device) -> None:
         _launch(self.fn, grid, args, device)
 
 
