@@ -106,16 +106,18 @@ def _offsets(axes: tuple[str, ...], prefix: str) -> str:
 
 
 def kernel_text(layerwise: bool, leaf: View, obj: View, lists: tuple[str, ...], slot: tuple[str, ...],
-                row: tuple[str, ...], outer: tuple[str, ...], extents: tuple[str, ...]
+                row: tuple[str, ...], outer: tuple[str, ...], extents: tuple[str, ...], aligned: bool = False
                 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The kernel's parameters and body. `slot` () is a plane without slots (a per-layer
-    scale): its one row moves as a single token at slot 0 with every slot stride 0."""
+    scale): its one row moves as a single token at slot 0 with every slot stride 0.
+    `aligned`: the launch passes VA, the power of two every token row starts at a multiple of."""
     params = ["cache", "obj", *(["table"] if lists else []), "ids", "slots", "tok",
               *(["layer"] if layerwise else []), "first_id", "first_slot", "block_start", "num_blocks",
               "num_tokens", *(f"E_{a}" for a in extents), *(f"cs_{a}" for a in leaf.axes),
               *(f"os_{a}" for a in obj.axes), *(f"R_{a}: tl.constexpr" for a in row),
               *(["TA: tl.constexpr"] if lists else []),
-              *(f"{c}: tl.constexpr" for c in ("ROW", "RB", "BN", "TILE", "IDS", "SLOTS", "TOK", "STORE"))]
+              *(f"{c}: tl.constexpr" for c in ("ROW", "RB", "BN", "TILE", "IDS", "SLOTS", "TOK", "STORE")),
+              *(["VA: tl.constexpr"] if aligned else [])]
     # Grid axis 1: the outer part, and which RB-word piece of a token's row (a launch with
     # few tokens and parts still fills the device).
     body = ["q = tl.program_id(1)",
@@ -147,7 +149,8 @@ def kernel_text(layerwise: bool, leaf: View, obj: View, lists: tuple[str, ...], 
     slot_strides = "cs_S, 0" if slot == (SLOT,) else "cs_B, cs_N" if slot else "0, 0"
     body += ["move_chunk(cache, obj, c_base, o_base, c_row, o_row, row_mask,",
              "           ids, slots, tok, first_id, first_slot, block_start, num_blocks, num_tokens,",
-             f"           {slot_strides}, {'os_T' if slot else '0'}, BN, TILE, IDS, SLOTS, TOK, STORE)"]
+             f"           {slot_strides}, {'os_T' if slot else '0'}, BN, TILE, IDS, SLOTS, TOK, STORE"
+             + (", VA)" if aligned else ")")]
     return tuple(params), tuple(body)
 
 

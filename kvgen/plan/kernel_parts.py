@@ -50,7 +50,7 @@ class PlaneKernelPlan:
         """The fields of this plane's `kernels.KernelSpec`."""
         return (("table", True), ("folded", self.slot == (SLOT,)), ("layerwise", self.layerwise),
                 ("extents", self.extents), ("row", self.row), ("outer", self.outer), ("cache_axes", self.leaf.axes),
-                ("object_axes", self.obj.axes), ("slotless", self.slotless))
+                ("object_axes", self.obj.axes), ("slotless", self.slotless), ("aligned", True))
 
     @property
     def summary(self) -> str:
@@ -129,7 +129,7 @@ def _plane_kernel(parts: PartsPlan, pc: PlaneCopy, index: int) -> PlaneKernelPla
     obj = View(_rewrite(copy.object_view.expr, index, {"ck.num_tokens": "num_tokens"}), copy.object_view.axes)
     slot = () if pc.slotless else (SLOT,) if SLOT in leaf.axes else ("B", "N")
     row, outer, extents = kernel_axes(leaf, obj, ("L",), slot, layerwise)
-    params, body = kernel_text(layerwise, leaf, obj, ("L",), slot, row, outer, extents)
+    params, body = kernel_text(layerwise, leaf, obj, ("L",), slot, row, outer, extents, aligned=True)
     views = ["rows = runtime.bytes_of(tensor)"]
     if parts.sizes:
         views.append("at = runtime.region_starts(_region_sizes(g, num_tokens))  # each region in a layer")

@@ -112,6 +112,8 @@ class KernelSpec:
     object_axes: tuple[str, ...]
     #: A plane without slots (a per-layer scale of a format-2 cache): one row per leaf.
     slotless: bool = False
+    #: The kernel takes VA, the power of two (words) every token row starts at a multiple of.
+    aligned: bool = False
 
 
 Views = Callable[[torch.Tensor, torch.Tensor, Geometry, Words], tuple[torch.Tensor, torch.Tensor]]
@@ -170,6 +172,15 @@ def _table(tensors: list[torch.Tensor], width: int, device: torch.device) -> tup
     return found
 
 
+def _row_alignment(w: Words, table: int, strides: list[int]) -> int:
+    """The largest power of two (in words, at most 16 bytes' worth) dividing the table's
+    offsets and every stride that places a token's row: each row then starts at a multiple
+    of it, which lets the compiler use vector accesses it cannot prove from the strides."""
+    common = math.gcd(table, *strides)
+    limit = max(1, 16 // w.dtype.itemsize)
+    return min(common & -common, limit) if common else limit
+
+
 class Kernel:
     """One generated kernel and what launching it needs."""
 
@@ -226,6 +237,10 @@ class Kernel:
         while piece > MIN_PIECE and programs * outer * (width // piece) < MIN_PROGRAMS:
             piece //= 2  # few tokens and parts: split rows so that every compute unit has work
         args.update(row, ROW=width, RB=piece, BN=bn, TILE=tile, STORE=store)
+        if spec.aligned:
+            placing = [s for axes, t in ((spec.cache_axes, x), (spec.object_axes, o))
+                       for a, s, n in zip(axes, t.stride(), t.shape, strict=True) if a not in spec.row and n > 1]
+            args["VA"] = _row_alignment(w, args.get("TA", MAX_ALIGN), placing)
         grid = (programs, outer * (width // piece))
         if grid[1] > 65535:
             raise Unsupported(f"{grid[1]} outer parts exceed Triton's grid")

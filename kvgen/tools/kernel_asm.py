@@ -42,7 +42,8 @@ def captured_launches(module: str) -> list[tuple[str, Any, dict[str, Any]]]:
     plan = {p.module: p for p in plan_connectors(load_library())}[module]
     ext = {**EXT, "C": 576} if "mla" in module else EXT
     if isinstance(plan, PartsPlan):  # several planes: each part's tensors in their own dtype
-        cache = make_parts_cache(plan.paged, parts_extents(plan.paged, ext), torch.bfloat16, "cpu")
+        same = {f"C.{part.name}": ext["C"] for part in plan.paged.parts}  # every free-width part as wide as C
+        cache = make_parts_cache(plan.paged, {**parts_extents(plan.paged, ext), **same}, torch.bfloat16, "cpu")
     else:
         shape = leaf_shape(plan.paged, ext)
         cache = nest(plan.paged, ext, lambda path: torch.zeros(shape, dtype=torch.bfloat16))
