@@ -1,6 +1,6 @@
 """GPU figures for the generated Triton kernels: kernel vs torch path vs device copy.
 
-    python benchmarks/gpu_bench.py --json benchmarks/results-gpu.json      # ~2-4 minutes on an H200
+    python benchmarks/gpu_bench.py --json benchmarks/results-gpu.json      # ~3-6 minutes on an H200
 
 For each connector and chunk size (256 and 2048 tokens; L=32, 8 KV heads of 128 bf16
 values, N=16, the chunk's blocks drawn at random from a cache with spare blocks; caches of

@@ -255,6 +255,9 @@ def test_list_and_explain_show_kernels_and_backends(capsys: pytest.CaptureFixtur
     nhd = next(c for c in data["connectors"] if c["module"] == "vllm_flash_attn_nhd__kv_2ltd")
     assert nhd["kernel"] == ("one launch per chunk, grid (whole blocks + token tiles, KV x L); rows [H C]; "
                              "leaves by a table over L")
+    fp8 = next(c for c in data["connectors"] if c["module"] == "vllm_mla_fp8__kv_mla_rows")
+    assert fp8["kernel"].startswith("one launch per plane per chunk (3 planes)")
+    assert all(c["kernel"] for c in data["connectors"])
     assert main(["explain", "NHD"]) == 0
     out = capsys.readouterr().out
     assert "triton kernel: one launch per layer and chunk" in out and "copy backend (backend=None): cpu torch" in out

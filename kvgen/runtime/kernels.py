@@ -1,7 +1,8 @@
 """Generated Triton kernels at run time: which copy backend a connector uses, and launching.
 
 Every connector module `<layout>__<object>.py` has a twin `<layout>__<object>_triton.py`
-holding one Triton kernel (both directions) and a `Kernel` that launches it. A connector
+holding one Triton kernel (both directions) and a `Kernel` that launches it; for a cache of
+several planes, one kernel per plane and a `kernels_parts.PlanesKernel` over them. A connector
 picks per device: `backend=None` (auto) uses the kernel where Triton is installed and has a
 backend for the device (CUDA, ROCm, Intel XPU), the torch ops otherwise; `backend="triton"`
 or `"torch"` forces one. On the CPU, Triton runs only in its interpreter
