@@ -54,9 +54,8 @@ class PlaneKernelPlan:
 
     @property
     def summary(self) -> str:
-        parts = " x ".join(self.outer) or "1"
         what = "no slots: one row per layer" if self.slotless else f"rows [{' '.join(self.row)}]"
-        return f"{self.name}: {what}, outer {parts}"
+        return f"{self.name}: {what}" + (f", outer {' x '.join(self.outer)}" if self.outer else "")
 
 
 @dataclass(frozen=True)
