@@ -126,6 +126,9 @@ def _plane_kernel(parts: PartsPlan, pc: PlaneCopy, index: int) -> PlaneKernelPla
         raise ValueError(f"{parts.module}: plane {pc.plane.name}'s cache view does not read {source}")
     leaf = View(_rewrite(copy.cache_view.expr, index, {source: "leaf"}), copy.cache_view.axes)
     obj = View(_rewrite(copy.object_view.expr, index, {"ck.num_tokens": "num_tokens"}), copy.object_view.axes)
+    left = [name for name in ("wd[", "ck.", "kvcaches") if name in leaf.expr + obj.expr]
+    if left:  # the torch copy's views name something the kernel's views do not have
+        raise ValueError(f"{parts.module}: plane {pc.plane.name}'s views still use {', '.join(left)}")
     slot = () if pc.slotless else (SLOT,) if SLOT in leaf.axes else ("B", "N")
     row, outer, extents = kernel_axes(leaf, obj, ("L",), slot, layerwise)
     params, body = kernel_text(layerwise, leaf, obj, ("L",), slot, row, outer, extents, aligned=True)
