@@ -42,8 +42,9 @@ class PlaneKernelPlan:
 
     @property
     def ident(self) -> str:
-        """The plane's suffix in the module's function names."""
-        return self.name if self.name.isidentifier() else f"plane{self.index}"
+        """The plane's suffix in the module's function names: its index, since a plane's
+        name comes from a spec and must never become code."""
+        return str(self.index)
 
     @property
     def spec_fields(self) -> tuple[tuple[str, object], ...]:

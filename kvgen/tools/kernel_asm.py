@@ -138,14 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     from kvgen.plan.package import plan_connectors
     from kvgen.spec.library import load_library
 
-    modules = [p.module for p in plan_connectors(load_library()) if args.only in p.module]
+    plans = {p.module: p for p in plan_connectors(load_library()) if args.only in p.module}
     failed = 0
-    for module in modules:
+    for module, plan in plans.items():
         for direction, fn, kwargs in captured_launches(module):
             counts = accesses(compile_ptx(fn, kwargs, args.arch))
             shown = verdict(counts, kwargs["cache"].element_size())
             failed += shown is None
-            name = fn.__name__.removeprefix("_copy").removeprefix("_") or "-"
+            index = fn.__name__.removeprefix("_copy").removeprefix("_")  # _copy_<plane index>, or _copy
+            name = plan.planes[int(index)].plane.name if index else "-"
             print(f"{module:<36} {name:<8} {direction:<5} {shown or 'NARROW'}  loads {counts['ld']}  "
                   f"stores {counts['st']}", flush=True)
     return 1 if failed else 0
