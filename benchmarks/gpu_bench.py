@@ -1,13 +1,15 @@
 """GPU figures for the generated Triton kernels: kernel vs torch path vs device copy.
 
-    python benchmarks/gpu_bench.py --json benchmarks/results-gpu.json      # ~2-4 minutes on an H200
+    python benchmarks/gpu_bench.py --json benchmarks/results-gpu.json      # ~3-6 minutes on an H200
 
 For each connector and chunk size (256 and 2048 tokens; L=32, 8 KV heads of 128 bf16
-values, N=16, the chunk's blocks drawn at random from a cache with spare blocks), store
+values, N=16, the chunk's blocks drawn at random from a cache with spare blocks; caches of
+several planes, such as vLLM's fp8 MLA rows, in their own dtypes and widths), store
 (from_gpu) and load (to_gpu), it times, as GB/s of KV moved:
 
   kernel        the connector with backend="triton", object on the GPU (one launch per chunk,
-                per layer when layerwise) -- the whole call: checks, slot planning, launch
+                per layer when layerwise; per plane for caches of several planes) -- the
+                whole call: checks, slot planning, launch
   kernel_only   the kernel launch alone, the chunk planned beforehand (what the GPU does)
   torch         the connector with backend="torch", object on the GPU
   copy          dst.copy_(src) of the same bytes on the GPU (device-to-device)
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 
 from kvgen import generated
+from kvgen.oracle.planes import nest_parts, part_shape, storage_dtype
 from kvgen.oracle.reference import leaf_shape, nest
 from kvgen.runtime import MemoryObj, backend_for, kernels, plan_chunk
 from kvgen.spec.library import load_library
@@ -45,7 +48,27 @@ from kvgen.tools.bench.targets import extents, slot_mapping
 
 PAIRS = [("vllm_flash_attn_nhd", "kv_2ltd"), ("vllm_flash_attn_nhd", "kv_t2d"), ("vllm_flash_attn_hnd", "kv_2ltd"),
          ("vllm_flash_attn_hnd", "kv_t2d"), ("vllm_cross_layer", "kv_2ltd"), ("sglang_mha", "kv_2ltd"),
-         ("vllm_mla", "kv_mla")]
+         ("vllm_mla", "kv_mla"),
+         # caches of several planes: one kernel launch per plane
+         ("vllm_mla_fp8", "kv_mla_rows"), ("vllm_fp8_tensor_scales", "kv_planes"),
+         ("vllm_gaudi_fp8", "kv_planes_layer"), ("vllm_dsa_indexer", "kv_planes")]
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random bits of any dtype (fp8 and integer parts included)."""
+    n = torch.empty(0, dtype=dtype).element_size()
+    for extent in shape:
+        n *= extent
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).view(dtype).view(shape)
+
+
+def make_cache(paged: Any, ext: dict[str, int], device: torch.device, gen: torch.Generator) -> Any:
+    """A cache of random bits: bf16 leaves, or each part of a cache of several planes in its own dtype."""
+    if paged.is_simple:
+        shape = leaf_shape(paged, ext)
+        return nest(paged, ext, lambda path: _random(shape, torch.bfloat16, gen).to(device))
+    return nest_parts(paged, ext, lambda path, part: _random(
+        part_shape(paged, part, ext), getattr(torch, storage_dtype(part, "bfloat16")), gen).to(device))
 
 
 class Case:
@@ -57,9 +80,12 @@ class Case:
         paged = library[layout]
         num_blocks = -(-tokens * 5 // (4 * args.block_size))
         ext = extents(paged, args.layers, args.heads, args.head_size, args.block_size, num_blocks)
-        shape = leaf_shape(paged, ext)
+        if not paged.is_simple:  # several parts: the axes are the parts'
+            axes = {a for part in paged.parts for d in part.dims for a in d.axes}
+            ext.update(KV=2 if "KV" in axes else 1, H=args.heads if "H" in axes else 1)
+            ext["C"] = args.head_size if "H" in axes else ext["C"]
         gen = torch.Generator(device="cpu").manual_seed(args.seed)
-        self.cache = nest(paged, ext, lambda path: torch.randn(shape, generator=gen, dtype=torch.bfloat16).to(device))
+        self.cache = make_cache(paged, ext, device, gen)
         mapping = slot_mapping(tokens, num_blocks, args.block_size, "random", rng)
         self.mapping = torch.tensor(mapping, dtype=torch.long, device=device)
         cls = generated.get(layout, obj)
@@ -72,11 +98,14 @@ class Case:
         self.layerwise, self.tokens, self.device = self.kernel.layerwise, tokens, device
         shape_o = self.kernel.get_shape(tokens)
         count = ext["L"] if self.layerwise else 1
-        self.objs = [MemoryObj(torch.empty(shape_o, dtype=torch.bfloat16, device=device), self.kernel.format)
+        # packed objects (caches of several planes) have their own dtype: bytes for regions;
+        # zeroed, since no copy writes the padding between regions
+        dtype = self.kernel.get_dtype() if getattr(cls.memory, "pack", None) is not None else torch.bfloat16
+        self.objs = [MemoryObj(torch.zeros(shape_o, dtype=dtype, device=device), self.kernel.format)
                      for _ in range(count)]
-        self.twin = [MemoryObj(torch.empty(shape_o, dtype=torch.bfloat16, device=device), self.kernel.format)
+        self.twin = [MemoryObj(torch.zeros(shape_o, dtype=dtype, device=device), self.kernel.format)
                      for _ in range(count)]
-        self.host = [MemoryObj(_pinned(torch.empty(shape_o, dtype=torch.bfloat16), device), self.kernel.format)
+        self.host = [MemoryObj(_pinned(torch.empty(shape_o, dtype=dtype), device), self.kernel.format)
                      for _ in range(count)]
         self.nbytes = sum(o.tensor.numel() * o.tensor.element_size() for o in self.objs)
         self.src = torch.empty(self.nbytes, dtype=torch.uint8, device=device).random_()
@@ -128,19 +157,22 @@ class Case:
         """The kernel's store and load leave the torch path's bits."""
         self.store(self.kernel, self.objs)
         self.store(self.torch, self.twin)
-        stored = all(torch.equal(a.tensor.view(torch.int16), b.tensor.view(torch.int16))
-                     for a, b in zip(self.objs, self.twin, strict=True))
+        stored = all(torch.equal(_bits(a.tensor), _bits(b.tensor)) for a, b in zip(self.objs, self.twin, strict=True))
         for o in self.objs:
-            o.tensor.view(torch.int16).bitwise_not_()
+            _bits(o.tensor).bitwise_not_()
         before = [t.clone() for t in _leaves(self.cache)]
         self.load(self.kernel, self.objs)
         after_kernel = [t.clone() for t in _leaves(self.cache)]
         for t, b in zip(_leaves(self.cache), before, strict=True):
             t.copy_(b)
         self.load(self.torch, self.objs)
-        loaded = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
-                     for a, b in zip(after_kernel, _leaves(self.cache), strict=True))
+        loaded = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(after_kernel, _leaves(self.cache), strict=True))
         return {"store": stored, "load": loaded}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a tensor of any dtype (a 0-dim scale included)."""
+    return t.reshape(-1).view(torch.uint8)
 
 
 def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -11,7 +11,7 @@ from harness import SCENARIOS
 
 from kvgen import generated
 from kvgen.oracle.scenarios import check_connector
-from kvgen.runtime import kernels
+from kvgen.runtime import kernels, threads
 from kvgen.spec.library import load_library
 from kvgen.tools.bench.busy import neighbour
 
@@ -22,20 +22,20 @@ LIBRARY = load_library()
 def test_small_ops_and_a_busy_host_run_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVGEN_CPU_THREADS", raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    monkeypatch.setattr(kernels, "_CPUS", 4)
-    monkeypatch.setattr(kernels, "runnable", lambda: 2)
-    assert kernels.cpu_threads(64 * MB) == 4
-    assert kernels.cpu_threads(kernels.PARALLEL_BYTES - 1) == 1
-    monkeypatch.setattr(kernels, "runnable", lambda: 5)  # more ready threads than cores
-    assert kernels.cpu_threads(64 * MB) == 1
-    monkeypatch.setattr(kernels, "runnable", lambda: None)  # no /proc/loadavg: keep torch's count
-    assert kernels.cpu_threads(64 * MB) == 4
+    monkeypatch.setattr(threads, "_CPUS", 4)
+    monkeypatch.setattr(threads, "runnable", lambda: 2)
+    assert threads.cpu_threads(64 * MB) == 4
+    assert threads.cpu_threads(threads.PARALLEL_BYTES - 1) == 1
+    monkeypatch.setattr(threads, "runnable", lambda: 5)  # more ready threads than cores
+    assert threads.cpu_threads(64 * MB) == 1
+    monkeypatch.setattr(threads, "runnable", lambda: None)  # no /proc/loadavg: keep torch's count
+    assert threads.cpu_threads(64 * MB) == 4
     monkeypatch.setenv("KVGEN_CPU_THREADS", "3")
-    assert kernels.cpu_threads(1) == 3
+    assert threads.cpu_threads(1) == 3
 
 
 def test_runnable_reads_the_host() -> None:
-    ready = kernels.runnable()
+    ready = threads.runnable()
     assert ready is None or ready >= 1  # this thread is running
 
 

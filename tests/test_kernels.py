@@ -61,10 +61,10 @@ def _kernel_device(device: str) -> None:
 # -- plans (no torch, no triton) ---------------------------------------------------------------
 
 def test_every_connector_has_a_kernel_module() -> None:
+    """Caches of one tensor tree and caches of several planes (one kernel per plane) alike."""
     package = plan_package(LIBRARY)
-    # every connector of one tensor tree has a kernel; caches of several planes move by torch ops
-    simple = [c for c in package.connectors if isinstance(c.copy, CopyPlan)]
-    assert simple and [k.module for k in package.kernels] == [f"{c.module}_triton" for c in simple]
+    assert any(not isinstance(c.copy, CopyPlan) for c in package.connectors)
+    assert [k.module for k in package.kernels] == [f"{c.module}_triton" for c in package.connectors]
     here = Path(generated.__file__).parent
     assert all((here / f"{k.module}.py").is_file() for k in package.kernels)
 
@@ -257,19 +257,22 @@ def test_list_and_explain_show_kernels_and_backends(capsys: pytest.CaptureFixtur
     nhd = next(c for c in data["connectors"] if c["module"] == "vllm_flash_attn_nhd__kv_2ltd")
     assert nhd["kernel"] == ("one launch per chunk, grid (whole blocks + token tiles, KV x L); rows [H C]; "
                              "leaves by a table over L")
+    fp8 = next(c for c in data["connectors"] if c["module"] == "vllm_mla_fp8__kv_mla_rows")
+    assert fp8["kernel"].startswith("one launch per plane per chunk (3 planes)")
+    assert all(c["kernel"] for c in data["connectors"])
     assert main(["explain", "NHD"]) == 0
     out = capsys.readouterr().out
     assert "triton kernel: one launch per layer and chunk" in out and f"copy backend (backend=None): cpu {cpu}" in out
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install 'kvgen[triton]')")
-def test_verify_backend_triton_runs_kernels_only(capsys: pytest.CaptureFixture[str]) -> None:
-    """Caches of several planes have no kernel: verify --backend triton says so instead of failing them."""
+def test_verify_backend_triton_runs_every_connector(capsys: pytest.CaptureFixture[str]) -> None:
+    """Caches of several planes included; transfers alone have no kernel to run."""
     from kvgen.tools.cli import main
 
-    assert main(["verify", "--backend", "triton", "--device", "cpu", "--only", "vllm_mla_fp8"]) == 1
-    captured = capsys.readouterr()
-    assert "have no Triton kernel and are not run here" in captured.out
-    assert "none of the selected connectors has a Triton kernel" in captured.err
-    assert main(["verify", "--backend", "triton", "--device", "cpu", "--only", "mla__kv_mla_layer"]) == 0
-    assert "0 failed" in capsys.readouterr().out
+    assert main(["verify", "--backend", "triton", "--device", "cpu", "--only", "xfer__vllm_mla__sglang_mla"]) == 1
+    assert "the selected modules are transfers or model connectors" in capsys.readouterr().err
+    assert main(["verify", "--backend", "triton", "--device", "cpu", "--only", "sglang_mha_v_head__kv_planes_layer"]) \
+        == 0
+    out = capsys.readouterr().out
+    assert "sglang_mha_v_head" in out and "no Triton kernel" not in out and "2 checks passed, 0 failed" in out

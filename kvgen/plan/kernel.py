@@ -105,16 +105,19 @@ def _offsets(axes: tuple[str, ...], prefix: str) -> str:
     return " + ".join(terms) if terms else "0"
 
 
-def _kernel_text(plan: CopyPlan, leaf: View, obj: View, lists: tuple[str, ...], slot: tuple[str, ...],
-                 row: tuple[str, ...], outer: tuple[str, ...], extents: tuple[str, ...]
-                 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    layerwise = plan.mode is Mode.LAYERWISE
+def kernel_text(layerwise: bool, leaf: View, obj: View, lists: tuple[str, ...], slot: tuple[str, ...],
+                row: tuple[str, ...], outer: tuple[str, ...], extents: tuple[str, ...], aligned: bool = False
+                ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The kernel's parameters and body. `slot` () is a plane without slots (a per-layer
+    scale): its one row moves as a single token at slot 0 with every slot stride 0.
+    `aligned`: the launch passes VA, the power of two every token row starts at a multiple of."""
     params = ["cache", "obj", *(["table"] if lists else []), "ids", "slots", "tok",
               *(["layer"] if layerwise else []), "first_id", "first_slot", "block_start", "num_blocks",
               "num_tokens", *(f"E_{a}" for a in extents), *(f"cs_{a}" for a in leaf.axes),
               *(f"os_{a}" for a in obj.axes), *(f"R_{a}: tl.constexpr" for a in row),
               *(["TA: tl.constexpr"] if lists else []),
-              *(f"{c}: tl.constexpr" for c in ("ROW", "RB", "BN", "TILE", "IDS", "SLOTS", "TOK", "STORE"))]
+              *(f"{c}: tl.constexpr" for c in ("ROW", "RB", "BN", "TILE", "IDS", "SLOTS", "TOK", "STORE")),
+              *(["VA: tl.constexpr"] if aligned else [])]
     # Grid axis 1: the outer part, and which RB-word piece of a token's row (a launch with
     # few tokens and parts still fills the device).
     body = ["q = tl.program_id(1)",
@@ -143,11 +146,27 @@ def _kernel_text(plan: CopyPlan, leaf: View, obj: View, lists: tuple[str, ...], 
         body.append("row_mask = j < 1")
     body.append(f"c_row = {_offsets(row, 'cs')}")
     body.append(f"o_row = {_offsets(row, 'os')}")
-    slot_strides = "cs_S, 0" if slot == (SLOT,) else "cs_B, cs_N"
+    slot_strides = "cs_S, 0" if slot == (SLOT,) else "cs_B, cs_N" if slot else "0, 0"
     body += ["move_chunk(cache, obj, c_base, o_base, c_row, o_row, row_mask,",
              "           ids, slots, tok, first_id, first_slot, block_start, num_blocks, num_tokens,",
-             f"           {slot_strides}, os_T, BN, TILE, IDS, SLOTS, TOK, STORE)"]
+             f"           {slot_strides}, {'os_T' if slot else '0'}, BN, TILE, IDS, SLOTS, TOK, STORE"
+             + (", VA)" if aligned else ")")]
     return tuple(params), tuple(body)
+
+
+def kernel_axes(leaf: View, obj: View, lists: tuple[str, ...], slot: tuple[str, ...], layerwise: bool
+                ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(row, outer, extents) of a kernel over canonical `leaf` and `obj` views: the row is
+    what both keep last in one order, outer every other value (the object's order first)."""
+    fixed = {"L"} if layerwise else set()
+    cache_values = tuple(a for a in leaf.axes if a not in slot and a not in fixed)
+    obj_values = tuple(a for a in obj.axes if a != "T")
+    row = _common_suffix(cache_values, obj_values)
+    values = (*lists, *cache_values)
+    outer = tuple(a for a in obj_values if a not in row and a not in fixed)
+    outer += tuple(a for a in values if a not in outer and a not in row and a not in fixed)
+    extents = tuple(dict.fromkeys([*outer[1:], *lists[1:]]))
+    return row, outer, extents
 
 
 def make_kernel_plan(plan: CopyPlan) -> KernelPlan:
@@ -158,15 +177,8 @@ def make_kernel_plan(plan: CopyPlan) -> KernelPlan:
     obj = plan.object_view
     slot = (SLOT,) if SLOT in leaf.axes else ("B", "N")
     layerwise = plan.mode is Mode.LAYERWISE
-    fixed = {"L"} if layerwise else set()
-    cache_values = tuple(a for a in leaf.axes if a not in slot and a not in fixed)
-    obj_values = tuple(a for a in obj.axes if a != "T")
-    row = _common_suffix(cache_values, obj_values)
-    values = (*paged.lists, *cache_values)
-    outer = tuple(a for a in obj_values if a not in row and a not in fixed)
-    outer += tuple(a for a in values if a not in outer and a not in row and a not in fixed)
-    extents = tuple(dict.fromkeys([*outer[1:], *paged.lists[1:]]))
-    params, body = _kernel_text(plan, leaf, obj, paged.lists, slot, row, outer, extents)
+    row, outer, extents = kernel_axes(leaf, obj, paged.lists, slot, layerwise)
+    params, body = kernel_text(layerwise, leaf, obj, paged.lists, slot, row, outer, extents)
     views = (f"x = {leaf.expr}  # one cache leaf: [{' '.join(leaf.axes)}]",
              f"o = {obj.expr}  # the object: [{' '.join(obj.axes)}]",
              "return x, o")
@@ -174,6 +186,11 @@ def make_kernel_plan(plan: CopyPlan) -> KernelPlan:
 
 
 def kernel_grid(plan: object) -> str | None:
-    """The launch grid of a connector's kernel, for people; None where a connector has no
-    kernel (caches of several parts or fields move by torch ops)."""
+    """The launch grid of a connector's kernel, for people; None for anything that is not a
+    connector's plan."""
+    from kvgen.plan.kernel_parts import make_parts_kernel_plan  # it builds on this module
+    from kvgen.plan.parts import PartsPlan
+
+    if isinstance(plan, PartsPlan):
+        return make_parts_kernel_plan(plan).grid
     return make_kernel_plan(plan).grid if isinstance(plan, CopyPlan) else None

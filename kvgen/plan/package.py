@@ -16,6 +16,7 @@ from kvgen.plan.convert import Converter, plan_converters
 from kvgen.plan.copy import CopyPlan, Mode, plan_library
 from kvgen.plan.geometry import geometry_body, parts_geometry_body
 from kvgen.plan.kernel import KernelPlan, make_kernel_plan
+from kvgen.plan.kernel_parts import PartsKernelPlan, make_parts_kernel_plan
 from kvgen.plan.parts import PartsPlan, compatible_parts, plan_parts
 from kvgen.spec.library import UNDEFINED, Library
 from kvgen.spec.model import DTYPES, Spec
@@ -100,8 +101,8 @@ class PackagePlan:
     transitions: tuple[tuple[str, str], ...]
     converters: tuple[Converter, ...]
     layouts: tuple[tuple[str, Fields], ...]
-    #: The Triton kernel of each connector, in the connectors' order.
-    kernels: tuple[KernelPlan, ...] = ()
+    #: The Triton kernel module of each connector, in the connectors' order.
+    kernels: tuple[KernelPlan | PartsKernelPlan, ...] = ()
     #: Layout-to-layout transfer modules (kvgen.plan.transfer), from the transfers files.
     transfers: tuple[TransferPlan, ...] = ()
     #: Model connectors, one per (model, groups object) pair (kvgen.plan.models).
@@ -140,18 +141,17 @@ def plan_package(library: Library, transfers: Sequence[TransferPair] = ()) -> Pa
     from kvgen.plan.models import plan_models
     from kvgen.plan.transfer import plan_transfers  # it builds on this module's layout fields
 
-    plans = plan_library(library)
-    connectors = plan_connectors(library)
+    plans = plan_connectors(library)
     return PackagePlan(
         library=library,
-        connectors=tuple(connector_plan(p) for p in connectors),
+        connectors=tuple(connector_plan(p) for p in plans),
         formats=tuple(library.formats()),
         transitions=format_transitions(library),
         converters=tuple(plan_converters(library)),
         layouts=tuple((s.name, layout_facts(s)) for s in library.specs),
-        kernels=tuple(make_kernel_plan(p) for p in plans),
+        kernels=tuple(make_parts_kernel_plan(p) if isinstance(p, PartsPlan) else make_kernel_plan(p) for p in plans),
         transfers=plan_transfers(tuple(transfers)),
-        models=tuple(plan_models(library, connectors)[0]),
+        models=tuple(plan_models(library, plans)[0]),
     )
 
 

@@ -1,7 +1,8 @@
 """Generated Triton kernels at run time: which copy backend a connector uses, and launching.
 
 Every connector module `<layout>__<object>.py` has a twin `<layout>__<object>_triton.py`
-holding one Triton kernel (both directions) and a `Kernel` that launches it. A connector
+holding one Triton kernel (both directions) and a `Kernel` that launches it; for a cache of
+several planes, one kernel per plane and a `kernels_parts.PlanesKernel` over them. A connector
 picks per device: `backend=None` (auto) uses the kernel where Triton is installed and has a
 backend for the device (CUDA, ROCm, Intel XPU), the torch ops otherwise; `backend="triton"`
 or `"torch"` forces one. On the CPU, Triton runs only in its interpreter
@@ -16,13 +17,12 @@ else (`pip install 'kvgen[triton]'`).
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -34,6 +34,7 @@ from kvgen.runtime.binding import leaves
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry
 from kvgen.runtime.slots import Chunk
+from kvgen.runtime.threads import cpu_threads, intra_op_threads
 from kvgen.runtime.words import Words, words
 
 #: What `backend=` accepts besides None (auto).
@@ -113,6 +114,10 @@ class KernelSpec:
     #: Axes of the canonical cache leaf and object views: their strides, in this order.
     cache_axes: tuple[str, ...]
     object_axes: tuple[str, ...]
+    #: A plane without slots (a per-layer scale of a format-2 cache): one row per leaf.
+    slotless: bool = False
+    #: The kernel takes VA, the power of two (words) every token row starts at a multiple of.
+    aligned: bool = False
 
 
 Views = Callable[[torch.Tensor, torch.Tensor, Geometry, Words], tuple[torch.Tensor, torch.Tensor]]
@@ -138,9 +143,12 @@ def _extent(axis: str, g: Geometry, w: Words) -> int:
     return w.C if axis == "C" else int(getattr(g, axis))
 
 
-def _kernel_words(w: Words, element: int, tensors: list[torch.Tensor], table: bool) -> Words:
+def leaf_words(w: Words, element: int, tensors: list[torch.Tensor], table: bool) -> Words:
     """The copy word for the kernel: at most 8 bytes, and one that divides the distance
-    between cache leaves (the table counts in words)."""
+    between cache leaves (the table counts in words). Unsupported for leaves whose strides
+    differ: one set of strides addresses them all."""
+    if any(t.stride() != tensors[0].stride() for t in tensors[1:]):
+        raise Unsupported("cache tensors differ in strides")
     size = w.dtype.itemsize
     width = min(size, KERNEL_WORD)
     gaps = [t.data_ptr() - tensors[0].data_ptr() for t in tensors[1:]] if table else []
@@ -168,6 +176,15 @@ def _table(tensors: list[torch.Tensor], width: int, device: torch.device) -> tup
     return found
 
 
+def _row_alignment(w: Words, table: int, strides: list[int]) -> int:
+    """The largest power of two (in words, at most 16 bytes' worth) dividing the table's
+    offsets and every stride that places a token's row: each row then starts at a multiple
+    of it, which lets the compiler use vector accesses it cannot prove from the strides."""
+    common = math.gcd(table, *strides)
+    limit = max(1, 16 // w.dtype.itemsize)
+    return min(common & -common, limit) if common else limit
+
+
 class Kernel:
     """One generated kernel and what launching it needs."""
 
@@ -179,13 +196,17 @@ class Kernel:
         """Move one chunk (of one layer, when layerwise) between `tensor` and the cache."""
         if not ck.has_blocks and not ck.has_tokens:
             return
-        spec = self.spec
         cache_leaves = leaves(kvcaches)
-        first = cache_leaves[0]
-        if any(t.stride() != first.stride() for t in cache_leaves[1:]):
-            raise Unsupported("cache tensors differ in strides")
-        w = _kernel_words(w, first.element_size(), cache_leaves, spec.table)
-        x, o = self.views(tensor, first, g, w)
+        w = leaf_words(w, cache_leaves[0].element_size(), cache_leaves, self.spec.table)
+        x, o = self.views(tensor, cache_leaves[0], g, w)
+        self.launch(*self.arguments(store, layer, x, o, cache_leaves, g, ck, w))
+
+    def arguments(self, store: bool, layer: int | None, x: torch.Tensor, o: torch.Tensor,
+                  cache_leaves: list[torch.Tensor], g: Geometry, ck: Chunk, w: Words
+                  ) -> tuple[tuple[int, int], dict[str, Any], torch.device]:
+        """(grid, arguments, device) of one launch over the views `x` (of the first leaf)
+        and `o`; Unsupported where the launch cannot be made."""
+        spec = self.spec
         device = x.device
         dummy = _dummy(device)
         args: dict[str, Any] = {"cache": x, "obj": o}
@@ -193,23 +214,25 @@ class Kernel:
             args["table"], args["TA"] = _table(cache_leaves, w.dtype.itemsize, device)
         if spec.layerwise:
             args["layer"] = layer
-        bn = 1 if spec.folded else int(g.N or 1)
-        blocks = ck.block_ids
+        bn = 1 if spec.folded or spec.slotless else int(g.N or 1)
+        blocks = None if spec.slotless else ck.block_ids
         args.update(ids=blocks if isinstance(blocks, torch.Tensor) else dummy,
                     first_id=blocks.start if isinstance(blocks, slice) else 0,
                     IDS=isinstance(blocks, torch.Tensor), block_start=ck.block_start,
                     num_blocks=ck.block_tokens // bn if blocks is not None else 0)
-        slots = ck.slots
+        # A plane without slots is one token at slot 0 (its slot strides are 0).
+        slots = slice(0, 1) if spec.slotless else ck.slots
         count = 0 if slots is None else (slots.stop - slots.start if isinstance(slots, slice) else slots.numel())
+        tok = None if spec.slotless else ck.tok
         args.update(slots=slots if isinstance(slots, torch.Tensor) else dummy,
                     first_slot=slots.start if isinstance(slots, slice) else 0, SLOTS=isinstance(slots, torch.Tensor),
-                    tok=ck.tok if ck.tok is not None else dummy, TOK=ck.tok is not None, num_tokens=count)
+                    tok=tok if tok is not None else dummy, TOK=tok is not None, num_tokens=count)
         args.update({f"E_{a}": _extent(a, g, w) for a in spec.extents})
         args.update({f"cs_{a}": s for a, s in zip(spec.cache_axes, x.stride(), strict=True)})
         args.update({f"os_{a}": s for a, s in zip(spec.object_axes, o.stride(), strict=True)})
         row = {f"R_{a}": _extent(a, g, w) for a in spec.row}
         width = _pow2(math.prod(row.values()))
-        tile = max(1, min(64, TILE_WORDS // width))
+        tile = 1 if spec.slotless else max(1, min(64, TILE_WORDS // width))
         if not spec.folded:
             tile = min(tile, _pow2(bn))
         programs = args["num_blocks"] + -(-count // tile)
@@ -218,9 +241,16 @@ class Kernel:
         while piece > MIN_PIECE and programs * outer * (width // piece) < MIN_PROGRAMS:
             piece //= 2  # few tokens and parts: split rows so that every compute unit has work
         args.update(row, ROW=width, RB=piece, BN=bn, TILE=tile, STORE=store)
+        if spec.aligned:
+            placing = [s for axes, t in ((spec.cache_axes, x), (spec.object_axes, o))
+                       for a, s, n in zip(axes, t.stride(), t.shape, strict=True) if a not in spec.row and n > 1]
+            args["VA"] = _row_alignment(w, args.get("TA", MAX_ALIGN), placing)
         grid = (programs, outer * (width // piece))
         if grid[1] > 65535:
             raise Unsupported(f"{grid[1]} outer parts exceed Triton's grid")
+        return grid, args, device
+
+    def launch(self, grid: tuple[int, int], args: dict[str, Any], device: torch.device) -> None:
         _launch(self.fn, grid, args, device)
 
 
@@ -233,51 +263,6 @@ def _launch(fn: Any, grid: tuple[int, int], args: dict[str, Any], device: torch.
         fn[grid](**args)
 
 
-#: A torch op on the CPU that moves fewer bytes runs on one thread: waking threads and the
-#: barrier at the end of a parallel region cost more than they save.
-PARALLEL_BYTES = 4 << 20
-_CPUS = os.cpu_count() or 1
-
-
-def runnable() -> int | None:
-    """Threads ready to run on this host now (Linux's /proc/loadavg; this one included)."""
-    try:
-        with open("/proc/loadavg", encoding="ascii") as f:
-            return int(f.read().split()[3].split("/")[0])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def cpu_threads(op_bytes: int) -> int:
-    """Intra-op threads for the torch ops of one chunk on the CPU, each moving `op_bytes`.
-
-    A connector issues one or more ops per layer, each a parallel region whose closing
-    barrier waits for all its threads; on a host whose cores are all taken (a co-located
-    engine), some are descheduled and every barrier waits a scheduling slice, so the cost
-    grows with the number of ops. Small ops and a busy host run on one thread, which never
-    waits; KVGEN_CPU_THREADS=N fixes the count."""
-    have = torch.get_num_threads()
-    fixed = os.environ.get("KVGEN_CPU_THREADS", "")
-    if fixed.isdigit() and int(fixed) > 0:
-        return int(fixed)
-    if have <= 1 or op_bytes < PARALLEL_BYTES:
-        return 1
-    ready = runnable()
-    return 1 if ready is not None and ready > _CPUS else have
-
-
-@contextlib.contextmanager
-def intra_op_threads(n: int) -> Iterator[None]:
-    """torch's intra-op thread count set to `n` for the block, then restored."""
-    old = torch.get_num_threads()
-    if n == old:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 _MODULES: dict[str, Any] = {}

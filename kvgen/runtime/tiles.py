@@ -24,7 +24,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _move(cache, obj, c_off, o_off, c_row, o_row, tokens, row_mask, STORE: tl.constexpr):  # noqa: ANN001
+def _move(cache, obj, c_off, o_off, c_row, o_row, tokens, row_mask, STORE: tl.constexpr,  # noqa: ANN001
+          VA: tl.constexpr):
+    if VA > 1:
+        # Every token's row starts at a multiple of VA words (the launch checked the strides).
+        # Rounding down changes no valid offset and shows the compiler the alignment, which
+        # lets it use vector accesses; a tl.multiple_of hint does not survive canonicalization.
+        c_off = (c_off // VA) * VA
+        o_off = (o_off // VA) * VA
     mask = tokens[:, None] & row_mask[None, :]
     c_ptr = cache + (c_off[:, None] + c_row[None, :])
     o_ptr = obj + (o_off[:, None] + o_row[None, :])
@@ -39,11 +46,13 @@ def move_chunk(cache, obj, c_base, o_base, c_row, o_row, row_mask,  # noqa: ANN0
                ids, slots, tok, first_id, first_slot, block_start, num_blocks, num_tokens,
                cs_b, cs_n, os_t,
                BN: tl.constexpr, TILE: tl.constexpr, IDS: tl.constexpr, SLOTS: tl.constexpr,
-               TOK: tl.constexpr, STORE: tl.constexpr):
+               TOK: tl.constexpr, STORE: tl.constexpr, VA: tl.constexpr = 1):
     """Move one chunk for one grid-axis-1 program. IDS / SLOTS / TOK: block ids, slots and
     token positions come from tensors; otherwise they count up from first_id, first_slot
     and 0 (the chunk's consecutive blocks, a folded axis's consecutive slots, all tokens).
-    BN: slots per block (1 for a folded slot axis, whose slot is its own row index)."""
+    BN: slots per block (1 for a folded slot axis, whose slot is its own row index).
+    VA: a power of two (in words) that every token row's start is a multiple of, for
+    strides the compiler cannot see are (82 8-byte words: a 656-byte row)."""
     pid = tl.program_id(0)
     n = tl.arange(0, TILE)
     if pid < num_blocks:
@@ -57,7 +66,7 @@ def move_chunk(cache, obj, c_base, o_base, c_row, o_row, row_mask,  # noqa: ANN0
             k = n0 + n
             inside = k < BN
             _move(cache, obj, c_block + k * cs_n, o_base + (t_block + k) * os_t, c_row, o_row, inside, row_mask,
-                  STORE)
+                  STORE, VA)
     else:
         i = (pid - num_blocks) * TILE + n
         inside = i < num_tokens
@@ -71,4 +80,4 @@ def move_chunk(cache, obj, c_base, o_base, c_row, o_row, row_mask,  # noqa: ANN0
         else:
             t = i.to(tl.int64)
         c_off = c_base + (slot // BN) * cs_b + (slot % BN) * cs_n
-        _move(cache, obj, c_off, o_base + t * os_t, c_row, o_row, inside, row_mask, STORE)
+        _move(cache, obj, c_off, o_base + t * os_t, c_row, o_row, inside, row_mask, STORE, VA)

@@ -204,7 +204,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         for p in plans:
             print(f"    {p.module} ({p.mode}): {p.strategy}")
             grid = kernel_grid(p)
-            print(f"      triton kernel: {grid}" if grid else "      triton kernel: none (several planes: torch ops)")
+            print(f"      triton kernel: {grid}")
         print(f"  {_backend_line()}")
     _explain_transfers(spec, library, args)
     return 0

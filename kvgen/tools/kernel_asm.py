@@ -6,7 +6,9 @@ exactly the arguments (and Triton exactly the specializations) a GPU run would g
 compiles it for an NVIDIA target with the ptxas bundled in Triton's wheel and counts the
 global loads and stores by width in the PTX. A kernel whose cache and object accesses are
 16-byte vectors (`v2.b64`, `v4.b32`) moves rows at full width; scalar accesses would cost
-bandwidth. Needs triton without TRITON_INTERPRET; no GPU.
+bandwidth. Format-2 connectors have one kernel per plane, each listed with its plane; a
+plane whose rows are no whole number of 16-byte vectors passes when every store moves the
+plane's whole word. Needs triton without TRITON_INTERPRET; no GPU.
 
 Triton's compile entry points used here are internal (checked with triton 3.6 to 3.8).
 """
@@ -30,17 +32,24 @@ def captured_launches(module: str) -> list[tuple[str, Any, dict[str, Any]]]:
     import torch
 
     from kvgen import generated
+    from kvgen.oracle.planes import make_parts_cache, parts_extents
     from kvgen.oracle.reference import leaf_shape, nest
-    from kvgen.plan.copy import plan_library
+    from kvgen.plan.package import plan_connectors
+    from kvgen.plan.parts import PartsPlan
     from kvgen.runtime import MemoryObj, kernels
     from kvgen.spec.library import load_library
 
-    plan = {p.module: p for p in plan_library(load_library())}[module]
+    plan = {p.module: p for p in plan_connectors(load_library())}[module]
     ext = {**EXT, "C": 576} if "mla" in module else EXT
-    shape = leaf_shape(plan.paged, ext)
-    cache = nest(plan.paged, ext, lambda path: torch.zeros(shape, dtype=torch.bfloat16))
+    if isinstance(plan, PartsPlan):  # several planes: each part's tensors in their own dtype
+        same = {f"C.{part.name}": ext["C"] for part in plan.paged.parts}  # every free-width part as wide as C
+        cache = make_parts_cache(plan.paged, {**parts_extents(plan.paged, ext), **same}, torch.bfloat16, "cpu")
+    else:
+        shape = leaf_shape(plan.paged, ext)
+        cache = nest(plan.paged, ext, lambda path: torch.zeros(shape, dtype=torch.bfloat16))
     connector = generated.get(plan.paged.name, plan.obj.name)(device="cpu", backend="torch")
     connector.bind(cache)
+    dtype = connector.get_dtype() if getattr(connector.memory, "pack", None) is not None else torch.bfloat16
     connector._kernels[torch.device("cpu")] = kernels.kernel_of(type(connector).__module__)
     mapping = torch.arange(TOKENS) + 2 * ext["N"]  # whole blocks after a partial one: both program kinds
     mapping[3] = -1
@@ -52,7 +61,7 @@ def captured_launches(module: str) -> list[tuple[str, Any, dict[str, Any]]]:
 
     real, kernels._launch = kernels._launch, capture
     try:
-        objs = [MemoryObj(torch.zeros(connector.get_shape(TOKENS), dtype=torch.bfloat16), connector.format)
+        objs = [MemoryObj(torch.zeros(connector.get_shape(TOKENS), dtype=dtype), connector.format)
                 for _ in range(ext["L"] if connector.layerwise else 1)]
         if connector.layerwise:
             for _ in connector.batched_from_gpu([[o] for o in objs], [0], [TOKENS], kvcaches=cache,
@@ -101,6 +110,23 @@ def vector_rows(counts: dict[str, dict[str, int]]) -> bool:
             and any(wide.search(op) for op in counts["ld"]))
 
 
+def access_bytes(op: str) -> int:
+    """Bytes one thread moves with a PTX access (`st.global.v2.b64`: 16)."""
+    m = re.search(r"(?:\.v(\d))?\.[bu](\d+)$", op)
+    return int(m.group(1) or 1) * int(m.group(2)) // 8 if m else 0
+
+
+def verdict(counts: dict[str, dict[str, int]], word: int) -> str | None:
+    """"16-byte rows"; for a plane of a format-2 cache whose rows allow no 16-byte vectors
+    (a 656-byte row is no whole number of them), "N-byte words" when every store moves the
+    kernel's whole word; None when stores are narrower than that."""
+    if vector_rows(counts):
+        return "16-byte rows"
+    if counts["st"] and all(access_bytes(op) >= word for op in counts["st"]):
+        return f"{word}-byte words"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvgen.tools.kernel_asm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="NVIDIA compute capability x10 (default: 90, H100/H200)")
@@ -109,17 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("kernel_asm compiles kernels: unset TRITON_INTERPRET", file=sys.stderr)
         return 2
-    from kvgen.plan.copy import plan_library
+    from kvgen.plan.package import plan_connectors
     from kvgen.spec.library import load_library
 
-    modules = [p.module for p in plan_library(load_library()) if args.only in p.module]
+    plans = {p.module: p for p in plan_connectors(load_library()) if args.only in p.module}
     failed = 0
-    for module in modules:
+    for module, plan in plans.items():
         for direction, fn, kwargs in captured_launches(module):
             counts = accesses(compile_ptx(fn, kwargs, args.arch))
-            ok = vector_rows(counts)
-            failed += not ok
-            print(f"{module:<36} {direction:<5} {'16-byte rows' if ok else 'NARROW'}  loads {counts['ld']}  "
+            shown = verdict(counts, kwargs["cache"].element_size())
+            failed += shown is None
+            index = fn.__name__.removeprefix("_copy").removeprefix("_")  # _copy_<plane index>, or _copy
+            name = plan.planes[int(index)].plane.name if index else "-"
+            print(f"{module:<36} {name:<8} {direction:<5} {shown or 'NARROW'}  loads {counts['ld']}  "
                   f"stores {counts['st']}", flush=True)
     return 1 if failed else 0
 

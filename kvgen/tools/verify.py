@@ -177,18 +177,10 @@ def main(args: Any) -> int:
         return 1
     if args.backend == "triton":
         _prepare_triton(devices)
-        from kvgen.plan.copy import CopyPlan
-
-        # Kernels exist for caches of one tensor tree; caches of several planes move by torch
-        # ops (checked by a plain `kvgen verify`), and transfers have no kernels.
-        planes = [p for p in selected if not isinstance(p, CopyPlan)]
-        selected = [p for p in selected if isinstance(p, CopyPlan)]
-        if planes:
-            print(f"{len(planes)} connectors of caches with several planes have no Triton kernel and are not "
-                  "run here (they move by torch ops; `kvgen verify` checks them)")
         if not selected:
-            raise KVGenError("--backend triton: none of the selected connectors has a Triton kernel")
-        moves = model_runs = []
+            raise KVGenError("--backend triton: the selected modules are transfers or model connectors, which have "
+                             "no Triton kernels of their own")
+        moves = model_runs = []  # transfers have no kernels; model connectors move through their members
     from kvgen.oracle.scenarios import SCENARIOS  # torch: only once the inputs are known good
     from kvgen.runtime import kernels
 

@@ -1,0 +1,57 @@
+"""How many intra-op threads the CPU torch path takes for one chunk's ops: a busy host (a
+co-located engine on every core) runs them on one thread, since each op's parallel region
+ends in a barrier that waits for descheduled threads."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+#: A torch op on the CPU that moves fewer bytes runs on one thread: waking threads and the
+#: barrier at the end of a parallel region cost more than they save.
+PARALLEL_BYTES = 4 << 20
+_CPUS = os.cpu_count() or 1
+
+
+def runnable() -> int | None:
+    """Threads ready to run on this host now (Linux's /proc/loadavg; this one included)."""
+    try:
+        with open("/proc/loadavg", encoding="ascii") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def cpu_threads(op_bytes: int) -> int:
+    """Intra-op threads for the torch ops of one chunk on the CPU, each moving `op_bytes`.
+
+    A connector issues one or more ops per layer, each a parallel region whose closing
+    barrier waits for all its threads; on a host whose cores are all taken (a co-located
+    engine), some are descheduled and every barrier waits a scheduling slice, so the cost
+    grows with the number of ops. Small ops and a busy host run on one thread, which never
+    waits; KVGEN_CPU_THREADS=N fixes the count."""
+    have = torch.get_num_threads()
+    fixed = os.environ.get("KVGEN_CPU_THREADS", "")
+    if fixed.isdigit() and int(fixed) > 0:
+        return int(fixed)
+    if have <= 1 or op_bytes < PARALLEL_BYTES:
+        return 1
+    ready = runnable()
+    return 1 if ready is not None and ready > _CPUS else have
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `n` for the block, then restored."""
+    old = torch.get_num_threads()
+    if n == old:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)

@@ -1,0 +1,186 @@
+"""The generated Triton kernels of format-2 connectors (caches of several planes): their
+plans, a representative subset against the reference (on the CPU through Triton's
+interpreter), the word each plane moves in, and all-or-nothing launches.
+
+`kvgen verify --backend triton` runs every one of them through every scenario.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+from typing import Any
+
+import pytest
+import torch
+from harness import EXT, SCENARIOS, connector_load, connector_store, make_cache, make_objects
+
+from kvgen import generated
+from kvgen.oracle.scenarios import check_connector, clone_tree, same_bits
+from kvgen.plan.kernel_parts import make_parts_kernel_plan
+from kvgen.plan.package import plan_connectors
+from kvgen.plan.parts import PartsPlan
+from kvgen.runtime import KVLayoutError, available_devices, kernels
+from kvgen.spec.library import load_library
+
+PARTS = {p.module: p for p in plan_connectors(load_library()) if isinstance(p, PartsPlan)}
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+if HAVE_TRITON and available_devices() == ["cpu"]:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install 'kvgen[triton]')")
+
+#: One connector per way a plane is reached, with the slot patterns that matter for it.
+SUBSET = {
+    # planes without slots (per-layer scales) next to a [KV B N H C] part, regions
+    "vllm_fp8_tensor_scales__kv_planes": ["partial_blocks", "minus1_all", "odd_offset_objects"],
+    # fields at byte offsets in each row, into rows, per layer
+    "vllm_mla_fp8__kv_mla_rows_layer": ["random_slots", "odd_offset_objects"],
+    # fields laid out per block
+    "vllm_dsa_indexer__kv_planes": ["consecutive_blocks", "minus1_chunk_ends", "strided_cache"],
+    # folded slot axes, per-head scales, per layer
+    "vllm_gaudi_fp8__kv_planes_layer": ["random_slots", "odd_offset_cache"],
+    # parts outside layers: kvcaches[part][layer]
+    "sglang_mha_v_head__kv_planes": ["partial_blocks"],
+}
+
+
+def _kernel_device(device: str) -> None:
+    why = kernels.unavailable(torch.device(device))
+    if why:
+        pytest.skip(why)
+
+
+# -- plans (no torch, no triton) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("module", list(PARTS))
+def test_plane_kernels_cover_every_value_once(module: str) -> None:
+    """Per plane: each value axis is in the row, enumerated by grid axis 1, or the fixed
+    layer; slots are (B, N), a folded S, or none for a plane without slots."""
+    k = make_parts_kernel_plan(PARTS[module])
+    assert [p.name for p in k.planes] == [pc.plane.name for pc in PARTS[module].planes]
+    for plane, pc in zip(k.planes, PARTS[module].planes, strict=True):
+        values = {"L", *(a for a in plane.leaf.axes if a not in ("B", "N", "S"))}
+        fixed = ["L"] if k.layerwise else []
+        assert sorted([*plane.row, *plane.outer, *fixed]) == sorted(values)
+        assert plane.slot == (() if pc.slotless else ("S",) if "S" in plane.leaf.axes else ("B", "N"))
+        assert "C" in plane.row and "wd[" not in "\n".join(plane.views)
+
+
+def test_kernel_plans_of_known_layouts() -> None:
+    scales = make_parts_kernel_plan(PARTS["vllm_fp8_tensor_scales__kv_planes"])
+    assert [(p.name, p.slotless, p.row, p.outer) for p in scales.planes] == [
+        ("kv", False, ("KV", "H", "C"), ("L",)), ("k_scale", True, ("C",), ("L",)), ("v_scale", True, ("C",), ("L",))]
+    assert "0, 0, 0, BN, TILE" in "\n".join(scales.planes[1].body)  # every slot stride 0
+    assert scales.leaves == "[kvcaches[layer][plane] for layer in range(g.L)]"
+    sglang = make_parts_kernel_plan(PARTS["sglang_mha_v_head__kv_planes_layer"])
+    assert sglang.leaves == "[kvcaches[plane][layer] for layer in range(g.L)]"
+    assert [p.slot for p in sglang.planes] == [("S",), ("S",)] and all(p.outer == () for p in sglang.planes)
+
+
+# -- kernels against the reference -------------------------------------------------------------
+
+@needs_triton
+@pytest.mark.parametrize("module", list(SUBSET))
+def test_parts_kernel_matches_reference(module: str, device: str) -> None:
+    _kernel_device(device)
+    plan = PARTS[module]
+    before = kernels.stats["launches"]
+    results = check_connector(generated, plan.paged, plan.obj, device, [SCENARIOS[s] for s in SUBSET[module]],
+                              backend="triton")
+    wrong = [(s, r) for s, r in zip(SUBSET[module], results, strict=True) if r != (True, True)]
+    assert not wrong, f"(store ok, load ok) differ from the reference: {wrong}"
+    assert kernels.stats["launches"] > before, "the kernels never ran"
+
+
+def _captured(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    seen: list[dict[str, Any]] = []
+    real = kernels._launch
+
+    def capture(fn: Any, grid: Any, args: dict[str, Any], device: Any) -> None:
+        seen.append(dict(args))
+        real(fn, grid, args, device)
+
+    monkeypatch.setattr(kernels, "_launch", capture)
+    return seen
+
+
+@needs_triton
+@pytest.mark.parametrize("scenario", ["partial_blocks", "odd_offset_objects"])
+def test_each_plane_moves_in_its_widest_word(scenario: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8 MLA rows: 512, 16 and 128 bytes at byte 0, 512 and 528 of a 656-byte row; each
+    plane moves in the word the torch code picks for this call (8 bytes here, narrower
+    where the object starts one element into its storage), one launch per plane."""
+    _kernel_device(device)
+    plan = PARTS["vllm_mla_fp8__kv_mla_rows"]
+    seen = _captured(monkeypatch)
+    assert check_connector(generated, plan.paged, plan.obj, device, [SCENARIOS[scenario]],
+                           backend="triton") == [(True, True)]
+    assert len(seen) == 2 * 3 * 1  # store and load, 3 planes, one chunk
+    widths = [args["cache"].element_size() for args in seen[:3]]
+    assert widths == [args["obj"].element_size() for args in seen[:3]]
+    if scenario == "partial_blocks":
+        assert widths == [8, 8, 8]
+    else:
+        assert max(widths) < 8
+
+
+@needs_triton
+def test_a_plane_that_cannot_launch_leaves_everything_untouched(device: str, monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    """Every plane's launch is prepared before the first runs: when the last plane cannot
+    be addressed, forced triton refuses with nothing written and auto moves the chunk by
+    the torch ops."""
+    _kernel_device(device)
+    plan = PARTS["vllm_fp8_tensor_scales__kv_planes"]
+    connector = generated.get(plan.paged.name, plan.obj.name)
+    planes = kernels.kernel_of(connector.__module__)
+    last = planes.planes[-1]
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise kernels.Unsupported("this plane cannot be addressed")
+
+    monkeypatch.setattr(last, "arguments", refuse)
+    sc = SCENARIOS["partial_blocks"]
+    cache = make_cache(plan.paged, torch.float32, device)
+    mapping = torch.tensor(sc.mapping(random.Random(0), EXT), device=device)
+    forced = connector(device=device, backend="triton")
+    forced.bind(cache)
+    objs = make_objects(forced, False, [13], torch.float32, device, salt=3, fmt=forced.format)
+    untouched = clone_tree(cache)
+    before = kernels.stats["launches"]
+    with pytest.raises(KVLayoutError, match="this plane cannot be addressed"):
+        connector_load(forced, objs, sc, cache, mapping)
+    assert same_bits(cache, untouched) and kernels.stats["launches"] == before
+
+    auto = connector(device=device)
+    auto._kernels[torch.device(device)] = planes
+    connector_store(auto, objs, sc, cache, mapping)
+    assert kernels.stats["launches"] == before
+    reference = connector(device=device, backend="torch")
+    reference.bind(untouched)
+    twin = make_objects(reference, False, [13], torch.float32, device, salt=3, fmt=reference.format)
+    connector_store(reference, twin, sc, untouched, mapping)
+    assert same_bits([o.tensor for o in objs], [o.tensor for o in twin])
+
+
+
+@needs_triton
+def test_fp8_mla_planes_compile_for_h200_with_16_byte_rows() -> None:
+    """Compiled for sm_90 with a real launch's specializations: the 512- and 128-byte planes
+    of a 656-byte row (82 words, a stride the compiler cannot see is even) move as 16-byte
+    vectors through the row alignment VA; the 16-byte scale plane in whole 8-byte words."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "kvgen.tools.kernel_asm", "--only", "vllm_mla_fp8__kv_mla_rows_layer"],
+                          capture_output=True, text=True, env=env, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    if done.returncode != 0 and "ptxas" in done.stderr:
+        pytest.skip(f"Triton cannot compile for NVIDIA here: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    verdicts = {(line.split()[1], line.split()[2]): line.split()[3] for line in done.stdout.splitlines()}
+    assert verdicts == {(p, d): "16-byte" if p != "scale" else "8-byte"
+                        for p in ("nope", "scale", "rope") for d in ("store", "load")}
