@@ -17,12 +17,32 @@ _CPUS = os.cpu_count() or 1
 
 
 def runnable() -> int | None:
-    """Threads ready to run on this host now (Linux's /proc/loadavg; this one included)."""
+    """Threads of other processes ready to run on this host now: Linux's /proc/loadavg count
+    less this process's own running threads (torch's pool threads spin a while after each
+    parallel region, and must not make an idle host look busy)."""
     try:
         with open("/proc/loadavg", encoding="ascii") as f:
-            return int(f.read().split()[3].split("/")[0])
+            ready = int(f.read().split()[3].split("/")[0])
     except (OSError, IndexError, ValueError):
         return None
+    return max(ready - _own_running(), 0)
+
+
+def _own_running() -> int:
+    """This process's threads in state R (running or ready), from /proc/self/task."""
+    count = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 1
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                # the state follows the command name, which is in parentheses and may hold spaces
+                count += f.read().rpartition(b")")[2].split()[0] == b"R"
+        except (OSError, IndexError):
+            continue
+    return max(count, 1)
 
 
 def cpu_threads(op_bytes: int) -> int:
@@ -39,8 +59,9 @@ def cpu_threads(op_bytes: int) -> int:
         return int(fixed)
     if have <= 1 or op_bytes < PARALLEL_BYTES:
         return 1
-    ready = runnable()
-    return 1 if ready is not None and ready > _CPUS else have
+    others = runnable()
+    # Every core taken by other processes (this thread needs one too): one thread.
+    return 1 if others is not None and others + 1 > _CPUS else have
 
 
 @contextlib.contextmanager
