@@ -3,6 +3,10 @@
 Cache elements carry the code of their coordinates (layer, kv, slot, head, c) and
 objects carry codes of their own positions, so a K/V swap, a transposed head or a
 misplaced token changes bits that the comparison sees. Comparisons are bitwise.
+
+These run the generated torch code (`backend="torch"`), what GPUs without Triton and CPUs
+without a compiler use; the compiled CPU path, the default on the CPU, is checked against the
+same reference in tests/test_native.py and in every scenario by `kvgen verify`.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ def _setup(module: str, scenario: str, dtype: torch.dtype, device: str):
     rng = random.Random(f"{module}/{scenario}")
     mapping_list = sc.mapping(rng, EXT)
     mapping = torch.tensor(mapping_list, dtype=torch.long, device=device)
-    connector = generated.get(plan.paged.name, plan.obj.name)(device=device)
+    connector = generated.get(plan.paged.name, plan.obj.name)(device=device, backend="torch")
     cache = make_cache(plan.paged, dtype, device, sc.strided, sc.odd_cache)
     connector.bind(cache)
     return plan, sc, mapping_list, mapping, connector, cache
