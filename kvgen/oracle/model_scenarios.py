@@ -178,6 +178,10 @@ def check_model(package: Any, library: Library, model: ModelSpec, obj: Spec, sc:
     """(store ok, load ok) of a model connector against the reference for one scenario."""
     available: Collection[tuple[str, str]] = set(package.CONNECTORS)
     case = models.model_case(library, model, obj, available, tp=tp, blocks=blocks, block_size=block_size)
+    # A group with small blocks needs more of them to hold the scenario's sequence.
+    need = max((-(-sc.seq_len // g.ext["N"]) for g in case.groups), default=0)
+    if need > blocks:
+        case = models.model_case(library, model, obj, available, tp=tp, blocks=need, block_size=block_size)
     if connector is None:
         connector = package.get_model(model.name, obj.name)(device=device, tp=tp)
     kvcaches = make_kvcaches(case, device, slots=requests)
