@@ -162,7 +162,9 @@ def kill_many(out: Path, outputs: dict[str, dict[str, str]], *, no_exchange: boo
     the complete new output. Returns what was seen."""
     snaps = {k: encoded(v) for k, v in outputs.items()}
     write_atomically(out, outputs["A"])
-    killer = Killer(out, outputs, pause=0.01, no_exchange=no_exchange)
+    # Each step of a build waits this long, so every window (between the renames, after the
+    # swap) stays a sizeable share of a build however many files the library writes.
+    killer = Killer(out, outputs, pause=0.03, no_exchange=no_exchange)
     seen: Counter[str] = Counter()
     try:
         spans = []
@@ -174,7 +176,7 @@ def kill_many(out: Path, outputs: dict[str, dict[str, str]], *, no_exchange: boo
         current = "B"
         for i in range(KILLS):
             target = "A" if current == "B" else "B"
-            ended, _ = killer.run(target, 0.9 * span * (i + 0.5) / KILLS)
+            ended, _ = killer.run(target, span * (i + 0.5) / KILLS)  # over the whole build
             seen[ended] += 1
             state = snapshot(out)
             if state is None:
