@@ -122,13 +122,6 @@ class ModelSpec:
             text += " | state " + ", ".join(f"{s.name} x{len(s.layers)}" for s in self.states)
         return text
 
-    def owner(self, layer: int) -> Group | StateGroup | None:
-        """The group or state group holding entry `layer` of the cache list."""
-        for g in (*self.groups, *self.states):
-            if layer in g.layers:
-                return g
-        return None
-
 
 def layer_indices(value: Any, total: int, taken: set[int]) -> tuple[int, ...]:
     """A layer set as sorted indices: a list, `{from, every, count}`, or "others" (every index

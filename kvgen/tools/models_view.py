@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvgen.oracle.address import explain_lines
 from kvgen.spec.library import Library
-from kvgen.spec.model import ITEMSIZE, Spec
+from kvgen.spec.model import Spec
 from kvgen.spec.models import Group, ModelSpec
 
 
@@ -113,13 +113,13 @@ def model_connectors(model: ModelSpec, library: Library) -> list[tuple[str, str]
     return out
 
 
-def model_rows(library: Library) -> list[tuple[str, str, str, str]]:
-    """(name, groups, state, summary) of every model, for `kvgen list`."""
+def model_rows(library: Library) -> list[tuple[str, str, str]]:
+    """(name, groups, state) of every model, for `kvgen list`."""
     rows = []
     for m in library.models:
         groups = ", ".join(f"{g.name} {g.layout} x{len(g.layers)}" for g in m.groups)
         state = ", ".join(f"{s.name} ({'+'.join(t.name for t in s.tensors)}) x{len(s.layers)}" for s in m.states)
-        rows.append((m.name, groups, state or "-", m.summary))
+        rows.append((m.name, groups, state or "-"))
     return rows
 
 
@@ -132,25 +132,7 @@ def print_models(library: Library) -> None:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     print()
     for row in [header, *rows]:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip())
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
-def bytes_per_token(model: ModelSpec, library: Library, dtype: str = "bfloat16") -> int | None:
-    """K/V bytes one token takes over every attention layer at TP 1, where the model fixes every extent."""
-    total = 0
-    for g in model.groups:
-        layout = library[g.layout]
-        if not layout.is_simple:
-            return None
-        per = ITEMSIZE[dtype] * layout.planes
-        for axis in ("H", "C"):
-            if layout.has(axis):
-                n = g.size(axis) or layout.size(axis)
-                if n is None:
-                    return None
-                per *= n
-        total += per * len(g.layers)
-    return total
-
-
-__all__ = ["bytes_per_token", "explain_model", "layer_text", "model_rows", "print_models"]
+__all__ = ["explain_model", "layer_text", "model_rows", "print_models"]
