@@ -21,7 +21,7 @@ from kvgen.errors import KVLayoutError
 from kvgen.oracle.scenarios import check_connector, clone_tree, connector_load, connector_store, make_objects
 from kvgen.plan.copy import CopyPlan
 from kvgen.plan.package import plan_connectors
-from kvgen.runtime import MemoryObj, kernels, native
+from kvgen.runtime import MemoryObj, host, kernels, native
 from kvgen.spec.library import load_library
 
 LIBRARY = load_library()
@@ -43,6 +43,14 @@ def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.setenv("KVGEN_CACHE_DIR", str(tmp_path / "cache"))
     native.reset()
     yield tmp_path / "cache" / "native"
+    native.reset()
+
+
+@pytest.fixture
+def reloaded():
+    """The kernel library loaded again after the test (which may change its environment)."""
+    native.reset()
+    yield
     native.reset()
 
 
@@ -69,14 +77,33 @@ def test_native_matches_reference(plan) -> None:
 
 
 @needs_compiler
+@pytest.mark.parametrize("team", [True, False], ids=["torch_openmp_team", "own_threads"])
 @pytest.mark.parametrize("module", ["vllm_flash_attn_nhd__kv_2ltd", "vllm_flash_attn_hnd__kv_t2d",
                                     "hicache_layer_first__kv_2td", "sglang_mha__kv_2ltd"])
-def test_threads_share_the_work(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Several threads, each a share of the outermost dim, move exactly what one does."""
+def test_threads_share_the_work(module: str, team: bool, reloaded: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several threads, each a share of the outermost dim, move exactly what one does: on
+    torch's OpenMP threads where the kernel found them, else on threads of its own."""
     monkeypatch.setattr(kernels, "cpu_threads", lambda nbytes: 3)
+    monkeypatch.setenv("KVGEN_NATIVE_OPENMP", "1" if team else "0")
+    assert (native.team() is not None) == (team and host.torch_openmp() is not None)
     plan = next(p for p in TREE if p.module == module)
     assert check_connector(generated, plan.paged, plan.obj, "cpu", list(SCENARIOS.values()), backend="native") \
         == [(True, True)] * len(SCENARIOS)
+
+
+@needs_compiler
+def test_torch_openmp_runtime_is_found_here() -> None:
+    """This suite's torch runs on OpenMP (Linux wheels do): the kernel shares its threads."""
+    if not torch._C.has_openmp:
+        pytest.skip("this torch was built without OpenMP")
+    assert host.torch_openmp() is not None
+    assert native.team() == host.torch_openmp()
+
+
+def test_streaming_stores_only_for_chunks_beyond_the_last_level_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(host._facts, "llc", 64 << 20)
+    assert not host.streams(32 << 20)
+    assert host.streams((32 << 20) + 1)
 
 
 @needs_compiler
@@ -159,9 +186,12 @@ def test_compile_cache_is_keyed_reused_and_atomic(fresh: Path) -> None:
 
 
 @needs_compiler
-def test_load_and_store_round_trip_big_rows() -> None:
-    """bfloat16 rows of 128 values (runs of whole words, the inline copy) through a
-    layerwise HND connector whose runs are one head: values encode (layer, token, kv, head, c)."""
+@pytest.mark.parametrize("stream", [False, True], ids=["plain_stores", "streaming_stores"])
+def test_load_and_store_round_trip_big_rows(stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 rows of 128 values (runs of whole words, the inline copy; or streamed, as a
+    chunk larger than the last-level cache is) through a layerwise HND connector whose runs
+    are one head: values encode (layer, token, kv, head, c)."""
+    monkeypatch.setattr(host, "streams", lambda nbytes: stream)
     paged, obj = LIBRARY["vllm_flash_attn_hnd"], LIBRARY["kv_t2d"]
     layers, heads, size, blocks, n = 2, 2, 128, 6, 4
     cache = [torch.zeros(2, blocks, heads, n, size, dtype=torch.bfloat16) for _ in range(layers)]

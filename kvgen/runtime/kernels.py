@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvgen.runtime import native
+from kvgen.runtime import host, native
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry
@@ -381,9 +381,11 @@ class KernelCopies:
         m = native.layout_map(self.layout, self.memory)  # type: ignore[attr-defined]
 
         def run(tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk, w: Words) -> None:
-            threads = cpu_threads(tensor.numel() * tensor.element_size())
+            nbytes = tensor.numel() * tensor.element_size()
+            threads = cpu_threads(nbytes)
+            stream = host.streams(nbytes * (g.L if layer is not None else 1))  # the whole chunk's bytes
             try:
-                native.move(m, store, layer, tensor, kvcaches, g, ck, threads, binding)
+                native.move(m, store, layer, tensor, kvcaches, g, ck, threads, binding, stream)
             except native.Unsupported as why:
                 if forced:
                     raise KVLayoutError(f"backend='native' cannot move this cache: {why}") from None

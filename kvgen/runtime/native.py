@@ -14,6 +14,10 @@ source, the compiler and its flags, and loaded with ctypes. The compiler writes 
 temporary file that is renamed into place, so concurrent processes never load a partial
 library. Without a compiler (or with `KVGEN_NATIVE=0`) connectors keep their torch path.
 
+A chunk's shares run on torch's OpenMP worker threads where that runtime is found (see
+team()), else on threads of the kernel's own; chunks larger than half the last-level cache
+are written with streaming stores (host.streams()).
+
 The copy is driven by the connector's layout facts (PagedLayout / ObjectLayout: which
 tensor dim holds which axis) and the actual strides of the cache leaves and the object,
 so one kernel serves every connector of a one-tree cache; caches of several planes
@@ -37,6 +41,7 @@ from typing import Any
 
 import torch
 
+from kvgen.runtime import host
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.layout import Geometry, ObjectLayout, PagedLayout
 from kvgen.runtime.slots import Chunk
@@ -45,7 +50,7 @@ from kvgen.runtime.slots import Chunk
 #: of one user, and glibc's memcpy already picks the widest vector unit at run time.
 FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-std=c99")
 #: The kernel's calling convention (kvgen_abi() in csrc/kvcopy.c).
-ABI = 2
+ABI = 3
 #: Int64 fields per dim (csrc/kvcopy.c) and the most dims it takes.
 FIELDS, MAX_DIMS = 9, 8
 
@@ -129,8 +134,32 @@ def _load() -> tuple[Any, str | None]:
         return None, f"{path} speaks another calling convention"
     lib.kvgen_move.restype = ctypes.c_int
     lib.kvgen_move.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.kvgen_use_openmp.restype = None
+    lib.kvgen_use_openmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    _state["team"] = _share_torch_team(lib)
     return lib, None
+
+
+def _share_torch_team(lib: Any) -> str | None:
+    """Register torch's OpenMP runtime with the kernel, so its shares run on torch's worker
+    threads (which spin for a while after every torch op and would take the cores from
+    threads of the kernel's own); returns the runtime's path, or None (own threads)."""
+    lib.kvgen_use_openmp(None, None, None)  # the library may be loaded already, registered by an earlier load
+    path = host.torch_openmp()
+    if path is None or os.environ.get("KVGEN_NATIVE_OPENMP", "1") in ("0", "", "off", "no"):
+        return None
+    entries = host.openmp_entries(path)
+    if entries is None:
+        return None
+    lib.kvgen_use_openmp(*entries)
+    return path
+
+
+def team() -> str | None:
+    """The OpenMP runtime whose threads the kernel shares work with; None: threads of its own."""
+    library()
+    return _state.get("team")
 
 
 def library() -> Any:
@@ -330,9 +359,9 @@ def _order(dims: list[list[int]], store: bool, item: int) -> tuple[int, list[lis
 
 
 def move(m: LayoutMap, store: bool, layer: int | None, tensor: torch.Tensor, kvcaches: Any, g: Geometry,
-         ck: Chunk, threads: int, binding: Any = None) -> None:
-    """Move one chunk (of one layer when `layer` is given) with the compiled kernel.
-    Unsupported (before anything is written) when it cannot."""
+         ck: Chunk, threads: int, binding: Any = None, stream: bool = False) -> None:
+    """Move one chunk (of one layer when `layer` is given) with the compiled kernel, with
+    streaming stores when `stream`. Unsupported (before anything is written) when it cannot."""
     if not ck.has_blocks and not ck.has_tokens:
         return
     lib = library()
@@ -345,5 +374,5 @@ def move(m: LayoutMap, store: bool, layer: int | None, tensor: torch.Tensor, kvc
         stats["calls"] += 1
         # leaf0: one layer of a cache whose layers are leaves starts at that leaf (8-byte addresses)
         if lib.kvgen_move(int(store), len(dims), flat.buffer_info()[0], run, cache.base + 8 * leaf0, coff0,
-                          obj + ooff, threads) != 0:
+                          obj + ooff, threads, int(stream)) != 0:
             raise Unsupported("the kernel refused the description")

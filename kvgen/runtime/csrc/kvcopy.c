@@ -44,13 +44,8 @@ typedef struct {
     char *obj;
     int64_t shift; /* cache bytes before the first moved element of every leaf */
     int64_t lo, hi; /* the share of dim 0 one thread moves */
-    int stream;     /* write with streaming stores (a chunk much larger than the caches) */
+    int stream;     /* write with streaming stores (a chunk larger than the caches) */
 } kv_job;
-
-/* A chunk of at least this many bytes is written with streaming stores where the CPU has
- * them: a plain store first reads each destination line (a third memory transfer per byte)
- * and evicts what the engine is working on, for data nobody reads back soon. */
-#define KV_STREAM_BYTES ((int64_t)8 << 20)
 
 #if defined(__SSE2__)
 /* `run` bytes with 16-byte streaming stores: the unaligned head and the tail by memcpy. */
@@ -87,7 +82,8 @@ static inline void kv_fence(const kv_job *job) {
 #endif
 }
 
-/* One run: streamed when the chunk is large, short runs of whole 16-byte words inline (no
+/* One run: streamed when the caller asks (a chunk larger than the last-level cache, where
+ * a plain store would first read each destination line from memory), short runs of whole 16-byte words inline (no
  * call), others by memcpy. */
 static inline void kv_copy(char *dst, const char *src, int64_t run, int stream) {
 #if defined(__SSE2__)
@@ -147,13 +143,44 @@ static void *kv_thread(void *arg) {
     return NULL;
 }
 
+/* The OpenMP runtime the host process already runs (torch's), when the caller registered
+ * it: shares then run on that runtime's worker threads. Those threads spin a while after
+ * each of torch's parallel regions; threads of our own would compete with them for the
+ * cores, where the spinning workers pick a share up at once. */
+typedef void (*kv_omp_parallel)(void (*)(void *), void *, unsigned, unsigned);
+typedef int (*kv_omp_int)(void);
+static kv_omp_parallel kv_parallel;
+static kv_omp_int kv_thread_num, kv_num_threads;
+
+typedef struct {
+    kv_job *jobs;
+    int count;
+} kv_team;
+
+static void kv_team_body(void *arg) {
+    const kv_team *team = (const kv_team *)arg;
+    /* a team smaller than asked for still moves every share */
+    for (int t = kv_thread_num(); t < team->count; t += kv_num_threads())
+        kv_thread(&team->jobs[t]);
+}
+
+/* Register GOMP_parallel, omp_get_thread_num and omp_get_num_threads of the process's
+ * OpenMP runtime (all three, or NULLs to go back to threads of our own). */
+void kvgen_use_openmp(void *parallel, void *thread_num, void *num_threads) {
+    int all = parallel && thread_num && num_threads;
+    kv_parallel = all ? (kv_omp_parallel)parallel : NULL;
+    kv_thread_num = all ? (kv_omp_int)thread_num : NULL;
+    kv_num_threads = all ? (kv_omp_int)num_threads : NULL;
+}
+
 /* Move one chunk. dims: nd * KV_FIELDS int64 values, outermost dim first; run: bytes of
  * the innermost contiguous run; leaves: base address of every cache tensor; obj: the
  * object's base address; shift: bytes added to every leaf address (one layer of a cache
- * whose layers are a dim); threads: how many threads share dim 0 (1: this one only).
+ * whose layers are a dim); threads: how many threads share dim 0 (1: this one only);
+ * stream: 1 to write runs of 256 bytes or more with streaming stores where the CPU has them.
  * Returns 0, or -1 for a description it cannot run (the caller then uses torch). */
 int kvgen_move(int store, int nd, const int64_t *dims, int64_t run, char *const *leaves, int64_t shift, char *obj,
-               int threads) {
+               int threads, int stream) {
 
     if (nd < 0 || nd > KV_MAXD || run <= 0)
         return -1;
@@ -180,10 +207,7 @@ int kvgen_move(int store, int nd, const int64_t *dims, int64_t run, char *const 
         if (d->ext <= 0)
             return 0; /* nothing to move */
     }
-    int64_t total = run;
-    for (int k = 0; k < nd; k++)
-        total *= job.d[k].ext;
-    job.stream = total >= KV_STREAM_BYTES;
+    job.stream = stream != 0;
     if (nd == 0) {
         if (store)
             kv_copy(obj, leaves[0] + shift, run, job.stream);
@@ -213,6 +237,11 @@ int kvgen_move(int store, int nd, const int64_t *dims, int64_t run, char *const 
         jobs[t].hi = ext * (t + 1) / threads;
         started[t] = 0;
     }
+    if (kv_parallel) {
+        kv_team team = {jobs, threads};
+        kv_parallel(kv_team_body, &team, (unsigned)threads, 0);
+        return 0;
+    }
     /* this thread takes share 0; a thread that cannot start has its share moved here too */
     for (int t = 1; t < threads; t++)
         started[t] = pthread_create(&ids[t], NULL, kv_thread, &jobs[t]) == 0;
@@ -228,4 +257,4 @@ int kvgen_move(int store, int nd, const int64_t *dims, int64_t run, char *const 
 }
 
 /* The version of the calling convention above; the loader refuses a library with another. */
-int kvgen_abi(void) { return 2; }
+int kvgen_abi(void) { return 3; }
