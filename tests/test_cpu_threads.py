@@ -24,6 +24,7 @@ def test_small_ops_and_a_busy_host_run_on_one_thread(monkeypatch: pytest.MonkeyP
     monkeypatch.delenv("KVGEN_CPU_THREADS", raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     monkeypatch.setattr(threads, "_CPUS", 4)
+    monkeypatch.setattr(threads, "SAMPLE_SECONDS", 0.0)  # every call reads the host again
     monkeypatch.setattr(threads, "runnable", lambda: 2)
     assert threads.cpu_threads(64 * MB) == 4
     assert threads.cpu_threads(threads.PARALLEL_BYTES - 1) == 1
@@ -33,6 +34,20 @@ def test_small_ops_and_a_busy_host_run_on_one_thread(monkeypatch: pytest.MonkeyP
     assert threads.cpu_threads(64 * MB) == 4
     monkeypatch.setenv("KVGEN_CPU_THREADS", "3")
     assert threads.cpu_threads(1) == 3
+
+
+def test_a_reading_of_the_host_stands_for_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layerwise connectors ask once per layer; /proc is read once per SAMPLE_SECONDS."""
+    reads: list[int] = []
+    monkeypatch.setattr(threads, "_sample", [float("-inf"), None])
+    monkeypatch.setattr(threads, "runnable", lambda: reads.append(1) or 0)
+    monkeypatch.setattr(threads, "SAMPLE_SECONDS", 3600.0)
+    for _ in range(5):
+        threads._others()
+    assert len(reads) == 1
+    monkeypatch.setattr(threads, "SAMPLE_SECONDS", 0.0)
+    threads._others()
+    assert len(reads) == 2
 
 
 def test_runnable_counts_the_threads_of_other_processes() -> None:

@@ -83,7 +83,7 @@ def test_native_matches_reference(plan) -> None:
 def test_threads_share_the_work(module: str, team: bool, reloaded: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Several threads, each a share of the outermost dim, move exactly what one does: on
     torch's OpenMP threads where the kernel found them, else on threads of its own."""
-    monkeypatch.setattr(kernels, "cpu_threads", lambda nbytes: 3)
+    monkeypatch.setattr(kernels, "cpu_threads", lambda nbytes, parallel_bytes=0: 3)
     monkeypatch.setenv("KVGEN_NATIVE_OPENMP", "1" if team else "0")
     assert (native.team() is not None) == (team and host.torch_openmp() is not None)
     plan = next(p for p in TREE if p.module == module)

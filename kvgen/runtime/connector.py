@@ -90,6 +90,7 @@ class ConnectorBase(KernelCopies):
         self._backends: dict[torch.device, Backend] = {}
         self._streams: dict[tuple[torch.device, str], Any] = {}
         self._local = threading.local()
+        self._words_of: dict[tuple[Any, ...], Words] = {}
         self.format = Format(self.memory.format, self.memory.code)
 
     # -- binding ---------------------------------------------------------------------
@@ -310,10 +311,18 @@ class ConnectorBase(KernelCopies):
                                     f"{self.staging_bytes} bytes are available (staging_bytes)")
 
     def _words(self, tensor: torch.Tensor, binding: Binding) -> Words:
-        """The widest copy unit both the call's cache and this object tensor allow."""
+        """The widest copy unit both the call's cache and this object tensor allow; kept per
+        object geometry, since a layerwise call asks once per layer with equal objects."""
         g = binding.geometry
-        width = widest([tensor], g.C, binding.width) if self.widen else tensor.element_size()
-        return words(width, tensor.element_size(), g.C)
+        key = (binding.width, g.C, tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset() % 16)
+        found = self._words_of.get(key)
+        if found is None:
+            width = widest([tensor], g.C, binding.width) if self.widen else tensor.element_size()
+            found = words(width, tensor.element_size(), g.C)
+            if len(self._words_of) >= 64:
+                self._words_of.clear()
+            self._words_of[key] = found
+        return found
 
     def _shape(self, g: Geometry, num_tokens: int) -> tuple[int, ...]:
         raise NotImplementedError

@@ -34,7 +34,7 @@ from kvgen.runtime.binding import leaves
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry
 from kvgen.runtime.slots import Chunk
-from kvgen.runtime.threads import cpu_threads, intra_op_threads
+from kvgen.runtime.threads import PARALLEL_BYTES, TEAM_PARALLEL_BYTES, cpu_threads, intra_op_threads
 from kvgen.runtime.words import Words, words
 
 #: What `backend=` accepts besides None (auto).
@@ -382,7 +382,7 @@ class KernelCopies:
 
         def run(tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk, w: Words) -> None:
             nbytes = tensor.numel() * tensor.element_size()
-            threads = cpu_threads(nbytes)
+            threads = cpu_threads(nbytes, TEAM_PARALLEL_BYTES if native.team() else PARALLEL_BYTES)
             stream = host.streams(nbytes * (g.L if layer is not None else 1))  # the whole chunk's bytes
             try:
                 native.move(m, store, layer, tensor, kvcaches, g, ck, threads, binding, stream)

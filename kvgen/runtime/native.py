@@ -178,10 +178,11 @@ def unavailable() -> str | None:
 
 
 def reset() -> None:
-    """Forget the loaded library and the layout maps (tests switch compilers)."""
+    """Forget the loaded library, the layout maps and the last description (tests switch compilers)."""
     with _lock:
         _state.clear()
         _maps.clear()
+        _last.clear()
 
 
 # -- describing a copy ----------------------------------------------------------------
@@ -285,10 +286,39 @@ def _address(t: torch.Tensor | None) -> int:
     return t.data_ptr()
 
 
-def describe(m: LayoutMap, store: bool, layer: int | None, tensor: torch.Tensor, kvcaches: Any, g: Geometry,
-             ck: Chunk, binding: Any = None) -> list[tuple[list[list[int]], int, int, int, int, _Cache]]:
-    """The kernel calls that move `ck`: (dims, run bytes, first leaf, cache byte shift, object
-    byte offset, cache) for its block path and its token path."""
+class Call:
+    """One kernel call of a chunk: its dims (flat, FIELDS per dim), run bytes and object byte offset."""
+
+    __slots__ = ("dims", "nd", "run", "ooff")
+
+    def __init__(self, dims: list[list[int]], run: int, ooff: int):
+        self.dims = array.array("q", [v for d in dims for v in d])
+        self.nd, self.run, self.ooff = len(dims), run, ooff
+
+
+class Description:
+    """The kernel calls that move one chunk between a cache and objects of one shape and
+    strides (any layer of a layerwise connector: the layer is an offset added per call)."""
+
+    __slots__ = ("key", "ck", "cache", "calls")
+
+    def __init__(self, key: tuple[Any, ...], ck: Chunk, cache: _Cache, calls: list[Call]):
+        self.key, self.ck, self.cache, self.calls = key, ck, cache, calls
+
+
+#: The last description, reused while the same chunk moves layer after layer. It holds its
+#: chunk and cache binding, so the ids in its key cannot be reused by other objects meanwhile.
+_last: list[Description] = []
+
+
+def describe(m: LayoutMap, store: bool, tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk,
+             binding: Any = None) -> Description:
+    """The kernel calls that move `ck`: its block path and its token path."""
+    key = (id(m), store, id(ck), id(binding), tensor.shape, tensor.stride(), tensor.element_size())
+    found = _last[0] if _last else None
+    if found is not None and binding is not None and found.key == key and found.ck is ck \
+            and found.cache.binding is binding:
+        return found
     ext = g.extents()
     cache = _cache_of(binding, kvcaches, m, g, ext)
     cs, ls = cache.strides, cache.ls
@@ -297,12 +327,6 @@ def describe(m: LayoutMap, store: bool, layer: int | None, tensor: torch.Tensor,
     item = tensor.element_size()
     if tensor.element_size() != g.dtype.itemsize:
         raise Unsupported("object and cache elements differ in size")
-    leaf0, coff0 = 0, 0
-    if layer is not None:  # one layer of a per-layer object: L is fixed
-        if "L" in ls:
-            leaf0 = layer * ls["L"]
-        else:
-            coff0 = layer * cs.get("L", 0)
     plain: list[list[int]] = []
     for a in m.shared:
         n = ext.get(a, 1)
@@ -315,14 +339,14 @@ def describe(m: LayoutMap, store: bool, layer: int | None, tensor: torch.Tensor,
     if "T" not in os_ or (folded and "S" not in cs) or (not folded and ("B" not in cs or "N" not in cs)):
         raise Unsupported("token axes not found")
     os_t = os_["T"]
-    calls = []
+    parts = []
     if ck.has_blocks and not folded:
         ids = ck.block_ids
         n = int(g.N)  # type: ignore[arg-type]
         blocks = [ck.block_tokens // n, _address(ids) if isinstance(ids, torch.Tensor) else 0,
                   ids.start if isinstance(ids, slice) else 0, 1, cs["B"], 0, 0, n * os_t, 0]
         within = [n, 0, 0, 1, cs["N"], 0, 0, os_t, 0]
-        calls.append(([blocks, within, *plain], ck.block_start * os_t))
+        parts.append(([blocks, within, *plain], ck.block_start * os_t))
     if ck.has_tokens:
         slots = ck.slots
         count = slots.stop - slots.start if isinstance(slots, slice) else slots.numel()  # type: ignore[union-attr]
@@ -331,14 +355,17 @@ def describe(m: LayoutMap, store: bool, layer: int | None, tensor: torch.Tensor,
             tok = [count, *sl, 1, cs["S"], 0, _address(ck.tok), os_t, 0]
         else:
             tok = [count, *sl, int(g.N), cs["B"], cs["N"], _address(ck.tok), os_t, 0]  # type: ignore[arg-type]
-        calls.append(([tok, *plain], 0))
-    out = []
-    for dims, ooff in calls:
+        parts.append(([tok, *plain], 0))
+    calls = []
+    for dims, ooff in parts:
         run, dims = _order(dims, store, item)
         if len(dims) > MAX_DIMS:
             raise Unsupported(f"{len(dims)} dims exceed the kernel's {MAX_DIMS}")
-        out.append((dims, run, leaf0, coff0, ooff, cache))
-    return out
+        calls.append(Call(dims, run, ooff))
+    found = Description(key, ck, cache, calls)
+    if binding is not None:
+        _last[:] = [found]
+    return found
 
 
 def _order(dims: list[list[int]], store: bool, item: int) -> tuple[int, list[list[int]]]:
@@ -367,12 +394,16 @@ def move(m: LayoutMap, store: bool, layer: int | None, tensor: torch.Tensor, kvc
     lib = library()
     if lib is None:
         raise Unsupported(_state["why"])
-    calls = describe(m, store, layer, tensor, kvcaches, g, ck, binding)
+    d = describe(m, store, tensor, kvcaches, g, ck, binding)
+    leaf0, coff0 = 0, 0
+    if layer is not None:  # one layer of a per-layer object: L is fixed
+        if "L" in d.cache.ls:
+            leaf0 = layer * d.cache.ls["L"]  # one layer of a cache whose layers are leaves starts at that leaf
+        else:
+            coff0 = layer * d.cache.strides.get("L", 0)
     obj = tensor.data_ptr()
-    for dims, run, leaf0, coff0, ooff, cache in calls:
-        flat = array.array("q", [v for d in dims for v in d])
+    for c in d.calls:
         stats["calls"] += 1
-        # leaf0: one layer of a cache whose layers are leaves starts at that leaf (8-byte addresses)
-        if lib.kvgen_move(int(store), len(dims), flat.buffer_info()[0], run, cache.base + 8 * leaf0, coff0,
-                          obj + ooff, threads, int(stream)) != 0:
+        if lib.kvgen_move(int(store), c.nd, c.dims.buffer_info()[0], c.run, d.cache.base + 8 * leaf0, coff0,
+                          obj + c.ooff, threads, int(stream)) != 0:
             raise Unsupported("the kernel refused the description")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 
 import torch
@@ -13,6 +14,9 @@ import torch
 #: A torch op on the CPU that moves fewer bytes runs on one thread: waking threads and the
 #: barrier at the end of a parallel region cost more than they save.
 PARALLEL_BYTES = 4 << 20
+#: The same for the compiled kernel on torch's OpenMP team, whose workers are spinning or
+#: a futex wake away (tens of microseconds, against ~150 us for one thread to copy 1 MiB).
+TEAM_PARALLEL_BYTES = 256 << 10
 _CPUS = os.cpu_count() or 1
 
 
@@ -45,7 +49,21 @@ def _own_running() -> int:
     return max(count, 1)
 
 
-def cpu_threads(op_bytes: int) -> int:
+#: How long one reading of the host's runnable threads stands: reading /proc costs about
+#: 0.1 ms, which a layerwise connector would otherwise pay once per layer.
+SAMPLE_SECONDS = 0.05
+_sample: list[float | int | None] = [float("-inf"), None]
+
+
+def _others() -> int | None:
+    """runnable(), read again once SAMPLE_SECONDS have passed since the last reading."""
+    now = time.monotonic()
+    if now - _sample[0] >= SAMPLE_SECONDS:  # type: ignore[operator]
+        _sample[:] = [now, runnable()]
+    return _sample[1]  # type: ignore[return-value]
+
+
+def cpu_threads(op_bytes: int, parallel_bytes: int = PARALLEL_BYTES) -> int:
     """Intra-op threads for the torch ops of one chunk on the CPU, each moving `op_bytes`.
 
     A connector issues one or more ops per layer, each a parallel region whose closing
@@ -57,9 +75,9 @@ def cpu_threads(op_bytes: int) -> int:
     fixed = os.environ.get("KVGEN_CPU_THREADS", "")
     if fixed.isdigit() and int(fixed) > 0:
         return int(fixed)
-    if have <= 1 or op_bytes < PARALLEL_BYTES:
+    if have <= 1 or op_bytes < parallel_bytes:
         return 1
-    others = runnable()
+    others = _others()
     # Every core taken by other processes (this thread needs one too): one thread.
     return 1 if others is not None and others + 1 > _CPUS else have
 
