@@ -100,10 +100,9 @@ def test_torch_openmp_runtime_is_found_here() -> None:
     assert native.team() == host.torch_openmp()
 
 
-def test_streaming_stores_only_for_chunks_beyond_the_last_level_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(host._facts, "llc", 64 << 20)
-    assert not host.streams(32 << 20)
-    assert host.streams((32 << 20) + 1)
+def test_streaming_stores_for_chunks_of_stream_bytes_and_more() -> None:
+    assert not host.streams(host.STREAM_BYTES - 1)
+    assert host.streams(host.STREAM_BYTES)
 
 
 @needs_compiler

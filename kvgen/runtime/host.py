@@ -1,45 +1,25 @@
-"""Facts of the host the compiled CPU path runs on: the size of its last-level cache (which
-chunks are written with streaming stores) and the OpenMP runtime torch runs its intra-op
-threads on (whose threads the kernel shares). Read once per process."""
+"""What the compiled CPU path asks of its host: which chunks it writes with streaming stores,
+and the OpenMP runtime torch runs its intra-op threads on (whose threads the kernel shares)."""
 
 from __future__ import annotations
 
 import ctypes
 import os
-from pathlib import Path
-from typing import Any
 
 import torch
 
-_facts: dict[str, Any] = {}
-
-#: Where the last-level cache's size cannot be read: a common server L3 share.
-_DEFAULT_LLC = 32 << 20
-
-
-def last_level_cache() -> int:
-    """Bytes of this CPU's largest cache (Linux sysfs), else _DEFAULT_LLC."""
-    if "llc" not in _facts:
-        size = 0
-        root = Path("/sys/devices/system/cpu/cpu0/cache")
-        try:
-            for entry in root.glob("index*/size"):
-                text = entry.read_text(encoding="ascii").strip().upper()
-                unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-                size = max(size, int(text.rstrip("KMG")) * unit)
-        except (OSError, ValueError):
-            size = 0
-        _facts["llc"] = size or _DEFAULT_LLC
-    return int(_facts["llc"])
+#: A chunk of at least this many bytes is written with streaming stores (csrc/kvcopy.c).
+STREAM_BYTES = 8 << 20
 
 
 def streams(chunk_bytes: int) -> bool:
-    """Whether a chunk of `chunk_bytes` is written with streaming stores: only one larger
-    than half the last-level cache. Below that the written lines stay in the cache, where
-    plain stores are faster (measured: 33 MB with a 300 MiB L3, 0.75x memcpy streamed
-    against 1.0x plain); above it a plain store first reads each line from memory and
-    evicts what the engine is working on."""
-    return chunk_bytes * 2 > last_level_cache()
+    """Whether a chunk of `chunk_bytes` (all its layers, also when a layerwise connector
+    moves them one call at a time) is written with streaming stores. A plain store first
+    reads each destination line, a third memory transfer per byte, and evicts what the
+    engine is working on for data nobody reads back soon. Measured with
+    benchmarks/native_choices.py (2 vCPUs): on torch's team streamed stores match or beat
+    plain ones at 32 MiB and 256 MiB."""
+    return chunk_bytes >= STREAM_BYTES
 
 
 #: Entry points of an OpenMP runtime (GNU's ABI, which LLVM's and Intel's runtimes also export).
