@@ -176,6 +176,21 @@ def test_bad_later_group_or_state_writes_nothing(toys: Any, direction: str) -> N
     _unchanged(s, lambda: move(kvcaches=s.kv[:-1]), "must hold 7 entries")
 
 
+def test_every_declared_part_width_is_checked() -> None:
+    """Llama-3.1-8B on vLLM-Gaudi declares C.k and C.v: a V part of another width is refused
+    at bind, not only a K part (the first)."""
+    connector = generated.get_model("llama31_8b_gaudi_fp8", "kv_groups")
+
+    def entry(k: int = 128, v: int = 128) -> tuple[torch.Tensor, ...]:
+        return (torch.zeros(32, 8, k, dtype=torch.float8_e4m3fn), torch.zeros(32, 8, v, dtype=torch.float8_e4m3fn),
+                torch.zeros(32, 8, 1, dtype=torch.bfloat16), torch.zeros(32, 8, 1, dtype=torch.bfloat16))
+
+    connector().bind([entry() for _ in range(32)])
+    for k, v, name in ((64, 128, "C.k is 64"), (128, 64, "C.v is 64")):
+        with pytest.raises(KVLayoutError, match=f"group 'full' .*: {name}, the model declares {name[:3]} = 128$"):
+            connector().bind([entry(k, v) for _ in range(32)])
+
+
 def test_object_refusals_write_nothing(toys: Any) -> None:
     s = Setup(toys)
     n = s.obj.tensor.shape[0]

@@ -127,6 +127,7 @@ def parts_geometry_body(spec: Spec) -> tuple[str, ...]:
             lines.append(f"row{i} = {known[c]} * leaves[{p}].element_size()" if c in known
                          else f"row{i} = leaves[{p}].element_size()")
             size, word = f"row{i}", f"reader.word({p}, 0, row{i}{'' if c in known else ', keep_last=True'})"
+            word += f", values={known[c] if c in known else 1}"
         planes.append(f"runtime.PlaneGeometry({plane.name!r}, {size}, {word})")
     first_c = _own("C", 0)
     slots = known.get("S", f"{known.get('B', 'B')} * {known.get('N', 'N')}")

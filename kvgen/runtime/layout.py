@@ -25,6 +25,9 @@ class PlaneGeometry:
     C: int
     #: The widest word (bytes) every tensor of the cache allows for this plane's rows.
     word: int = 1
+    #: A whole part's plane: its C in the part's values (None for a field of a part, whose
+    #: width the spec fixes).
+    values: int | None = None
 
 
 @dataclass(frozen=True)

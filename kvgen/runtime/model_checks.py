@@ -35,17 +35,18 @@ def group_where(g: GroupTable) -> str:
 
 
 def check_declared(model: str, g: GroupTable, geometry: Geometry, tp: int, first_part: str | None) -> None:
-    """A group's cache against what the model declares at TP 1 (heads divided by tp)."""
+    """A group's cache against what the model declares at TP 1 (heads divided by tp); C.PART
+    against that part's plane (a part of fields has the width its spec fixes)."""
     have = {"H": geometry.H, "C": geometry.C, "N": geometry.N}
+    parts = {p.name: p.values for p in geometry.planes if p.values is not None}
     for key, value in g.sizes:
         axis, _, part = key.partition(".")
-        if part and part != first_part:
-            continue  # the runtime geometry holds the first part's C only
+        got = have.get(axis) if not part else parts.get(part)
         want = value // tp if axis == "H" else value
-        if axis in have and have[axis] != want:
-            at = f" at tp={tp}" if axis == "H" and tp > 1 else ""
-            raise KVLayoutError(f"{model}: {group_where(g)}: {axis} is {have[axis]}, the model declares "
-                                f"{key} = {value}{at} (so {want})")
+        if got is not None and got != want:
+            at = f" (so {want} at tp={tp})" if want != value else ""
+            raise KVLayoutError(f"{model}: {group_where(g)}: {key} is {got}, the model declares "
+                                f"{key} = {value}{at}")
     if first_part is None and dtype_name(geometry.dtype) not in g.dtypes:
         raise KVLayoutError(f"{model}: {group_where(g)}: cache dtype {dtype_name(geometry.dtype)} is not one the "
                             f"model declares for it ({', '.join(g.dtypes)})")
