@@ -80,10 +80,6 @@ class Case:
         paged = library[layout]
         num_blocks = -(-tokens * 5 // (4 * args.block_size))
         ext = extents(paged, args.layers, args.heads, args.head_size, args.block_size, num_blocks)
-        if not paged.is_simple:  # several parts: the axes are the parts'
-            axes = {a for part in paged.parts for d in part.dims for a in d.axes}
-            ext.update(KV=2 if "KV" in axes else 1, H=args.heads if "H" in axes else 1)
-            ext["C"] = args.head_size if "H" in axes else ext["C"]
         gen = torch.Generator(device="cpu").manual_seed(args.seed)
         self.cache = make_cache(paged, ext, device, gen)
         mapping = slot_mapping(tokens, num_blocks, args.block_size, "random", rng)

@@ -181,6 +181,22 @@ def test_smoke_table_and_json(tmp_path: Path, capsys) -> None:
     assert all(us > 0 for us in cost["us"].values())
 
 
+@pytest.mark.parametrize("layout,obj", [("vllm_mla_fp8", "kv_mla_rows"), ("vllm_gaudi_fp8", "kv_planes_layer")])
+def test_caches_of_several_planes_are_benched_without_a_naive_baseline(layout: str, obj: str, tmp_path: Path,
+                                                                        capsys) -> None:
+    """Each part in its own dtype; no naive connector exists for them, so those columns say so."""
+    out = tmp_path / "p.json"
+    rc = main(["bench", "--layouts", layout, "--objects", obj, "--tokens", "20", *TINY, "--transfers", "none",
+               "--models", "none", "--repeats", "2", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "2 rows have no naive baseline" in captured.out
+    for r in json.loads(out.read_text())["rows"]:
+        assert (r["layout"], r["obj"], r["naive_matches"], r["naive_gbps"], r["x_naive"]) == (layout, obj, None, None,
+                                                                                              None)
+        assert set(r["repeat_seconds"]) == {"kvgen", "memcpy"} and r["gbps"] > 0 and r["x_memcpy"]["median"] > 0
+
+
 def test_model_rows_check_against_the_per_group_path(tmp_path: Path, capsys) -> None:
     specs = Path(__file__).parent / "specs_models"
     out = tmp_path / "m.json"

@@ -154,22 +154,24 @@ class Row(Timed):
     dir: str
     bytes: int
     seconds: Mapping[str, Sequence[float]]
-    naive_matches: bool
+    #: None: no naive baseline for this layout (caches of several planes).
+    naive_matches: bool | None
     #: What the connector moved data with ("native", "torch", "triton").
     backend: str = "torch"
     #: Extra resident memory one kvgen call took at its peak (None: not measurable here).
     peak_bytes: int | None = None
 
     @property
-    def x_naive(self) -> Spread:
-        """kvgen's speedup over the naive connector, per repeat."""
-        return paired_ratios(self.seconds["naive"], self.seconds["kvgen"])
+    def x_naive(self) -> Spread | None:
+        """kvgen's speedup over the naive connector, per repeat (None without one)."""
+        return paired_ratios(self.seconds["naive"], self.seconds["kvgen"]) if "naive" in self.seconds else None
 
     def as_dict(self) -> dict[str, object]:
         return {"layout": self.layout, "obj": self.obj, "mode": self.mode, "tokens": self.tokens, "dir": self.dir,
                 "bytes": self.bytes, "seconds": statistics.median(self.seconds["kvgen"]),
-                "gbps": self.gbps(), "memcpy_gbps": self.gbps("memcpy"), "naive_gbps": self.gbps("naive"),
-                "x_memcpy": vars(self.x_memcpy), "x_naive": vars(self.x_naive),
+                "gbps": self.gbps(), "memcpy_gbps": self.gbps("memcpy"),
+                "naive_gbps": self.gbps("naive") if "naive" in self.seconds else None,
+                "x_memcpy": vars(self.x_memcpy), "x_naive": vars(self.x_naive) if self.x_naive else None,
                 "memcpy_variation": self.memcpy_variation, "memcpy_unstable": self.memcpy_unstable,
                 "naive_matches": self.naive_matches, "backend": self.backend, "peak_bytes": self.peak_bytes,
                 "repeat_seconds": {k: list(v) for k, v in self.seconds.items()}}

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvgen.oracle.planes import nest_parts, part_shape, storage_dtype
 from kvgen.oracle.reference import leaf_shape, nest
 from kvgen.oracle.scenarios import clone_tree, same_bits, tensors_of
 from kvgen.runtime import MemoryObj, backend_for, bits, plan_chunk
@@ -37,16 +38,36 @@ def fill_random(t: torch.Tensor, gen: torch.Generator) -> None:
         t.copy_(torch.randint(info.min, info.max, t.shape, generator=gen, device="cpu", dtype=t.dtype))
 
 
-class Transfers:
-    """Store and load of one chunk [0, T) through the generated connector and the naive one."""
+def make_cache(paged: Any, ext: dict[str, int], dtype: torch.dtype, device: Any, gen: torch.Generator) -> Any:
+    """A cache of random values: every leaf in `dtype`, or each part of a cache of several
+    planes in its own dtype (`dtype` where the part allows it)."""
+    def filled(shape: tuple[int, ...], leaf_dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(shape, dtype=leaf_dtype, device=device)
+        fill_random(t, gen)
+        return t
 
-    def __init__(self, connector: Any, naive: NaiveConnector, cache: Any, mapping: torch.Tensor, num_tokens: int,
-                 device: Any, dtype: torch.dtype):
+    if paged.is_simple:
+        shape = leaf_shape(paged, ext)
+        return nest(paged, ext, lambda path: filled(shape, dtype))
+    name = str(dtype).removeprefix("torch.")
+    return nest_parts(paged, ext, lambda path, part: filled(part_shape(paged, part, ext),
+                                                            getattr(torch, storage_dtype(part, name))))
+
+
+class Transfers:
+    """Store and load of one chunk [0, T) through the generated connector and the naive one
+    (None for caches of several planes, which have no naive baseline)."""
+
+    def __init__(self, connector: Any, naive: NaiveConnector | None, cache: Any, mapping: torch.Tensor,
+                 num_tokens: int, device: Any, dtype: torch.dtype):
         self.c, self.naive, self.cache, self.mapping, self.T = connector, naive, cache, mapping, num_tokens
         self.cache_device = device
         shape = connector.get_shape(num_tokens)
         count = connector.geometry.L if connector.layerwise else 1
-        tensors = [torch.empty(shape, dtype=dtype, device=device) for _ in range(count)]
+        if getattr(connector.memory, "pack", None) is not None:
+            dtype = connector.get_dtype()  # a packed object has its own dtype (bytes for regions)
+        # zeroed: a copy does not write the padding between the regions of a packed object
+        tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
         self.objs = [MemoryObj(t, connector.format) for t in tensors]
         naive_tensors = [torch.empty(shape, dtype=dtype, device=device) for _ in range(count)]
         self.naive_objs = naive_tensors if connector.layerwise else naive_tensors[0]
@@ -75,17 +96,24 @@ class Transfers:
             self.c.to_gpu(self.objs[0], 0, self.T, **kw)
 
     def naive_store(self) -> None:
+        assert self.naive is not None
         self.naive.store(self.naive_objs, 0, self.T, self.cache, self.mapping)
 
     def naive_load(self) -> None:
+        assert self.naive is not None
         self.naive.load(self.tensors(), 0, self.T, self.cache, self.mapping)
 
-    def check_store(self) -> bool:
+    def check_store(self) -> bool | None:
         self.store()
+        if self.naive is None:
+            return None
         self.naive_store()
         return same_bits(self.tensors(), self.naive_objs)
 
-    def check_load(self) -> bool:
+    def check_load(self) -> bool | None:
+        if self.naive is None:
+            self.load()
+            return None
         for t in tensors_of(self.tensors()):
             bits(t).bitwise_not_()  # after check_store: every element now differs from its cache slot
         twin = clone_tree(self.cache)
@@ -105,6 +133,8 @@ def transfer_rows(target: Target, xfer: Transfers, sync: Callable[[], None], war
         else:
             same = xfer.check_load()
             fns = {"kvgen": xfer.load, "memcpy": copy, "naive": xfer.naive_load}
+        if xfer.naive is None:
+            del fns["naive"]
         seconds = timed_repeats(fns, sync, warmup, repeats)
         peak = peak_extra_bytes(fns["kvgen"]) if xfer.cache_device.type == "cpu" else None
         rows.append(Row(target.layout, target.obj, target.mode, xfer.T, direction, xfer.nbytes, seconds, same,
@@ -176,19 +206,12 @@ def run(args: argparse.Namespace, progress: Callable[[Row, int, int], None] | No
         for layout in dict.fromkeys(t.layout for t in targets):
             paged = library[layout]
             ext = extents(paged, args.layers, args.heads, args.head_size, args.block_size, num_blocks)
-            shape = leaf_shape(paged, ext)
-
-            def leaf(path: Any, shape: tuple[int, ...] = shape) -> torch.Tensor:
-                t = torch.empty(shape, dtype=dtype, device=device)
-                fill_random(t, tgen)
-                return t
-
-            cache = nest(paged, ext, leaf)
+            cache = make_cache(paged, ext, dtype, device, tgen)
             mappings = {t: torch.tensor(slot_mapping(t, num_blocks, args.block_size, args.alloc, rng),
                                         dtype=torch.long, device=device) for t in tokens}
             for target in (t for t in targets if t.layout == layout):
                 cls = package.get(target.layout, target.obj)
-                naive = NaiveConnector(paged, library[target.obj], ext)
+                naive = NaiveConnector(paged, library[target.obj], ext) if paged.is_simple else None
                 result.checks.append(check_cost(target, cls, cache, mappings, device))
                 for name in backends:
                     connector = cls(device=device, backend=None if name == "auto" else name)
