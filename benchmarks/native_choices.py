@@ -59,7 +59,7 @@ def main() -> None:
     args = ap.parse_args()
     if native.team() is None:
         print("torch's OpenMP runtime was not found here: only the own-threads variants are meaningful")
-    print(f"CPU: {torch.get_num_threads()} torch threads, last-level cache {host.last_level_cache() >> 20} MiB")
+    print(f"CPU: {torch.get_num_threads()} torch threads; torch's OpenMP runtime: {native.team()}")
     for tokens in (256, 2048):
         fns, nbytes = variants(tokens)
         src = torch.ones(nbytes, dtype=torch.uint8)
