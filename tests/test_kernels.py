@@ -263,6 +263,9 @@ def test_list_and_explain_show_kernels_and_backends(capsys: pytest.CaptureFixtur
     assert main(["explain", "NHD"]) == 0
     out = capsys.readouterr().out
     assert "triton kernel: one launch per layer and chunk" in out and f"copy backend (backend=None): cpu {cpu}" in out
+    assert main(["explain", "vllm_mla_fp8"]) == 0  # several planes: the compiled CPU kernel does not move them
+    planes = "torch (caches of several planes)" if cpu == "native" else cpu
+    assert f"copy backend (backend=None): cpu {planes}," in capsys.readouterr().out
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install 'kvgen[triton]')")

@@ -205,7 +205,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(f"    {p.module} ({p.mode}): {p.strategy}")
             grid = kernel_grid(p)
             print(f"      triton kernel: {grid}")
-        print(f"  {_backend_line()}")
+        print(f"  {_backend_line(planes=not spec.is_simple if spec.is_paged else spec.pack is not None)}")
     _explain_transfers(spec, library, args)
     return 0
 
