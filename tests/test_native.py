@@ -9,7 +9,9 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import random
+import signal
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -98,6 +100,40 @@ def test_torch_openmp_runtime_is_found_here() -> None:
         pytest.skip("this torch was built without OpenMP")
     assert host.torch_openmp() is not None
     assert native.team() == host.torch_openmp()
+
+
+@needs_compiler
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_moves_chunks_on_threads_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's OpenMP team does not survive a fork: a child that used it would wait forever.
+    The parent shares the team; the forked child still stores a chunk (bit-exact to the
+    parent's) within seconds."""
+    monkeypatch.setattr(kernels, "cpu_threads", lambda nbytes, parallel_bytes=0: 2)
+    paged, obj = LIBRARY["vllm_flash_attn_nhd"], LIBRARY["kv_2ltd"]
+    cache = make_cache(paged, torch.float32, "cpu")
+    c = generated.get(paged.name, obj.name)(device="cpu")
+    c.bind(cache)
+    slots = torch.arange(16, dtype=torch.long)
+    first = MemoryObj(torch.zeros(c.get_shape(16)), c.format)
+    c.from_gpu(first, 0, 16, kvcaches=cache, slot_mapping=slots)  # the parent's parallel region
+    second = MemoryObj(torch.zeros(c.get_shape(16)), c.format)
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only when its store matches the parent's
+        try:
+            c.from_gpu(second, 0, 16, kvcaches=cache, slot_mapping=slots)
+            os._exit(0 if native.team() is None and torch.equal(first.tensor, second.tensor) else 3)
+        except BaseException:
+            os._exit(4)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child did not finish its store within 30 s")
 
 
 def test_streaming_stores_for_chunks_of_stream_bytes_and_more() -> None:

@@ -15,8 +15,8 @@ temporary file that is renamed into place, so concurrent processes never load a 
 library. Without a compiler (or with `KVGEN_NATIVE=0`) connectors keep their torch path.
 
 A chunk's shares run on torch's OpenMP worker threads where that runtime is found (see
-team()), else on threads of the kernel's own; chunks larger than half the last-level cache
-are written with streaming stores (host.streams()).
+team()), else on threads of the kernel's own; chunks of 8 MiB or more are written with
+streaming stores (host.streams()).
 
 The copy is driven by the connector's layout facts (PagedLayout / ObjectLayout: which
 tensor dim holds which axis) and the actual strides of the cache leaves and the object,
@@ -138,6 +138,7 @@ def _load() -> tuple[Any, str | None]:
     lib.kvgen_use_openmp.restype = None
     lib.kvgen_use_openmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     _state["team"] = _share_torch_team(lib)
+    _state["team_pid"] = os.getpid()
     return lib, None
 
 
@@ -157,8 +158,16 @@ def _share_torch_team(lib: Any) -> str | None:
 
 
 def team() -> str | None:
-    """The OpenMP runtime whose threads the kernel shares work with; None: threads of its own."""
-    library()
+    """The OpenMP runtime whose threads the kernel shares work with; None: threads of its own.
+
+    In a process forked from the one that registered it, None: GNU OpenMP's team does not
+    survive a fork (a parallel region in the child waits for the parent's threads forever),
+    so the child's kernel starts threads of its own."""
+    lib = library()
+    if _state.get("team") is not None and _state.get("team_pid") != os.getpid():
+        with _lock:
+            lib.kvgen_use_openmp(None, None, None)
+            _state["team"] = None
     return _state.get("team")
 
 
