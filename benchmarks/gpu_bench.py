@@ -39,11 +39,10 @@ from typing import Any
 import torch
 
 from kvgen import generated
-from kvgen.oracle.planes import nest_parts, part_shape, storage_dtype
-from kvgen.oracle.reference import leaf_shape, nest
 from kvgen.runtime import MemoryObj, backend_for, kernels, plan_chunk
 from kvgen.spec.library import load_library
 from kvgen.tools.bench.measure import paired_ratios, rotation
+from kvgen.tools.bench.run import make_cache
 from kvgen.tools.bench.targets import extents, slot_mapping
 
 PAIRS = [("vllm_flash_attn_nhd", "kv_2ltd"), ("vllm_flash_attn_nhd", "kv_t2d"), ("vllm_flash_attn_hnd", "kv_2ltd"),
@@ -52,23 +51,6 @@ PAIRS = [("vllm_flash_attn_nhd", "kv_2ltd"), ("vllm_flash_attn_nhd", "kv_t2d"), 
          # caches of several planes: one kernel launch per plane
          ("vllm_mla_fp8", "kv_mla_rows"), ("vllm_fp8_tensor_scales", "kv_planes"),
          ("vllm_gaudi_fp8", "kv_planes_layer"), ("vllm_dsa_indexer", "kv_planes")]
-
-
-def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Random bits of any dtype (fp8 and integer parts included)."""
-    n = torch.empty(0, dtype=dtype).element_size()
-    for extent in shape:
-        n *= extent
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).view(dtype).view(shape)
-
-
-def make_cache(paged: Any, ext: dict[str, int], device: torch.device, gen: torch.Generator) -> Any:
-    """A cache of random bits: bf16 leaves, or each part of a cache of several planes in its own dtype."""
-    if paged.is_simple:
-        shape = leaf_shape(paged, ext)
-        return nest(paged, ext, lambda path: _random(shape, torch.bfloat16, gen).to(device))
-    return nest_parts(paged, ext, lambda path, part: _random(
-        part_shape(paged, part, ext), getattr(torch, storage_dtype(part, "bfloat16")), gen).to(device))
 
 
 class Case:
@@ -81,7 +63,7 @@ class Case:
         num_blocks = -(-tokens * 5 // (4 * args.block_size))
         ext = extents(paged, args.layers, args.heads, args.head_size, args.block_size, num_blocks)
         gen = torch.Generator(device="cpu").manual_seed(args.seed)
-        self.cache = make_cache(paged, ext, device, gen)
+        self.cache = make_cache(paged, ext, torch.bfloat16, device, gen)
         mapping = slot_mapping(tokens, num_blocks, args.block_size, "random", rng)
         self.mapping = torch.tensor(mapping, dtype=torch.long, device=device)
         cls = generated.get(layout, obj)

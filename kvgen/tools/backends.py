@@ -20,7 +20,7 @@ def backends() -> dict[str, str]:
     # The compiler kvgen.runtime.native would take: KVGEN_CC alone when set, else cc, gcc, clang.
     wanted = os.environ.get("KVGEN_CC")
     compiler = shutil.which(wanted) if wanted else next(filter(None, map(shutil.which, ("cc", "gcc", "clang"))), None)
-    cpu = "native" if compiler and os.environ.get("KVGEN_NATIVE") != "0" else "torch"
+    cpu = "native" if compiler and os.environ.get("KVGEN_NATIVE", "1") not in ("0", "", "off", "no") else "torch"
     return {"cpu": cpu, "cuda": gpu, "xpu": gpu}
 
 

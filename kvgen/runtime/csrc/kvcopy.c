@@ -82,9 +82,9 @@ static inline void kv_fence(const kv_job *job) {
 #endif
 }
 
-/* One run: streamed when the caller asks (a chunk larger than the last-level cache, where
- * a plain store would first read each destination line from memory), short runs of whole 16-byte words inline (no
- * call), others by memcpy. */
+/* One run: streamed when the caller asks (a chunk of 8 MiB or more, where a plain store
+ * would first read each destination line from memory), short runs of whole 16-byte words
+ * inline (no call), others by memcpy. */
 static inline void kv_copy(char *dst, const char *src, int64_t run, int stream) {
 #if defined(__SSE2__)
     if (stream && run >= 256) {

@@ -69,8 +69,8 @@ class Transfers:
         # zeroed: a copy does not write the padding between the regions of a packed object
         tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
         self.objs = [MemoryObj(t, connector.format) for t in tensors]
-        naive_tensors = [torch.empty(shape, dtype=dtype, device=device) for _ in range(count)]
-        self.naive_objs = naive_tensors if connector.layerwise else naive_tensors[0]
+        naive_tensors = [torch.empty(shape, dtype=dtype, device=device) for _ in range(count if naive else 0)]
+        self.naive_objs = naive_tensors if connector.layerwise or not naive else naive_tensors[0]
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
     def tensors(self) -> Any:
