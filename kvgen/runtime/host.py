@@ -8,6 +8,12 @@ import os
 
 import torch
 
+
+def switched_off(variable: str) -> bool:
+    """Whether an on/off environment switch of the compiled path (on when unset) says off."""
+    return os.environ.get(variable, "1") in ("0", "", "off", "no")
+
+
 #: A chunk of at least this many bytes is written with streaming stores (csrc/kvcopy.c).
 STREAM_BYTES = 8 << 20
 

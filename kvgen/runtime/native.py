@@ -116,13 +116,8 @@ def _build(cc: str, where: Path) -> Path:
     return target
 
 
-def _switched_off(variable: str) -> bool:
-    """Whether an on/off environment switch (on when unset) says off."""
-    return os.environ.get(variable, "1") in ("0", "", "off", "no")
-
-
 def _load() -> tuple[Any, str | None]:
-    if _switched_off("KVGEN_NATIVE"):
+    if host.switched_off("KVGEN_NATIVE"):
         return None, "switched off (KVGEN_NATIVE=0)"
     cc = compiler()
     if cc is None:
@@ -153,7 +148,7 @@ def _share_torch_team(lib: Any) -> str | None:
     threads of the kernel's own); returns the runtime's path, or None (own threads)."""
     lib.kvgen_use_openmp(None, None, None)  # the library may be loaded already, registered by an earlier load
     path = host.torch_openmp()
-    if path is None or _switched_off("KVGEN_NATIVE_OPENMP"):
+    if path is None or host.switched_off("KVGEN_NATIVE_OPENMP"):
         return None
     entries = host.openmp_entries(path)
     if entries is None:
