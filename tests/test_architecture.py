@@ -13,7 +13,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "kvgen"
 
 #: Shared, torch-free modules every stage may import.
-CORE = {"kvgen", "kvgen.errors", "kvgen.notation", "kvgen.names", "kvgen.interface"}
+CORE = {"kvgen", "kvgen.errors", "kvgen.notation", "kvgen.names", "kvgen.interface", "kvgen.versions"}
 #: What each part of kvgen may import from kvgen, besides CORE and itself.
 ALLOWED = {
     "spec": set(),

@@ -53,6 +53,8 @@ def layout_facts(spec: Spec) -> Fields:
                                     ("aliases", spec.aliases)]
     if spec.is_paged:
         facts += [("lmcache", spec.lmcache_format), ("engines", spec.engines), ("placement", spec.placement)]
+        if spec.versions:
+            facts.append(("versions", spec.versions))
     else:
         facts += [("format", spec.format)]
     facts.append(("planes", spec.planes))

@@ -236,6 +236,8 @@ class Spec(Shaped):
     #: `pack: groups` objects: the objects a group's section may take, and what is carried.
     members: tuple[str, ...] = ()
     carries: Carries | None = None
+    #: Engine family -> the range of its releases this layout describes (`versions:`).
+    versions: tuple[tuple[str, str], ...] = ()
 
     @property
     def is_paged(self) -> bool:
@@ -377,6 +379,7 @@ def build_spec(doc: Document, origin: str | None = None) -> Spec:
         parts=parts,
         pack=Pack(d["pack"]) if "pack" in d else None,
         members=tuple(d.get("members", ())),
+        versions=tuple(sorted(d.get("versions", {}).items())),
         carries=Carries(*(c if isinstance(c, str) else tuple(c) for c in (d["carries"]["groups"],
                                                                             d["carries"]["state"])))
         if "carries" in d else None,

@@ -13,6 +13,7 @@ from kvgen.errors import Problem, YamlPath, format_path
 from kvgen.interface import UNDEFINED
 from kvgen.spec.loader import Document
 from kvgen.spec.model import PART_LEVEL, Spec
+from kvgen.versions import admits_some_release
 
 Pass = Callable[[Spec, Document], list[Problem]]
 
@@ -142,9 +143,23 @@ def check_reserved_format(spec: Spec, doc: Document) -> list[Problem]:
     return out
 
 
+def check_versions(spec: Spec, doc: Document) -> list[Problem]:
+    """A release range belongs to an engine the spec names, and some release lies in it."""
+    families = {e.split("/")[0] for e in spec.engines}
+    out = []
+    for family, span in spec.versions:
+        if family not in families:
+            named = ", ".join(sorted(families)) or "none"
+            out.append(doc.problem(("versions", family), f"versions names engine {family!r}, which engines does "
+                                                         f"not list (engines name: {named})", key=True))
+        elif not admits_some_release(span):
+            out.append(doc.problem(("versions", family), f"no release lies in {span!r}"))
+    return out
+
+
 PASSES: tuple[Pass, ...] = (
     check_axes_once, check_kind_axes, check_fused, check_lists,
-    check_sizes, check_extents, check_accepts_self, check_reserved_format,
+    check_sizes, check_extents, check_accepts_self, check_reserved_format, check_versions,
 )
 
 

@@ -16,6 +16,7 @@ import jsonschema
 from kvgen import SPEC_FORMAT_VERSION
 from kvgen.errors import Problem, YamlPath
 from kvgen.spec.document import Document, key_problem, one_line, short
+from kvgen.versions import RANGE
 
 #: The published JSON Schemas, shipped inside the package: layouts and objects, and models.
 SCHEMA_DIR = Path(__file__).resolve().parent / "schema"
@@ -41,6 +42,8 @@ _PATTERN_WORDS = {
                          "(e.g. KV_2LTD)",
     "^[a-z][a-z0-9_.-]*/[A-Za-z0-9_.-]+$": "engine/BACKEND (e.g. vllm/FLASH_ATTN)",
     "^[^\\n]*(?!\\n)$": "a single line (no line break, not even a trailing one)",
+    RANGE: "a range of releases, comma-separated comparisons (e.g. '>=0.33,<0.34')",
+    "^[a-z][a-z0-9_]*$": "an engine family in lowercase (e.g. vllm, sglang)",
 }
 
 
@@ -180,7 +183,7 @@ def _misplaced_fields(doc: Document, error: jsonschema.ValidationError) -> list[
         return [doc.problem((key,), f"field {key!r} is for objects of pack: groups", key=True)
                 for key in ("members", "carries") if key in data]
     if data.get("kind") == "object":
-        for key in ("lmcache", "engines", "placement"):
+        for key in ("lmcache", "engines", "versions", "placement"):
             if key in data:
                 out.append(doc.problem((key,), f"field {key!r} is for kind: paged, not kind: object", key=True))
     else:

@@ -128,7 +128,7 @@ def cmd_list(args: argparse.Namespace) -> int:
                      "sizes": dict(s.sizes), "arrow": s.arrow(), "aliases": list(s.aliases),
                      "planes": s.planes, "source": s.origin}
             if s.is_paged:
-                facts.update(lmcache=s.lmcache_format, engines=list(s.engines),
+                facts.update(lmcache=s.lmcache_format, engines=list(s.engines), versions=dict(s.versions),
                              connectors=[p.obj.name for p in plans if p.paged is s])
             else:
                 facts.update(format=s.format, code=s.code, accepts=list(s.accepts))
@@ -194,6 +194,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if spec.is_paged:
         print(f"  lmcache:  {spec.lmcache_format or '- (no LMCache connector)'}")
         print(f"  engines:  {', '.join(spec.engines) or '-'}")
+        if spec.versions:
+            print(f"  versions: {', '.join(f'{family} {span}' for family, span in spec.versions)}")
     else:
         print(f"  format:   {spec.format} (code {spec.code}), accepts {', '.join(spec.accepts) or '-'}")
     plans = [p for p in plan_library(library) if spec in (p.paged, p.obj)]
