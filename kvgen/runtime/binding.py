@@ -4,9 +4,9 @@ distinct fingerprint.
 
 A binding is immutable and holds no tensor, so threads share bindings freely and a cached
 binding keeps no cache alive. The fingerprint covers what the checks depend on: each leaf's
-address, shape, strides, dtype and device, and the length of every container. Replacing,
-appending or re-viewing any leaf changes it, so the whole cache is checked again before
-anything is written.
+address, shape, strides, dtype, device and storage size, and the length of every container.
+Replacing, appending, re-viewing or resizing any leaf changes it, so the whole cache is
+checked again before anything is written.
 """
 
 from __future__ import annotations
@@ -49,13 +49,13 @@ def snapshot(kvcaches: Any) -> tuple[Any, Key | None]:
 
     def walk(node: Any) -> Any:
         if isinstance(node, torch.Tensor):
-            parts.append((node.data_ptr(), node.shape, node.stride(), node.dtype, node.device))
+            parts.append(_facts(node))
             return node
         if isinstance(node, (list, tuple)):
             items = tuple(node)
             parts.append(len(items))
             if all(isinstance(t, torch.Tensor) for t in items):  # the last list level, in one pass
-                parts.extend([(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in items])
+                parts.extend([_facts(t) for t in items])
                 return items
             return tuple([walk(item) for item in items])
         raise _NotACache
@@ -65,6 +65,12 @@ def snapshot(kvcaches: Any) -> tuple[Any, Key | None]:
     except (_NotACache, RuntimeError, RecursionError):  # RuntimeError: tensors without storage or strides
         return kvcaches, None
     return tree, tuple(parts)
+
+
+def _facts(t: torch.Tensor) -> tuple[Any, ...]:
+    """What a leaf's checks depend on. The storage's size is among them: a storage shrunk
+    after the cache was bound must be checked again, not trusted."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.untyped_storage().nbytes()
 
 
 def leaves(tree: Any) -> list[torch.Tensor]:
