@@ -19,6 +19,7 @@ import torch
 from test_runtime_safety import (
     ENDS,
     LAYERWISE,
+    LIB,
     NHD,
     SMALL,
     STARTS,
@@ -34,7 +35,8 @@ from test_runtime_safety import (
 )
 
 from kvgen import generated
-from kvgen.runtime import KVLayoutError, available_devices, native
+from kvgen.oracle import reference
+from kvgen.runtime import KVLayoutError, MemoryObj, available_devices, native
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if HAVE_TRITON and available_devices() == ["cpu"]:
@@ -116,3 +118,76 @@ def test_a_cache_regrown_to_its_size_moves_again() -> None:
     cache[1].copy_(build_cache(SMALL, torch.float32)[1])  # its codes again
     check_store(conn, WHOLE, SMALL, cache)
     check_load(conn, WHOLE, SMALL, cache)
+
+
+# -- 2. a layer freed between two steps of a layerwise transfer --------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer_freed_during_a_layerwise_store_stops_it(backend: str) -> None:
+    """Layer 0 is stored, then layer 1's storage is freed: the next step is refused and
+    layer 1's objects stay as they were."""
+    conn = path_connector(LAYERWISE, backend)
+    cache = build_cache(SMALL, torch.float32)
+    objs = make_objs(conn, cache, LENGTHS, 9)
+    per_layer = [[c[layer] for c in objs] for layer in range(SMALL["L"])]
+    gen = conn.batched_from_gpu(per_layer, STARTS, ENDS, kvcaches=cache, slot_mapping=mapping())
+    next(gen)
+    shrink(cache[1])
+    with nothing_written(per_layer[1], per_layer[2]), pytest.raises(
+            KVLayoutError, match=r"layer 1: cache tensor kvcaches\[1\]: its storage holds 16 bytes.*layers before"):
+        next(gen)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_object_freed_during_a_layerwise_store_stops_it(backend: str) -> None:
+    """Layer 2's object of chunk 0 loses its storage while layer 1 is stored: layer 2 is refused."""
+    conn = path_connector(LAYERWISE, backend)
+    cache = build_cache(SMALL, torch.float32)
+    objs = make_objs(conn, cache, LENGTHS, 9)
+    per_layer = [[c[layer] for c in objs] for layer in range(SMALL["L"])]
+    gen = conn.batched_from_gpu(per_layer, STARTS, ENDS, kvcaches=cache, slot_mapping=mapping())
+    next(gen)
+    next(gen)
+    shrink(per_layer[2][0].tensor)
+    with nothing_written(cache, per_layer[2][1]), pytest.raises(
+            KVLayoutError, match=r"layer 2: memory object for chunk 0: its storage holds 16 bytes"):
+        next(gen)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("how", ["shrunk", "moved"])
+def test_layer_freed_during_a_layerwise_load_stops_it(backend: str, how: str) -> None:
+    """Layer 1's memory is freed after layer 0 was loaded (or, "moved", the tensor is given
+    new memory of its full size elsewhere): its objects are refused, nothing is written to
+    freed memory or to the other layers."""
+    conn = path_connector(LAYERWISE, backend)
+    cache = build_cache(SMALL, torch.float32)
+    objs = make_objs(conn, cache, LENGTHS, 9, conn.format)
+    gen = conn.batched_to_gpu(STARTS, ENDS, kvcaches=cache, slot_mapping=mapping())
+    next(gen)
+    gen.send([c[0] for c in objs])
+    leaf = cache[1]
+    if how == "shrunk":
+        shrink(leaf)
+    else:
+        leaf.set_(torch.zeros_like(leaf).untyped_storage(), 0, leaf.shape, leaf.stride())
+    refusal = "storage holds 16 bytes" if how == "shrunk" else "moved in memory since the transfer started"
+    with nothing_written([cache[0], cache[2]], objs), pytest.raises(
+            KVLayoutError, match=rf"layer 1: cache tensor kvcaches\[1\]: .*{refusal}"):
+        gen.send([c[1] for c in objs])
+
+
+def test_layerwise_store_of_a_cache_with_layers_in_one_tensor_checks_it_per_layer() -> None:
+    """A stacked cache (L inside one tensor): the one leaf is checked before every layer."""
+    conn = generated.get("trtllm_pool", LAYERWISE)(device="cpu", backend="torch")
+    spec = LIB["trtllm_pool"]
+    cache = reference.nest(spec, SMALL, lambda path: torch.zeros(reference.leaf_shape(spec, SMALL)))
+    g = conn.bind(cache)
+    objs = [[MemoryObj(torch.zeros(conn.get_shape(n))) for n in LENGTHS] for _ in range(g.L)]
+    gen = conn.batched_from_gpu(objs, STARTS, ENDS, kvcaches=cache, slot_mapping=mapping())
+    next(gen)
+    shrink(cache)
+    with nothing_written(objs[1:]), pytest.raises(KVLayoutError,
+                                                  match=r"layer 1: cache tensor kvcaches: its storage holds 16 bytes"):
+        next(gen)

@@ -70,15 +70,16 @@ def storage_reach(t: torch.Tensor) -> int:
     return (last + 1) * t.element_size()
 
 
-def check_storage(t: torch.Tensor, name: str) -> None:
+def check_storage(t: torch.Tensor, name: str, outcome: str = "nothing was moved") -> None:
     """Refuse a tensor whose view reaches past its storage: a storage shrunk after the view
     was made (`untyped_storage().resize_()`, as engines free KV memory in sleep modes) would
-    let a kernel read or write bytes that are no longer the tensor's. A few attribute reads."""
+    let a kernel read or write bytes that are no longer the tensor's. `outcome` ends the
+    message (what the refused call has moved). A few attribute reads."""
     have, need = t.untyped_storage().nbytes(), storage_reach(t)
     if need > have:
         raise KVLayoutError(f"{name}: its storage holds {have} bytes, but the view reaches {need} (storage offset "
                             f"{t.storage_offset()}, shape {list(t.shape)}, strides {list(t.stride())}); its memory "
-                            "was freed or resized after the view was made: nothing was moved")
+                            f"was freed or resized after the view was made: {outcome}")
 
 
 def overlaps_itself(t: torch.Tensor) -> bool:

@@ -5,7 +5,9 @@ between devices, streams and format labels. The chunk loop of whole-chunk object
 A generated module subclasses one of those and supplies only the copies themselves
 (`_store`/`_load`, or `_store_layer`/`_load_layer`) and the object shape. Every check
 runs before the first element is written, so a refused call leaves cache and object
-exactly as they were (a layerwise load checks each layer's objects as they arrive).
+exactly as they were (a layerwise load checks each layer's objects as they arrive, and a
+layerwise transfer checks each layer's cache tensors and objects again before its copy, since
+the caller runs between two steps).
 
 A connector may be shared by threads: what a call works with (the cache's binding, its
 chunks, the frozen cache tree) is computed per call and immutable; the only shared state is
