@@ -9,8 +9,11 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import random
+import shutil
 import signal
 import stat
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -278,3 +281,109 @@ def test_skip_prefix_with_native(monkeypatch: pytest.MonkeyPatch) -> None:
                 leaf[mapping_list[i]] = t[kv, layer, i]
     assert all(torch.equal(a, b) for a, b in zip([x for pair in cache for x in pair],
                                                  [x for pair in want for x in pair], strict=True))
+
+
+# -- the build folder: only this user may write what the process loads ---------------------------------
+
+needs_root = pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="chown to another uid needs root")
+#: A uid that is not this process's (nobody).
+OTHER_UID = 65534
+
+
+def planted_library(where: Path, name: str, marker: Path) -> Path:
+    """A library that, once loaded, creates `marker`: what another user could plant."""
+    src = where / "planted.c"
+    src.write_text(f'#include <stdio.h>\n__attribute__((constructor)) static void run(void) {{ '
+                   f'FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\nint kvgen_abi(void) {{ return 3; }}\n')
+    out = where / name
+    subprocess.run([native.compiler(), "-shared", "-fPIC", "-o", str(out), str(src)], check=True, timeout=60)
+    src.unlink()
+    return out
+
+
+def the_library_name(fresh: Path) -> str:
+    """The name this process's kernel build has (built once in a scratch folder)."""
+    cc = native.compiler()
+    assert cc is not None
+    scratch = fresh.parent / "scratch"
+    return native._build(cc, scratch).name
+
+
+@needs_compiler
+def test_build_folder_and_library_are_private(fresh: Path) -> None:
+    """Created with mode 0700, the library written by this user only, whatever the umask."""
+    old = os.umask(0o002)
+    try:
+        path = native._build(native.compiler() or "", fresh)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
+    st = path.stat()
+    assert st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    assert native.library() is not None
+
+
+@needs_compiler
+@pytest.mark.parametrize("mode", [0o770, 0o707], ids=["group_writable", "world_writable"])
+def test_a_folder_others_may_write_is_refused(fresh: Path, mode: int) -> None:
+    fresh.mkdir(parents=True)
+    fresh.chmod(mode)
+    assert "group or others may write it" in (native.unavailable() or "")
+    assert generated.get("vllm_flash_attn_nhd", "kv_2ltd")(device="cpu").copy_backend_for("cpu") == "torch"
+    assert not list(fresh.iterdir())  # nothing was compiled there
+
+
+@needs_compiler
+@needs_root
+@pytest.mark.parametrize("planted", ["folder", "library"])
+def test_what_another_user_owns_is_never_loaded(fresh: Path, tmp_path: Path, planted: str) -> None:
+    """A library another user (uid 65534) put under the name this process's build has, or a
+    folder that user made, is refused before it is loaded: its code never runs here."""
+    name = the_library_name(fresh)
+    marker = tmp_path / "planted-code-ran"
+    fresh.mkdir(parents=True, mode=0o700)
+    library = planted_library(fresh, name, marker)
+    os.chown(fresh if planted == "folder" else library, OTHER_UID, OTHER_UID)
+    why = native.unavailable() or ""
+    assert f"owned by uid {OTHER_UID}" in why and str(fresh) in why
+    assert not marker.exists(), "the planted library was loaded"
+    with pytest.raises(KVLayoutError, match="backend='native' cannot run here: .*owned by uid 65534"):
+        generated.get("vllm_flash_attn_nhd", "kv_2ltd")(device="cpu", backend="native")
+
+
+@needs_compiler
+def test_a_group_writable_library_is_never_loaded(fresh: Path, tmp_path: Path) -> None:
+    name = the_library_name(fresh)
+    marker = tmp_path / "planted-code-ran"
+    fresh.mkdir(parents=True, mode=0o700)
+    planted_library(fresh, name, marker).chmod(0o775)
+    assert "group or others may write it (mode 775)" in (native.unavailable() or "")
+    assert not marker.exists()
+
+
+@needs_compiler
+@needs_root
+def test_the_fallback_folder_under_the_temp_dir(fresh: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unwritable home cache sends the build to <tmp>/kvgen-<uid>/native, made 0700; a
+    kvgen-<uid> folder another user made there first is refused."""
+    real = native._build
+    home = fresh
+
+    def unwritable_home(cc: str, where: Path) -> Path:
+        if where == home:
+            raise PermissionError(13, "Permission denied", str(where))
+        return real(cc, where)
+
+    monkeypatch.setattr(native, "_build", unwritable_home)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    ours = tmp_path / "tmp" / f"kvgen-{os.getuid()}"
+    assert native.library() is not None
+    assert stat.S_IMODE(ours.stat().st_mode) == 0o700 and list((ours / "native").glob("kvcopy-*.so"))
+    native.reset()
+    shutil.rmtree(ours)
+    ours.mkdir(mode=0o777)
+    ours.chmod(0o777)
+    os.chown(ours, OTHER_UID, OTHER_UID)
+    assert f"owned by uid {OTHER_UID}" in (native.unavailable() or "")
+    assert not (ours / "native").exists()
