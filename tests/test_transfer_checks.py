@@ -85,6 +85,8 @@ def test_caches_of_two_dtypes(layerwise: bool) -> None:
 
 BAD_SLOTS = [
     ("float", lambda: (SLOTS.float(), SLOTS), "signed integers"),
+    ("uint32 source", lambda: (SLOTS.to(torch.uint32), SLOTS), "src_slots must hold signed integers"),
+    ("uint64 destination", lambda: (SLOTS, SLOTS.to(torch.uint64)), "dst_slots must hold signed integers"),
     ("2-D", lambda: (SLOTS[None], SLOTS), "1-D"),
     ("list", lambda: (SLOTS.tolist(), SLOTS), "1-D integer tensor"),
     ("lengths differ", lambda: (SLOTS, SLOTS[:-1]), "7 and 6 slots"),

@@ -31,7 +31,7 @@ from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.kernels import KernelCopies
 from kvgen.runtime.layout import Geometry, ObjectLayout, PagedLayout, broadcast_dims, describe
 from kvgen.runtime.memory import Format, format_name
-from kvgen.runtime.slots import Chunk, plan_chunk
+from kvgen.runtime.slots import Chunk, plan_chunk, signed_integers
 from kvgen.runtime.words import Words, widest, words
 
 #: A generated copy: (object tensor, kvcaches, geometry, chunk, copy words).
@@ -245,7 +245,7 @@ class ConnectorBase(KernelCopies):
             raise KVLayoutError(f"slot_mapping must be a 1-D integer tensor (one slot per token, < 0 to "
                                 f"skip), got {describe(slot_mapping)}")
         dtype = slot_mapping.dtype
-        if dtype.is_floating_point or dtype.is_complex or dtype in (torch.bool, torch.uint8):
+        if not signed_integers(dtype):
             raise KVLayoutError(f"slot_mapping must hold signed integers (int64, int32, ...), got "
                                 f"{describe(slot_mapping)}")
         if slot_mapping.device.type == "meta":

@@ -33,6 +33,7 @@ from kvgen.runtime.devices import Backend, backend_for, on_stream
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, PagedLayout, describe
 from kvgen.runtime.pairs import Pairs, Scratch, pair_slots
+from kvgen.runtime.slots import signed_integers
 from kvgen.runtime.words import Words, words
 
 COPY_KEYWORDS = ("src_heads", "dst_heads")
@@ -254,7 +255,7 @@ def _mapping(what: str, value: Any, device: torch.device) -> torch.Tensor:
         raise KVLayoutError(f"{what} must be a 1-D integer tensor (one slot per token, < 0 to skip), got "
                             f"{describe(value)}")
     dtype = value.dtype
-    if dtype.is_floating_point or dtype.is_complex or dtype in (torch.bool, torch.uint8):
+    if not signed_integers(dtype):
         raise KVLayoutError(f"{what} must hold signed integers (int64, int32, ...), got {describe(value)}")
     if value.device.type != "cpu" and value.device != device:
         raise KVLayoutError(f"{what} must be on the cpu or on {device} (its cache's device), got {describe(value)} "
