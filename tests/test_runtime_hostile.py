@@ -37,6 +37,7 @@ from test_runtime_safety import (
 from kvgen import generated
 from kvgen.oracle import reference
 from kvgen.runtime import KVLayoutError, MemoryObj, available_devices, native
+from kvgen.runtime.aliasing import check_plain
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if HAVE_TRITON and available_devices() == ["cpu"]:
@@ -191,3 +192,51 @@ def test_layerwise_store_of_a_cache_with_layers_in_one_tensor_checks_it_per_laye
     with nothing_written(objs[1:]), pytest.raises(KVLayoutError,
                                                   match=r"layer 1: cache tensor kvcaches: its storage holds 16 bytes"):
         next(gen)
+
+
+# -- 7. lazily negated views -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("direction", ["store", "load"])
+@pytest.mark.parametrize("bound", [False, True], ids=["fresh", "bound_before"])
+def test_a_negated_view_as_cache_tensor_is_refused(backend: str, direction: str, bound: bool) -> None:
+    """torch._neg_view(x) shares x's bytes and negates on read: copied as bytes its sign
+    would be lost. Refused (also right after x itself was bound: same address, same strides)."""
+    conn = path_connector(WHOLE, backend)
+    cache = build_cache(SMALL, torch.float32)
+    objs = make_objs(conn, cache, LENGTHS, 9, conn.format if direction == "load" else None)
+    if bound:
+        check_store(conn, WHOLE, SMALL, cache)
+    cache[1] = torch._neg_view(cache[1])
+    with nothing_written(cache, objs), pytest.raises(
+            KVLayoutError, match=r"cache tensor kvcaches\[1\] is a negated view .*resolve_neg\(\)"):
+        (run_store if direction == "store" else run_load)(conn, objs, cache, mapping())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("obj", [WHOLE, LAYERWISE])
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_a_negated_view_as_object_is_refused(backend: str, obj: str, direction: str) -> None:
+    conn = path_connector(obj, backend)
+    cache = build_cache(SMALL, torch.float32)
+    objs = make_objs(conn, cache, LENGTHS, 9, conn.format if direction == "load" else None)
+    fmt = conn.format if direction == "load" else None
+    if obj == LAYERWISE:
+        objs[1][0] = MemoryObj(torch._neg_view(objs[1][0].tensor), fmt)
+        name = "for layer 0, chunk 1"
+    else:
+        objs[1] = MemoryObj(torch._neg_view(objs[1].tensor), fmt)
+        name = "for chunk 1"
+    with nothing_written(cache, objs), pytest.raises(
+            KVLayoutError, match=rf"memory object {name} is a negated view .*resolve_neg\(\)"):
+        (run_store if direction == "store" else run_load)(conn, objs, cache, mapping())
+
+
+def test_a_conjugated_view_is_refused_like_a_negated_one() -> None:
+    """No cache dtype is complex today; the check that refuses a lazy negation refuses a lazy
+    conjugation too, so that a copy of bytes never drops one."""
+    lazy = torch.tensor([1 + 2j, 3 - 4j]).conj()
+    with pytest.raises(KVLayoutError, match=r"x is a conjugated view .*resolve_conj\(\)"):
+        check_plain(lazy, "x")
+    check_plain(lazy.resolve_conj(), "x")

@@ -82,6 +82,17 @@ def check_storage(t: torch.Tensor, name: str, outcome: str = "nothing was moved"
                             f"was freed or resized after the view was made: {outcome}")
 
 
+def check_plain(t: torch.Tensor, name: str) -> None:
+    """Refuse a lazily negated or conjugated view (torch._neg_view, .conj()): its bytes are
+    not its values, and the copies move bytes, so the sign would be lost."""
+    if t.is_neg():
+        raise KVLayoutError(f"{name} is a negated view (torch._neg_view: its bytes hold the negation of its "
+                            "values, applied on read); pass t.resolve_neg(), whose bytes are its values")
+    if t.is_conj():
+        raise KVLayoutError(f"{name} is a conjugated view (its bytes hold the conjugate of its values, applied "
+                            "on read); pass t.resolve_conj(), whose bytes are its values")
+
+
 def overlaps_itself(t: torch.Tensor) -> bool:
     """Whether two indices of `t` may address one element (a sufficient test: False proves
     they never do). Sorted by stride, each dim must step past everything the smaller dims
@@ -154,12 +165,13 @@ class CacheMemory:
 
 
 def check_cache_memory(leaves: Sequence[torch.Tensor], names: Sequence[str]) -> CacheMemory:
-    """Refuse a cache tensor whose view reaches past its storage, one that overlaps itself,
-    or two cache tensors with an element in common (the same tensor twice, say); tensors
-    that interleave in one buffer without sharing an element (per-layer views of one
-    allocation) are fine. Runs once per binding."""
+    """Refuse a cache tensor whose view reaches past its storage, a negated view, one that
+    overlaps itself, or two cache tensors with an element in common (the same tensor twice,
+    say); tensors that interleave in one buffer without sharing an element (per-layer views
+    of one allocation) are fine. Runs once per binding."""
     for t, name in zip(leaves, names, strict=True):
         check_storage(t, f"cache tensor {name}")
+        check_plain(t, f"cache tensor {name}")
     extents = tuple(extent(t) for t in leaves)
     for t, name in zip(leaves, names, strict=True):
         if overlaps_itself(t):
@@ -207,13 +219,14 @@ def _union(extents: Sequence[Extent]) -> dict[torch.device, tuple[list[int], lis
 
 def check_objects_apart(tensors: Sequence[torch.Tensor], name: Callable[[int], str], cache: CacheMemory,
                         cache_names: Sequence[str]) -> None:
-    """Refuse object tensors whose view reaches past their storage, that overlap themselves,
-    each other, or the cache. `name(k)` says which object tensors[k] is ("for chunk 1"); it
+    """Refuse object tensors whose view reaches past their storage, negated views, tensors that
+    overlap themselves, each other, or the cache. `name(k)` says which object tensors[k] is ("for chunk 1"); it
     is called only for a message."""
     ranges = []
     for k, t in enumerate(tensors):
-        if t.numel() and t.untyped_storage().nbytes() < storage_reach(t):
+        if t.is_neg() or t.is_conj() or (t.numel() and t.untyped_storage().nbytes() < storage_reach(t)):
             check_storage(t, f"memory object {name(k)}")
+            check_plain(t, f"memory object {name(k)}")
         if t.is_contiguous():  # the usual object: no overlap with itself, one byte range
             lo = t.data_ptr()
             hi = lo + t.numel() * t.element_size()

@@ -4,9 +4,9 @@ distinct fingerprint.
 
 A binding is immutable and holds no tensor, so threads share bindings freely and a cached
 binding keeps no cache alive. The fingerprint covers what the checks depend on: each leaf's
-address, shape, strides, dtype, device and storage size, and the length of every container.
-Replacing, appending, re-viewing or resizing any leaf changes it, so the whole cache is
-checked again before anything is written.
+address, shape, strides, dtype, device, storage size and negation bit, and the length of
+every container. Replacing, appending, re-viewing or resizing any leaf changes it, so the
+whole cache is checked again before anything is written.
 """
 
 from __future__ import annotations
@@ -68,9 +68,10 @@ def snapshot(kvcaches: Any) -> tuple[Any, Key | None]:
 
 
 def _facts(t: torch.Tensor) -> tuple[Any, ...]:
-    """What a leaf's checks depend on. The storage's size is among them: a storage shrunk
-    after the cache was bound must be checked again, not trusted."""
-    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.untyped_storage().nbytes()
+    """What a leaf's checks depend on. The storage's size is among them (a storage shrunk
+    after the cache was bound must be checked again, not trusted), and the negation bit (a
+    negated view of a bound leaf has its address, shape and strides)."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.untyped_storage().nbytes(), t.is_neg()
 
 
 def leaves(tree: Any) -> list[torch.Tensor]:
