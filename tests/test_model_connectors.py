@@ -176,6 +176,20 @@ def test_bad_later_group_or_state_writes_nothing(toys: Any, direction: str) -> N
     _unchanged(s, lambda: move(kvcaches=s.kv[:-1]), "must hold 7 entries")
 
 
+def test_a_load_refuses_one_state_slot_for_two_chunks(toys: Any) -> None:
+    """state_slots=[2, 2] in one load would write slot 2 twice, the last chunk winning:
+    refused before any write, as a token slot given twice is. A store may read it twice."""
+    s = Setup(toys)
+    objs = ms.make_objects(s.conn, [5, 5], s.kv, "d")
+    s.conn.batched_from_gpu(objs, [0, 5], [5, 10], kvcaches=s.kv, slot_mappings=s.maps, state_slots=[2, 2])
+    before = ms.clone_tree([e for e in s.kv if isinstance(e, (torch.Tensor, tuple))])
+    with pytest.raises(KVLayoutError, match="toy_hybrid: state slot 2 is loaded from chunks 0 and 1: only one "
+                                            "would survive"):
+        s.conn.batched_to_gpu(objs, [0, 5], [5, 10], kvcaches=s.kv, slot_mappings=s.maps, state_slots=[2, 2])
+    assert ms.same_bits([e for e in s.kv if isinstance(e, (torch.Tensor, tuple))], before)
+    s.conn.batched_to_gpu(objs, [0, 5], [5, 10], kvcaches=s.kv, slot_mappings=s.maps, state_slots=[2, None])
+
+
 def test_every_declared_part_width_is_checked() -> None:
     """Llama-3.1-8B on vLLM-Gaudi declares C.k and C.v: a V part of another width is refused
     at bind, not only a K part (the first)."""
