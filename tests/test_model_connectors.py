@@ -5,7 +5,9 @@ any write; the converters (view_as, member_view); two mutation tests that must f
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -188,6 +190,25 @@ def test_a_load_refuses_one_state_slot_for_two_chunks(toys: Any) -> None:
         s.conn.batched_to_gpu(objs, [0, 5], [5, 10], kvcaches=s.kv, slot_mappings=s.maps, state_slots=[2, 2])
     assert ms.same_bits([e for e in s.kv if isinstance(e, (torch.Tensor, tuple))], before)
     s.conn.batched_to_gpu(objs, [0, 5], [5, 10], kvcaches=s.kv, slot_mappings=s.maps, state_slots=[2, None])
+
+
+def test_a_store_into_an_object_whose_label_cannot_be_set_writes_nothing(toys: Any) -> None:
+    """Chunk 1's label is frozen: refused before chunk 0 is written (once a raw AttributeError
+    after it)."""
+    s = Setup(toys)
+    objs = ms.make_objects(s.conn, [5, 5], s.kv, "f")
+    frozen = SimpleNamespace(tensor=objs[1].tensor, metadata=FrozenLabel())
+    before = [o.tensor.clone() for o in objs]
+    with pytest.raises(KVLayoutError, match=r"memory object for chunk 1: its format label \(.metadata.fmt\) cannot "
+                                            "be set"):
+        s.conn.batched_from_gpu([objs[0], frozen], [0, 5], [5, 10], kvcaches=s.kv, slot_mappings=s.maps)
+    assert all(torch.equal(o.tensor, b) for o, b in zip(objs, before, strict=True))
+    assert objs[0].metadata.fmt is None
+
+
+@dataclass(frozen=True)
+class FrozenLabel:
+    fmt: Any = None
 
 
 def test_every_declared_part_width_is_checked() -> None:

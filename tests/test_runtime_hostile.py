@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -240,3 +241,36 @@ def test_a_conjugated_view_is_refused_like_a_negated_one() -> None:
     with pytest.raises(KVLayoutError, match=r"x is a conjugated view .*resolve_conj\(\)"):
         check_plain(lazy, "x")
     check_plain(lazy.resolve_conj(), "x")
+
+
+# -- 10. half-written batches -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FrozenMetadata:
+    fmt: Any = None
+
+
+@dataclass
+class ReadOnlyLabel:
+    """A memory object whose label a store cannot set after it wrote the tensor."""
+
+    tensor: torch.Tensor
+    metadata: FrozenMetadata = field(default_factory=FrozenMetadata)
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("obj", [WHOLE, LAYERWISE])
+def test_a_store_into_an_object_whose_label_cannot_be_set_writes_nothing(backend: str, obj: str) -> None:
+    """Chunk 1's (last layer's) object has a frozen label: chunk 0 was written, then a raw
+    AttributeError came; now the batch is refused before the first write."""
+    conn = path_connector(obj, backend)
+    cache = build_cache(SMALL, torch.float32)
+    objs = make_objs(conn, cache, LENGTHS, 9)
+    if obj == LAYERWISE:
+        objs[1][-1] = ReadOnlyLabel(objs[1][-1].tensor)
+    else:
+        objs[1] = ReadOnlyLabel(objs[1].tensor)
+    with nothing_written(cache, objs), pytest.raises(
+            KVLayoutError, match=r"memory object .*: its format label \(.metadata.fmt\) cannot be set"):
+        run_store(conn, objs, cache, mapping())

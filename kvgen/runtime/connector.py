@@ -30,7 +30,7 @@ from kvgen.runtime.devices import Backend, backend_for, check_device
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.kernels import KernelCopies
 from kvgen.runtime.layout import Geometry, ObjectLayout, PagedLayout, broadcast_dims, describe
-from kvgen.runtime.memory import Format, format_name
+from kvgen.runtime.memory import Format, check_relabel, format_name
 from kvgen.runtime.slots import Chunk, plan_chunk, signed_integers
 from kvgen.runtime.words import Words, widest, words
 
@@ -223,6 +223,7 @@ class ConnectorBase(KernelCopies):
                 allowed = ", ".join([self.memory.format, *self.memory.accepts])
                 raise KVLayoutError(f"cannot store {self.memory.format} into an object labelled "
                                     f"{current}; allowed labels before a store: {allowed}")
+            check_relabel(metadata, f"memory object {expected()}")
         elif current != self.memory.format:
             raise KVLayoutError(f"cannot load an object labelled {current}: this connector reads "
                                 f"{self.memory.format} ({expected()})")

@@ -14,7 +14,7 @@ import torch
 
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, broadcast_dims, describe
-from kvgen.runtime.memory import format_name
+from kvgen.runtime.memory import check_relabel, format_name
 from kvgen.runtime.model_table import GroupTable, StateTable, dtype_name
 
 
@@ -185,6 +185,8 @@ def object_bytes(obj: Any, k: int, memory: Any, nbytes: int, storing: bool) -> t
         if storing and current != memory.format and current not in memory.accepts:
             raise KVLayoutError(f"cannot store {memory.format} into an object labelled {current}; allowed labels "
                                 f"before a store: {', '.join([memory.format, *memory.accepts])}")
+        if storing:
+            check_relabel(metadata, f"memory object for chunk {k}")
         if not storing and current != memory.format:
             raise KVLayoutError(f"cannot load an object labelled {current}: this connector reads {memory.format}")
     if tensor.dtype != torch.uint8 or tensor.dim() != 1 or tensor.shape[0] != nbytes:
