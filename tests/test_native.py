@@ -7,6 +7,7 @@ default backend, which on a CPU with a compiler is this path (checked below)."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import random
 import shutil
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import EXT, SCENARIOS, make_cache
+from harness import EXT, SCENARIOS, make_cache, obj_tensors, reference_load, reference_store, same_bits
 
 from kvgen import generated
 from kvgen.errors import KVLayoutError
@@ -27,6 +28,7 @@ from kvgen.oracle.scenarios import check_connector, clone_tree, connector_load, 
 from kvgen.plan.copy import CopyPlan
 from kvgen.plan.package import plan_connectors
 from kvgen.runtime import MemoryObj, host, kernels, native
+from kvgen.runtime.slots import Chunk
 from kvgen.spec.library import load_library
 
 LIBRARY = load_library()
@@ -387,3 +389,75 @@ def test_the_fallback_folder_under_the_temp_dir(fresh: Path, tmp_path: Path, mon
     os.chown(ours, OTHER_UID, OTHER_UID)
     assert f"owned by uid {OTHER_UID}" in (native.unavailable() or "")
     assert not (ours / "native").exists()
+
+
+# -- index tensors: a strided slot mapping, and the kernel's own contiguity check -----------------------
+
+
+def strided_mapping(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """`values` as every second entry of a larger tensor, with slots of other tokens between."""
+    spread = torch.full((2 * len(values),), 10**6, dtype=dtype)
+    spread[::2] = torch.tensor(values, dtype=dtype)
+    out = spread[::2]
+    assert not out.is_contiguous() and out.tolist() == values
+    return out
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("module", ["vllm_flash_attn_nhd__kv_2ltd", "vllm_flash_attn_hnd__kv_t2d",
+                                    "sglang_mha__kv_2td"])
+@pytest.mark.parametrize("scenario", ["partial_blocks", "random_slots"])
+def test_a_strided_slot_mapping_moves_on_the_compiled_path(module: str, dtype: torch.dtype, scenario: str) -> None:
+    """The docs accept any 1-D signed integer slot mapping: a strided one (a view into a
+    larger batch's) moves on the kernel, forced or by default, exactly as the reference."""
+    plan = next(p for p in TREE if p.module == module)
+    sc = SCENARIOS[scenario]
+    values = sc.mapping(random.Random(2), EXT)
+    lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=True)]
+    for backend in ("native", None):
+        c = generated.get(plan.paged.name, plan.obj.name)(device="cpu", backend=backend)
+        cache = make_cache(plan.paged, torch.float32, "cpu")
+        c.bind(cache)
+        got = make_objects(c, c.layerwise, lengths, torch.float32, "cpu", salt=5)
+        want = make_objects(c, c.layerwise, lengths, torch.float32, "cpu", salt=5)
+        calls, fallbacks = native.stats["calls"], native.stats["fallbacks"]
+        connector_store(c, got, sc, cache, strided_mapping(values, dtype))
+        reference_store(plan.paged, plan.obj, cache, want, sc, values)
+        assert same_bits([obj_tensors(o) for o in got], [obj_tensors(o) for o in want])
+        for group in got:
+            for o in group if isinstance(group, list) else [group]:
+                o.metadata.fmt = c.format
+        expected = clone_tree(cache)
+        connector_load(c, got, sc, cache, strided_mapping(values, dtype))
+        reference_load(plan.paged, plan.obj, expected, got, sc, values)
+        assert same_bits(cache, expected)
+        assert native.stats["calls"] > calls and native.stats["fallbacks"] == fallbacks
+
+
+@needs_compiler
+@pytest.mark.parametrize("field", ["slots", "tok", "block_ids"])
+@pytest.mark.parametrize("how", ["strided", "int32"])
+def test_the_kernel_takes_only_contiguous_int64_index_tensors(field: str, how: str) -> None:
+    """The kernel reads index tensors as packed int64 arrays: a chunk whose slots, token
+    positions or block ids are strided or narrower is refused before anything is written
+    (the connectors hand it contiguous int64 ones; this check is the kernel's last guard)."""
+    paged, obj = LIBRARY["vllm_flash_attn_nhd"], LIBRARY["kv_2ltd"]
+    c = generated.get(paged.name, obj.name)(device="cpu", backend="native")
+    cache = make_cache(paged, torch.float32, "cpu")
+    g = c.bind(cache)
+    n = int(g.N)
+    if field == "block_ids":  # two whole blocks by id, 5 then 2
+        ck = Chunk(2 * n, 2 * n, None, None, None, None, torch.tensor([5, 2]), 0, 2 * n)
+    else:  # three tokens by slot: 9, 30, 17
+        slots = torch.tensor([9, 30, 17])
+        ck = Chunk(4, 3, torch.tensor([0, 2, 3]), slots, slots // n, slots % n, None, 0, 0)
+    index = getattr(ck, field)
+    bad = torch.stack([index, index], 1)[:, 0] if how == "strided" else index.to(torch.int32)
+    assert torch.equal(bad.long(), index)
+    ck = dataclasses.replace(ck, **{field: bad})
+    tensor = torch.zeros(c.get_shape(ck.num_tokens))
+    m = native.layout_map(c.layout, c.memory)
+    with pytest.raises(native.Unsupported, match="index tensors must be contiguous int64"):
+        native.move(m, True, None, tensor, cache, g, ck, 1)
+    assert not tensor.any()

@@ -101,7 +101,7 @@ def plan_chunk(
             f"but slot_mapping has {have} entries: {where}")
     if not 0 <= skip <= n:
         raise KVLayoutError(f"skip_prefix_n_tokens must be in [0, {n}] for a chunk of {n} tokens, got {skip}")
-    slots = slot_mapping[lo_map:hi_map].long()
+    slots = slot_mapping[lo_map:hi_map].to(torch.int64).contiguous()  # what every kernel indexes with
     empty = Chunk(n, 0, None, None, None, None, None, 0, 0)
     if n == 0:
         return empty
