@@ -7,7 +7,9 @@ default backend, which on a CPU with a compiler is this path (checked below)."""
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import dataclasses
+import math
 import os
 import random
 import shutil
@@ -461,3 +463,73 @@ def test_the_kernel_takes_only_contiguous_int64_index_tensors(field: str, how: s
     with pytest.raises(native.Unsupported, match="index tensors must be contiguous int64"):
         native.move(m, True, None, tensor, cache, g, ck, 1)
     assert not tensor.any()
+
+
+# -- streaming stores: odd sizes, every tail ------------------------------------------------------------
+
+
+def _kernel_copy(lib: object, dst: torch.Tensor, src: torch.Tensor, run: int, stream: bool) -> None:
+    """One run of `run` bytes from `src` to `dst` through the kernel (a description of no dims)."""
+    leaves = (ctypes.c_void_p * 1)(src.data_ptr())
+    assert lib.kvgen_move(1, 0, None, run, ctypes.addressof(leaves), 0, dst.data_ptr(), 1, int(stream)) == 0
+
+
+@needs_compiler
+def test_streamed_runs_of_every_tail_and_alignment() -> None:
+    """A streamed run is an unaligned head, 64-byte blocks of 16-byte streaming stores and a
+    tail of 0 to 63 bytes: runs of 256 to 383 bytes into destinations at every offset of a
+    16-byte lane give every head and tail length. Each byte holds its own position (mod 251),
+    and the bytes around the destination must stay as they were."""
+    lib = native.library()
+    src = (torch.arange(1024, dtype=torch.int64) % 251).to(torch.uint8)
+    for stream in (True, False):
+        for run in range(256, 384):
+            for shift in range(16):
+                dst = torch.full((run + 64,), 255, dtype=torch.uint8)
+                _kernel_copy(lib, dst[16 + shift:], src[3:], run, stream)
+                want = torch.full_like(dst, 255)
+                want[16 + shift:16 + shift + run] = src[3:3 + run]
+                assert torch.equal(dst, want), f"run {run}, destination offset {shift}, stream {stream}"
+
+
+@needs_compiler
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_a_streamed_chunk_of_odd_rows_moves_exactly(direction: str) -> None:
+    """A float32 NHD chunk of ~9 MiB (above host.STREAM_BYTES, so written with streaming
+    stores) whose rows are 127 values: runs of odd lengths on both the block and the token
+    path. Every element holds its own flat position in its tensor (plus the layer's base)."""
+    paged, obj = LIBRARY["vllm_flash_attn_nhd"], LIBRARY["kv_2ltd"]
+    layers, heads, size, n, blocks, tokens = 4, 2, 127, 16, 80, 1100
+    shape = (2, blocks, n, heads, size)
+    per = math.prod(shape)
+    cache = [torch.arange(per, dtype=torch.float32) + layer * per for layer in range(layers)]
+    cache = [t.view(shape) for t in cache]
+    rng = random.Random(12)
+    order = rng.sample(range(blocks), blocks)
+    slots = [order[(i + 5) // n] * n + (i + 5) % n for i in range(tokens)]  # starts mid-block
+    slots[700] = -1
+    mapping = torch.tensor(slots)
+    c = generated.get(paged.name, obj.name)(device="cpu", backend="native")
+    g = c.bind(cache)
+    o = torch.zeros(c.get_shape(tokens))
+    assert host.streams(o.numel() * o.element_size()) and g.L == layers
+    moved = mapping >= 0
+    pos = torch.nonzero(moved).squeeze(1)
+    b, p = mapping[moved] // n, mapping[moved] % n
+    calls = native.stats["calls"]
+    if direction == "store":
+        c.from_gpu(MemoryObj(o), 0, tokens, kvcaches=cache, slot_mapping=mapping)
+        for layer in range(layers):
+            for kv in range(2):
+                assert torch.equal(o[kv, layer, pos], cache[layer][kv, b, p].flatten(1))
+                assert not o[kv, layer, 700].any()
+    else:
+        o.copy_(torch.arange(o.numel(), dtype=torch.float32).view(o.shape))
+        target = [torch.zeros(shape) for _ in range(layers)]
+        c.to_gpu(MemoryObj(o, c.format), 0, tokens, kvcaches=target, slot_mapping=mapping)
+        for layer in range(layers):
+            want = torch.zeros(shape)
+            for kv in range(2):
+                want[kv, b, p] = o[kv, layer, pos].view(-1, heads, size)
+            assert torch.equal(target[layer], want)
+    assert native.stats["calls"] > calls
