@@ -211,6 +211,25 @@ class FrozenLabel:
     fmt: Any = None
 
 
+@pytest.mark.parametrize("direction", ["store", "load"])
+@pytest.mark.parametrize("where", ["attention", "state", "object"])
+def test_storage_smaller_than_the_view_is_refused(toys: Any, direction: str, where: str) -> None:
+    """A group's cache tensor, a state tensor or the object whose storage shrank after the
+    connector bound the cache: refused before any write (the shrunk tensor is not read)."""
+    s = Setup(toys)
+    s.store()  # bound, and a labelled object for the load
+    victim = {"attention": lambda: s.kv[5], "state": lambda: s.kv[6][1], "object": lambda: s.obj.tensor}[where]()
+    victim.untyped_storage().resize_(16)
+    kept = [s.kv[0], s.kv[6][0]] + ([s.obj.tensor] if where != "object" else [])
+    before = [t.clone() for t in kept]
+    move = s.store if direction == "store" else s.load
+    name = {"attention": r"group 'global' \(cache-list entries 5\): .*cache tensor kvcaches\[0\]",
+            "state": r"cache tensor kvcaches\[6\]\[1\]", "object": "memory object for chunk 0"}[where]
+    with pytest.raises(KVLayoutError, match=rf"{name}: its storage holds 16 bytes"):
+        move()
+    assert all(torch.equal(t, b) for t, b in zip(kept, before, strict=True))
+
+
 def test_every_declared_part_width_is_checked() -> None:
     """Llama-3.1-8B on vLLM-Gaudi declares C.k and C.v: a V part of another width is refused
     at bind, not only a K part (the first)."""
