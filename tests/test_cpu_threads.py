@@ -11,6 +11,7 @@ import torch
 from harness import SCENARIOS
 
 from kvgen import generated
+from kvgen.errors import KVGenError
 from kvgen.oracle.scenarios import check_connector
 from kvgen.runtime import kernels, threads
 from kvgen.spec.library import load_library
@@ -89,3 +90,29 @@ def test_busy_neighbour_runs_and_is_stopped() -> None:
         os.kill(pid, 0)  # alive
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_a_fixed_count_is_capped_at_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVGEN_CPU_THREADS=1000000 once reached torch.set_num_threads and crashed the process."""
+    monkeypatch.setattr(threads, "_CPUS", 4)
+    monkeypatch.setenv("KVGEN_CPU_THREADS", "1000000")
+    assert threads.cpu_threads(1) == 4
+    monkeypatch.setenv("KVGEN_CPU_THREADS", "4")
+    assert threads.cpu_threads(1) == 4
+
+
+def test_a_huge_fixed_count_runs_parallel_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An op large enough to run in parallel, on the count the torch path sets for a chunk."""
+    monkeypatch.setenv("KVGEN_CPU_THREADS", "1000000")
+    x = torch.arange(1 << 22, dtype=torch.float32)
+    with threads.intra_op_threads(threads.cpu_threads(x.numel() * x.element_size())):
+        y = x + 1
+    assert torch.equal(y - 1, x)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "many", "2.5", "³"])
+def test_a_count_that_is_no_whole_number_is_refused(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGEN_CPU_THREADS", value)
+    with pytest.raises(KVGenError, match=f"KVGEN_CPU_THREADS must be a whole number of threads, 1 or more .*got "
+                                         f"'{value}'"):
+        threads.cpu_threads(64 * MB)

@@ -26,6 +26,7 @@ from kvgen import generated  # noqa: E402
 from kvgen.integrations.detect import detectable  # noqa: E402
 from kvgen.oracle import reference  # noqa: E402
 from kvgen.oracle.scenarios import EXT, block_table_mapping, clone_tree, make_cache, same_bits  # noqa: E402
+from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
 from kvgen.spec.library import load_library  # noqa: E402
 
 LIBRARY = load_library()
@@ -202,6 +203,61 @@ def test_trtllm_pool_by_block_ids(alloc: Any) -> None:
     finally:
         for o in objs:
             o.ref_count_down()
+
+
+def _trtllm(pool: torch.Tensor) -> Any:
+    meta = LMCacheMetadata(model_name="t", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+                           kv_dtype=torch.float32, kv_shape=(EXT["L"], 2, 2 * EXT["N"], EXT["H"], EXT["C"]))
+    conn = kl.TRTLLMGPUConnector.from_metadata(meta, device="cpu")
+    conn.register_kv_caches(pool)
+    return conn
+
+
+@pytest.mark.parametrize(("bad", "refusal"), [
+    (2**62 + 3, r"block_ids\[1\] = 4611686018427387907 is not a block of the pool \(0 to 11\)"),  # wraps in int64
+    (-1, r"block_ids\[1\] = -1 is not a block of the pool \(0 to 11\)"),
+    (EXT["B"], r"block_ids\[1\] = 12 is not a block of the pool \(0 to 11\)"),  # one past the pool
+    (3.7, r"block_ids\[1\] must be an integer, got float 3.7"),
+    (3.0, r"block_ids\[1\] must be an integer, got float 3.0"),
+    ("3", r"block_ids\[1\] must be an integer, got str '3'"),
+    (True, r"block_ids\[1\] must be an integer, got True"),
+], ids=["wraps_in_int64", "minus_one", "one_past_the_pool", "fraction", "float", "text", "bool"])
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_trtllm_block_ids_that_are_no_block_are_refused(bad: Any, refusal: str, direction: str) -> None:
+    """A block id the pool does not have, or no integer, is refused by its own name before
+    anything moves (it once wrapped, was truncated, or skipped half a chunk)."""
+    pool = make_cache(LIBRARY["trtllm_pool"], torch.float32, "cpu").flatten(3)
+    conn = _trtllm(pool)
+    n = 2 * EXT["N"]
+    objs = [kl_obj(conn, n, k) for k in range(2)]
+    before = [pool.clone(), *(o.tensor.clone() for o in objs)]
+    block_ids = [7, bad, 9, 4]
+    move = conn.batched_from_gpu if direction == "store" else conn.batched_to_gpu
+    with pytest.raises(KVLayoutError, match=refusal):
+        move(objs, [0, n], [n, 2 * n], block_ids=block_ids)
+    assert all(same_bits(a, b) for a, b in zip([pool, *(o.tensor for o in objs)], before, strict=True))
+
+
+def test_trtllm_block_ids_as_a_tensor() -> None:
+    """An integer tensor of block ids moves the blocks it names (a float tensor is refused)."""
+    spec = LIBRARY["trtllm_pool"]
+    pool6 = make_cache(spec, torch.float32, "cpu")
+    conn = _trtllm(pool6.flatten(3))
+    n = 2 * EXT["N"]
+    obj = kl_obj(conn, n, 0)
+    conn.from_gpu(obj, 0, n, block_ids=torch.tensor([5, 1]))
+    want = torch.zeros_like(obj.tensor)
+    slots = [b * EXT["N"] + i for b in (5, 1) for i in range(EXT["N"])]
+    reference.store(spec, LIBRARY["kv_2ltd"], EXT, pool6, want, slots, 0, n)
+    assert same_bits(obj.tensor, want)
+    with pytest.raises(KVLayoutError, match="block_ids must be a list of integers"):
+        conn.from_gpu(obj, 0, n, block_ids=torch.tensor([5.0, 1.0]))
+
+
+def kl_obj(conn: Any, tokens: int, salt: int) -> Any:
+    t = torch.zeros(conn.get_shape(tokens), dtype=torch.float32)
+    reference.fill_object([t], torch.float32, 100 + salt)
+    return MemoryObj(t, MemoryFormat.KV_2LTD)
 
 
 def test_lmcache_isinstance_checks_accept_kvgen() -> None:

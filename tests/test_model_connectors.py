@@ -5,7 +5,9 @@ any write; the converters (view_as, member_view); two mutation tests that must f
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -174,6 +176,58 @@ def test_bad_later_group_or_state_writes_nothing(toys: Any, direction: str) -> N
     _unchanged(s, lambda: move(slot_mappings={**s.maps, "nope": s.maps["local"]}), "names 'nope'")
     _unchanged(s, lambda: move(slot_mappings=[s.maps["local"]]), "one per group")
     _unchanged(s, lambda: move(kvcaches=s.kv[:-1]), "must hold 7 entries")
+
+
+def test_a_load_refuses_one_state_slot_for_two_chunks(toys: Any) -> None:
+    """state_slots=[2, 2] in one load would write slot 2 twice, the last chunk winning:
+    refused before any write, as a token slot given twice is. A store may read it twice."""
+    s = Setup(toys)
+    objs = ms.make_objects(s.conn, [5, 5], s.kv, "d")
+    s.conn.batched_from_gpu(objs, [0, 5], [5, 10], kvcaches=s.kv, slot_mappings=s.maps, state_slots=[2, 2])
+    before = ms.clone_tree([e for e in s.kv if isinstance(e, (torch.Tensor, tuple))])
+    with pytest.raises(KVLayoutError, match="toy_hybrid: state slot 2 is loaded from chunks 0 and 1: only one "
+                                            "would survive"):
+        s.conn.batched_to_gpu(objs, [0, 5], [5, 10], kvcaches=s.kv, slot_mappings=s.maps, state_slots=[2, 2])
+    assert ms.same_bits([e for e in s.kv if isinstance(e, (torch.Tensor, tuple))], before)
+    s.conn.batched_to_gpu(objs, [0, 5], [5, 10], kvcaches=s.kv, slot_mappings=s.maps, state_slots=[2, None])
+
+
+def test_a_store_into_an_object_whose_label_cannot_be_set_writes_nothing(toys: Any) -> None:
+    """Chunk 1's label is frozen: refused before chunk 0 is written (once a raw AttributeError
+    after it)."""
+    s = Setup(toys)
+    objs = ms.make_objects(s.conn, [5, 5], s.kv, "f")
+    frozen = SimpleNamespace(tensor=objs[1].tensor, metadata=FrozenLabel())
+    before = [o.tensor.clone() for o in objs]
+    with pytest.raises(KVLayoutError, match=r"memory object for chunk 1: its format label \(.metadata.fmt\) cannot "
+                                            "be set"):
+        s.conn.batched_from_gpu([objs[0], frozen], [0, 5], [5, 10], kvcaches=s.kv, slot_mappings=s.maps)
+    assert all(torch.equal(o.tensor, b) for o, b in zip(objs, before, strict=True))
+    assert objs[0].metadata.fmt is None
+
+
+@dataclass(frozen=True)
+class FrozenLabel:
+    fmt: Any = None
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+@pytest.mark.parametrize("where", ["attention", "state", "object"])
+def test_storage_smaller_than_the_view_is_refused(toys: Any, direction: str, where: str) -> None:
+    """A group's cache tensor, a state tensor or the object whose storage shrank after the
+    connector bound the cache: refused before any write (the shrunk tensor is not read)."""
+    s = Setup(toys)
+    s.store()  # bound, and a labelled object for the load
+    victim = {"attention": lambda: s.kv[5], "state": lambda: s.kv[6][1], "object": lambda: s.obj.tensor}[where]()
+    victim.untyped_storage().resize_(16)
+    kept = [s.kv[0], s.kv[6][0]] + ([s.obj.tensor] if where != "object" else [])
+    before = [t.clone() for t in kept]
+    move = s.store if direction == "store" else s.load
+    name = {"attention": r"group 'global' \(cache-list entries 5\): .*cache tensor kvcaches\[0\]",
+            "state": r"cache tensor kvcaches\[6\]\[1\]", "object": "memory object for chunk 0"}[where]
+    with pytest.raises(KVLayoutError, match=rf"{name}: its storage holds 16 bytes"):
+        move()
+    assert all(torch.equal(t, b) for t, b in zip(kept, before, strict=True))
 
 
 def test_every_declared_part_width_is_checked() -> None:

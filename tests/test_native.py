@@ -7,16 +7,22 @@ default backend, which on a CPU with a compiler is this path (checked below)."""
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import dataclasses
+import math
 import os
 import random
+import shutil
 import signal
 import stat
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from harness import EXT, SCENARIOS, make_cache
+from harness import EXT, SCENARIOS, make_cache, obj_tensors, reference_load, reference_store, same_bits
 
 from kvgen import generated
 from kvgen.errors import KVLayoutError
@@ -24,6 +30,7 @@ from kvgen.oracle.scenarios import check_connector, clone_tree, connector_load, 
 from kvgen.plan.copy import CopyPlan
 from kvgen.plan.package import plan_connectors
 from kvgen.runtime import MemoryObj, host, kernels, native
+from kvgen.runtime.slots import Chunk
 from kvgen.spec.library import load_library
 
 LIBRARY = load_library()
@@ -278,3 +285,251 @@ def test_skip_prefix_with_native(monkeypatch: pytest.MonkeyPatch) -> None:
                 leaf[mapping_list[i]] = t[kv, layer, i]
     assert all(torch.equal(a, b) for a, b in zip([x for pair in cache for x in pair],
                                                  [x for pair in want for x in pair], strict=True))
+
+
+# -- the build folder: only this user may write what the process loads ---------------------------------
+
+needs_root = pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="chown to another uid needs root")
+#: A uid that is not this process's (nobody).
+OTHER_UID = 65534
+
+
+def planted_library(where: Path, name: str, marker: Path) -> Path:
+    """A library that, once loaded, creates `marker`: what another user could plant."""
+    src = where / "planted.c"
+    src.write_text(f'#include <stdio.h>\n__attribute__((constructor)) static void run(void) {{ '
+                   f'FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\nint kvgen_abi(void) {{ return 3; }}\n')
+    out = where / name
+    subprocess.run([native.compiler(), "-shared", "-fPIC", "-o", str(out), str(src)], check=True, timeout=60)
+    src.unlink()
+    return out
+
+
+def the_library_name(fresh: Path) -> str:
+    """The name this process's kernel build has (built once in a scratch folder)."""
+    cc = native.compiler()
+    assert cc is not None
+    scratch = fresh.parent / "scratch"
+    return native._build(cc, scratch).name
+
+
+@needs_compiler
+def test_build_folder_and_library_are_private(fresh: Path) -> None:
+    """Created with mode 0700, the library written by this user only, whatever the umask."""
+    old = os.umask(0o002)
+    try:
+        path = native._build(native.compiler() or "", fresh)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
+    st = path.stat()
+    assert st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    assert native.library() is not None
+
+
+@needs_compiler
+@pytest.mark.parametrize("mode", [0o770, 0o707], ids=["group_writable", "world_writable"])
+def test_a_folder_others_may_write_is_refused(fresh: Path, mode: int) -> None:
+    fresh.mkdir(parents=True)
+    fresh.chmod(mode)
+    assert "group or others may write it" in (native.unavailable() or "")
+    assert generated.get("vllm_flash_attn_nhd", "kv_2ltd")(device="cpu").copy_backend_for("cpu") == "torch"
+    assert not list(fresh.iterdir())  # nothing was compiled there
+
+
+@needs_compiler
+@needs_root
+@pytest.mark.parametrize("planted", ["folder", "library"])
+def test_what_another_user_owns_is_never_loaded(fresh: Path, tmp_path: Path, planted: str) -> None:
+    """A library another user (uid 65534) put under the name this process's build has, or a
+    folder that user made, is refused before it is loaded: its code never runs here."""
+    name = the_library_name(fresh)
+    marker = tmp_path / "planted-code-ran"
+    fresh.mkdir(parents=True, mode=0o700)
+    library = planted_library(fresh, name, marker)
+    os.chown(fresh if planted == "folder" else library, OTHER_UID, OTHER_UID)
+    why = native.unavailable() or ""
+    assert f"owned by uid {OTHER_UID}" in why and str(fresh) in why
+    assert not marker.exists(), "the planted library was loaded"
+    with pytest.raises(KVLayoutError, match="backend='native' cannot run here: .*owned by uid 65534"):
+        generated.get("vllm_flash_attn_nhd", "kv_2ltd")(device="cpu", backend="native")
+
+
+@needs_compiler
+def test_a_group_writable_library_is_never_loaded(fresh: Path, tmp_path: Path) -> None:
+    name = the_library_name(fresh)
+    marker = tmp_path / "planted-code-ran"
+    fresh.mkdir(parents=True, mode=0o700)
+    planted_library(fresh, name, marker).chmod(0o775)
+    assert "group or others may write it (mode 775)" in (native.unavailable() or "")
+    assert not marker.exists()
+
+
+@needs_compiler
+@needs_root
+def test_the_fallback_folder_under_the_temp_dir(fresh: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unwritable home cache sends the build to <tmp>/kvgen-<uid>/native, made 0700; a
+    kvgen-<uid> folder another user made there first is refused."""
+    real = native._build
+    home = fresh
+
+    def unwritable_home(cc: str, where: Path) -> Path:
+        if where == home:
+            raise PermissionError(13, "Permission denied", str(where))
+        return real(cc, where)
+
+    monkeypatch.setattr(native, "_build", unwritable_home)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    ours = tmp_path / "tmp" / f"kvgen-{os.getuid()}"
+    assert native.library() is not None
+    assert stat.S_IMODE(ours.stat().st_mode) == 0o700 and list((ours / "native").glob("kvcopy-*.so"))
+    native.reset()
+    shutil.rmtree(ours)
+    ours.mkdir(mode=0o777)
+    ours.chmod(0o777)
+    os.chown(ours, OTHER_UID, OTHER_UID)
+    assert f"owned by uid {OTHER_UID}" in (native.unavailable() or "")
+    assert not (ours / "native").exists()
+
+
+# -- index tensors: a strided slot mapping, and the kernel's own contiguity check -----------------------
+
+
+def strided_mapping(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """`values` as every second entry of a larger tensor, with slots of other tokens between."""
+    spread = torch.full((2 * len(values),), 10**6, dtype=dtype)
+    spread[::2] = torch.tensor(values, dtype=dtype)
+    out = spread[::2]
+    assert not out.is_contiguous() and out.tolist() == values
+    return out
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("module", ["vllm_flash_attn_nhd__kv_2ltd", "vllm_flash_attn_hnd__kv_t2d",
+                                    "sglang_mha__kv_2td"])
+@pytest.mark.parametrize("scenario", ["partial_blocks", "random_slots"])
+def test_a_strided_slot_mapping_moves_on_the_compiled_path(module: str, dtype: torch.dtype, scenario: str) -> None:
+    """The docs accept any 1-D signed integer slot mapping: a strided one (a view into a
+    larger batch's) moves on the kernel, forced or by default, exactly as the reference."""
+    plan = next(p for p in TREE if p.module == module)
+    sc = SCENARIOS[scenario]
+    values = sc.mapping(random.Random(2), EXT)
+    lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=True)]
+    for backend in ("native", None):
+        c = generated.get(plan.paged.name, plan.obj.name)(device="cpu", backend=backend)
+        cache = make_cache(plan.paged, torch.float32, "cpu")
+        c.bind(cache)
+        got = make_objects(c, c.layerwise, lengths, torch.float32, "cpu", salt=5)
+        want = make_objects(c, c.layerwise, lengths, torch.float32, "cpu", salt=5)
+        calls, fallbacks = native.stats["calls"], native.stats["fallbacks"]
+        connector_store(c, got, sc, cache, strided_mapping(values, dtype))
+        reference_store(plan.paged, plan.obj, cache, want, sc, values)
+        assert same_bits([obj_tensors(o) for o in got], [obj_tensors(o) for o in want])
+        for group in got:
+            for o in group if isinstance(group, list) else [group]:
+                o.metadata.fmt = c.format
+        expected = clone_tree(cache)
+        connector_load(c, got, sc, cache, strided_mapping(values, dtype))
+        reference_load(plan.paged, plan.obj, expected, got, sc, values)
+        assert same_bits(cache, expected)
+        assert native.stats["calls"] > calls and native.stats["fallbacks"] == fallbacks
+
+
+@needs_compiler
+@pytest.mark.parametrize("field", ["slots", "tok", "block_ids"])
+@pytest.mark.parametrize("how", ["strided", "int32"])
+def test_the_kernel_takes_only_contiguous_int64_index_tensors(field: str, how: str) -> None:
+    """The kernel reads index tensors as packed int64 arrays: a chunk whose slots, token
+    positions or block ids are strided or narrower is refused before anything is written
+    (the connectors hand it contiguous int64 ones; this check is the kernel's last guard)."""
+    paged, obj = LIBRARY["vllm_flash_attn_nhd"], LIBRARY["kv_2ltd"]
+    c = generated.get(paged.name, obj.name)(device="cpu", backend="native")
+    cache = make_cache(paged, torch.float32, "cpu")
+    g = c.bind(cache)
+    n = int(g.N)
+    if field == "block_ids":  # two whole blocks by id, 5 then 2
+        ck = Chunk(2 * n, 2 * n, None, None, None, None, torch.tensor([5, 2]), 0, 2 * n)
+    else:  # three tokens by slot: 9, 30, 17
+        slots = torch.tensor([9, 30, 17])
+        ck = Chunk(4, 3, torch.tensor([0, 2, 3]), slots, slots // n, slots % n, None, 0, 0)
+    index = getattr(ck, field)
+    bad = torch.stack([index, index], 1)[:, 0] if how == "strided" else index.to(torch.int32)
+    assert torch.equal(bad.long(), index)
+    ck = dataclasses.replace(ck, **{field: bad})
+    tensor = torch.zeros(c.get_shape(ck.num_tokens))
+    m = native.layout_map(c.layout, c.memory)
+    with pytest.raises(native.Unsupported, match="index tensors must be contiguous int64"):
+        native.move(m, True, None, tensor, cache, g, ck, 1)
+    assert not tensor.any()
+
+
+# -- streaming stores: odd sizes, every tail ------------------------------------------------------------
+
+
+def _kernel_copy(lib: object, dst: torch.Tensor, src: torch.Tensor, run: int, stream: bool) -> None:
+    """One run of `run` bytes from `src` to `dst` through the kernel (a description of no dims)."""
+    leaves = (ctypes.c_void_p * 1)(src.data_ptr())
+    assert lib.kvgen_move(1, 0, None, run, ctypes.addressof(leaves), 0, dst.data_ptr(), 1, int(stream)) == 0
+
+
+@needs_compiler
+def test_streamed_runs_of_every_tail_and_alignment() -> None:
+    """A streamed run is an unaligned head, 64-byte blocks of 16-byte streaming stores and a
+    tail of 0 to 63 bytes: runs of 256 to 383 bytes into destinations at every offset of a
+    16-byte lane give every head and tail length. Each byte holds its own position (mod 251),
+    and the bytes around the destination must stay as they were."""
+    lib = native.library()
+    src = (torch.arange(1024, dtype=torch.int64) % 251).to(torch.uint8)
+    for stream in (True, False):
+        for run in range(256, 384):
+            for shift in range(16):
+                dst = torch.full((run + 64,), 255, dtype=torch.uint8)
+                _kernel_copy(lib, dst[16 + shift:], src[3:], run, stream)
+                want = torch.full_like(dst, 255)
+                want[16 + shift:16 + shift + run] = src[3:3 + run]
+                assert torch.equal(dst, want), f"run {run}, destination offset {shift}, stream {stream}"
+
+
+@needs_compiler
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_a_streamed_chunk_of_odd_rows_moves_exactly(direction: str) -> None:
+    """A float32 NHD chunk of ~9 MiB (above host.STREAM_BYTES, so written with streaming
+    stores) whose rows are 127 values: runs of odd lengths on both the block and the token
+    path. Every element holds its own flat position in its tensor (plus the layer's base)."""
+    paged, obj = LIBRARY["vllm_flash_attn_nhd"], LIBRARY["kv_2ltd"]
+    layers, heads, size, n, blocks, tokens = 4, 2, 127, 16, 80, 1100
+    shape = (2, blocks, n, heads, size)
+    per = math.prod(shape)
+    cache = [torch.arange(per, dtype=torch.float32) + layer * per for layer in range(layers)]
+    cache = [t.view(shape) for t in cache]
+    rng = random.Random(12)
+    order = rng.sample(range(blocks), blocks)
+    slots = [order[(i + 5) // n] * n + (i + 5) % n for i in range(tokens)]  # starts mid-block
+    slots[700] = -1
+    mapping = torch.tensor(slots)
+    c = generated.get(paged.name, obj.name)(device="cpu", backend="native")
+    g = c.bind(cache)
+    o = torch.zeros(c.get_shape(tokens))
+    assert host.streams(o.numel() * o.element_size()) and g.L == layers
+    moved = mapping >= 0
+    pos = torch.nonzero(moved).squeeze(1)
+    b, p = mapping[moved] // n, mapping[moved] % n
+    calls = native.stats["calls"]
+    if direction == "store":
+        c.from_gpu(MemoryObj(o), 0, tokens, kvcaches=cache, slot_mapping=mapping)
+        for layer in range(layers):
+            for kv in range(2):
+                assert torch.equal(o[kv, layer, pos], cache[layer][kv, b, p].flatten(1))
+                assert not o[kv, layer, 700].any()
+    else:
+        o.copy_(torch.arange(o.numel(), dtype=torch.float32).view(o.shape))
+        target = [torch.zeros(shape) for _ in range(layers)]
+        c.to_gpu(MemoryObj(o, c.format), 0, tokens, kvcaches=target, slot_mapping=mapping)
+        for layer in range(layers):
+            want = torch.zeros(shape)
+            for kv in range(2):
+                want[kv, b, p] = o[kv, layer, pos].view(-1, heads, size)
+            assert torch.equal(target[layer], want)
+    assert native.stats["calls"] > calls

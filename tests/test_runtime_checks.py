@@ -433,13 +433,20 @@ def test_store_into_shared_memory_object(case: Case) -> None:
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("what", ["float", "bool", "uint8", "complex", "two_dims", "list", "meta"])
+@pytest.mark.parametrize("what", ["float", "bool", "uint8", "uint16", "uint32", "uint64", "complex", "two_dims", "list",
+                                  "meta"])
 def test_slot_mapping_type(case: Case, direction: str, what: str) -> None:
     m = case.mapping
+    wrapping = m.clamp(min=0)
+    wrapping[0] = torch.iinfo(torch.int64).min
+    wrapping = wrapping.view(torch.uint64)  # slot 2**63: as int64 a negative slot, the token skipped unsaid
     bad, expected, got = {
         "float": (m.float(), "must hold signed integers", "got tensor[13] float32"),
         "bool": (m > 0, "must hold signed integers", "got tensor[13] bool"),
         "uint8": (m.to(torch.uint8), "must hold signed integers", "got tensor[13] uint8"),
+        "uint16": (m.to(torch.uint16), "must hold signed integers", "got tensor[13] uint16"),
+        "uint32": (m.to(torch.uint32), "must hold signed integers", "got tensor[13] uint32"),
+        "uint64": (wrapping, "must hold signed integers", "got tensor[13] uint64"),
         "complex": (m.to(torch.complex64), "must hold signed integers", "got tensor[13] complex64"),
         "two_dims": (m.view(1, -1), "must be a 1-D integer tensor", "got tensor[1, 13] int64"),
         "list": (m.tolist(), "must be a 1-D integer tensor", "got list of 13 x int"),

@@ -85,6 +85,8 @@ def test_caches_of_two_dtypes(layerwise: bool) -> None:
 
 BAD_SLOTS = [
     ("float", lambda: (SLOTS.float(), SLOTS), "signed integers"),
+    ("uint32 source", lambda: (SLOTS.to(torch.uint32), SLOTS), "src_slots must hold signed integers"),
+    ("uint64 destination", lambda: (SLOTS, SLOTS.to(torch.uint64)), "dst_slots must hold signed integers"),
     ("2-D", lambda: (SLOTS[None], SLOTS), "1-D"),
     ("list", lambda: (SLOTS.tolist(), SLOTS), "1-D integer tensor"),
     ("lengths differ", lambda: (SLOTS, SLOTS[:-1]), "7 and 6 slots"),
@@ -241,3 +243,35 @@ def test_between_a_gpu_cache_and_a_host_pool(where: str) -> None:
     transfer_reference.transfer(pair[0], SRC_EXT, host_src, s, pair[1], DST_EXT, want, d)
     got = [x.cpu() for x in dst] if isinstance(dst, list) else dst.cpu()
     assert same_bits(got, want)
+
+
+@FORMS
+@pytest.mark.parametrize("side", ["src", "dst"])
+def test_a_cache_tensor_with_shrunk_storage_is_refused(side: str, layerwise: bool) -> None:
+    """Layer 1's storage shrunk (an engine's sleep mode frees it): refused before any write."""
+    src, dst = _caches()
+    T().copy(src, SLOTS, dst, SLOTS)  # both bound
+    (src if side == "src" else dst)[1].untyped_storage().resize_(16)
+    others = [src[0], dst[0]]
+    before = clone_tree(others)
+    transfer = T()
+    with pytest.raises(KVLayoutError, match=rf"{side}_caches\[1\]: its storage holds 16 bytes"):
+        result = _run(src, SLOTS, dst, SLOTS)(transfer, layerwise)
+        if layerwise:
+            next(result)
+    assert same_bits(others, before)
+
+
+@pytest.mark.parametrize("side", ["src", "dst"])
+def test_a_layer_freed_between_two_steps_of_copy_layers_stops_it(side: str) -> None:
+    """Layer 0 is copied, then one side's layer 1 (the last) is freed: the next step is
+    refused, and the destination's layer 1 (where it is not the one freed) keeps its bits."""
+    src, dst = _caches()
+    gen = T().copy_layers(src, SLOTS, dst, SLOTS)
+    next(gen)
+    (src if side == "src" else dst)[1].untyped_storage().resize_(16)
+    kept = [] if side == "dst" else [dst[1]]
+    before = clone_tree(kept)
+    with pytest.raises(KVLayoutError, match=rf"layer 1: cache tensor {side}_caches\[1\]: its storage holds 16 bytes"):
+        next(gen)
+    assert same_bits(kept, before)

@@ -61,6 +61,38 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     return lo, lo + (last + 1) * t.element_size()
 
 
+def storage_reach(t: torch.Tensor) -> int:
+    """Bytes of its storage that `t`'s view reaches: from the storage's start to one past its
+    last element (strides are never negative in torch)."""
+    if t.numel() == 0:
+        return 0
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
+
+
+def check_storage(t: torch.Tensor, name: str, outcome: str = "nothing was moved") -> None:
+    """Refuse a tensor whose view reaches past its storage: a storage shrunk after the view
+    was made (`untyped_storage().resize_()`, as engines free KV memory in sleep modes) would
+    let a kernel read or write bytes that are no longer the tensor's. `outcome` ends the
+    message (what the refused call has moved). A few attribute reads."""
+    have, need = t.untyped_storage().nbytes(), storage_reach(t)
+    if need > have:
+        raise KVLayoutError(f"{name}: its storage holds {have} bytes, but the view reaches {need} (storage offset "
+                            f"{t.storage_offset()}, shape {list(t.shape)}, strides {list(t.stride())}); its memory "
+                            f"was freed or resized after the view was made: {outcome}")
+
+
+def check_plain(t: torch.Tensor, name: str) -> None:
+    """Refuse a lazily negated or conjugated view (torch._neg_view, .conj()): its bytes are
+    not its values, and the copies move bytes, so the sign would be lost."""
+    if t.is_neg():
+        raise KVLayoutError(f"{name} is a negated view (torch._neg_view: its bytes hold the negation of its "
+                            "values, applied on read); pass t.resolve_neg(), whose bytes are its values")
+    if t.is_conj():
+        raise KVLayoutError(f"{name} is a conjugated view (its bytes hold the conjugate of its values, applied "
+                            "on read); pass t.resolve_conj(), whose bytes are its values")
+
+
 def overlaps_itself(t: torch.Tensor) -> bool:
     """Whether two indices of `t` may address one element (a sufficient test: False proves
     they never do). Sorted by stride, each dim must step past everything the smaller dims
@@ -133,9 +165,13 @@ class CacheMemory:
 
 
 def check_cache_memory(leaves: Sequence[torch.Tensor], names: Sequence[str]) -> CacheMemory:
-    """Refuse a cache tensor that overlaps itself, or two cache tensors with an element in
-    common (the same tensor twice, say); tensors that interleave in one buffer without
-    sharing an element (per-layer views of one allocation) are fine. Runs once per binding."""
+    """Refuse a cache tensor whose view reaches past its storage, a negated view, one that
+    overlaps itself, or two cache tensors with an element in common (the same tensor twice,
+    say); tensors that interleave in one buffer without sharing an element (per-layer views
+    of one allocation) are fine. Runs once per binding."""
+    for t, name in zip(leaves, names, strict=True):
+        check_storage(t, f"cache tensor {name}")
+        check_plain(t, f"cache tensor {name}")
     extents = tuple(extent(t) for t in leaves)
     for t, name in zip(leaves, names, strict=True):
         if overlaps_itself(t):
@@ -183,10 +219,14 @@ def _union(extents: Sequence[Extent]) -> dict[torch.device, tuple[list[int], lis
 
 def check_objects_apart(tensors: Sequence[torch.Tensor], name: Callable[[int], str], cache: CacheMemory,
                         cache_names: Sequence[str]) -> None:
-    """Refuse object tensors that overlap themselves, each other, or the cache. `name(k)`
-    says which object tensors[k] is ("for chunk 1"); it is called only for a message."""
+    """Refuse object tensors whose view reaches past their storage, negated views, tensors that
+    overlap themselves, each other, or the cache. `name(k)` says which object tensors[k] is ("for chunk 1"); it
+    is called only for a message."""
     ranges = []
     for k, t in enumerate(tensors):
+        if t.is_neg() or t.is_conj() or (t.numel() and t.untyped_storage().nbytes() < storage_reach(t)):
+            check_storage(t, f"memory object {name(k)}")
+            check_plain(t, f"memory object {name(k)}")
         if t.is_contiguous():  # the usual object: no overlap with itself, one byte range
             lo = t.data_ptr()
             hi = lo + t.numel() * t.element_size()

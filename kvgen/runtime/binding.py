@@ -4,9 +4,9 @@ distinct fingerprint.
 
 A binding is immutable and holds no tensor, so threads share bindings freely and a cached
 binding keeps no cache alive. The fingerprint covers what the checks depend on: each leaf's
-address, shape, strides, dtype and device, and the length of every container. Replacing,
-appending or re-viewing any leaf changes it, so the whole cache is checked again before
-anything is written.
+address, shape, strides, dtype, device, storage size and negation bit, and the length of
+every container. Replacing, appending, re-viewing or resizing any leaf changes it, so the
+whole cache is checked again before anything is written.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvgen.runtime.aliasing import CacheMemory, check_cache_memory
+from kvgen.runtime.aliasing import CacheMemory, check_cache_memory, check_storage
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry
 from kvgen.runtime.words import widest
@@ -49,13 +49,13 @@ def snapshot(kvcaches: Any) -> tuple[Any, Key | None]:
 
     def walk(node: Any) -> Any:
         if isinstance(node, torch.Tensor):
-            parts.append((node.data_ptr(), node.shape, node.stride(), node.dtype, node.device))
+            parts.append(_facts(node))
             return node
         if isinstance(node, (list, tuple)):
             items = tuple(node)
             parts.append(len(items))
             if all(isinstance(t, torch.Tensor) for t in items):  # the last list level, in one pass
-                parts.extend([(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in items])
+                parts.extend([_facts(t) for t in items])
                 return items
             return tuple([walk(item) for item in items])
         raise _NotACache
@@ -67,10 +67,54 @@ def snapshot(kvcaches: Any) -> tuple[Any, Key | None]:
     return tree, tuple(parts)
 
 
+def _facts(t: torch.Tensor) -> tuple[Any, ...]:
+    """What a leaf's checks depend on. The storage's size is among them (a storage shrunk
+    after the cache was bound must be checked again, not trusted), and the negation bit (a
+    negated view of a bound leaf has its address, shape and strides)."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.untyped_storage().nbytes(), t.is_neg()
+
+
 def leaves(tree: Any) -> list[torch.Tensor]:
     if isinstance(tree, torch.Tensor):
         return [tree]
     return [t for sub in tree for t in leaves(sub)]
+
+
+def layer_leaves(tree: Any, lists: tuple[str, ...], layers: int) -> list[list[int]]:
+    """Per layer, the indices (in `leaves` order) of the cache tensors its copy touches: those
+    under that layer's entry of the L list level, or every tensor where L is no list level."""
+    out: list[list[int]] = [[] for _ in range(layers)]
+    count = 0
+
+    def walk(node: Any, depth: int, layer: int | None) -> None:
+        nonlocal count
+        if isinstance(node, torch.Tensor):
+            for k in range(layers) if layer is None else (layer,):
+                out[k].append(count)
+            count += 1
+            return
+        at_l = depth < len(lists) and lists[depth] == "L"
+        for i, sub in enumerate(node):
+            walk(sub, depth + 1, i if at_l else layer)
+
+    walk(tree, 0, None)
+    return out
+
+
+#: What a layerwise transfer refused between two steps has done.
+LAYERS_MOVED = "the layers before this one were moved, nothing more is"
+
+
+def check_layer_leaves(tensors: list[torch.Tensor], indices: list[int], binding: Binding, what: str) -> None:
+    """Refuse to go on with a layer whose cache tensors changed memory since the transfer
+    started (freed, resized or moved between two steps of a layerwise generator): a copy
+    would reach bytes that are no longer theirs. A few attribute reads per tensor."""
+    for k in indices:
+        t, name = tensors[k], binding.names[k]
+        check_storage(t, f"{what}: cache tensor {name}", LAYERS_MOVED)
+        if t.data_ptr() != binding.memory.leaves[k].lo:
+            raise KVLayoutError(f"{what}: cache tensor {name}: moved in memory since the transfer started (its "
+                                f"storage was freed, resized or replaced); {LAYERS_MOVED}")
 
 
 def leaf_names(tree: Any, prefix: str = "kvcaches") -> list[str]:

@@ -5,7 +5,9 @@ between devices, streams and format labels. The chunk loop of whole-chunk object
 A generated module subclasses one of those and supplies only the copies themselves
 (`_store`/`_load`, or `_store_layer`/`_load_layer`) and the object shape. Every check
 runs before the first element is written, so a refused call leaves cache and object
-exactly as they were (a layerwise load checks each layer's objects as they arrive).
+exactly as they were (a layerwise load checks each layer's objects as they arrive, and a
+layerwise transfer checks each layer's cache tensors and objects again before its copy, since
+the caller runs between two steps).
 
 A connector may be shared by threads: what a call works with (the cache's binding, its
 chunks, the frozen cache tree) is computed per call and immutable; the only shared state is
@@ -28,8 +30,8 @@ from kvgen.runtime.devices import Backend, backend_for, check_device
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.kernels import KernelCopies
 from kvgen.runtime.layout import Geometry, ObjectLayout, PagedLayout, broadcast_dims, describe
-from kvgen.runtime.memory import Format, format_name
-from kvgen.runtime.slots import Chunk, plan_chunk
+from kvgen.runtime.memory import Format, check_relabel, format_name
+from kvgen.runtime.slots import Chunk, plan_chunk, signed_integers
 from kvgen.runtime.words import Words, widest, words
 
 #: A generated copy: (object tensor, kvcaches, geometry, chunk, copy words).
@@ -221,6 +223,7 @@ class ConnectorBase(KernelCopies):
                 allowed = ", ".join([self.memory.format, *self.memory.accepts])
                 raise KVLayoutError(f"cannot store {self.memory.format} into an object labelled "
                                     f"{current}; allowed labels before a store: {allowed}")
+            check_relabel(metadata, f"memory object {expected()}")
         elif current != self.memory.format:
             raise KVLayoutError(f"cannot load an object labelled {current}: this connector reads "
                                 f"{self.memory.format} ({expected()})")
@@ -243,7 +246,7 @@ class ConnectorBase(KernelCopies):
             raise KVLayoutError(f"slot_mapping must be a 1-D integer tensor (one slot per token, < 0 to "
                                 f"skip), got {describe(slot_mapping)}")
         dtype = slot_mapping.dtype
-        if dtype.is_floating_point or dtype.is_complex or dtype in (torch.bool, torch.uint8):
+        if not signed_integers(dtype):
             raise KVLayoutError(f"slot_mapping must hold signed integers (int64, int32, ...), got "
                                 f"{describe(slot_mapping)}")
         if slot_mapping.device.type == "meta":

@@ -1,10 +1,13 @@
-"""What the compiled CPU path asks of its host: which chunks it writes with streaming stores,
-and the OpenMP runtime torch runs its intra-op threads on (whose threads the kernel shares)."""
+"""What the compiled CPU path asks of its host: a build folder no one else can write, which
+chunks it writes with streaming stores, and the OpenMP runtime torch runs its intra-op
+threads on (whose threads the kernel shares)."""
 
 from __future__ import annotations
 
 import ctypes
 import os
+import stat
+from pathlib import Path
 
 import torch
 
@@ -12,6 +15,41 @@ import torch
 def switched_off(variable: str) -> bool:
     """Whether an on/off environment switch of the compiled path (on when unset) says off."""
     return os.environ.get(variable, "1") in ("0", "", "off", "no")
+
+
+class UnsafeFolder(OSError):
+    """A build folder or library another user could have written: never loaded from."""
+
+
+def private_folder(path: Path) -> Path:
+    """`path`, created with mode 0700 where missing; UnsafeFolder when it is no folder, is not
+    owned by this process's user, or is writable by its group or others. A library loaded
+    from there runs inside this process: one another user could plant or replace must not be."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeFolder(f"the kernel's build folder {path} is not a folder")
+    _refuse_foreign(path, st, "build folder")
+    return path
+
+
+def check_library(path: Path) -> None:
+    """UnsafeFolder unless `path` is a regular file (no link) owned by this process's user and
+    writable by no one else: checked before every load of a compiled kernel."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeFolder(f"refusing to load {path}: not a regular file")
+    _refuse_foreign(path, st, "library")
+
+
+def _refuse_foreign(path: Path, st: os.stat_result, what: str) -> None:
+    uid = os.getuid()
+    if st.st_uid != uid:
+        raise UnsafeFolder(f"refusing the kernel's {what} {path}: it is owned by uid {st.st_uid}, not by this "
+                           f"process's user (uid {uid}); remove it or set KVGEN_CACHE_DIR to a folder of your own")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeFolder(f"refusing the kernel's {what} {path}: its group or others may write it (mode "
+                           f"{stat.S_IMODE(st.st_mode):o}); `chmod go-w` it or set KVGEN_CACHE_DIR")
 
 
 #: A chunk of at least this many bytes is written with streaming stores (csrc/kvcopy.c).

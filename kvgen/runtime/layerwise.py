@@ -10,6 +10,8 @@ from typing import Any
 import torch
 
 from kvgen.runtime import calls
+from kvgen.runtime.aliasing import check_storage
+from kvgen.runtime.binding import LAYERS_MOVED, check_layer_leaves, layer_leaves, leaves
 from kvgen.runtime.connector import _MISSING, ConnectorBase, _positions
 from kvgen.runtime.devices import Backend, on_stream
 from kvgen.runtime.errors import KVLayoutError
@@ -81,7 +83,12 @@ class LayerwiseConnector(ConnectorBase):
         self._check_apart(call, flat, lambda k: f"for layer {k // per}, chunk {k % per}")
         backend = self._backend_for(g.device)
         stream = self._stream(g.device, "store")
+        cache, per_layer = leaves(call.kvcaches), layer_leaves(call.kvcaches, self.layout.lists, g.L)
         for layer in range(g.L):
+            if layer:  # what may have changed while the caller ran between two steps
+                check_layer_leaves(cache, per_layer[layer], call.binding, f"layer {layer}")
+                for chunk, tensor in enumerate(tensors[layer]):
+                    check_storage(tensor, f"layer {layer}: memory object for chunk {chunk}", LAYERS_MOVED)
             with on_stream(backend, stream):
                 for tensor, ck in zip(tensors[layer], chunks, strict=True):
                     self._staged_store(partial(self._store_layer, layer), tensor, call, ck, "store")
@@ -99,8 +106,10 @@ class LayerwiseConnector(ConnectorBase):
         self._check_unique_slots(call, _positions("starts", starts), skip, offset)
         backend = self._backend_for(g.device)
         stream = self._stream(g.device, "load")
+        cache, per_layer = leaves(call.kvcaches), layer_leaves(call.kvcaches, self.layout.lists, g.L)
         objs = yield
         for layer in range(g.L):
+            check_layer_leaves(cache, per_layer[layer], call.binding, f"layer {layer}")
             if not isinstance(objs, Sequence) or len(objs) != len(chunks):
                 raise KVLayoutError(f"layer {layer}: send() a list of one memory object per chunk "
                                     f"({len(chunks)}), got {describe(objs)}")

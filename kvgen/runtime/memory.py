@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kvgen.interface import UNDEFINED
+from kvgen.runtime.errors import KVLayoutError
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,18 @@ def relabel(current: Any, target: Format) -> Any:
         except KeyError:
             pass
     return target
+
+
+def check_relabel(metadata: Any, what: str) -> None:
+    """Refuse, before a store writes anything, an object whose label cannot be set after it
+    (a frozen or read-only metadata): setting it to the label it has is the one test that
+    every kind of read-only attribute fails, and changes nothing."""
+    try:
+        metadata.fmt = metadata.fmt
+    except (AttributeError, TypeError) as exc:
+        raise KVLayoutError(f"{what}: its format label (.metadata.fmt) cannot be set, which a store does after "
+                            f"writing it ({type(exc).__name__}: {exc}); pass an object whose label can be "
+                            "set") from None
 
 
 @dataclass

@@ -294,7 +294,7 @@ class ModelConnector:
             raise KVLayoutError(f"expected a list of {count} memory objects (one per chunk), got "
                                 f"{describe(memory_objs)}")
         lengths = [e - s for s, e in zip(_positions("starts", starts), _positions("ends", ends), strict=True)]
-        slots = state_slots(self.model, given_slots, count, b.state.slots, bool(self.states))
+        slots = state_slots(self.model, given_slots, count, b.state.slots, bool(self.states), storing)
         tensors, layouts = [], []
         for k, (obj, n) in enumerate(zip(memory_objs, lengths, strict=True)):
             sections, total = self._sections(b, n)

@@ -14,7 +14,7 @@ import torch
 
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, broadcast_dims, describe
-from kvgen.runtime.memory import format_name
+from kvgen.runtime.memory import check_relabel, format_name
 from kvgen.runtime.model_table import GroupTable, StateTable, dtype_name
 
 
@@ -135,8 +135,10 @@ def mappings(model: str, group_names: Sequence[str], carried: Sequence[str], slo
     return out
 
 
-def state_slots(model: str, given: Any, chunks: int, slots: int | None, carries_state: bool) -> list[int | None]:
-    """One request slot (or None) per chunk, each in range."""
+def state_slots(model: str, given: Any, chunks: int, slots: int | None, carries_state: bool,
+                storing: bool = True) -> list[int | None]:
+    """One request slot (or None) per chunk, each in range; a load writes each slot from one
+    chunk at most (whichever came last would win)."""
     if given is None:
         return [None] * chunks
     if not isinstance(given, (list, tuple)) or len(given) != chunks:
@@ -158,6 +160,9 @@ def state_slots(model: str, given: Any, chunks: int, slots: int | None, carries_
         if slots is None or not 0 <= slot < slots:
             raise KVLayoutError(f"{model}: state slot {slot} of chunk {k} is out of range: the state tensors hold "
                                 f"{slots} request slots (0..{(slots or 0) - 1})")
+        if not storing and slot in out:
+            raise KVLayoutError(f"{model}: state slot {slot} is loaded from chunks {out.index(slot)} and {k}: only "
+                                "one would survive; give each chunk its own state slot, or None")
         out.append(slot)
     return out
 
@@ -180,6 +185,8 @@ def object_bytes(obj: Any, k: int, memory: Any, nbytes: int, storing: bool) -> t
         if storing and current != memory.format and current not in memory.accepts:
             raise KVLayoutError(f"cannot store {memory.format} into an object labelled {current}; allowed labels "
                                 f"before a store: {', '.join([memory.format, *memory.accepts])}")
+        if storing:
+            check_relabel(metadata, f"memory object for chunk {k}")
         if not storing and current != memory.format:
             raise KVLayoutError(f"cannot load an object labelled {current}: this connector reads {memory.format}")
     if tensor.dtype != torch.uint8 or tensor.dim() != 1 or tensor.shape[0] != nbytes:

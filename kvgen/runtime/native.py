@@ -10,9 +10,10 @@ dominates small chunks. One call with no barriers avoids both.
 The kernel (csrc/kvcopy.c) needs no torch headers: it is compiled on first use by the
 system C compiler (`KVGEN_CC`, else cc, gcc or clang) into a per-user cache
 (`KVGEN_CACHE_DIR`, else $XDG_CACHE_HOME/kvgen or ~/.cache/kvgen), named by a hash of the
-source, the compiler and its flags, and loaded with ctypes. The compiler writes a private
-temporary file that is renamed into place, so concurrent processes never load a partial
-library. Without a compiler (or with `KVGEN_NATIVE=0`) connectors keep their torch path.
+source, the compiler and its flags, and loaded with ctypes from a folder and file only this
+user may write (host.private_folder). The compiler writes a private temporary file that is
+renamed into place, so concurrent processes never load a partial library. Without a
+compiler (or with `KVGEN_NATIVE=0`) connectors keep their torch path.
 
 A chunk's shares run on torch's OpenMP worker threads where that runtime is found (see
 team()), else on threads of the kernel's own; chunks of 8 MiB or more are written with
@@ -101,10 +102,10 @@ def _build(cc: str, where: Path) -> Path:
     source = _source()
     key = hashlib.sha256(b"\0".join([source, cc.encode(), _compiler_id(cc).encode(), " ".join(FLAGS).encode(),
                                      platform.machine().encode()])).hexdigest()[:20]
-    target = where / f"kvcopy-{key}.so"
-    if target.exists():
+    target = host.private_folder(where) / f"kvcopy-{key}.so"
+    if os.path.lexists(target):
+        host.check_library(target)
         return target
-    where.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=where, prefix=".build-") as tmp:
         src = Path(tmp) / "kvcopy.c"
         src.write_bytes(source)
@@ -112,6 +113,7 @@ def _build(cc: str, where: Path) -> Path:
         done = subprocess.run([cc, *FLAGS, "-o", str(out), str(src)], capture_output=True, text=True, timeout=120)
         if done.returncode != 0 or not out.exists():
             raise OSError(f"{cc} failed ({done.returncode}): {(done.stderr or done.stdout).strip()[-400:]}")
+        out.chmod(0o700)  # whatever the umask: no one else may write what this process loads
         os.replace(out, target)  # atomic: another process sees no file or a whole one
     return target
 
@@ -125,8 +127,8 @@ def _load() -> tuple[Any, str | None]:
     try:
         try:
             path = _build(cc, cache_dir())
-        except PermissionError:  # an unwritable home: a private cache for this process's user
-            path = _build(cc, Path(tempfile.gettempdir()) / f"kvgen-{os.getuid()}" / "native")
+        except PermissionError:  # an unwritable home: a private folder (0700, checked) of this user
+            path = _build(cc, host.private_folder(Path(tempfile.gettempdir()) / f"kvgen-{os.getuid()}") / "native")
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"the CPU kernel could not be compiled or loaded: {exc}"

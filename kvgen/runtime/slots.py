@@ -15,6 +15,13 @@ import torch
 from kvgen.runtime.errors import KVLayoutError
 
 
+def signed_integers(dtype: torch.dtype) -> bool:
+    """Whether slot tensors of `dtype` say what the docs promise (signed integers, < 0 to
+    skip): unsigned ones (uint8 to uint64) cannot hold -1, and a uint64 slot of 2**63 or
+    more reads as a negative one, skipping its token unsaid."""
+    return dtype.is_signed and not dtype.is_floating_point and not dtype.is_complex
+
+
 @dataclass(frozen=True)
 class Chunk:
     """What one chunk moves. Token-path fields are None when the path is empty."""
@@ -94,7 +101,7 @@ def plan_chunk(
             f"but slot_mapping has {have} entries: {where}")
     if not 0 <= skip <= n:
         raise KVLayoutError(f"skip_prefix_n_tokens must be in [0, {n}] for a chunk of {n} tokens, got {skip}")
-    slots = slot_mapping[lo_map:hi_map].long()
+    slots = slot_mapping[lo_map:hi_map].to(torch.int64).contiguous()  # what every kernel indexes with
     empty = Chunk(n, 0, None, None, None, None, None, 0, 0)
     if n == 0:
         return empty

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 import torch
 
+from kvgen.runtime.errors import KVGenError
+
 #: A torch op on the CPU that moves fewer bytes runs on one thread: waking threads and the
 #: barrier at the end of a parallel region cost more than they save.
 PARALLEL_BYTES = 4 << 20
@@ -70,16 +72,29 @@ def cpu_threads(op_bytes: int, parallel_bytes: int = PARALLEL_BYTES) -> int:
     barrier waits for all its threads; on a host whose cores are all taken (a co-located
     engine), some are descheduled and every barrier waits a scheduling slice, so the cost
     grows with the number of ops. Small ops and a busy host run on one thread, which never
-    waits; KVGEN_CPU_THREADS=N fixes the count."""
+    waits; KVGEN_CPU_THREADS=N fixes the count (fixed_threads())."""
+    fixed = fixed_threads()
+    if fixed is not None:
+        return fixed
     have = torch.get_num_threads()
-    fixed = os.environ.get("KVGEN_CPU_THREADS", "")
-    if fixed.isdigit() and int(fixed) > 0:
-        return int(fixed)
     if have <= 1 or op_bytes < parallel_bytes:
         return 1
     others = _others()
     # Every core taken by other processes (this thread needs one too): one thread.
     return 1 if others is not None and others + 1 > _CPUS else have
+
+
+def fixed_threads() -> int | None:
+    """The count KVGEN_CPU_THREADS fixes (None: unset), capped at this host's CPUs: more
+    threads than CPUs gain nothing, and an OpenMP team of a million threads crashes the
+    process. A value that is no whole number from 1 is refused, not ignored."""
+    text = os.environ.get("KVGEN_CPU_THREADS", "").strip()
+    if not text:
+        return None
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise KVGenError(f"KVGEN_CPU_THREADS must be a whole number of threads, 1 or more (at most {_CPUS} are "
+                         f"used here, this host's CPUs), got {text!r}; unset it to let kvgen choose")
+    return min(int(text), _CPUS)
 
 
 @contextlib.contextmanager

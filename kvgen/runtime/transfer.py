@@ -27,12 +27,13 @@ import torch
 
 from kvgen.runtime import calls
 from kvgen.runtime.aliasing import CacheMemory, share_elements
-from kvgen.runtime.binding import Binding, leaf_names, new_binding, snapshot
+from kvgen.runtime.binding import Binding, check_layer_leaves, layer_leaves, leaf_names, leaves, new_binding, snapshot
 from kvgen.runtime.connector import MAX_WORD
 from kvgen.runtime.devices import Backend, backend_for, on_stream
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, PagedLayout, describe
 from kvgen.runtime.pairs import Pairs, Scratch, pair_slots
+from kvgen.runtime.slots import signed_integers
 from kvgen.runtime.words import Words, words
 
 COPY_KEYWORDS = ("src_heads", "dst_heads")
@@ -51,6 +52,8 @@ class Call:
     gd: Geometry
     pairs: Pairs
     words: Words
+    #: The bindings of both sides (what a layerwise copy checks again between two steps).
+    bindings: tuple[Binding, Binding]
 
 
 class TransferBase:
@@ -106,7 +109,11 @@ class TransferBase:
         device = call.gs.device if call.gs.device.type != "cpu" else call.gd.device
         backend = self._backend_for(device)
         stream = self._stream(device, backend)
+        sides = [(leaves(tree), layer_leaves(tree, layout.lists, call.gs.L), binding) for tree, layout, binding
+                 in ((call.src, self.src_layout, call.bindings[0]), (call.dst, self.dst_layout, call.bindings[1]))]
         for layer in range(call.gs.L):
+            for tensors, per_layer, binding in sides if layer else ():  # the caller ran since the last step
+                check_layer_leaves(tensors, per_layer[layer], binding, f"{self.name}: layer {layer}")
             if call.pairs.moved:
                 with on_stream(backend, stream):
                     self._copy_layer(layer, call.src, call.dst, call.gs, call.gd, call.pairs, call.words)
@@ -142,7 +149,7 @@ class TransferBase:
             raise KVLayoutError(f"{self.name}: {error}") from None
         size = torch.empty(0, dtype=gs.dtype).element_size()
         width = min(sb.width, db.width) if self.widen else size
-        return Call(src_tree, dst_tree, gs, gd, replace(pairs, scratch=scratch), words(width, size, gs.C))
+        return Call(src_tree, dst_tree, gs, gd, replace(pairs, scratch=scratch), words(width, size, gs.C), (sb, db))
 
     def _bind(self, side: str, kvcaches: Any) -> tuple[Binding, Any]:
         """(binding, frozen tree) of one side's cache; any changed leaf makes a new binding."""
@@ -254,7 +261,7 @@ def _mapping(what: str, value: Any, device: torch.device) -> torch.Tensor:
         raise KVLayoutError(f"{what} must be a 1-D integer tensor (one slot per token, < 0 to skip), got "
                             f"{describe(value)}")
     dtype = value.dtype
-    if dtype.is_floating_point or dtype.is_complex or dtype in (torch.bool, torch.uint8):
+    if not signed_integers(dtype):
         raise KVLayoutError(f"{what} must hold signed integers (int64, int32, ...), got {describe(value)}")
     if value.device.type != "cpu" and value.device != device:
         raise KVLayoutError(f"{what} must be on the cpu or on {device} (its cache's device), got {describe(value)} "

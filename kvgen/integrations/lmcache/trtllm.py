@@ -18,6 +18,7 @@ from kvgen.errors import KVLayoutError
 from kvgen.integrations.detect import Detection, detect
 from kvgen.integrations.lmcache._compat import register_virtual_subclass
 from kvgen.integrations.lmcache.base import Adapter, call_with, check_objects
+from kvgen.runtime.connector import _positions  # the runtime's reading of a list of integers
 
 
 class TRTLLMGPUConnector(Adapter):
@@ -84,11 +85,22 @@ class TRTLLMGPUConnector(Adapter):
         ids = torch.tensor(blocks, dtype=torch.long)
         return (ids[:, None] * n + torch.arange(n)).flatten()[:end - start]
 
+    def _block_ids(self, given: Any) -> list[int]:
+        """The request's block list, every entry an integer block of the pool: a float is not
+        truncated, a negative id skips nothing, an id past the pool (or one that would wrap
+        when multiplied into a slot) never reaches the copy."""
+        ids = _positions("block_ids", given)
+        pool = int(self.kv_cache_tensor.shape[0])  # type: ignore[union-attr]
+        for i, b in enumerate(ids):
+            if not 0 <= b < pool:
+                raise KVLayoutError(f"block_ids[{i}] = {b} is not a block of the pool (0 to {pool - 1})")
+        return ids
+
     def _transfer(self, memory_objs: Sequence[Any], starts: Sequence[int], ends: Sequence[int],
                   kwargs: Mapping[str, Any], storing: bool) -> None:
         if self.kv_cache_tensor is None:
             raise RuntimeError("register_kv_caches must be called before a transfer")
-        block_ids = kwargs.get("block_ids", [])
+        block_ids = self._block_ids(kwargs.get("block_ids", []))
         objs, slots, lo, hi, at = [], [], [], [], 0
         for obj, start, end in zip(memory_objs, starts, ends, strict=False):
             if isinstance(obj, list) or getattr(obj, "tensor", None) is None:
