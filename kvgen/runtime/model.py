@@ -28,7 +28,7 @@ import torch
 from kvgen.runtime import calls
 from kvgen.runtime.aliasing import CacheMemory, check_cache_memory, check_objects_apart
 from kvgen.runtime.binding import leaf_names, leaves, snapshot
-from kvgen.runtime.connector import Call, ConnectorBase, _integer, _positions
+from kvgen.runtime.connector import Call, ConnectorBase, _integer, _positions, token_count
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, ObjectLayout, describe
 from kvgen.runtime.memory import Format, MemoryObj, relabel
@@ -164,7 +164,7 @@ class ModelConnector:
         if kvcaches is not None:
             return self.bind(kvcaches)
         if self._last is None:
-            raise RuntimeError(f"{type(self).__module__}: no cache bound yet; pass kvcaches or call bind(kvcaches)")
+            raise KVLayoutError(f"{type(self).__module__}: no cache bound yet; pass kvcaches or call bind(kvcaches)")
         return self._last
 
     # -- the object ----------------------------------------------------------------------
@@ -189,11 +189,13 @@ class ModelConnector:
 
     def sections(self, num_tokens: int, kvcaches: Any = None) -> tuple[Section, ...]:
         """(name, kind, offset, nbytes, detail) of each section of a chunk's object."""
-        return self._sections(self._binding(kvcaches), _integer("num_tokens", num_tokens))[0]
+        count = token_count(num_tokens)
+        return self._sections(self._binding(kvcaches), count)[0]
 
     def get_shape(self, num_tokens: int, kvcaches: Any = None) -> torch.Size:
         """The object of a chunk of `num_tokens`: [bytes] (for `kvcaches`, default the cache bound last)."""
-        return torch.Size([self._sections(self._binding(kvcaches), _integer("num_tokens", num_tokens))[1]])
+        count = token_count(num_tokens)
+        return torch.Size([self._sections(self._binding(kvcaches), count)[1]])
 
     def get_dtype(self, kvcaches: Any = None) -> torch.dtype:
         return torch.uint8

@@ -22,6 +22,7 @@ from kvgen.errors import KVLayoutError
 from kvgen.integrations.detect import HINTS, SYNONYMS, Detection, detect, read_structure
 from kvgen.integrations.lmcache._compat import GPUConnectorInterface
 from kvgen.runtime import MemoryObj, backend_for
+from kvgen.runtime.connector import token_count
 from kvgen.runtime.devices import on_stream
 
 #: How many distinct caches one connector remembers the detection of.
@@ -278,6 +279,7 @@ class Adapter(GPUConnectorInterface):
     # -- shapes -------------------------------------------------------------------------
 
     def get_shape(self, num_tokens: int) -> torch.Size:
+        num_tokens = token_count(num_tokens)
         if self.LAYERWISE:
             return torch.Size([num_tokens, self.hidden_dim_size] if self.use_mla
                               else [num_tokens, 2, self.hidden_dim_size])

@@ -61,6 +61,9 @@ def create_gpu_connector(config: Any, metadata: Any, engine: Any,
     CacheBlend (`enable_blending`) needs LMCache's blender inside its buffer connector;
     that one, and the mock connector, are LMCache's own (KVLayoutError without LMCache)."""
     name = _engine(engine)
+    if not hasattr(metadata, "kv_shape"):
+        raise KVLayoutError(f"metadata must be LMCache's LMCacheMetadata (with kv_shape, kv_dtype, use_mla), "
+                            f"got {type(metadata).__name__ if metadata is not None else None}")
     kind = device_type()
     local = int(getattr(metadata, "local_worker_id", 0) or 0)
     device = torch.device(kind, local) if kind != "cpu" else torch.device("cpu")
