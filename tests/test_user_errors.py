@@ -91,3 +91,42 @@ def test_an_extra_send_after_the_last_layer_is_refused() -> None:
     assert same_bits(target, loaded)
     for leaf, src in zip(target, cache, strict=True):  # the layers sent were loaded exactly
         assert torch.equal(leaf.flatten(1, 2)[:, mapping], src.flatten(1, 2)[:, mapping])
+
+
+def test_a_missing_transfer_suggests_a_line_only_when_it_would_build() -> None:
+    """The registry's advice and the build's rule (kvgen.spec.transfers) agree on every pair
+    of built-in layouts: a transfers.yaml line is suggested exactly when the build takes it."""
+    from kvgen.spec.transfers import content_problem
+
+    with pytest.raises(KVLayoutError, match="no transfer vllm_mla -> vllm_flash_attn_nhd") as refused:
+        generated.transfer("MLA", "NHD")
+    assert "transfers.yaml" not in str(refused.value)
+    assert "vllm_mla holds one latent plane (no K/V) without heads" in str(refused.value)
+    layouts = LIBRARY.paged
+    for src in layouts:
+        for dst in layouts:
+            if (src.name, dst.name) in generated._REGISTRY.transfers:
+                continue
+            with pytest.raises(KVLayoutError) as why:
+                generated.transfer(src.name, dst.name)
+            builds = content_problem(src, dst) is None
+            assert ("transfers.yaml" in str(why.value)) == builds, (src.name, dst.name, str(why.value))
+
+
+def test_a_misspelt_required_keyword_gets_did_you_mean() -> None:
+    cache = make_cache(NHD, torch.float32, "cpu")
+    conn = generated.get("vllm_flash_attn_nhd", "kv_2ltd")()
+    obj = MemoryObj(torch.zeros(conn.get_shape(4, cache)))
+    before = obj.tensor.clone()
+    with pytest.raises(TypeError, match="from_gpu\\(\\) got an unexpected keyword argument 'slot_maping' "
+                                        "\\(did you mean 'slot_mapping'\\?\\); it accepts: kvcaches, slot_mapping"):
+        conn.from_gpu(obj, 0, 4, kvcaches=cache, slot_maping=torch.arange(4))
+    assert same_bits(obj.tensor, before)
+    model = generated.get_model("llama31_8b", "kv_groups")()
+    with pytest.raises(TypeError, match="got an unexpected keyword argument 'slot_mapping' \\(did you mean "
+                                        "'slot_mappings'\\?\\)"):
+        model.from_gpu(obj, 0, 4, kvcaches=cache, slot_mapping={})
+    with pytest.raises(TypeError, match="got an unexpected keyword argument 'slot_maping' \\(did you mean "
+                                        "'slot_mapping'\\?\\)"):
+        next(generated.get("vllm_flash_attn_nhd", "kv_t2d")().batched_to_gpu([0], [4], kvcaches=cache,
+                                                                              slot_maping=torch.arange(4)))

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvgen.runtime import calls
 from kvgen.runtime.aliasing import check_objects_apart, check_unique_slots
 from kvgen.runtime.binding import Binding, leaf_names, new_binding, snapshot
 from kvgen.runtime.devices import Backend, backend_for, check_device
@@ -42,7 +43,7 @@ MAX_WORD = {"cpu": 16, "cuda": 16}
 #: Bindings kept per connector (a few caches in turn, e.g. one per engine or thread).
 _BINDINGS_KEPT = 8
 
-_MISSING: Any = object()
+_MISSING: Any = calls.MISSING
 
 
 class Call:
