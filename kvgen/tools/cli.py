@@ -73,6 +73,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from kvgen.emit.build import check
+    from kvgen.tools.paths import rebuild_advice
 
     _require(args.specs, "--specs")
     report = check(args.out, args.specs)
@@ -81,8 +82,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 0
     for line in report.lines():
         print(line, file=sys.stderr)
-    print(f"kvgen: {display_path(args.out)} differs from what `kvgen build` writes; run it "
-          "(and commit generated/ in the kvgen repository)", file=sys.stderr)
+    print(f"kvgen: {display_path(args.out)} differs from what `kvgen build` writes; "
+          f"{rebuild_advice(args.out, args.specs)}", file=sys.stderr)
     return EXIT_FAILED
 
 
@@ -182,6 +183,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             raise KVGenError(f"{exc}; it may be in a spec file left out for its problems: "
                              f"{', '.join(loaded.left_out)}") from None
         raise
+    tp_lines = _tp_plan(spec, args)  # an impossible --tp fails before anything is printed
     coord = "(l, kv, slot, h, c)" if spec.is_paged else "(l, kv, t, h, c)"
     print(f"{spec.name} ({spec.kind}): {spec.summary}")
     print(f"  layout:   {spec.arrow()}")
@@ -207,13 +209,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(f"      triton kernel: {grid}")
         print(f"  {_backend_line(planes=not spec.is_simple if spec.is_paged else spec.pack is not None)}")
     _explain_transfers(spec, library, args)
+    if tp_lines is not None:
+        print()
+        print("\n".join(tp_lines))
     return 0
 
 
 def _explain_transfers(spec: Any, library: Any, args: argparse.Namespace) -> None:
-    """The layout's declared transfers, and with --tp the resharding plan (kvgen.tp)."""
+    """The layout's declared transfers."""
     from kvgen.spec.transfers import load_transfers
-    from kvgen.tp import explain
 
     if spec.is_paged:
         try:
@@ -224,13 +228,18 @@ def _explain_transfers(spec: Any, library: Any, args: argparse.Namespace) -> Non
             print("  transfers:")
             for t in moves:
                 print(f"    {t.src.name} -> {t.dst.name} ({t.module}, declared at {t.declared})")
-    if args.tp is not None:
-        if not spec.is_paged:
-            raise KVGenError(f"--tp plans a resharding of paged caches; {spec.name} is a memory object")
-        src_tp, dst_tp = args.tp
-        print()
-        for line in explain(args.kv_heads, src_tp, dst_tp, mla=not spec.has("H")):
-            print(line)
+
+
+def _tp_plan(spec: Any, args: argparse.Namespace) -> list[str] | None:
+    """With --tp, the resharding plan in words (kvgen.tp); None without it."""
+    from kvgen.tp import explain
+
+    if args.tp is None:
+        return None
+    if not spec.is_paged:
+        raise KVGenError(f"--tp plans a resharding of paged caches; {spec.name} is a memory object")
+    src_tp, dst_tp = args.tp
+    return list(explain(args.kv_heads, src_tp, dst_tp, mla=not spec.has("H")))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -241,25 +250,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_detect(args: argparse.Namespace) -> int:
-    from kvgen.integrations.detect import detect, parse_cache_shape
+    from kvgen.tools.detect_view import detect_main
 
-    cache = parse_cache_shape(args.shape, args.stride, args.dtype)
-    hints = {k: getattr(args, k) for k in ("engine", "backend", "kv_layout", "given_order", "num_kv_heads",
-                                           "block_size", "head_size", "num_layers", "num_blocks", "layout")}
-    hints["use_mla"] = args.mla
-    found = detect(cache, **hints)
-    facts = {"layout": found.layout, "lmcache": found.lmcache, "extents": dict(found.extents),
-             "permutation": list(found.permutation), "decided_by": list(found.decided_by)}
-    if args.json:
-        print(json.dumps(facts, indent=2))
-        return 0
-    print(f"{found.layout} (LMCache format: {found.lmcache or '-'})")
-    print(f"  extents: {' '.join(f'{k}={v}' for k, v in found.extents.items())}")
-    view = f"permute{found.permutation} (the strides' memory order)" if found.permuted else "as given"
-    print(f"  view:    {view}")
-    used = ["list levels", "shape", *(["dtype"] if cache.dtype else []), *found.decided_by]
-    print(f"  facts:   {', '.join(used)}")
-    return 0
+    return detect_main(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -78,3 +78,12 @@ def refuse_foreign_out(out: Path) -> None:
 def rebuild_command(out: Path, specs: Sequence[Path]) -> str:
     """The `kvgen build` that writes the package at `out` from these spec folders, quoted."""
     return f"`kvgen build --out {display_path(out)}{''.join(f' --specs {display_path(s)}' for s in specs)}`"
+
+
+def rebuild_advice(out: Path, specs: Sequence[Path]) -> str:
+    """For the checkout's own generated/: rebuild and commit it; for a user's package: the
+    build that rewrites it (their package is theirs to keep)."""
+    checkout = source_checkout()
+    if checkout is not None and out.resolve() == (checkout / "generated").resolve() and not specs:
+        return "run `kvgen build` and commit generated/ with the change"
+    return f"rebuild it with {rebuild_command(out, specs)}"
