@@ -55,7 +55,7 @@ def _warn_left_out(loaded: Any) -> None:
 def _require(paths: Sequence[Path], what: str) -> None:
     """Missing inputs, said plainly before any work."""
     for path in paths:
-        if not path.exists():
+        if not os.path.lexists(path):  # a dangling or looping symlink is there, and said what it is later
             raise KVGenError(f"{what} {display_path(path)}: no such file or folder")
 
 
