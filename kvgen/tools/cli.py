@@ -34,9 +34,9 @@ def _tp_sizes(text: str) -> tuple[int, int]:
 
 
 def _out_arg(p: argparse.ArgumentParser, what: str) -> None:
-    from kvgen.tools.paths import default_out, describe_default_out
+    from kvgen.tools.paths import DefaultOut, default_out, describe_default_out
 
-    p.add_argument("--out", type=Path, default=default_out(), metavar="DIR",
+    p.add_argument("--out", type=Path, default=DefaultOut(default_out()), metavar="DIR",
                    help=f"{what} ({describe_default_out()})")
 
 
@@ -243,10 +243,14 @@ def _tp_plan(spec: Any, args: argparse.Namespace) -> list[str] | None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from kvgen.tools.paths import DefaultOut, temporary_build
     from kvgen.tools.verify import main as verify_main
 
     _require(args.specs, "--specs")
-    return verify_main(args)
+    if not args.specs or not isinstance(args.out, DefaultOut):
+        return verify_main(args)
+    with temporary_build(args.specs) as args.out:  # a user's specs: no build of their own needed first
+        return verify_main(args)
 
 
 def cmd_detect(args: argparse.Namespace) -> int:
@@ -299,8 +303,8 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="run every connector of a generated package against the reference")
     _specs_arg(p)
-    _out_arg(p, "generated package to verify; it must hold exactly the connectors of the built-in specs "
-                "plus --specs")
+    _out_arg(p, "generated package to verify; it must hold exactly the connectors of the built-in specs plus "
+                "--specs (with --specs and no --out: those, built into a temporary folder)")
     p.add_argument("--device", action="append", default=None, metavar="TYPE",
                    help="device type to run on, e.g. cpu or cuda; repeatable (default: every one present)")
     p.add_argument("--only", default=None, metavar="TEXT",
@@ -312,6 +316,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser("detect", help="which layout a cache of this shape is (refuses to guess)")
+    _specs_arg(p)
     p.add_argument("shape", metavar="SHAPE",
                    help="list lengths then the tensor shape: 32x[2,1000,16,8,128], 2x32x[4096,8,128], [B,L,2,H,N,C]")
     p.add_argument("--stride", metavar="S,S,...", help="the tensor's strides in elements (memory order is a fact)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+from types import ModuleType
 
 from kvgen.errors import KVGenError
 from kvgen.integrations.detect import detect, parse_cache_shape
@@ -22,13 +23,25 @@ def _dtype_name(text: str) -> str:
 
 
 def detect_main(args: argparse.Namespace) -> int:
+    """Detect among the built-in layouts, or with --specs among those and the user's (built
+    into a temporary package for the call)."""
     if args.dtype is not None:
         _dtype_name(args.dtype)
+    if not args.specs:
+        return _detect(args, None)
+    from kvgen.tools.paths import temporary_build
+    from kvgen.tools.verify import import_package
+
+    with temporary_build(args.specs) as out:
+        return _detect(args, import_package(out))
+
+
+def _detect(args: argparse.Namespace, package: ModuleType | None) -> int:
     cache = parse_cache_shape(args.shape, args.stride, args.dtype)
     hints = {k: getattr(args, k) for k in ("engine", "backend", "kv_layout", "given_order", "num_kv_heads",
                                            "block_size", "head_size", "num_layers", "num_blocks", "layout")}
     hints["use_mla"] = args.mla
-    found = detect(cache, **hints)
+    found = detect(cache, package=package, **hints)
     facts = {"layout": found.layout, "lmcache": found.lmcache, "extents": dict(found.extents),
              "permutation": list(found.permutation), "decided_by": list(found.decided_by)}
     if args.json:
