@@ -37,5 +37,6 @@ def test_the_walkthroughs_run_in_sequence_in_one_folder(tmp_path: Path) -> None:
             command = ["bash", "-euo", "pipefail", "-c", code] if kind == "sh" else [sys.executable, "-c", code]
             done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=300)
             assert done.returncode == 0, f"{section}, {kind} block:\n{code}\n{done.stdout}\n{done.stderr}"
+            assert "warning:" not in done.stderr, f"{section}: {done.stderr}"  # e.g. a copy of a built-in
             ran.append((section, kind))
     assert [k for _, k in ran].count("sh") == 3 and [k for _, k in ran].count("python") == 3

@@ -68,6 +68,11 @@ def cmd_build(args: argparse.Namespace) -> int:
     refuse_foreign_out(args.out)
     files = build(args.out, args.specs)
     print(f"wrote {len(files)} files to {display_path(args.out)}")
+    if args.specs:
+        from kvgen.tools.specset import twin_warnings
+
+        for warning in twin_warnings(args.specs):
+            print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -96,6 +101,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise KVGenError(f"no spec files (*.yaml, *.yml) in {', '.join(map(display_path, args.paths))}")
     for spec in result.ok:
         print(f"ok  {spec.source}: {spec.name} ({spec.kind}) {spec.arrow()}")
+    for warning in result.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     if result.problems:
         raise SpecError(result.problems)
     return 0
@@ -192,7 +199,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     for line in explain_lines(spec):
         print(line)
     print(f"  aliases:  {', '.join(spec.aliases) or '-'}")
-    print(f"  source:   {spec.origin}")
+    print(f"  source:   {_spec_file(spec)}")
     if spec.is_paged:
         print(f"  lmcache:  {spec.lmcache_format or '- (no LMCache connector)'}")
         print(f"  engines:  {', '.join(spec.engines) or '-'}")
@@ -213,6 +220,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print()
         print("\n".join(tp_lines))
     return 0
+
+
+def _spec_file(spec: Any) -> str:
+    """Where the spec file is, as the user can open it: a built-in's under the installed (or
+    checked-out) kvgen's specs/, a user's as given."""
+    from kvgen.spec.library import BUILTIN_SPECS
+
+    builtin = BUILTIN_SPECS.parent / spec.origin
+    return display_path(builtin if not Path(spec.source).is_absolute() and builtin.is_file() else Path(spec.source))
 
 
 def _explain_transfers(spec: Any, library: Any, args: argparse.Namespace) -> None:
