@@ -227,8 +227,8 @@ def _spec_file(spec: Any) -> str:
     checked-out) kvgen's specs/, a user's as given."""
     from kvgen.spec.library import BUILTIN_SPECS
 
-    builtin = BUILTIN_SPECS.parent / spec.origin
-    return display_path(builtin if not Path(spec.source).is_absolute() and builtin.is_file() else Path(spec.source))
+    source, builtin = Path(spec.source), BUILTIN_SPECS.parent / spec.origin
+    return display_path(source if source.is_file() or not builtin.is_file() else builtin)
 
 
 def _explain_transfers(spec: Any, library: Any, args: argparse.Namespace) -> None:
