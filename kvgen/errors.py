@@ -70,5 +70,5 @@ def display_path(path: Path) -> str:
     """A path as a user would type it: relative to the working directory when inside it."""
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
+    except (ValueError, RuntimeError, OSError):  # elsewhere; or a symlink loop, which cannot be resolved
         return str(path)

@@ -9,6 +9,7 @@ every generated package resolve through here, so `kvgen explain nhd` and
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -45,7 +46,23 @@ def resolve(name: str, entries: Sequence[Named]) -> str:
             raise KVLayoutError(f"{name!r} is the {what} of {len(found)} specs: {', '.join(found)}; "
                                 "name one of them")
     raise KVLayoutError(f"no layout or object named {name!r} (names and aliases match in any case, as do "
-                        f"LMCache format names); known: {', '.join(described(entries))}")
+                        f"LMCache format names); {closest(name, entries)}")
+
+
+def closest(name: str, entries: Sequence[Named], n: int = 5) -> str:
+    """`closest: a (A), b; `kvgen list` shows all 52`: the few names nearest `name` (any of
+    their labels), else every name when there are only a few."""
+    shown = {e.name: e for e in entries}
+    if len(shown) <= n:
+        return f"known: {', '.join(described(list(shown.values())))}"
+    labels = {label.casefold(): e.name for e in entries for label in (e.name, *e.aliases, *e.formats)}
+    near = difflib.get_close_matches(str(name).casefold(), list(labels), n=3 * n, cutoff=0.4)
+    names = list(dict.fromkeys(labels[label] for label in near))[:n]
+    picked = described([shown[x] for x in names])
+    order = {x: i for i, x in enumerate(names)}
+    picked.sort(key=lambda text: order[text.split(" ")[0]])
+    head = f"closest: {', '.join(picked)}; " if picked else ""
+    return f"{head}`kvgen list` shows all {len(shown)}"
 
 
 def described(entries: Sequence[Named]) -> list[str]:

@@ -11,14 +11,16 @@ import torch
 from kvgen.runtime import MemoryObj
 from kvgen.tools.cli import main
 
-# Heads outermost, K/V packed inside each head's content: a layout not in the library.
+# Heads outermost, slots before blocks, K/V packed inside each head's content: a layout not
+# in the library (the README's walkthrough; tests/test_readme_walkthroughs.py checks no
+# built-in is the same layout).
 SPEC = """\
 kvgen: 1
 name: my_engine_hkv
 kind: paged
-summary: Example engine cache, heads outermost, per-layer K/V packed in content.
+summary: Example engine cache, heads outermost, slots before blocks, K/V packed in content.
 lists: [L]
-dims: [H, B, N, [KV, C]]
+dims: [H, N, B, [KV, C]]
 sizes: {KV: 2}
 lmcache: {format: MY_ENGINE_HKV}
 engines: [my-engine/ATTN]
@@ -39,7 +41,7 @@ def test_new_layout_builds_imports_and_round_trips(tmp_path: Path, monkeypatch) 
     try:
         Connector = package.get("my_engine_hkv", "kv_2ltd")
         L, H, B, N, C = 2, 3, 6, 4, 5
-        cache = [torch.randn(H, B, N, 2 * C) for _ in range(L)]
+        cache = [torch.randn(H, N, B, 2 * C) for _ in range(L)]
         slots = torch.tensor([9, 10, 11, 0, 1, 2, 3, 20])
         conn = Connector()
         obj = MemoryObj(torch.zeros(2, L, 8, H * C))
@@ -52,7 +54,7 @@ def test_new_layout_builds_imports_and_round_trips(tmp_path: Path, monkeypatch) 
         conn.to_gpu(obj, 0, 8, kvcaches=fresh, slot_mapping=slots)
         for _t, s in enumerate(slots.tolist()):
             for layer in range(L):
-                assert torch.equal(fresh[layer][:, s // N, s % N], cache[layer][:, s // N, s % N])
+                assert torch.equal(fresh[layer][:, s % N, s // N], cache[layer][:, s % N, s // N])
     finally:
         for name in [m for m in sys.modules if m.startswith("my_connectors")]:
             del sys.modules[name]

@@ -36,7 +36,7 @@ def test_explain(capsys) -> None:
 
 def test_explain_unknown_lists_names(capsys) -> None:
     assert main(["explain", "nope"]) == 1
-    assert "known: " in capsys.readouterr().err
+    assert "`kvgen list` shows all" in capsys.readouterr().err
 
 
 def test_validate_reports_every_problem_without_traceback(tmp_path: Path) -> None:

@@ -45,9 +45,12 @@ def test_unknown_name_lists_names_and_aliases(library) -> None:
         library["nope"]
     assert not isinstance(info.value, KeyError)
     message = str(info.value)
-    assert "no layout or object named 'nope'" in message
-    for known in ("vllm_flash_attn_nhd (NHD, ", "kv_2ltd (KV_2LTD)", "sglang_mha (SGLANG_MHA, ", "vllm_mla (MLA, "):
-        assert known in message
+    assert "no layout or object named 'nope'" in message and "`kvgen list` shows all" in message
+    for typo, known in (("vllm_flash_attn_nh", "vllm_flash_attn_nhd (NHD, "), ("kv_2ltdd", "kv_2ltd (KV_2LTD)"),
+                        ("sglang_mh", "sglang_mha (SGLANG_MHA, "), ("vllm_ml", "vllm_mla (MLA, ")):
+        with pytest.raises(KVGenError) as info:
+            library[typo]
+        assert str(info.value).split("closest: ", 1)[1].startswith(known), (typo, str(info.value))
 
 
 def test_explain_by_lowercase_alias_and_format(capsys) -> None:
@@ -58,6 +61,6 @@ def test_explain_by_lowercase_alias_and_format(capsys) -> None:
 
 
 def test_explain_unknown_names_the_aliases(capsys) -> None:
-    assert main(["explain", "nope"]) == 1
+    assert main(["explain", "flash_attn_nhd"]) == 1
     err = capsys.readouterr().err
-    assert "vllm_flash_attn_nhd (NHD, " in err and "Traceback" not in err
+    assert "closest: vllm_flash_attn_nhd (NHD, " in err and "Traceback" not in err

@@ -72,7 +72,6 @@ def test_create_gpu_connector_has_lmcache_signature_and_picks_like_it() -> None:
     picks = {
         (EngineType.VLLM, ()): kl.VLLMPagedMemGPUConnectorV2,
         (EngineType.VLLM, (("use_layerwise", True),)): kl.VLLMPagedMemLayerwiseGPUConnector,
-        (EngineType.VLLM, (("use_gpu_connector_v3", True),)): kl.VLLMPagedMemGPUConnectorV3,
         (EngineType.SGLANG, ()): kl.SGLangGPUConnector,
         (EngineType.SGLANG, (("use_layerwise", True),)): kl.SGLangLayerwiseGPUConnector,
         (EngineType.TRTLLM, ()): kl.TRTLLMGPUConnector,
@@ -219,3 +218,88 @@ def test_mla_layerwise_without_staging_and_tuples_with_it() -> None:
             got, want, obj_spec = obj.tensor, torch.zeros(conn.get_shape(7)), LIBRARY["kv_2ltd"]
         reference.store(spec, obj_spec, EXT, cache, want, mapping_list, 0, 7)
         assert same_bits(got, want), layout
+
+
+MLA = LIBRARY["vllm_mla"]
+MLA_META = {"use_mla": True, "kv_shape": (EXT["L"], 1, 16, 1, EXT["C"])}
+
+
+def test_mla_stores_relabel_lmcache_s_default_allocation_label() -> None:
+    """LMCache allocates whole-chunk objects as KV_2LTD and its MLA store relabels them
+    KV_MLA_FMT; kvgen's drop-in does the same, and still refuses a wrong object unchanged."""
+    cache = make_cache(MLA, torch.float32, "cpu")
+    mapping_list = block_table_mapping(14, random.Random(13), EXT)
+    mapping = torch.tensor(mapping_list)
+    conn = kl.VLLMPagedMemGPUConnectorV2.from_metadata(_meta(**MLA_META), device="cpu")
+    alloc = PinMemoryAllocator(size=1 << 20)
+    objs = [alloc.allocate(conn.get_shape(6), torch.float32, MemoryFormat.KV_2LTD) for _ in range(2)]
+    wrong = alloc.allocate(conn.get_shape(5), torch.float32, MemoryFormat.KV_2LTD)
+    try:
+        _vllm_store(conn, cache, objs, mapping)
+        assert all(o.metadata.fmt is MemoryFormat.KV_MLA_FMT for o in objs)
+        for obj, (start, end) in zip(objs, [(0, 6), (8, 14)], strict=True):
+            want = torch.zeros(conn.get_shape(6))
+            reference.store(MLA, LIBRARY["kv_mla"], EXT, cache, want, mapping_list, start, end)
+            assert same_bits(obj.tensor, want)
+        before = wrong.tensor.clone()
+        with pytest.raises(KVLayoutError, match="memory object"):
+            conn.from_gpu(wrong, 0, 6, kvcaches=cache, slot_mapping=mapping)
+        assert wrong.metadata.fmt is MemoryFormat.KV_2LTD and same_bits(wrong.tensor, before)
+        for label in (MemoryFormat.KV_2TD, MemoryFormat.BINARY):  # labels of other kinds of data
+            objs[0].metadata.fmt = label
+            with pytest.raises(KVLayoutError, match=f"labelled {label.name}"):
+                conn.from_gpu(objs[0], 0, 6, kvcaches=cache, slot_mapping=mapping)
+            assert objs[0].metadata.fmt is label
+    finally:
+        for obj in [*objs, wrong]:
+            obj.ref_count_down()
+        alloc.close()
+
+
+@pytest.mark.parametrize("cached", [2.9, "3", True, -1, None])
+def test_vllm_cached_tokens_must_be_a_whole_count(cached: Any) -> None:
+    cache = make_cache(NHD, torch.float32, "cpu")
+    conn = kl.VLLMPagedMemGPUConnectorV2.from_metadata(_meta(), device="cpu")
+    obj = MemoryObj(torch.zeros(conn.get_shape(6)))
+    mapping = torch.tensor(block_table_mapping(6, random.Random(9), EXT))
+    conn.from_gpu(obj, 0, 6, kvcaches=cache, slot_mapping=mapping)
+    before = clone_tree(cache)
+    if cached is None:  # LMCache's default: no cached tokens
+        conn.to_gpu(obj, 0, 6, kvcaches=cache, slot_mapping=mapping, vllm_cached_tokens=None)
+        return
+    with pytest.raises(KVLayoutError, match=f"vllm_cached_tokens must be a whole number >= 0, got {cached!r}"):
+        conn.to_gpu(obj, 0, 6, kvcaches=cache, slot_mapping=mapping, vllm_cached_tokens=cached)
+    assert same_bits(cache, before)
+    lw = kl.VLLMPagedMemLayerwiseGPUConnector.from_metadata(_meta(), device="cpu")
+    with pytest.raises(KVLayoutError, match="vllm_cached_tokens must be a whole number"):
+        next(lw.batched_to_gpu([0], [6], kvcaches=cache, slot_mapping=mapping, sync=True,
+                               vllm_cached_tokens=cached))
+
+
+def test_staging_allocator_memcheck_follows_its_accounting() -> None:
+    """LMCache's connector tests call gpu_buffer_allocator.memcheck() after transfers."""
+    alloc = LayerBufferAllocator(4096, "cpu")
+    assert alloc.memcheck() is True
+    a = alloc.allocate(torch.Size([64]), torch.float32)
+    b = alloc.allocate(torch.Size([64]), torch.float32)
+    assert a is not None and b is not None and alloc.memcheck() is True
+    a.ref_count_down()
+    assert alloc.memcheck() is True
+    alloc._taken[b.tensor.data_ptr() - alloc._buffer.data_ptr() + 8] = 16  # an overlap: the books are wrong
+    assert alloc.memcheck() is False
+    cache = make_cache(NHD, torch.float32, "cpu")
+    conn = kl.VLLMPagedMemLayerwiseGPUConnector.from_metadata(_meta(), use_gpu=True, device="cpu")
+    objs = [[MemoryObj(torch.zeros(conn.get_shape(5)))] for _ in range(EXT["L"])]
+    for _ in conn.batched_from_gpu(objs, [0], [5], kvcaches=cache, slot_mapping=torch.arange(5), sync=True):
+        pass
+    assert conn.gpu_buffer_allocator.memcheck() is True
+
+
+@pytest.mark.parametrize("flag", ["use_gpu_connector_v3", "enable_blending"])
+def test_cpu_refuses_the_vllm_features_lmcache_refuses_there(flag: str) -> None:
+    config = LMCacheEngineConfig.from_defaults(**{flag: True})
+    with pytest.raises(ValueError, match=f"config.{flag}=True is only supported on cuda/xpu") as theirs:
+        CreateGPUConnector(config, _meta(), EngineType.VLLM)
+    with pytest.raises(KVLayoutError, match=f"config.{flag}=True is only supported on cuda/xpu") as ours:
+        kl.create_gpu_connector(config, _meta(), EngineType.VLLM)
+    assert "device is 'cpu'" in str(theirs.value) and "device is 'cpu'" in str(ours.value)

@@ -9,6 +9,10 @@ import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+#: The default of a required keyword, so a call without it reaches refuse_unknown first (a
+#: misspelt `slot_maping=` is named with its did-you-mean, not reported as a missing one).
+MISSING: Any = object()
+
 #: Keywords per method; the positional arguments are fixed by each method's signature.
 WHOLE_STORE = ("kvcaches", "slot_mapping", "offset")
 WHOLE_LOAD = ("kvcaches", "slot_mapping", "offset", "skip_prefix_n_tokens")
@@ -43,7 +47,15 @@ def refuse_whole_call(method: str, positional: int, protocol: str) -> None:
                     f"called like a whole-chunk transfer. {protocol}")
 
 
-def refuse_missing(method: str, missing: Sequence[str], protocol: str) -> None:
+def refuse_missing(method: str, missing: Sequence[str], protocol: str = "") -> None:
     if missing:
+        tail = f". {protocol}" if protocol else ""
         raise TypeError(f"{method}() is missing keyword argument{'s' if len(missing) > 1 else ''} "
-                        f"{', '.join(map(repr, missing))}. {protocol}")
+                        f"{', '.join(map(repr, missing))}{tail}")
+
+
+def check_keywords(method: str, unknown: Mapping[str, Any], accepted: Sequence[str], protocol: str = "",
+                   **required: Any) -> None:
+    """refuse_unknown, then refuse_missing for the `required` keywords left MISSING."""
+    refuse_unknown(method, unknown, accepted, protocol)
+    refuse_missing(method, [name for name, value in required.items() if value is MISSING], protocol)

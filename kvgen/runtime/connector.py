@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvgen.runtime import calls
 from kvgen.runtime.aliasing import check_objects_apart, check_unique_slots
 from kvgen.runtime.binding import Binding, leaf_names, new_binding, snapshot
 from kvgen.runtime.devices import Backend, backend_for, check_device
@@ -44,7 +45,7 @@ MAX_WORD = {"cpu": 16, "cuda": 16}
 #: Bindings kept per connector (a few caches in turn, e.g. one per engine or thread).
 _BINDINGS_KEPT = 8
 
-_MISSING: Any = object()
+_MISSING: Any = calls.MISSING
 
 
 class Call:
@@ -135,15 +136,16 @@ class ConnectorBase(KernelCopies):
         """The geometry of the cache bound last (with several caches, use bind(cache))."""
         last = self._last
         if last is None:
-            raise RuntimeError(f"{type(self).__module__}: no cache bound yet; pass kvcaches to a "
-                               "transfer or call bind(kvcaches) first")
+            raise KVLayoutError(f"{type(self).__module__}: no cache bound yet; pass kvcaches to a "
+                                "transfer or call bind(kvcaches) first")
         return last.geometry
 
     def get_shape(self, num_tokens: int, kvcaches: Any = None) -> torch.Size:
         """Shape of the memory object (of one layer's object, when layerwise) for a chunk of
         `kvcaches` (default: the cache bound last)."""
+        count = token_count(num_tokens)
         g = self.geometry if kvcaches is None else self.bind(kvcaches)
-        return torch.Size(self._shape(g, num_tokens))
+        return torch.Size(self._shape(g, count))
 
     def get_dtype(self, kvcaches: Any = None) -> torch.dtype:
         """Element type of the memory object for `kvcaches` (default: the cache bound last):
@@ -345,6 +347,15 @@ def _integer(what: str, value: Any) -> int:
         return operator.index(value)
     except TypeError:
         raise KVLayoutError(f"{what} must be an integer, got {type(value).__name__} {value!r}") from None
+
+
+def token_count(value: Any) -> int:
+    """A number of tokens: an integer >= 0, else KVLayoutError (a negative count would make a
+    shape with a negative extent)."""
+    count = _integer("num_tokens", value)
+    if count < 0:
+        raise KVLayoutError(f"num_tokens must be >= 0, got {count}")
+    return count
 
 
 def _positions(what: str, values: Any) -> list[int]:

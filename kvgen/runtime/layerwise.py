@@ -124,6 +124,9 @@ class LayerwiseConnector(ConnectorBase):
                 backend.wait_stream(backend.current_stream(), stream)
             objs = yield
         self._finish(backend, stream, sync)
+        if objs is not None:  # every layer is loaded; objects sent now would be dropped unseen
+            raise KVLayoutError(f"send() after the last layer: all {g.L} layers are loaded; finish the load with "
+                                "next(), not send()")
         yield
 
     @staticmethod

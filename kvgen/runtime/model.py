@@ -28,7 +28,8 @@ import torch
 from kvgen.runtime import calls
 from kvgen.runtime.aliasing import CacheMemory, check_cache_memory, check_objects_apart
 from kvgen.runtime.binding import leaf_names, leaves, snapshot
-from kvgen.runtime.connector import Call, ConnectorBase, _integer, _positions
+from kvgen.runtime.calls import MISSING
+from kvgen.runtime.connector import Call, ConnectorBase, _integer, _positions, token_count
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, ObjectLayout, describe
 from kvgen.runtime.memory import Format, MemoryObj, relabel
@@ -164,7 +165,7 @@ class ModelConnector:
         if kvcaches is not None:
             return self.bind(kvcaches)
         if self._last is None:
-            raise RuntimeError(f"{type(self).__module__}: no cache bound yet; pass kvcaches or call bind(kvcaches)")
+            raise KVLayoutError(f"{type(self).__module__}: no cache bound yet; pass kvcaches or call bind(kvcaches)")
         return self._last
 
     # -- the object ----------------------------------------------------------------------
@@ -189,11 +190,13 @@ class ModelConnector:
 
     def sections(self, num_tokens: int, kvcaches: Any = None) -> tuple[Section, ...]:
         """(name, kind, offset, nbytes, detail) of each section of a chunk's object."""
-        return self._sections(self._binding(kvcaches), _integer("num_tokens", num_tokens))[0]
+        count = token_count(num_tokens)
+        return self._sections(self._binding(kvcaches), count)[0]
 
     def get_shape(self, num_tokens: int, kvcaches: Any = None) -> torch.Size:
         """The object of a chunk of `num_tokens`: [bytes] (for `kvcaches`, default the cache bound last)."""
-        return torch.Size([self._sections(self._binding(kvcaches), _integer("num_tokens", num_tokens))[1]])
+        count = token_count(num_tokens)
+        return torch.Size([self._sections(self._binding(kvcaches), count)[1]])
 
     def get_dtype(self, kvcaches: Any = None) -> torch.dtype:
         return torch.uint8
@@ -248,31 +251,32 @@ class ModelConnector:
 
     # -- calls ---------------------------------------------------------------------------
 
-    def from_gpu(self, memory_obj: Any, start: int, end: int, *, kvcaches: Any, slot_mappings: Any,
+    def from_gpu(self, memory_obj: Any, start: int, end: int, *, kvcaches: Any = MISSING, slot_mappings: Any = MISSING,
                  state_slot: int | None = None, offset: int = 0, **unknown: Any) -> None:
         """Copy tokens [start, end) of every carried group, and the state at `state_slot`, into `memory_obj`."""
-        calls.refuse_unknown("from_gpu", unknown, STORE)
+        calls.check_keywords("from_gpu", unknown, STORE, kvcaches=kvcaches, slot_mappings=slot_mappings)
         self._run([memory_obj], [start], [end], kvcaches, slot_mappings, [state_slot], offset, 0, storing=True)
 
-    def to_gpu(self, memory_obj: Any, start: int, end: int, *, kvcaches: Any, slot_mappings: Any,
+    def to_gpu(self, memory_obj: Any, start: int, end: int, *, kvcaches: Any = MISSING, slot_mappings: Any = MISSING,
                state_slot: int | None = None, offset: int = 0, skip_prefix_n_tokens: int = 0, **unknown: Any) -> None:
         """Copy `memory_obj` into every carried group at its slots, and its state into `state_slot`."""
-        calls.refuse_unknown("to_gpu", unknown, LOAD)
+        calls.check_keywords("to_gpu", unknown, LOAD, kvcaches=kvcaches, slot_mappings=slot_mappings)
         self._run([memory_obj], [start], [end], kvcaches, slot_mappings, [state_slot], offset, skip_prefix_n_tokens,
                   storing=False)
 
     def batched_from_gpu(self, memory_objs: Sequence[Any], starts: Sequence[int], ends: Sequence[int], *,
-                         kvcaches: Any, slot_mappings: Any, state_slots: Sequence[int | None] | None = None,
-                         offset: int = 0, **unknown: Any) -> None:
+                         kvcaches: Any = MISSING, slot_mappings: Any = MISSING,
+                         state_slots: Sequence[int | None] | None = None, offset: int = 0, **unknown: Any) -> None:
         """from_gpu for each chunk; `state_slots`: one request slot (or None) per chunk."""
-        calls.refuse_unknown("batched_from_gpu", unknown, BATCHED_STORE)
+        calls.check_keywords("batched_from_gpu", unknown, BATCHED_STORE, kvcaches=kvcaches, slot_mappings=slot_mappings)
         self._run(memory_objs, starts, ends, kvcaches, slot_mappings, state_slots, offset, 0, storing=True)
 
     def batched_to_gpu(self, memory_objs: Sequence[Any], starts: Sequence[int], ends: Sequence[int], *,
-                       kvcaches: Any, slot_mappings: Any, state_slots: Sequence[int | None] | None = None,
-                       offset: int = 0, skip_prefix_n_tokens: int = 0, **unknown: Any) -> None:
+                       kvcaches: Any = MISSING, slot_mappings: Any = MISSING,
+                       state_slots: Sequence[int | None] | None = None, offset: int = 0, skip_prefix_n_tokens: int = 0,
+                       **unknown: Any) -> None:
         """to_gpu for each chunk; `state_slots`: one request slot (or None) per chunk."""
-        calls.refuse_unknown("batched_to_gpu", unknown, BATCHED_LOAD)
+        calls.check_keywords("batched_to_gpu", unknown, BATCHED_LOAD, kvcaches=kvcaches, slot_mappings=slot_mappings)
         self._run(memory_objs, starts, ends, kvcaches, slot_mappings, state_slots, offset, skip_prefix_n_tokens,
                   storing=False)
 

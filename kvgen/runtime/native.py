@@ -123,7 +123,9 @@ def _load() -> tuple[Any, str | None]:
         return None, "switched off (KVGEN_NATIVE=0)"
     cc = compiler()
     if cc is None:
-        return None, "no C compiler found (install cc/gcc or set KVGEN_CC)"
+        wanted = os.environ.get("KVGEN_CC")
+        return None, (f"KVGEN_CC={wanted}: no such compiler on PATH" if wanted
+                      else "no C compiler found (install cc/gcc or set KVGEN_CC)")
     try:
         try:
             path = _build(cc, cache_dir())

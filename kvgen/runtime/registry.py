@@ -81,11 +81,33 @@ class Registry:
         pair = (self.resolve(src), self.resolve(dst))
         if pair not in self.transfers:
             partners = sorted(d for s, d in self.transfers if s == pair[0])
+            why = self._transfer_blocker(*pair)
+            advice = (f"no transfer can be declared: {why}" if why else f"Declare it with one line, "
+                      f"'{pair[0]} -> {pair[1]}', in a transfers.yaml of a --specs folder and build")
             raise KVLayoutError(f"no transfer {pair[0]} -> {pair[1]} was generated; {pair[0]} transfers to: "
-                                f"{', '.join(partners) or 'nothing'}. Declare it with one line, "
-                                f"'{pair[0]} -> {pair[1]}', in a transfers.yaml of a --specs folder and build")
+                                f"{', '.join(partners) or 'nothing'}. {advice}")
         module = importlib.import_module(f".{self.transfers[pair]}", self.package)
         return module.Transfer
+
+    def _transfer_blocker(self, src: str, dst: str) -> str | None:
+        """Why the build would refuse `src -> dst`, from the layouts' facts (None when it would
+        take it). The build's rule is kvgen.spec.transfers.content_problem, which the runtime
+        cannot import; tests/test_user_errors.py checks the two agree on every built-in pair."""
+        for name in (src, dst):
+            facts = self.layouts[name]
+            if facts["kind"] != "paged":
+                return f"{name} is a memory object; transfers copy between paged layouts"
+            if "parts" in facts:
+                return f"{name} is a spec format 2 layout; transfers move single-part (format 1) layouts only"
+        content = {name: {a for dim in (self.layouts[name]["lists"], *self.layouts[name]["dims"]) for a in dim}
+                   - {"B", "N"} for name in (src, dst)}
+        if content[src] != content[dst]:
+            def words(axes: set[str]) -> str:
+                return (f"{'K and V' if 'KV' in axes else 'one latent plane (no K/V)'} "
+                        f"{'per head' if 'H' in axes else 'without heads'}")
+
+            return f"{src} holds {words(content[src])} but {dst} holds {words(content[dst])}"
+        return None
 
     def connector(self, layout: str, obj: str, device: str = "cpu", **kwargs: Any) -> Any:
         """A connector for `device`, refused now (not mid-transfer) when unsupported."""

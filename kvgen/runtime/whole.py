@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from kvgen.runtime import calls
+from kvgen.runtime.calls import MISSING
 from kvgen.runtime.connector import Call, ConnectorBase, _positions
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, describe
@@ -21,24 +22,26 @@ class ChunkConnector(ConnectorBase):
 
     layerwise = False
 
-    def from_gpu(self, memory_obj: Any, start: int, end: int, *, kvcaches: Any, slot_mapping: Any,
+    def from_gpu(self, memory_obj: Any, start: int, end: int, *, kvcaches: Any = MISSING, slot_mapping: Any = MISSING,
                  offset: int = 0, **unknown: Any) -> None:
         """Copy tokens [start, end) from the paged cache into `memory_obj`."""
-        calls.refuse_unknown("from_gpu", unknown, calls.WHOLE_STORE)
+        calls.check_keywords("from_gpu", unknown, calls.WHOLE_STORE, kvcaches=kvcaches, slot_mapping=slot_mapping)
         self.batched_from_gpu([memory_obj], [start], [end], kvcaches=kvcaches, slot_mapping=slot_mapping,
                               offset=offset)
 
-    def to_gpu(self, memory_obj: Any, start: int, end: int, *, kvcaches: Any, slot_mapping: Any,
+    def to_gpu(self, memory_obj: Any, start: int, end: int, *, kvcaches: Any = MISSING, slot_mapping: Any = MISSING,
                offset: int = 0, skip_prefix_n_tokens: int = 0, **unknown: Any) -> None:
         """Copy `memory_obj` into the paged cache at the slots of tokens [start, end)."""
-        calls.refuse_unknown("to_gpu", unknown, calls.WHOLE_LOAD)
+        calls.check_keywords("to_gpu", unknown, calls.WHOLE_LOAD, kvcaches=kvcaches, slot_mapping=slot_mapping)
         self.batched_to_gpu([memory_obj], [start], [end], kvcaches=kvcaches, slot_mapping=slot_mapping,
                             offset=offset, skip_prefix_n_tokens=skip_prefix_n_tokens)
 
     def batched_from_gpu(self, memory_objs: Sequence[Any], starts: Sequence[int], ends: Sequence[int], *,
-                         kvcaches: Any, slot_mapping: Any, offset: int = 0, **unknown: Any) -> None:
+                         kvcaches: Any = MISSING, slot_mapping: Any = MISSING, offset: int = 0,
+                         **unknown: Any) -> None:
         """Copy each chunk's tokens from the paged cache into its memory object."""
-        calls.refuse_unknown("batched_from_gpu", unknown, calls.WHOLE_STORE)
+        calls.check_keywords("batched_from_gpu", unknown, calls.WHOLE_STORE, kvcaches=kvcaches,
+                             slot_mapping=slot_mapping)
         call = self._begin(kvcaches, slot_mapping, starts, ends, offset, 0)
         tensors = self._check_chunk_objects(call, memory_objs, storing=True)
         for obj, tensor, ck in zip(memory_objs, tensors, call.chunks, strict=True):
@@ -48,10 +51,11 @@ class ChunkConnector(ConnectorBase):
         backend.synchronize(backend.current_stream())
 
     def batched_to_gpu(self, memory_objs: Sequence[Any], starts: Sequence[int], ends: Sequence[int], *,
-                       kvcaches: Any, slot_mapping: Any, offset: int = 0, skip_prefix_n_tokens: int = 0,
-                       **unknown: Any) -> None:
+                       kvcaches: Any = MISSING, slot_mapping: Any = MISSING, offset: int = 0,
+                       skip_prefix_n_tokens: int = 0, **unknown: Any) -> None:
         """Copy each memory object into the paged cache at its chunk's slots."""
-        calls.refuse_unknown("batched_to_gpu", unknown, calls.WHOLE_LOAD)
+        calls.check_keywords("batched_to_gpu", unknown, calls.WHOLE_LOAD, kvcaches=kvcaches,
+                             slot_mapping=slot_mapping)
         call = self._begin(kvcaches, slot_mapping, starts, ends, offset, skip_prefix_n_tokens)
         tensors = self._check_chunk_objects(call, memory_objs, storing=False)
         self._check_unique_slots(call, _positions("starts", starts), skip_prefix_n_tokens, offset)

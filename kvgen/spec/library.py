@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import re
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvgen.errors import Problem, SpecError
+from kvgen.errors import Problem, SpecError, display_path
 from kvgen.names import Named, described, resolve
-from kvgen.spec.loader import Document, load_document
+from kvgen.spec.loader import Document, load_document_past_unknown_fields
 from kvgen.spec.model import Spec, build_spec
 from kvgen.spec.models import ModelKind, ModelSpec, build_model
 from kvgen.spec.passes import UNDEFINED, check_library, check_spec
@@ -108,19 +110,45 @@ TRANSFER_FILES = ("transfers.yaml", "transfers.yml")
 
 
 def spec_files(dirs: Iterable[Path]) -> list[SpecFile]:
-    """Every *.yaml / *.yml under `dirs` (or the file itself), in a stable order."""
+    """Every *.yaml / *.yml under `dirs` (or the file itself), in a stable order. A path that
+    is no regular file (a FIFO, a device, a socket, a symlink loop) is refused, all of them in
+    one SpecError, and never opened: reading a FIFO would wait forever."""
     files: list[SpecFile] = []
+    odd: list[Problem] = []
     for d in dirs:
-        if d.is_file():
+        what = _not_regular(d)
+        if what:
+            odd.append(_odd_problem(d, what))
+        elif d.is_file():
             if d.name not in TRANSFER_FILES:
                 files.append((d, d.name))
         elif d.is_dir():
-            found = sorted(p for p in d.rglob("*")
-                           if p.suffix in (".yaml", ".yml") and p.is_file() and p.name not in TRANSFER_FILES)
-            files.extend((p, f"{d.resolve().name}/{p.relative_to(d).as_posix()}") for p in found)
+            found = sorted(p for p in d.rglob("*") if p.suffix in (".yaml", ".yml") and p.name not in TRANSFER_FILES)
+            odd.extend(_odd_problem(p, what) for p in found if (what := _not_regular(p)))
+            files.extend((p, f"{d.resolve().name}/{p.relative_to(d).as_posix()}") for p in found if p.is_file()
+                         and not _not_regular(p))
         else:
             raise FileNotFoundError(f"spec folder {d} does not exist")
+    if odd:
+        raise SpecError(odd)
     return files
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def _not_regular(path: Path) -> str | None:
+    """What `path` is when it exists but is neither a regular file nor a folder, else None."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        return "a symlink loop" if exc.errno == errno.ELOOP else None
+    return next((what for test, what in _KINDS if test(mode)), None)
+
+
+def _odd_problem(path: Path, what: str) -> Problem:
+    return Problem(display_path(path), 1, 1, (), f"{what}, not a spec file (a spec is a regular YAML file)")
 
 
 def load_each(files: Sequence[Path | SpecFile]) -> tuple[list[tuple[AnySpec, Document]], list[Problem]]:
@@ -130,9 +158,12 @@ def load_each(files: Sequence[Path | SpecFile]) -> tuple[list[tuple[AnySpec, Doc
     for item in files:
         path, origin = item if isinstance(item, tuple) else (item, item.name)
         try:
-            doc = load_document(path)
+            doc, unknown = load_document_past_unknown_fields(path)
         except SpecError as exc:
             problems.extend(exc.problems)
+            continue
+        problems.extend(unknown)
+        if doc is None:
             continue
         spec: AnySpec
         if doc.data.get("kind") == ModelKind.MODEL:
@@ -142,7 +173,7 @@ def load_each(files: Sequence[Path | SpecFile]) -> tuple[list[tuple[AnySpec, Doc
             spec = build_spec(doc, origin)
             found = check_spec(spec, doc)
         problems.extend(found)
-        if not found:
+        if not found and not unknown:
             entries.append((spec, doc))
     return entries, problems
 

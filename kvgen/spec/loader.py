@@ -14,7 +14,7 @@ import yaml
 
 from kvgen.errors import Problem, SpecError, YamlPath, display_path
 from kvgen.spec.document import Document, key_problem, one_line, short
-from kvgen.spec.schema_check import schema_problems, typename, version_problem
+from kvgen.spec.schema_check import drop_unknown_fields, schema_problems, typename, version_problem
 
 MAX_SPEC_BYTES = 64 * 1024
 #: Deepest nesting of lists and mappings; a spec needs 3 (root, dims, a fused group).
@@ -219,3 +219,20 @@ def load_document(path: Path) -> Document:
     if problems:
         raise SpecError(dict.fromkeys(problems))
     return doc
+
+
+def load_document_past_unknown_fields(path: Path) -> tuple[Document | None, list[Problem]]:
+    """load_document, except that a file whose only schema problems are unknown fields is
+    returned too, with those fields dropped, so that its other (semantic) problems are found
+    in the same pass: (document or None, the schema problems)."""
+    try:
+        return load_document(path), []
+    except SpecError as exc:
+        problems = list(exc.problems)
+    if not all(p.message.startswith("unknown field ") for p in problems):
+        return None, problems
+    doc = parse_yaml(path)
+    which = "model" if doc.data.get("kind") == "model" else "spec"
+    drop_unknown_fields(doc, which)
+    return (None if schema_problems(doc, which) else doc), problems
+

@@ -101,6 +101,31 @@ def _describe(error: jsonschema.ValidationError) -> str:
     return one_line(error.message)
 
 
+def drop_unknown_fields(doc: Document, which: str = "spec") -> None:
+    """Remove from `doc.data` every field the schema does not know (what schema_problems
+    reports as "unknown field"), so the rest of the file can still be checked."""
+    validator = _Validator(schema(which))
+    found = [(error.instance, sorted(error.schema.get("properties", {})))
+             for error in validator.iter_errors(doc.data)
+             if error.validator == "additionalProperties" and isinstance(error.instance, dict)]
+    for mapping, allowed in found:
+        for key in [k for k in mapping if k not in allowed]:
+            del mapping[key]
+
+
+def _fitting_branch(error: jsonschema.ValidationError) -> list[jsonschema.ValidationError] | None:
+    """The errors of the one anyOf branch whose kind of value (list, mapping, ...) the value
+    has, so `{every: 0}` is told what is wrong inside it rather than "not valid under any of
+    the given schemas"; None when no branch, or several, take that kind."""
+    branches: dict[Any, list[jsonschema.ValidationError]] = {}
+    for sub in error.context or ():
+        branches.setdefault(sub.relative_schema_path[0], []).append(sub)
+    here = list(error.absolute_path)
+    fitting = [errors for errors in branches.values()
+               if not any(list(e.absolute_path) == here and e.validator in ("type", "const", "enum") for e in errors)]
+    return fitting[0] if len(fitting) == 1 else None
+
+
 def _is_dim(error: jsonschema.ValidationError) -> bool:
     """A dim of the top-level dims, or of a part's (`parts.k.dims[2]`)."""
     path = list(error.absolute_path)
@@ -171,6 +196,10 @@ def schema_problems(doc: Document, which: str = "spec") -> list[Problem]:
             continue
         if error.validator == "anyOf" and _is_dim(error) and isinstance(error.instance, list):
             problems.extend(_fused_problems(doc, error))
+            continue
+        branch = _fitting_branch(error) if error.validator == "anyOf" else None
+        if branch:
+            problems.extend(doc.problem(tuple(sub.absolute_path), _describe(sub)) for sub in branch)
             continue
         problems.append(doc.problem(path, _describe(error)))
     return problems

@@ -21,6 +21,8 @@ def backends() -> dict[str, str]:
     wanted = os.environ.get("KVGEN_CC")
     compiler = shutil.which(wanted) if wanted else next(filter(None, map(shutil.which, ("cc", "gcc", "clang"))), None)
     cpu = "native" if compiler and os.environ.get("KVGEN_NATIVE", "1") not in ("0", "", "off", "no") else "torch"
+    if wanted and compiler is None:  # the user named a compiler: say that one is missing
+        cpu = f"torch (KVGEN_CC={wanted}: no such compiler on PATH)"
     return {"cpu": cpu, "cuda": gpu, "xpu": gpu}
 
 

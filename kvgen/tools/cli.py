@@ -34,9 +34,9 @@ def _tp_sizes(text: str) -> tuple[int, int]:
 
 
 def _out_arg(p: argparse.ArgumentParser, what: str) -> None:
-    from kvgen.tools.paths import default_out, describe_default_out
+    from kvgen.tools.paths import DefaultOut, default_out, describe_default_out
 
-    p.add_argument("--out", type=Path, default=default_out(), metavar="DIR",
+    p.add_argument("--out", type=Path, default=DefaultOut(default_out()), metavar="DIR",
                    help=f"{what} ({describe_default_out()})")
 
 
@@ -55,7 +55,7 @@ def _warn_left_out(loaded: Any) -> None:
 def _require(paths: Sequence[Path], what: str) -> None:
     """Missing inputs, said plainly before any work."""
     for path in paths:
-        if not path.exists():
+        if not os.path.lexists(path):  # a dangling or looping symlink is there, and said what it is later
             raise KVGenError(f"{what} {display_path(path)}: no such file or folder")
 
 
@@ -68,11 +68,17 @@ def cmd_build(args: argparse.Namespace) -> int:
     refuse_foreign_out(args.out)
     files = build(args.out, args.specs)
     print(f"wrote {len(files)} files to {display_path(args.out)}")
+    if args.specs:
+        from kvgen.tools.specset import twin_warnings
+
+        for warning in twin_warnings(args.specs):
+            print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     from kvgen.emit.build import check
+    from kvgen.tools.paths import rebuild_advice
 
     _require(args.specs, "--specs")
     report = check(args.out, args.specs)
@@ -81,8 +87,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 0
     for line in report.lines():
         print(line, file=sys.stderr)
-    print(f"kvgen: {display_path(args.out)} differs from what `kvgen build` writes; run it "
-          "(and commit generated/ in the kvgen repository)", file=sys.stderr)
+    print(f"kvgen: {display_path(args.out)} differs from what `kvgen build` writes; "
+          f"{rebuild_advice(args.out, args.specs)}", file=sys.stderr)
     return EXIT_FAILED
 
 
@@ -95,6 +101,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise KVGenError(f"no spec files (*.yaml, *.yml) in {', '.join(map(display_path, args.paths))}")
     for spec in result.ok:
         print(f"ok  {spec.source}: {spec.name} ({spec.kind}) {spec.arrow()}")
+    for warning in result.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     if result.problems:
         raise SpecError(result.problems)
     return 0
@@ -182,6 +190,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             raise KVGenError(f"{exc}; it may be in a spec file left out for its problems: "
                              f"{', '.join(loaded.left_out)}") from None
         raise
+    tp_lines = _tp_plan(spec, args)  # an impossible --tp fails before anything is printed
     coord = "(l, kv, slot, h, c)" if spec.is_paged else "(l, kv, t, h, c)"
     print(f"{spec.name} ({spec.kind}): {spec.summary}")
     print(f"  layout:   {spec.arrow()}")
@@ -190,7 +199,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     for line in explain_lines(spec):
         print(line)
     print(f"  aliases:  {', '.join(spec.aliases) or '-'}")
-    print(f"  source:   {spec.origin}")
+    print(f"  source:   {_spec_file(spec)}")
     if spec.is_paged:
         print(f"  lmcache:  {spec.lmcache_format or '- (no LMCache connector)'}")
         print(f"  engines:  {', '.join(spec.engines) or '-'}")
@@ -209,13 +218,24 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(f"      triton kernel: {grid}")
         print(f"  {_backend_line(planes=not spec.is_simple if spec.is_paged else spec.pack is not None)}")
     _explain_transfers(spec, library, args)
+    if tp_lines is not None:
+        print()
+        print("\n".join(tp_lines))
     return 0
 
 
+def _spec_file(spec: Any) -> str:
+    """Where the spec file is, as the user can open it: a built-in's under the installed (or
+    checked-out) kvgen's specs/, a user's as given."""
+    from kvgen.spec.library import BUILTIN_SPECS
+
+    source, builtin = Path(spec.source), BUILTIN_SPECS.parent / spec.origin
+    return display_path(source if source.is_file() or not builtin.is_file() else builtin)
+
+
 def _explain_transfers(spec: Any, library: Any, args: argparse.Namespace) -> None:
-    """The layout's declared transfers, and with --tp the resharding plan (kvgen.tp)."""
+    """The layout's declared transfers."""
     from kvgen.spec.transfers import load_transfers
-    from kvgen.tp import explain
 
     if spec.is_paged:
         try:
@@ -226,42 +246,35 @@ def _explain_transfers(spec: Any, library: Any, args: argparse.Namespace) -> Non
             print("  transfers:")
             for t in moves:
                 print(f"    {t.src.name} -> {t.dst.name} ({t.module}, declared at {t.declared})")
-    if args.tp is not None:
-        if not spec.is_paged:
-            raise KVGenError(f"--tp plans a resharding of paged caches; {spec.name} is a memory object")
-        src_tp, dst_tp = args.tp
-        print()
-        for line in explain(args.kv_heads, src_tp, dst_tp, mla=not spec.has("H")):
-            print(line)
+
+
+def _tp_plan(spec: Any, args: argparse.Namespace) -> list[str] | None:
+    """With --tp, the resharding plan in words (kvgen.tp); None without it."""
+    from kvgen.tp import explain
+
+    if args.tp is None:
+        return None
+    if not spec.is_paged:
+        raise KVGenError(f"--tp plans a resharding of paged caches; {spec.name} is a memory object")
+    src_tp, dst_tp = args.tp
+    return list(explain(args.kv_heads, src_tp, dst_tp, mla=not spec.has("H")))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from kvgen.tools.paths import DefaultOut, temporary_build
     from kvgen.tools.verify import main as verify_main
 
     _require(args.specs, "--specs")
-    return verify_main(args)
+    if not args.specs or not isinstance(args.out, DefaultOut):
+        return verify_main(args)
+    with temporary_build(args.specs) as args.out:  # a user's specs: no build of their own needed first
+        return verify_main(args)
 
 
 def cmd_detect(args: argparse.Namespace) -> int:
-    from kvgen.integrations.detect import detect, parse_cache_shape
+    from kvgen.tools.detect_view import detect_main
 
-    cache = parse_cache_shape(args.shape, args.stride, args.dtype)
-    hints = {k: getattr(args, k) for k in ("engine", "backend", "kv_layout", "given_order", "num_kv_heads",
-                                           "block_size", "head_size", "num_layers", "num_blocks", "layout")}
-    hints["use_mla"] = args.mla
-    found = detect(cache, **hints)
-    facts = {"layout": found.layout, "lmcache": found.lmcache, "extents": dict(found.extents),
-             "permutation": list(found.permutation), "decided_by": list(found.decided_by)}
-    if args.json:
-        print(json.dumps(facts, indent=2))
-        return 0
-    print(f"{found.layout} (LMCache format: {found.lmcache or '-'})")
-    print(f"  extents: {' '.join(f'{k}={v}' for k, v in found.extents.items())}")
-    view = f"permute{found.permutation} (the strides' memory order)" if found.permuted else "as given"
-    print(f"  view:    {view}")
-    used = ["list levels", "shape", *(["dtype"] if cache.dtype else []), *found.decided_by]
-    print(f"  facts:   {', '.join(used)}")
-    return 0
+    return detect_main(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -308,8 +321,8 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="run every connector of a generated package against the reference")
     _specs_arg(p)
-    _out_arg(p, "generated package to verify; it must hold exactly the connectors of the built-in specs "
-                "plus --specs")
+    _out_arg(p, "generated package to verify; it must hold exactly the connectors of the built-in specs plus "
+                "--specs (with --specs and no --out: those, built into a temporary folder)")
     p.add_argument("--device", action="append", default=None, metavar="TYPE",
                    help="device type to run on, e.g. cpu or cuda; repeatable (default: every one present)")
     p.add_argument("--only", default=None, metavar="TEXT",
@@ -321,6 +334,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser("detect", help="which layout a cache of this shape is (refuses to guess)")
+    _specs_arg(p)
     p.add_argument("shape", metavar="SHAPE",
                    help="list lengths then the tensor shape: 32x[2,1000,16,8,128], 2x32x[4096,8,128], [B,L,2,H,N,C]")
     p.add_argument("--stride", metavar="S,S,...", help="the tensor's strides in elements (memory order is a fact)")

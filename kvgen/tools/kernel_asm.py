@@ -135,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("kernel_asm compiles kernels: unset TRITON_INTERPRET", file=sys.stderr)
         return 2
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("kernel_asm needs triton, which is not installed: pip install 'kvgen[triton]'", file=sys.stderr)
+        return 2
     from kvgen.plan.package import plan_connectors
     from kvgen.spec.library import load_library
 

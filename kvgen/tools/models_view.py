@@ -40,7 +40,7 @@ def _extents(group: Group, layout: Spec) -> dict[str, int]:
 
 def _group_lines(group: Group, layout: Spec) -> list[str]:
     window = f", sliding window {group.window} tokens" if group.window else ""
-    out = [f"  group {group.name}: {layout.name}, {len(group.layers)} layers{window}",
+    out = [f"  group {group.name}: {layout.name}, {_layers(len(group.layers))}{window}",
            f"    layers:   {layer_text(group.layers)}",
            f"    layout:   {layout.arrow(_extents(group, layout))}"]
     fixed = ", ".join(f"{k} = {v}" for k, v in group.sizes) or "none (all read from the tensors)"
@@ -56,7 +56,7 @@ def _group_lines(group: Group, layout: Spec) -> list[str]:
 def _state_lines(model: ModelSpec) -> list[str]:
     out = []
     for s in model.states:
-        out.append(f"  state {s.name}: {len(s.layers)} layers, each a tuple of {len(s.tensors)} tensors "
+        out.append(f"  state {s.name}: {_layers(len(s.layers))}, each a tuple of {len(s.tensors)} tensors "
                    "indexed by request slot S")
         out.append(f"    layers:   {layer_text(s.layers)}")
         total = 0
@@ -136,3 +136,8 @@ def print_models(library: Library) -> None:
 
 
 __all__ = ["explain_model", "layer_text", "model_rows", "print_models"]
+
+
+def _layers(n: int) -> str:
+    return f"{n} layer{'s' if n != 1 else ''}"
+

@@ -9,7 +9,9 @@ using that environment, so a build must not change it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import kvgen
@@ -22,6 +24,11 @@ PACKAGE_DIR = Path(kvgen.__file__).resolve().parent
 def source_checkout(package_dir: Path | None = None) -> Path | None:
     """The checkout holding `package_dir` (default: the imported kvgen), or None when installed."""
     return library.source_checkout(package_dir or PACKAGE_DIR)
+
+
+class DefaultOut(type(Path())):  # type: ignore[misc]
+    """The --out a user did not give: equal to the path it names, but told apart from the
+    same path given explicitly (verify builds a user's --specs into a temporary folder then)."""
 
 
 def default_out() -> Path:
@@ -76,5 +83,31 @@ def refuse_foreign_out(out: Path) -> None:
 
 
 def rebuild_command(out: Path, specs: Sequence[Path]) -> str:
-    """The `kvgen build` that writes the package at `out` from these spec folders, quoted."""
+    """The `kvgen build` that writes the package at `out` from these spec folders, quoted; a
+    user's specs are never to be built into the checkout's generated/ (it ships the built-in
+    specs alone), so for that folder the command names a package of the user's own."""
+    checkout = source_checkout()
+    if specs and checkout is not None and out.resolve() == (checkout / "generated").resolve():
+        out = Path("my_connectors")
     return f"`kvgen build --out {display_path(out)}{''.join(f' --specs {display_path(s)}' for s in specs)}`"
+
+
+@contextlib.contextmanager
+def temporary_build(specs: Sequence[Path]) -> Iterator[Path]:
+    """The package of the built-ins plus `specs`, built into a temporary folder for the
+    length of the block (verify and detect of a user's specs need no build of their own)."""
+    from kvgen.emit.build import build
+
+    with tempfile.TemporaryDirectory(prefix="kvgen-specs-") as tmp:
+        out = Path(tmp) / "connectors"
+        build(out, specs)
+        yield out
+
+
+def rebuild_advice(out: Path, specs: Sequence[Path]) -> str:
+    """For the checkout's own generated/: rebuild and commit it; for a user's package: the
+    build that rewrites it (their package is theirs to keep)."""
+    checkout = source_checkout()
+    if checkout is not None and out.resolve() == (checkout / "generated").resolve() and not specs:
+        return "run `kvgen build` and commit generated/ with the change"
+    return f"rebuild it with {rebuild_command(out, specs)}"

@@ -8,6 +8,7 @@ caller warns about what was left out. `build` and `check` stay strict (kvgen.spe
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 from kvgen.errors import Problem, display_path
 from kvgen.spec.library import BUILTIN_SPECS, AnySpec, Library, SpecFile, load_each, load_specs, spec_files
 from kvgen.spec.loader import Document
+from kvgen.spec.model import Spec
 from kvgen.spec.passes import check_library
 
 Entry = tuple[AnySpec, Document]
@@ -33,6 +35,36 @@ class Validation:
     ok: list[AnySpec] = field(default_factory=list)  # specs of the given files without problems
     problems: list[Problem] = field(default_factory=list)
     files: int = 0  # spec files found under the given paths
+    warnings: list[str] = field(default_factory=list)  # legal, but likely not what the user meant
+
+
+#: What names or documents a layout without changing it: two specs equal but for these are one layout.
+_NAMING = {"name": "", "summary": "", "aliases": (), "lmcache_format": None, "engines": (), "source": "",
+           "origin": "", "digest": "", "code": None, "accepts": ()}
+
+
+def twins(builtin: Sequence[Entry], entries: Sequence[Entry]) -> list[str]:
+    """A warning for each user spec that describes a built-in layout under another name (a
+    copy to start from, left unchanged): the built-in's connectors already move it."""
+    def key(spec: AnySpec) -> object:
+        return dataclasses.replace(spec, **_NAMING) if isinstance(spec, Spec) else None
+
+    known = [(key(s), s) for s, _ in builtin if isinstance(s, Spec)]
+    out = []
+    for spec, doc in entries:
+        mine = key(spec)
+        same = next((b for k, b in known if mine is not None and k == mine), None)
+        if same is not None:
+            also = f" ({', '.join(same.aliases)})" if same.aliases else ""
+            out.append(f"{doc.file}: {spec.name} describes the same layout as the built-in {same.name}{also}; "
+                       "use that name (or alias) instead")
+    return out
+
+
+def twin_warnings(paths: Sequence[Path]) -> list[str]:
+    """twins() for the user spec files under `paths` that load without problems."""
+    builtin, files = user_files(paths)
+    return twins(builtin, load_each(files)[0])
 
 
 def validate(paths: Sequence[Path]) -> Validation:
@@ -43,7 +75,7 @@ def validate(paths: Sequence[Path]) -> Validation:
     problems += check_library([*builtin, *entries])
     bad = {p.file for p in problems}
     ok = [s for s, d in [*builtin, *entries] if Path(s.source).resolve() in asked and d.file not in bad]
-    return Validation(ok, problems, len(asked))
+    return Validation(ok, problems, len(asked), twins(builtin, [e for e in entries if e[1].file not in bad]))
 
 
 @dataclass

@@ -186,7 +186,8 @@ def main(args: Any) -> int:
 
     scenarios = list(SCENARIOS.values())
     rows, failures = 0, _check_facts(library)
-    print(f"{'layout':<24} {'object':<13} {'mode':<9} {'device':<6} {'store ok':<8} {'load ok':<8}")
+    wide = max([24, *(len(p.paged.name) for p in selected)]), max([13, *(len(p.obj.name) for p in selected)])
+    print(f"{'layout':<{wide[0]}} {'object':<{wide[1]}} {'mode':<9} {'device':<6} {'store ok':<8} {'load ok':<8}")
     for device in devices:
         for plan in selected:
             launches = kernels.stats["launches"]
@@ -198,7 +199,7 @@ def main(args: Any) -> int:
                 store_ok = load_ok = False
             failures += (not store_ok) + (not load_ok)
             rows += 1
-            print(f"{plan.paged.name:<24} {plan.obj.name:<13} {plan.mode:<9} {device:<6} "
+            print(f"{plan.paged.name:<{wide[0]}} {plan.obj.name:<{wide[1]}} {plan.mode:<9} {device:<6} "
                   f"{'yes' if store_ok else 'NO':<8} {'yes' if load_ok else 'NO':<8}", flush=True)
     print(f"\n{rows} connector runs on {', '.join(devices)} ({len(scenarios)} slot scenarios each"
           + (f", backend {args.backend}" if args.backend else "") + "): "

@@ -62,13 +62,14 @@ def run(package: ModuleType, library: Any, selected: Sequence[Any], devices: Seq
         return 0, 0
     from kvgen.oracle.model_scenarios import SCENARIOS
 
-    print(f"\n{'model':<24} {'object':<22} {'device':<6} {'store ok':<8} load ok")
+    wide = max([24, *(len(p.model.name) for p in selected)]), max([22, *(len(p.obj.name) for p in selected)])
+    print(f"\n{'model':<{wide[0]}} {'object':<{wide[1]}} {'device':<6} {'store ok':<8} load ok")
     failures = 0
     for device in devices:
         for plan in selected:
             store, load = _check(package, library, plan, device)
             failures += (not store) + (not load)
-            print(f"{plan.model.name:<24} {plan.obj.name:<22} {device:<6} {'yes' if store else 'NO':<8} "
+            print(f"{plan.model.name:<{wide[0]}} {plan.obj.name:<{wide[1]}} {device:<6} {'yes' if store else 'NO':<8} "
                   f"{'yes' if load else 'NO'}", flush=True)
     checks = 2 * len(selected) * len(devices)
     print(f"\n{len(selected) * len(devices)} model connector runs ({len(SCENARIOS)} scenarios each, groups and "

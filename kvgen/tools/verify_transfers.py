@@ -55,13 +55,14 @@ def run(package: ModuleType, selected: Sequence[Any], devices: Sequence[str]) ->
         return 0, 0
     from kvgen.oracle.transfer_scenarios import SCENARIOS
 
-    print(f"\n{'source':<30} {'destination':<34} {'device':<6} {'whole ok':<8} per layer ok")
+    wide = max([30, *(len(p.src.name) for p in selected)]), max([34, *(len(p.dst.name) for p in selected)])
+    print(f"\n{'source':<{wide[0]}} {'destination':<{wide[1]}} {'device':<6} {'whole ok':<8} per layer ok")
     failures = 0
     for device in devices:
         for pair in selected:
             whole, layers = _check(package, pair, device, False), _check(package, pair, device, True)
             failures += (not whole) + (not layers)
-            print(f"{pair.src.name:<30} {pair.dst.name:<34} {device:<6} {'yes' if whole else 'NO':<8} "
+            print(f"{pair.src.name:<{wide[0]}} {pair.dst.name:<{wide[1]}} {device:<6} {'yes' if whole else 'NO':<8} "
                   f"{'yes' if layers else 'NO'}", flush=True)
     checks = 2 * len(selected) * len(devices)
     print(f"\n{len(selected) * len(devices)} transfer runs ({len(SCENARIOS)} scenarios each, whole and per layer): "

@@ -9,9 +9,10 @@ The generated connector is used only through its public methods (`batched_from_g
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -21,6 +22,7 @@ from kvgen.errors import KVLayoutError
 from kvgen.integrations.detect import HINTS, SYNONYMS, Detection, detect, read_structure
 from kvgen.integrations.lmcache._compat import GPUConnectorInterface
 from kvgen.runtime import MemoryObj, backend_for
+from kvgen.runtime.connector import token_count
 from kvgen.runtime.devices import on_stream
 
 #: How many distinct caches one connector remembers the detection of.
@@ -94,6 +96,17 @@ class LayerBufferAllocator:
         with self._lock:
             self._taken.pop(offset, None)
 
+    def memcheck(self) -> bool:
+        """Whether the allocator's books are consistent (LMCache's tests call this after
+        transfers): every taken range inside the buffer, none overlapping another."""
+        with self._lock:
+            at = 0
+            for start in sorted(self._taken):
+                if start < at or start + self._taken[start] > self.size:
+                    return False
+                at = start + self._taken[start]
+            return True
+
     def close(self) -> None:
         with self._lock:
             self._buffer, self._taken = None, {}
@@ -139,6 +152,29 @@ def check_objects(memory_objs: Sequence[Any]) -> list[Any]:
             raise KVLayoutError(f"memory object {i} was freed (its ref count reached 0); allocate a new one")
         out.append(obj)
     return out
+
+
+#: The label LMCache's allocator gives whole-chunk objects; LMCache's MLA stores overwrite it.
+_ALLOCATION_LABEL = "KV_2LTD"
+
+
+@contextlib.contextmanager
+def mla_relabelled(objs: Sequence[Any]) -> Iterator[None]:
+    """An MLA store into objects labelled KV_2LTD, as LMCache's does: they are relabelled
+    KV_MLA_FMT (with the label's own enum) for the store, and get their label back if the
+    store refuses them. Any other label is left for the connector to judge."""
+    changed = []
+    for obj in objs:
+        fmt = getattr(getattr(obj, "metadata", None), "fmt", None)
+        if getattr(fmt, "name", None) == _ALLOCATION_LABEL and "KV_MLA_FMT" in getattr(type(fmt), "__members__", {}):
+            obj.metadata.fmt = type(fmt)["KV_MLA_FMT"]
+            changed.append((obj, fmt))
+    try:
+        yield
+    except BaseException:
+        for obj, fmt in changed:
+            obj.metadata.fmt = fmt
+        raise
 
 
 def _leaf_key(kvcaches: Any) -> tuple[Any, ...]:
@@ -225,8 +261,6 @@ class Adapter(GPUConnectorInterface):
         """Run on `stream` after the work already queued on the current one (the engine's
         writes to the cache), as LMCache's connectors run on their own streams."""
         if stream is None:
-            import contextlib
-
             return contextlib.nullcontext()
         return on_stream(backend_for(self.device), stream)  # type: ignore[arg-type]
 
@@ -245,6 +279,7 @@ class Adapter(GPUConnectorInterface):
     # -- shapes -------------------------------------------------------------------------
 
     def get_shape(self, num_tokens: int) -> torch.Size:
+        num_tokens = token_count(num_tokens)
         if self.LAYERWISE:
             return torch.Size([num_tokens, self.hidden_dim_size] if self.use_mla
                               else [num_tokens, 2, self.hidden_dim_size])
@@ -265,7 +300,8 @@ class WholeAdapter(Adapter):
         connector, view = self._bind(kwargs)
         mapping = require(kwargs, "slot_mapping")
         objs = check_objects(memory_objs)
-        with self._stream(self.store_stream):
+        relabel = mla_relabelled(objs) if self.use_mla else contextlib.nullcontext()
+        with self._stream(self.store_stream), relabel:
             call_with(connector.batched_from_gpu, objs, list(starts), list(ends), kvcaches=view,
                       slot_mapping=mapping, **self._store_extra(kwargs))
 

@@ -36,6 +36,19 @@ def device_type() -> str:
     return "cpu"
 
 
+#: vLLM features LMCache implements only on some devices; it refuses them elsewhere, and so
+#: does kvgen, so a configuration behaves the same with either factory.
+_DEVICE_SCOPED = ("enable_blending", "use_gpu_connector_v3")
+_FEATURE_DEVICES = ("cuda", "xpu")
+
+
+def _refuse_unsupported(config: Any, kind: str) -> None:
+    for flag in _DEVICE_SCOPED:
+        if kind not in _FEATURE_DEVICES and bool(getattr(config, flag, False)):
+            raise KVLayoutError(f"config.{flag}=True is only supported on {'/'.join(_FEATURE_DEVICES)}; the active "
+                                f"device is '{kind}'. Set {flag}=False or run on a supported accelerator build.")
+
+
 def _engine(engine: Any) -> str:
     return str(getattr(engine, "value", engine)).lower()
 
@@ -48,6 +61,9 @@ def create_gpu_connector(config: Any, metadata: Any, engine: Any,
     CacheBlend (`enable_blending`) needs LMCache's blender inside its buffer connector;
     that one, and the mock connector, are LMCache's own (KVLayoutError without LMCache)."""
     name = _engine(engine)
+    if not hasattr(metadata, "kv_shape"):
+        raise KVLayoutError(f"metadata must be LMCache's LMCacheMetadata (with kv_shape, kv_dtype, use_mla), "
+                            f"got {type(metadata).__name__ if metadata is not None else None}")
     kind = device_type()
     local = int(getattr(metadata, "local_worker_id", 0) or 0)
     device = torch.device(kind, local) if kind != "cpu" else torch.device("cpu")
@@ -62,6 +78,7 @@ def create_gpu_connector(config: Any, metadata: Any, engine: Any,
             else (SGLangXPUConnector if xpu else SGLangGPUConnector)
         return cls.from_metadata(metadata, use_gpu, device, layout_hints=layout_hints)
     if name == "vllm":
+        _refuse_unsupported(config, kind)
         if layerwise and bool(getattr(config, "enable_blending", False)):
             return _lmcache_own(config, metadata, engine, layout_hints, "CacheBlend's buffer connector")
         if layerwise:

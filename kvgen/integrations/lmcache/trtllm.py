@@ -18,7 +18,7 @@ from kvgen.errors import KVLayoutError
 from kvgen.integrations.detect import Detection, detect
 from kvgen.integrations.lmcache._compat import register_virtual_subclass
 from kvgen.integrations.lmcache.base import Adapter, call_with, check_objects
-from kvgen.runtime.connector import _positions  # the runtime's reading of a list of integers
+from kvgen.runtime.connector import _positions, token_count  # the runtime's readings of integers
 
 
 class TRTLLMGPUConnector(Adapter):
@@ -141,7 +141,7 @@ class TRTLLMGPUConnector(Adapter):
         self._transfer(memory_objs, starts, ends, kwargs, storing=False)
 
     def get_shape(self, num_tokens: int) -> torch.Size:
-        return torch.Size([2, self.num_layers, num_tokens, self.hidden_dim_size])
+        return torch.Size([2, self.num_layers, token_count(num_tokens), self.hidden_dim_size])
 
 
 register_virtual_subclass(TRTLLMGPUConnector, "lmcache.v1.gpu_connector.gpu_connectors", "TRTLLMGPUConnector")

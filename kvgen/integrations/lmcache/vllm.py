@@ -12,6 +12,7 @@ slot offset here, exactly as in LMCache.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,7 +43,7 @@ class _VLLM:
         """vllm_cached_tokens -> the first tokens of each chunk that the load leaves alone:
         one skip_prefix_n_tokens when every chunk skips the same, else those tokens' slots
         masked (-1) in a copy of the mapping."""
-        cached = int(kwargs.get("vllm_cached_tokens", 0) or 0)
+        cached = _cached_tokens(kwargs.get("vllm_cached_tokens"))
         skips = [min(e - s, max(0, cached - s)) for s, e in zip(starts, ends, strict=False)]
         if not any(skips):
             return {}, mapping
@@ -51,6 +52,20 @@ class _VLLM:
         masked = mapping.clone()
         masked[:min(cached, masked.shape[0])] = -1
         return {}, masked
+
+
+def _cached_tokens(value: Any) -> int:
+    """vllm_cached_tokens as a count: None is 0 (LMCache's default); an int (or an integer
+    0-d tensor) >= 0 is taken as it is; anything else is refused, never rounded or parsed."""
+    if value is None:
+        return 0
+    try:
+        count = operator.index(value) if not isinstance(value, bool) else -1
+    except TypeError:
+        count = -1
+    if count < 0:
+        raise KVLayoutError(f"vllm_cached_tokens must be a whole number >= 0, got {value!r}")
+    return count
 
 
 def _from_kv_shape(metadata: Any) -> tuple[int, int, int, int]:

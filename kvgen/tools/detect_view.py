@@ -1,0 +1,56 @@
+"""`kvgen detect`: which spec describes a cache given by its shape (and strides, dtype,
+engine hints), and how to view it; the facts that decided it."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+from types import ModuleType
+
+from kvgen.errors import KVGenError
+from kvgen.integrations.detect import detect, parse_cache_shape
+from kvgen.spec.model import DTYPES
+
+
+def _dtype_name(text: str) -> str:
+    """--dtype: one of the dtype names specs use, refused in one line otherwise."""
+    if text not in DTYPES:
+        close = difflib.get_close_matches(text, DTYPES, n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise KVGenError(f"unknown dtype {text!r}{hint}; dtypes: {', '.join(DTYPES)}")
+    return text
+
+
+def detect_main(args: argparse.Namespace) -> int:
+    """Detect among the built-in layouts, or with --specs among those and the user's (built
+    into a temporary package for the call)."""
+    if args.dtype is not None:
+        _dtype_name(args.dtype)
+    if not args.specs:
+        return _detect(args, None)
+    from kvgen.tools.paths import temporary_build
+    from kvgen.tools.verify import import_package
+
+    with temporary_build(args.specs) as out:
+        return _detect(args, import_package(out))
+
+
+def _detect(args: argparse.Namespace, package: ModuleType | None) -> int:
+    cache = parse_cache_shape(args.shape, args.stride, args.dtype)
+    hints = {k: getattr(args, k) for k in ("engine", "backend", "kv_layout", "given_order", "num_kv_heads",
+                                           "block_size", "head_size", "num_layers", "num_blocks", "layout")}
+    hints["use_mla"] = args.mla
+    found = detect(cache, package=package, **hints)
+    facts = {"layout": found.layout, "lmcache": found.lmcache, "extents": dict(found.extents),
+             "permutation": list(found.permutation), "decided_by": list(found.decided_by)}
+    if args.json:
+        print(json.dumps(facts, indent=2))
+        return 0
+    print(f"{found.layout} (LMCache format: {found.lmcache or '-'})")
+    print(f"  extents: {' '.join(f'{k}={v}' for k, v in found.extents.items())}")
+    view = f"permute{found.permutation} (the strides' memory order)" if found.permuted else "as given"
+    print(f"  view:    {view}")
+    used = ["list levels", "shape", *(["dtype"] if cache.dtype else []), *found.decided_by]
+    print(f"  facts:   {', '.join(used)}")
+    return 0

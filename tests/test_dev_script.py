@@ -1,0 +1,43 @@
+"""`scripts/dev run` tells a newcomer what it is doing: each step with its time, then one
+summary line, also naming the step that failed (issue 20, item 21). A stand-in Python
+records the calls, so no set-up, build or verify really runs."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(tmp_path: Path, fail_on: str = "") -> subprocess.CompletedProcess[str]:
+    fake = tmp_path / "python"
+    log = tmp_path / "calls"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\ncase "$*" in *"{fail_on or "@never@"}"*) exit 3;; esac\nexit 0\n')
+    fake.chmod(0o755)
+    return subprocess.run([str(ROOT / "scripts" / "dev"), "run"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHON": str(fake)})
+
+
+def test_run_prints_its_steps_with_times_and_a_summary(tmp_path: Path) -> None:
+    done = _run(tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    for step in ("set-up", "build", "check", "verify"):
+        assert f"scripts/dev: {step} ..." in lines
+        assert any(re.fullmatch(f"scripts/dev: {step} done \\(\\d+ s\\)", line) for line in lines), lines
+    assert re.fullmatch(r"scripts/dev run: passed in \d+ s \(set-up \d+ s, build \d+ s, check \d+ s, verify \d+ s\)",
+                        lines[-1]), lines[-1]
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert [c for c in calls if c.startswith("-m kvgen")] == ["-m kvgen build", "-m kvgen check", "-m kvgen verify"]
+
+
+def test_a_failing_step_is_named_in_the_summary(tmp_path: Path) -> None:
+    done = _run(tmp_path, fail_on="kvgen check")
+    assert done.returncode == 3
+    assert "scripts/dev: verify ..." not in done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"scripts/dev run: FAILED at check after \d+ s \(exit 3\); done before it: set-up \d+ s, "
+                        r"build \d+ s", last), last
