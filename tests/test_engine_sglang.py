@@ -376,3 +376,45 @@ def test_hicache_host_pools_built_by_sglang_move_right_both_ways(layout: str, mu
         assert torch.equal(mutant_store(conn, pool.kv_buffer), kv_2ltd_expected(LOW))
         assert not torch.equal(mutant_store(mutants.get("mutant_hicache_page_head", "kv_2ltd")(), pool.kv_buffer),
                                kv_2ltd_expected(LOW))
+
+
+# -- the hand-written facts (kvgen.oracle.facts*) against SGLang's live pools ---------------------
+
+def _fact_holds(name: str, tree: Any, geometry: Any, written: list[tuple[int, int, int, int]], width: int) -> None:
+    """The fact's shape is the live buffer's, and its address of each element written through
+    SGLang holds that element's code."""
+    from kvgen.oracle.facts import FACTS
+
+    fact = FACTS[name]
+    leaf = tree
+    while isinstance(leaf, (list, tuple)):
+        leaf = leaf[0]
+    assert tuple(leaf.shape) == fact.shape(geometry), f"{name}: the fact's shape is not SGLang's"
+    for layer, kv, slot, h in written:
+        path, index = fact.address(geometry, layer, kv, slot, h, 0)
+        node = tree
+        for i in path:
+            node = node[i]
+        got = node[index[:-1]][index[-1]:index[-1] + width]
+        assert torch.equal(got, torch.tensor([code(layer, kv, slot, h, c) for c in range(width)])), name
+
+
+def test_the_hand_written_facts_agree_with_sglangs_live_pools(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvgen.oracle.facts import Geometry
+
+    sample = [(layer, kv, s, h) for layer in range(L) for kv in range(2) for s in (3, 17, 63) for h in (0, H - 1)]
+    for layout, name in (("nhd", "sglang_mha"), ("hnd", "sglang_mha_hnd")):
+        pool = mha(layout, monkeypatch)
+        write_mha(pool, SLOTS, list(range(L)))
+        g = Geometry(L=L, B=ROWS // PAGE, N=PAGE, H=H, C=C)
+        _fact_holds(name, [list(pool.k_buffer), list(pool.v_buffer)], g, [w for w in sample if w[2] in SLOTS], C)
+    pool = mla()
+    write_latent(pool, SLOTS)
+    latent = [(layer, 0, s, 0) for layer in range(L) for s in (3, 17, 63)]
+    _fact_holds("sglang_mla", list(pool.kv_buffer), Geometry(L=L, B=ROWS // PAGE, N=PAGE, H=1, C=RANK + ROPE),
+                latent, RANK + ROPE)
+    for word, names in HOST_DIMS.items():
+        host_pool = host(word)
+        write_host(host_pool, names, SLOTS)
+        g = Geometry(L=L, B=host_pool.size // PAGE, N=PAGE, H=H, C=C)
+        _fact_holds(f"hicache_{word}", host_pool.kv_buffer, g, [w for w in sample if w[2] in SLOTS], C)
