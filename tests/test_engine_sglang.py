@@ -154,6 +154,13 @@ def test_mha_pools_move_right_both_ways(layout: str, v_head_dim: int | None, spe
     stored = store(bound)
     if obj == "kv_2ltd":  # [2, L, T, H * C]: every element where its coordinates say
         assert torch.equal(stored.tensor, kv_2ltd_expected())
+    else:  # kv_planes: per layer a dense [T, H, C] region of K, then (16-byte aligned) one of V
+        k_bytes = T * H * C * 4
+        for layer in range(L):
+            row = stored.tensor[layer]
+            assert torch.equal(row[:k_bytes].view(torch.float32).reshape(T, H, C), rows(layer, 0, SLOTS, H, C))
+            v = row[k_bytes:k_bytes + T * H * CV * 4].view(torch.float32).reshape(T, H, CV)
+            assert torch.equal(v, rows(layer, 1, SLOTS, H, CV))
 
     fresh, oracle = mha(layout, monkeypatch, v_head_dim), mha(layout, monkeypatch, v_head_dim)
     load(kvgen.from_sglang(fresh), stored)
@@ -280,7 +287,13 @@ def test_dsa_pool_latent_and_index_keys_move_right_both_ways() -> None:
     fresh, oracle = dsa(), dsa()
     load(kvgen.from_sglang(fresh), store(latent))
     bound = kvgen.from_sglang(fresh, part="indexer")
-    stored = store(index)
+    stored = store(index)  # kv_planes: per layer every token's 128 value bytes, then its scale bytes
+    for layer in range(L):
+        values = torch.stack([index_key(layer, s)[0] for s in SLOTS.tolist()])
+        scales = torch.stack([index_key(layer, s)[1] for s in SLOTS.tolist()])
+        row = stored.tensor[layer]
+        assert torch.equal(row[:T * INDEX_DIM].reshape(T, INDEX_DIM), values)
+        assert torch.equal(row[T * INDEX_DIM:T * INDEX_DIM + T * 4].reshape(T, 4), scales)
     bound.connector.to_gpu(copy(stored), 0, T, kvcaches=bound.kvcaches, slot_mapping=AGAIN)
     write_latent(oracle, AGAIN)
     write_index(oracle, AGAIN)
