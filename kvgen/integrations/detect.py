@@ -319,7 +319,8 @@ def detect_shape(cache: CacheShape, *, package: ModuleType | str | None = None, 
             refused[f.name] = str(why)
             continue
         fits.append((f, ext))
-    fits += _sglang_neighbours(fits, facts, cache, shape, hints, perm, named is not None)
+    fits += sglang_layouts.neighbours(fits, facts, hints, named is not None,
+                                      lambda g, rest: _try_fit(g, cache, shape, rest, perm))
     where = f"cache {cache.describe()}" + (f" (memory order [{', '.join(map(str, shape))}])"
                                            if perm != tuple(range(len(perm))) else "")
     if not fits:
@@ -338,27 +339,14 @@ def detect_shape(cache: CacheShape, *, package: ModuleType | str | None = None, 
     return Detection(f.name, f.lmcache, ext, perm, decided)
 
 
-def _sglang_neighbours(fits: list[tuple[LayoutFacts, dict[str, int]]], facts: Sequence[LayoutFacts],
-                       cache: CacheShape, shape: tuple[int, ...], hints: Mapping[str, Any], perm: tuple[int, ...],
-                       named: bool) -> list[tuple[LayoutFacts, dict[str, int]]]:
-    """The other 4-D SGLang readings of a buffer that one fits without the pool's word: head and
-    page counts do not choose between SGLang's NHD and HND pools, the pool's kv_cache_layout does."""
-    if not any(sglang_layouts.needs_word(f, hints, named) for f, _ in fits):
-        return []
-    counts = {hint for _, hint in AXIS_HINTS} | {"hidden_dim"}
-    rest = {k: v for k, v in hints.items() if k not in counts}
-    taken = {f.name for f, _ in fits}
-    out = []
-    for g in facts:
-        if g.name in taken or sglang_layouts.word_of(g) is None:
-            continue
-        try:
-            ext = _fit(g, cache, shape)
-            _check_hints(g, ext, rest, perm)
-        except _Mismatch:
-            continue
-        out.append((g, ext))
-    return out
+def _try_fit(f: LayoutFacts, cache: CacheShape, shape: tuple[int, ...], hints: Mapping[str, Any],
+             perm: tuple[int, ...]) -> dict[str, int] | None:
+    try:
+        ext = _fit(f, cache, shape)
+        _check_hints(f, ext, hints, perm)
+    except _Mismatch:
+        return None
+    return ext
 
 
 def _extents(ext: Mapping[str, int]) -> str:

@@ -11,12 +11,12 @@ the refusal names that hint. Words kvgen has no spec for are refused in SGLang's
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from kvgen.errors import KVLayoutError
 
-__all__ = ["NO_SPEC", "WORDS", "is_sglang", "needs_word", "pool_order", "read_word", "word_of"]
+__all__ = ["NO_SPEC", "WORDS", "is_sglang", "needs_word", "neighbours", "pool_order", "read_word", "word_of"]
 
 #: kv_cache_layout values kvgen has specs for, and the in-block order each names.
 WORDS = {"nhd": "NHD", "paged_nhd": "NHD", "hnd": "HND"}
@@ -25,6 +25,8 @@ NO_SPEC = {
     "vectorized_5d": "ROCm AITER's K [blocks, H, C/x, page, x] and V [blocks, H, page/x, C, x]",
     "page_major_layer_major": "PageMajorMHATokenToKVPool's page-major envelope (SGLang refuses to build it)",
 }
+#: Hints that count extents: they never choose between SGLang's 4-D readings.
+COUNTS = ("num_layers", "num_blocks", "num_kv_heads", "block_size", "head_size", "hidden_dim")
 #: What the hint is, in a refusal.
 HINT = "kv_layout= the pool's kv_cache_layout ('nhd' or 'hnd')"
 
@@ -76,3 +78,20 @@ def word_of(f: _Facts) -> str | None:
 def needs_word(f: _Facts, hints: Mapping[str, Any], named: bool) -> bool:
     """Whether `f` is a 4-D SGLang buffer read without the pool's word (nor a spec named)."""
     return not named and hints.get("kv_layout") is None and word_of(f) is not None
+
+
+def neighbours(fits: Sequence[tuple[Any, dict[str, int]]], facts: Sequence[Any], hints: Mapping[str, Any],
+               named: bool, try_fit: Callable[[Any, Mapping[str, Any]], dict[str, int] | None]
+               ) -> list[tuple[Any, dict[str, int]]]:
+    """The other 4-D SGLang readings of a buffer one of `fits` reads without the pool's word,
+    fitted (`try_fit(spec, hints)`: its extents, or None) with every hint but the counts: so
+    the refusal lists both readings whatever heads and page size were stated."""
+    if not any(needs_word(f, hints, named) for f, _ in fits):
+        return []
+    rest = {k: v for k, v in hints.items() if k not in COUNTS}
+    taken = {f.name for f, _ in fits}
+    out = []
+    for g in facts:
+        if g.name not in taken and word_of(g) is not None and (ext := try_fit(g, rest)) is not None:
+            out.append((g, ext))
+    return out
