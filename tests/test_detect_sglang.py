@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvgen
 from kvgen import generated
 from kvgen.integrations.detect import AmbiguousLayout, NoLayout, detect
 from kvgen.runtime import KVLayoutError, MemoryObj
@@ -108,3 +109,31 @@ def test_the_layout_word_must_agree_with_the_buffers() -> None:
 def test_a_pool_layout_kvgen_has_no_spec_for_is_refused_in_sglangs_words(word: str) -> None:
     with pytest.raises(KVLayoutError, match=f"kv_cache_layout {word!r}"):
         detect(hnd_pool(), engine="sglang", kv_layout=word)
+
+
+class MHATokenToKVPool:
+    """A stand-in with what kvgen.from_sglang reads of SGLang's pool of that name (the real
+    class is exercised in tests/test_engine_sglang.py, where SGLang imports)."""
+
+    def __init__(self, layout: str, buffers: list[list[torch.Tensor]]):
+        self.kv_cache_layout = layout
+        self.k_buffer, self.v_buffer = buffers
+        self.k_scale_buffer = None
+        self.start_layer = 0
+
+
+@pytest.mark.parametrize(("word", "make", "layout"),
+                         [("hnd", hnd_pool, "sglang_mha_hnd"), ("nhd", nhd_pool, "sglang_mha")])
+def test_from_sglang_takes_the_layout_from_the_pool(word: str, make: object, layout: str) -> None:
+    bound = kvgen.from_sglang(MHATokenToKVPool(word, make()))  # type: ignore[operator]
+    assert (bound.layout, bound.obj, bound.layer_ids) == (layout, "kv_2ltd", tuple(range(L)))
+    obj = MemoryObj(torch.full(tuple(bound.connector.get_shape(len(SLOTS))), -1.0))
+    bound.connector.from_gpu(obj, 0, len(SLOTS), kvcaches=bound.kvcaches, slot_mapping=SLOTS)
+    assert torch.equal(obj.tensor, expected(SLOTS))
+
+
+def test_from_sglang_refuses_a_pool_whose_word_disagrees_with_its_buffers() -> None:
+    with pytest.raises(KVLayoutError, match="MHATokenToKVPool with kv_cache_layout 'nhd'"):
+        kvgen.from_sglang(MHATokenToKVPool("nhd", hnd_pool()))
+    with pytest.raises(KVLayoutError, match="kv_cache_layout 'vectorized_5d'.*ROCm AITER"):
+        kvgen.from_sglang(MHATokenToKVPool("vectorized_5d", hnd_pool()))

@@ -17,6 +17,7 @@ from typing import Any
 from kvgen import generated
 from kvgen.errors import KVLayoutError
 from kvgen.integrations.detect import detect, detectable
+from kvgen.integrations.sglang_layouts import NO_SPEC
 
 __all__ = ["PoolConnector", "from_sglang"]
 
@@ -67,6 +68,8 @@ def _mha(pool: Any) -> tuple[str, Any, dict[str, Any]]:
     if getattr(pool, "k_scale_buffer", None) is not None or getattr(pool, "is_quantized_kv_cache", False):
         raise _refuse(pool, "its K and V carry scales (a quantized pool)")
     word = str(pool.kv_cache_layout).lower()
+    if word in NO_SPEC:
+        raise _refuse(pool, f"SGLang keeps {NO_SPEC[word]} there, which no kvgen spec describes")
     k, v = list(pool.k_buffer), list(pool.v_buffer)
     if not k or len(k) != len(v):
         raise _refuse(pool, f"it has {len(k)} K and {len(v)} V buffers")
