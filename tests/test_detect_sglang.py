@@ -7,6 +7,8 @@ SGLang; tests/test_engine_sglang.py repeats the checks on SGLang's own pool clas
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -137,3 +139,13 @@ def test_from_sglang_refuses_a_pool_whose_word_disagrees_with_its_buffers() -> N
         kvgen.from_sglang(MHATokenToKVPool("nhd", hnd_pool()))
     with pytest.raises(KVLayoutError, match="kv_cache_layout 'vectorized_5d'.*ROCm AITER"):
         kvgen.from_sglang(MHATokenToKVPool("vectorized_5d", hnd_pool()))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed: the checks run")
+def test_kvgen_verify_says_the_sglang_checks_were_skipped_and_why(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvgen.tools import verify_engines
+
+    assert verify_engines.run() == 0
+    out = capsys.readouterr().out
+    assert "SGLang 0.5.23 engine checks skipped: sglang is not installed in this Python" in out
+    assert "scripts/dev engines" in out

@@ -393,41 +393,30 @@ def test_hicache_host_pools_built_by_sglang_move_right_both_ways(layout: str, mu
 
 # -- the hand-written facts (kvgen.oracle.facts*) against SGLang's live pools ---------------------
 
-def _fact_holds(name: str, tree: Any, geometry: Any, written: list[tuple[int, int, int, int]], width: int) -> None:
-    """The fact's shape is the live buffer's, and its address of each element written through
-    SGLang holds that element's code."""
-    from kvgen.oracle.facts import FACTS
+def test_kvgen_verify_checks_the_hand_written_facts_against_sglangs_live_pools(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvgen.tools import verify_engines
 
-    fact = FACTS[name]
-    leaf = tree
-    while isinstance(leaf, (list, tuple)):
-        leaf = leaf[0]
-    assert tuple(leaf.shape) == fact.shape(geometry), f"{name}: the fact's shape is not SGLang's"
-    for layer, kv, slot, h in written:
-        path, index = fact.address(geometry, layer, kv, slot, h, 0)
-        node = tree
-        for i in path:
-            node = node[i]
-        got = node[index[:-1]][index[-1]:index[-1] + width]
-        assert torch.equal(got, torch.tensor([code(layer, kv, slot, h, c) for c in range(width)])), name
+    wrong, checked = verify_engines.sglang_disagreements()
+    assert (wrong, checked) == ([], 7)
+    assert verify_engines.run() == 0
+    assert "7 of 7 SGLang 0.5.23 pool facts agree with the engine's live pools" in capsys.readouterr().out
 
 
-def test_the_hand_written_facts_agree_with_sglangs_live_pools(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvgen.oracle.facts import Geometry
+def test_a_wrong_fact_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvgen.oracle import facts
+    from kvgen.tools import verify_engines
 
-    sample = [(layer, kv, s, h) for layer in range(L) for kv in range(2) for s in (3, 17, 63) for h in (0, H - 1)]
-    for layout, name in (("nhd", "sglang_mha"), ("hnd", "sglang_mha_hnd")):
-        pool = mha(layout, monkeypatch)
-        write_mha(pool, SLOTS, list(range(L)))
-        g = Geometry(L=L, B=ROWS // PAGE, N=PAGE, H=H, C=C)
-        _fact_holds(name, [list(pool.k_buffer), list(pool.v_buffer)], g, [w for w in sample if w[2] in SLOTS], C)
-    pool = mla()
-    write_latent(pool, SLOTS)
-    latent = [(layer, 0, s, 0) for layer in range(L) for s in (3, 17, 63)]
-    _fact_holds("sglang_mla", list(pool.kv_buffer), Geometry(L=L, B=ROWS // PAGE, N=PAGE, H=1, C=RANK + ROPE),
-                latent, RANK + ROPE)
-    for word, names in HOST_DIMS.items():
-        host_pool = host(word)
-        write_host(host_pool, names, SLOTS)
-        g = Geometry(L=L, B=host_pool.size // PAGE, N=PAGE, H=H, C=C)
-        _fact_holds(f"hicache_{word}", host_pool.kv_buffer, g, [w for w in sample if w[2] in SLOTS], C)
+    hnd = facts.FACTS["sglang_mha_hnd"]
+
+    def nhd_shape(g: Any) -> tuple[int, ...]:  # the NHD reading of the HND pool: shape and address
+        return (g.B, g.N, g.H, g.C)
+
+    def nhd_address(g: Any, layer: int, kv: int, slot: int, h: int, c: int) -> Any:
+        return (kv, layer), (slot // g.N, slot % g.N, h, c)
+
+    for shape in (nhd_shape, hnd.shape):  # a wrong shape, then a right shape with the wrong address
+        monkeypatch.setitem(facts.FACTS, "sglang_mha_hnd",
+                            facts.Fact(hnd.name, hnd.kind, hnd.container, shape, nhd_address, hnd.fixed))
+        wrong, _ = verify_engines.sglang_disagreements()
+        assert len(wrong) == 1 and wrong[0].startswith("sglang_mha_hnd:")
