@@ -23,6 +23,7 @@ from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
 import kvgen.integrations.lmcache as kl  # noqa: E402
 from kvgen import generated  # noqa: E402
+from kvgen.errors import KVLayoutError  # noqa: E402
 from kvgen.integrations.detect import detectable  # noqa: E402
 from kvgen.oracle import reference  # noqa: E402
 from kvgen.oracle.scenarios import EXT, block_table_mapping, clone_tree, make_cache, same_bits  # noqa: E402
@@ -43,6 +44,9 @@ HANDED = {
     "vllm_blocks_first_hnd": ("as is", {"kv_layout": "BLHNC"}),
     "vllm_blocks_heads_first": ("as is", {"kv_layout": "BHLNC"}),
     "vllm_rbln": ("as is", {"kv_layout": "HND"}),
+    # SGLang's pools name their layout (pool.kv_cache_layout); a 4-D buffer's shape never does.
+    "sglang_mha_blocks": ("as is", {"kv_layout": "nhd"}),
+    "sglang_mha_hnd": ("as is", {"kv_layout": "hnd"}),
 }
 #: The layouts LMCache's connector classes move: one tree of K/V or MLA tensors that pairs with
 #: LMCache's objects (caches of several parts or fields are kvgen's own, taken by name).
@@ -168,6 +172,17 @@ def test_store_and_load_match_reference(layout: str, layerwise: bool, use_gpu: b
     finally:
         for o in flat:
             o.ref_count_down()
+
+
+def test_an_sglang_4d_pool_without_layout_hints_is_refused_naming_the_pools_word(alloc: Any) -> None:
+    cache = make_cache(LIBRARY["sglang_mha_hnd"], torch.float32, "cpu")  # [pages, H, page, C] K and V lists
+    conn = _connector("sglang_mha_hnd", False, {}, False)
+    obj = alloc.allocate(conn.get_shape(4), torch.float32, MemoryFormat.UNDEFINED)
+    try:
+        with pytest.raises(KVLayoutError, match="kv_cache_layout"):
+            conn.batched_from_gpu([obj], [0], [4], kvcaches=cache, slot_mapping=torch.arange(4), offset=0)
+    finally:
+        obj.ref_count_down()
 
 
 def test_trtllm_pool_by_block_ids(alloc: Any) -> None:

@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import Any
 
 from kvgen.errors import KVLayoutError
+from kvgen.integrations import sglang_layouts
 from kvgen.integrations.shapes import CacheShape, map_leaves, memory_order, parse_cache_shape, read_structure
 
 __all__ = ["AmbiguousLayout", "CacheShape", "Detection", "NoLayout", "detect", "detect_shape", "layout_facts",
@@ -230,8 +231,9 @@ def _check_hints(f: LayoutFacts, ext: Mapping[str, int], hints: Mapping[str, Any
     if backend is not None and str(backend).upper() not in f.backends():
         raise _Mismatch(f"backend {backend!r}: the spec is for {', '.join(sorted(f.backends())) or 'no backend'}")
     kv_layout = hints.get("kv_layout")
-    if kv_layout is not None and str(kv_layout).upper() in ORDERS and f.order() != str(kv_layout).upper():
-        raise _Mismatch(f"kv_layout={kv_layout!r}, the spec's order is {f.order() or 'neither NHD nor HND'}")
+    order = sglang_layouts.pool_order(f)  # f.order(), or the order SGLang's word names for its [slots, H, C] rows
+    if kv_layout is not None and str(kv_layout).upper() in ORDERS and order != str(kv_layout).upper():
+        raise _Mismatch(f"kv_layout={kv_layout!r}, the spec's order is {order or 'neither NHD nor HND'}")
     given = hints.get("given_order")
     if given is None and engine is not None and _family(engine) == "vllm" and perm != tuple(range(len(perm))):
         given = "NHD"  # vLLM permutes a cache only to hand over its logical view: slots (N) before heads (H)
@@ -296,6 +298,7 @@ def detect_shape(cache: CacheShape, *, package: ModuleType | str | None = None, 
     perm = memory_order(cache.shape, cache.stride)
     shape = tuple(cache.shape[i] for i in perm)
     named = hints.pop("layout", None)
+    sglang_layouts.read_word(hints)  # SGLang's kv_cache_layout words name an order, or are refused
     kv_layout = hints.get("kv_layout")
     if kv_layout is not None and str(kv_layout).upper() not in ORDERS:
         named = named or kv_layout  # BLHNC, BLNHC or any spec name, alias or LMCache format
@@ -316,20 +319,34 @@ def detect_shape(cache: CacheShape, *, package: ModuleType | str | None = None, 
             refused[f.name] = str(why)
             continue
         fits.append((f, ext))
+    fits += sglang_layouts.neighbours(fits, facts, hints, named is not None,
+                                      lambda g, rest: _try_fit(g, cache, shape, rest, perm))
     where = f"cache {cache.describe()}" + (f" (memory order [{', '.join(map(str, shape))}])"
                                            if perm != tuple(range(len(perm))) else "")
     if not fits:
         raise NoLayout(f"no layout fits the {where} with hints {_describe_hints(hints)}; what disagreed:\n  "
                        + "\n  ".join(f"{name}: {why}" for name, why in refused.items()), refused)
-    if len(fits) > 1:
+    if len(fits) > 1 or any(sglang_layouts.needs_word(f, hints, named is not None) for f, _ in fits):
         deciders = {f.name: _deciders(f, ext, fits) for f, ext in fits}
         lines = [f"{f.name} {_extents(ext)} (pass "
                  f"{', '.join(f'{k}={v!r}' for k, v in deciders[f.name].items())})" for f, ext in fits]
+        if any(sglang_layouts.word_of(f) for f, _ in fits):
+            lines.append(f"an SGLang pool says its layout, its shape does not: pass {sglang_layouts.HINT}")
         raise AmbiguousLayout(f"{len(fits)} layouts fit the {where} with hints {_describe_hints(hints)}; kvgen "
                               "does not guess:\n  " + "\n  ".join(lines), deciders)
     f, ext = fits[0]
     decided = tuple(sorted(k for k in hints)) + (("strides",) if perm != tuple(range(len(perm))) else ())
     return Detection(f.name, f.lmcache, ext, perm, decided)
+
+
+def _try_fit(f: LayoutFacts, cache: CacheShape, shape: tuple[int, ...], hints: Mapping[str, Any],
+             perm: tuple[int, ...]) -> dict[str, int] | None:
+    try:
+        ext = _fit(f, cache, shape)
+        _check_hints(f, ext, hints, perm)
+    except _Mismatch:
+        return None
+    return ext
 
 
 def _extents(ext: Mapping[str, int]) -> str:
@@ -340,10 +357,13 @@ def _deciders(f: LayoutFacts, ext: Mapping[str, int], fits: Sequence[tuple[Layou
               ) -> dict[str, Any]:
     """Hints that keep `f` and drop at least one other candidate (`layout` always decides)."""
     out: dict[str, Any] = {}
+    word = sglang_layouts.word_of(f)
     for axis, hint in AXIS_HINTS:
-        if axis in ext and len({e.get(axis) for _, e in fits}) > 1:
+        if word is None and axis in ext and len({e.get(axis) for _, e in fits}) > 1:
             out[hint] = ext[axis]
-    if f.order() and len({g.order() for g, _ in fits}) > 1:
+    if word is not None:
+        out["kv_layout"] = word  # the pool's kv_cache_layout: the only fact that orders SGLang's 4-D buffers
+    elif f.order() and len({g.order() for g, _ in fits}) > 1:
         out["kv_layout"] = f.order()
     if len({frozenset(g.families()) for g, _ in fits}) > 1 and len(f.families()) == 1:
         out["engine"] = next(iter(f.families()))

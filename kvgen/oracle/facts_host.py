@@ -41,6 +41,13 @@ def hicache_page_first_direct(g: Geometry, layer: int, kv: int, slot: int, h: in
     return (), (kv, slot // g.N, layer, slot % g.N, h, c)
 
 
+# layout "page_head" (SGLang 0.5.23): dims (2, page_num, head_num, page_size, layer_num, head_dim); a
+# page keeps each head's tokens together, every layer's row of a (head, token) side by side.
+@_fact("hicache_page_head", "paged", ONE_TENSOR, lambda g: (2, g.B, g.H, g.N, g.L, g.C))
+def hicache_page_head(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+    return (), (kv, slot // g.N, h, slot % g.N, layer, c)
+
+
 # MLATokenToKVPoolHost.init_kv_buffer: "layer_first" dims (layer_num, size, 1, kv_cache_dim) with
 # kv_cache_dim = kv_lora_rank + qk_rope_head_dim; one latent, no K/V planes.
 @_fact("hicache_mla_layer_first", "paged", ONE_TENSOR, lambda g: (g.L, g.B * g.N, 1, g.C), {}, mla=True)
@@ -87,3 +94,6 @@ def vllm_offload_mla(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int
 @_fact("dynamo_universal", "paged", ONE_TENSOR, lambda g: (g.B, g.H, g.L, 2, g.N, g.C))
 def dynamo_universal(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (slot // g.N, h, layer, kv, slot % g.N, c)
+
+
+from kvgen.oracle import facts_sglang  # noqa: E402,F401  (SGLang 0.5.23 device pools: registered with the rest)

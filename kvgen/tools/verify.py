@@ -147,7 +147,7 @@ def main(args: Any) -> int:
     from kvgen.plan.package import plan_connectors as plan_library
     from kvgen.spec.library import load_library
     from kvgen.spec.transfers import load_transfers
-    from kvgen.tools import verify_models, verify_transfers
+    from kvgen.tools import verify_engines, verify_models, verify_transfers
 
     library = load_library(args.specs)
     plans = plan_library(library)
@@ -185,7 +185,7 @@ def main(args: Any) -> int:
     from kvgen.runtime import kernels
 
     scenarios = list(SCENARIOS.values())
-    rows, failures = 0, _check_facts(library)
+    rows, failures = 0, _check_facts(library) + verify_engines.run()
     wide = max([24, *(len(p.paged.name) for p in selected)]), max([13, *(len(p.obj.name) for p in selected)])
     print(f"{'layout':<{wide[0]}} {'object':<{wide[1]}} {'mode':<9} {'device':<6} {'store ok':<8} {'load ok':<8}")
     for device in devices:

@@ -1,0 +1,142 @@
+"""A connector for an SGLang pool, from the pool itself: `kvgen.from_sglang(pool)`.
+
+The pool states its layout (its class and `kv_cache_layout`), so nothing is read from the
+shapes: the class and the word choose the spec, and detection and the generated geometry
+reader then check that the buffers agree with it. Pools this module does not know (another
+class, a quantized pool, a layout word without a spec) are refused in SGLang's own terms.
+Written against SGLang 0.5.23 (sglang/srt/mem_cache/memory_pool.py); SGLang itself is never
+imported here: the pool is read through its attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvgen import generated
+from kvgen.errors import KVLayoutError
+from kvgen.integrations.detect import detect, detectable
+from kvgen.integrations.sglang_layouts import NO_SPEC
+
+__all__ = ["PoolConnector", "from_sglang"]
+
+
+@dataclass(frozen=True)
+class PoolConnector:
+    """A ready connector for one SGLang pool and the kvcaches tree to pass it.
+
+    `layer_ids[i]` is the model layer of entry i of the tree's layer lists (a hybrid model's
+    attention layers only). Pass `kvcaches` as `kvcaches=` on every store and load: its
+    tensors are the pool's own buffers (views, no copy).
+    """
+
+    pool: str
+    layout: str
+    obj: str
+    connector: Any
+    kvcaches: Any
+    layer_ids: tuple[int, ...]
+
+
+#: The object each layout pairs with by default: LMCache's whole-chunk formats, or kvgen's
+#: planes where K and V differ in width or the cache has typed fields.
+DEFAULT_OBJECT = {"sglang_mha": "kv_2ltd", "sglang_mha_hnd": "kv_2ltd", "sglang_mha_v_head": "kv_planes",
+                  "sglang_mla": "kv_mla", "vllm_dsa_indexer": "kv_planes"}
+
+
+def _describe(pool: Any) -> str:
+    word = getattr(pool, "kv_cache_layout", None)
+    return f"{type(pool).__name__}" + (f" with kv_cache_layout {word!r}" if word is not None else "")
+
+
+def _refuse(pool: Any, why: str) -> KVLayoutError:
+    return KVLayoutError(f"kvgen has no connector for SGLang's {_describe(pool)}: {why}; kvgen reads "
+                         "MHATokenToKVPool (kv_cache_layout 'nhd' or 'hnd'), MLATokenToKVPool, DSATokenToKVPool "
+                         "and HybridLinearKVPool's attention layers")
+
+
+def _layers(pool: Any, count: int) -> tuple[int, ...]:
+    ids = getattr(pool, "model_layer_ids", None)
+    if ids is not None and len(ids) == count:
+        return tuple(int(i) for i in ids)
+    start = int(getattr(pool, "start_layer", 0) or 0)
+    return tuple(range(start, start + count))
+
+
+def _mha(pool: Any) -> tuple[str, Any, dict[str, Any]]:
+    if getattr(pool, "k_scale_buffer", None) is not None or getattr(pool, "is_quantized_kv_cache", False):
+        raise _refuse(pool, "its K and V carry scales (a quantized pool)")
+    word = str(pool.kv_cache_layout).lower()
+    if word in NO_SPEC:
+        raise _refuse(pool, f"SGLang keeps {NO_SPEC[word]} there, which no kvgen spec describes")
+    k, v = list(pool.k_buffer), list(pool.v_buffer)
+    if not k or len(k) != len(v):
+        raise _refuse(pool, f"it has {len(k)} K and {len(v)} V buffers")
+    same = tuple(k[0].shape) == tuple(v[0].shape)
+    if word == "nhd" and k[0].dim() == 3:
+        return ("sglang_mha" if same else "sglang_mha_v_head"), [k, v], {"kv_layout": "nhd"}
+    if word == "hnd" and k[0].dim() == 4 and same:
+        return "sglang_mha_hnd", [k, v], {"kv_layout": "hnd"}
+    shapes = f"K {list(k[0].shape)}, V {list(v[0].shape)}"
+    raise _refuse(pool, f"no kvgen spec holds its buffers ({shapes})")
+
+
+def _mla(pool: Any) -> tuple[str, Any, dict[str, Any]]:
+    if getattr(pool, "kv_scale_buffer", None) is not None or getattr(pool, "dsa_kv_cache_store_fp8", False):
+        raise _refuse(pool, "its latent rows are packed fp8 with scales (dsa_kv_cache_store_fp8)")
+    return "sglang_mla", list(pool.kv_buffer), {"use_mla": True}
+
+
+def _dsa_indexer(pool: Any) -> tuple[str, Any, dict[str, Any]]:
+    """DSA's index keys: per layer [pages, page_size * (128 + 4)] bytes, each page every token's
+    128 fp8 values then every token's fp32 scale (index_key_cache.py `_buffer_shape`): the bytes
+    of vllm_dsa_indexer's [blocks, block_size, 132] blocks, handed over as that (free) view."""
+    if int(getattr(pool, "index_kpool", 1)) != 1 or any(getattr(pool, "skip_topk_layers", ())):
+        raise _refuse(pool, "its index keys are pooled (index_kpool > 1) or skip layers (skip_topk_layers)")
+    width = pool.index_head_dim + pool.index_head_dim // pool.quant_block_size * 4
+    bufs = list(pool.index_k_with_scale_buffer)
+    return "vllm_dsa_indexer", [b.view(b.shape[0], pool.page_size, width) for b in bufs], {}
+
+
+#: SGLang 0.5.23 pool classes, by exact class name (a subclass may lay its buffers out otherwise:
+#: MHATokenToKVPoolFP4 and MHATokenToKVPoolMXFP8 do), and how each hands its cache over.
+READERS: dict[str, dict[str, Callable[[Any], tuple[str, Any, dict[str, Any]]]]] = {
+    "MHATokenToKVPool": {"kv": _mha},
+    "MLATokenToKVPool": {"kv": _mla},
+    "DSATokenToKVPool": {"kv": _mla, "indexer": _dsa_indexer},
+}
+
+
+def from_sglang(pool: Any, obj: str | None = None, *, part: str = "kv", **connector_args: Any) -> PoolConnector:
+    """A connector bound to an SGLang pool's layout, and the kvcaches tree to pass it.
+
+    `pool`: an SGLang MHATokenToKVPool (kv_cache_layout 'nhd' or 'hnd'; a V head size other
+    than K's gives the (K, V) planes spec), MLATokenToKVPool, DSATokenToKVPool (`part='kv'` the
+    latent rows, `part='indexer'` the index keys) or HybridLinearKVPool (its full-attention
+    layers; `layer_ids` says which model layers they are). `obj`: the object layout (default:
+    the layout's usual one, DEFAULT_OBJECT). Other arguments go to the connector (device,
+    use_gpu, backend, ...). KVLayoutError names the pool's class and kv_cache_layout when
+    kvgen has no spec for it.
+    """
+    inner = pool
+    if type(pool).__name__ == "HybridLinearKVPool":
+        inner = pool.full_kv_pool
+    readers = READERS.get(type(inner).__name__)
+    if readers is None:
+        raise _refuse(inner, "kvgen has no spec for this pool class")
+    if part not in readers:
+        raise KVLayoutError(f"{type(inner).__name__} has no part {part!r}; parts: {', '.join(readers)}")
+    layout, kvcaches, hints = readers[part](inner)
+    if detectable(generated.LAYOUTS[layout]):
+        found = detect(kvcaches, engine="sglang", **hints)  # the buffers agree with what the pool says
+        if found.layout != layout:
+            raise _refuse(inner, f"its buffers read as {found.layout}, not {layout}")
+    obj = obj or DEFAULT_OBJECT[layout]
+    cls = generated.get(layout, obj)
+    count = len(kvcaches[0]) if layout in ("sglang_mha", "sglang_mha_hnd", "sglang_mha_v_head") else len(kvcaches)
+    ids = _layers(pool, count) if inner is pool else tuple(sorted(pool.full_attention_layer_id_mapping,
+                                                                  key=pool.full_attention_layer_id_mapping.get))
+    connector = cls(**connector_args)
+    connector.bind(kvcaches)  # ready: get_shape and get_dtype answer before the first transfer
+    return PoolConnector(type(pool).__name__, layout, obj, connector, kvcaches, ids)

@@ -1,0 +1,149 @@
+"""`kvgen verify`'s engine checks: the hand-written facts (kvgen.oracle.facts*) against an
+engine's own code, where that engine imports in this Python, or one line saying they were
+skipped and why (an engine may pin another torch: SGLang 0.5.23 runs in .venv-sglang, made by
+`scripts/dev engines`).
+
+SGLang: pools built with SGLang's own classes on CPU, elements written with the pool's own
+`set_kv_buffer`; each fact's shape must be the live buffer's and its address of each written
+element must hold that element. The HiCache host pools' transfers are GPU kernels, so their
+facts are checked by shape only (tests/test_engine_sglang.py moves data through them).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+SGLANG = "0.5.23"
+WHERE = "`scripts/dev engines` runs them in .venv-sglang"
+
+
+class Skipped(Exception):
+    """Why an engine's checks cannot run in this Python."""
+
+
+def _sglang_modules() -> tuple[Any, Any]:
+    if importlib.util.find_spec("sglang") is None:
+        raise Skipped(f"sglang is not installed in this Python; {WHERE}")
+    version = importlib.metadata.version("sglang")
+    if version != SGLANG:
+        raise Skipped(f"sglang {version} is installed, these facts describe {SGLANG}")
+    try:
+        from sglang.srt.mem_cache import memory_pool
+        from sglang.srt.mem_cache.pool_host import mha
+    except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain means: not here
+        raise Skipped(f"sglang does not import here ({type(exc).__name__}: {exc}); {WHERE}") from None
+    return memory_pool, mha
+
+
+class _Layer:
+    def __init__(self, layer_id: int):
+        self.layer_id = layer_id  # all set_kv_buffer reads of SGLang's RadixAttention
+
+
+def sglang_disagreements() -> tuple[list[str], int]:
+    """(what disagrees, how many facts were checked) for SGLang's pools; Skipped when SGLang
+    cannot run here."""
+    import torch
+
+    from kvgen.oracle.facts import FACTS, Geometry
+
+    mp, host_mod = _sglang_modules()
+    L, H, PAGE, C, SIZE = 3, 4, 16, 8, 48  # H != PAGE: a swap of heads and slots shows
+    rows = SIZE + PAGE
+    slots = torch.tensor([3, 17, 40, 63])
+
+    def code(layer: int, kv: int, slot: int, h: int, c: int) -> float:
+        return float((((layer * 2 + kv) * rows + slot) * H + h) * C + c)
+
+    def values(layer: int, kv: int, heads: int, width: int) -> torch.Tensor:
+        return torch.tensor([[[code(layer, kv, s, h, c) for c in range(width)] for h in range(heads)]
+                             for s in slots.tolist()])
+
+    def mha(hnd: bool) -> Any:
+        saved = os.environ.get("SGLANG_USE_HND_KVCACHE")
+        if hnd:
+            os.environ["SGLANG_USE_HND_KVCACHE"] = "1"  # how a server asks for the HND pool
+        else:
+            os.environ.pop("SGLANG_USE_HND_KVCACHE", None)
+        try:
+            return mp.MHATokenToKVPool(size=SIZE, page_size=PAGE, dtype=torch.float32, head_num=H, head_dim=C,
+                                       layer_num=L, device="cpu", enable_memory_saver=False,
+                                       enable_alt_stream=False)
+        finally:
+            if saved is None:
+                os.environ.pop("SGLANG_USE_HND_KVCACHE", None)
+            else:
+                os.environ["SGLANG_USE_HND_KVCACHE"] = saved
+
+    wrong: list[str] = []
+
+    def holds(name: str, tree: Any, g: Geometry, kvs: int, heads: int) -> None:
+        fact, leaf = FACTS[name], tree
+        while isinstance(leaf, (list, tuple)):
+            leaf = leaf[0]
+        if tuple(leaf.shape) != fact.shape(g):
+            wrong.append(f"{name}: SGLang's buffer is {list(leaf.shape)}, the fact says {list(fact.shape(g))}")
+            return
+        if kvs == 0:
+            return  # shape only
+        for layer in range(L):
+            for kv in range(kvs):
+                for s in slots.tolist():
+                    for h in range(heads):
+                        path, index = fact.address(g, layer, kv, s, h, 0)
+                        node = tree
+                        try:
+                            for i in path:
+                                node = node[i]
+                            got = node[index[:-1]][index[-1]:index[-1] + leaf.shape[-1]]
+                        except IndexError:
+                            got = None  # the fact's address lies outside SGLang's buffer
+                        want = torch.tensor([code(layer, kv, s, h, c) for c in range(C)])
+                        if got is None or not torch.equal(got, want):
+                            wrong.append(f"{name}: layer {layer}, {'KV'[kv]}, slot {s}, head {h} is not where "
+                                         f"the fact says {index}")
+                            return
+
+    g = Geometry(L=L, B=rows // PAGE, N=PAGE, H=H, C=C)
+    for hnd, name in ((False, "sglang_mha"), (True, "sglang_mha_hnd")):
+        pool = mha(hnd)
+        for layer in range(L):
+            pool.set_kv_buffer(_Layer(layer), slots, values(layer, 0, H, C), values(layer, 1, H, C))
+        holds(name, [list(pool.k_buffer), list(pool.v_buffer)], g, 2, H)
+    mla = mp.MLATokenToKVPool(size=SIZE, page_size=PAGE, dtype=torch.float32, kv_lora_rank=C - 2,
+                              qk_rope_head_dim=2, layer_num=L, device="cpu", enable_memory_saver=False)
+    mla.dcp_replicated = True  # a single rank: set_kv_buffer asks no parallel context
+    for layer in range(L):
+        mla.set_kv_buffer(_Layer(layer), slots, values(layer, 0, 1, C), None)
+    holds("sglang_mla", list(mla.kv_buffer), Geometry(L=L, B=rows // PAGE, N=PAGE, H=1, C=C), 1, 1)
+    info = mha(False).get_device_pool_infos()[0].buffer_info
+    for layout in ("layer_first", "page_first", "page_first_direct", "page_head"):
+        host = host_mod.MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+                                             device_capacity_tokens=SIZE, start_layer=0, end_layer=L)
+        holds(f"hicache_{layout}", host.kv_buffer, Geometry(L=L, B=host.size // PAGE, N=PAGE, H=H, C=C), 0, H)
+    return wrong, 7
+
+
+#: engine -> (release the facts describe, the check).
+ENGINES: dict[str, tuple[str, Callable[[], tuple[list[str], int]]]] = {"SGLang": (SGLANG, sglang_disagreements)}
+
+
+def run() -> int:
+    """Print each engine's result (or why it was skipped); the number of disagreements."""
+    failures = 0
+    for engine, (release, check) in ENGINES.items():
+        try:
+            wrong, checked = check()
+        except Skipped as why:
+            print(f"{engine} {release} engine checks skipped: {why}")
+            continue
+        for line in wrong:
+            print(f"kvgen verify: {engine} {release}: {line}", file=sys.stderr)
+        print(f"{checked - len(wrong)} of {checked} {engine} {release} pool facts agree with the engine's live pools")
+        failures += len(wrong)
+    return failures

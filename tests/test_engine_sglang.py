@@ -1,0 +1,422 @@
+"""SGLang 0.5.23's own pools as the oracle: caches built with SGLang's classes on CPU, K and V
+written with the pool's own write path (`set_kv_buffer`), stored by kvgen into objects whose
+every element is checked against its coordinates, loaded by kvgen into a fresh pool at other
+slots, and read back with the pool's own read path (`get_key_buffer`, `get_value_buffer`,
+`get_kv_buffer`) against a pool SGLang itself wrote at those slots. Where SGLang's write path is
+a CUDA kernel (the DSA indexer's `store_quantized`, the HiCache host transfers in sgl_kernel),
+the test writes SGLang's documented element positions instead and says so.
+
+SGLang pins torch 2.14.1 and needs torchvision: `scripts/dev engines` sets up .venv-sglang and
+runs this file there; elsewhere it skips, saying why.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+try:
+    from sglang.srt.mem_cache import memory_pool as mp
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    from sglang.srt.runtime_context import get_parallel
+except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain means: not here
+    pytest.skip(f"sglang's memory pools do not import here ({type(exc).__name__}: {exc}); "
+                "`scripts/dev engines` runs these tests in .venv-sglang (sglang 0.5.23, torch 2.14.1)",
+                allow_module_level=True)
+
+import kvgen  # noqa: E402
+from kvgen import generated  # noqa: E402
+from kvgen.errors import KVLayoutError  # noqa: E402
+from kvgen.runtime import MemoryObj  # noqa: E402
+from kvgen.spec.library import load_library  # noqa: E402
+from kvgen.tools.cli import main  # noqa: E402
+
+L, H, PAGE, C, CV, SIZE = 3, 4, 16, 8, 6, 48  # H != PAGE and C != CV: a swap or a wrong width fails
+ROWS = SIZE + PAGE  # SGLang's rows: size + page_size (slot 0's page absorbs padded writes)
+SLOTS = torch.tensor([17, 3, 40, 16, 31, 63, 50, 5])
+AGAIN = torch.tensor([60, 1, 33, 20, 7, 45, 28, 12])  # where the load puts them
+T = len(SLOTS)
+
+
+def test_the_installed_sglang_is_the_release_these_tests_describe() -> None:
+    assert importlib.metadata.version("sglang") == "0.5.23"
+
+
+def code(layer: int, kv: int, slot: int, h: int, c: int) -> float:
+    """The value of (layer, K or V, slot, head, content): each coordinate is recoverable."""
+    return float((((layer * 2 + kv) * ROWS + slot) * H + h) * 16 + c)
+
+
+def rows(layer: int, kv: int, slots: torch.Tensor, heads: int, width: int) -> torch.Tensor:
+    return torch.tensor([[[code(layer, kv, s, h, c) for c in range(width)] for h in range(heads)]
+                         for s in slots.tolist()])
+
+
+class Layer:
+    """What set_kv_buffer reads of SGLang's RadixAttention: the layer id."""
+
+    def __init__(self, layer_id: int):
+        self.layer_id = layer_id
+
+
+@contextmanager
+def one_rank() -> Iterator[None]:
+    """SGLang's MLA and DSA pools ask the parallel context; a single-GPU server publishes this."""
+    with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
+        yield
+
+
+# -- MHA: nhd, hnd, a V head size other than K's ------------------------------------------------
+
+def mha(layout: str, monkeypatch: pytest.MonkeyPatch, v_head_dim: int | None = None) -> Any:
+    if layout == "hnd":
+        monkeypatch.setenv("SGLANG_USE_HND_KVCACHE", "1")  # how a server asks for the HND pool
+    else:
+        monkeypatch.delenv("SGLANG_USE_HND_KVCACHE", raising=False)
+    pool = mp.MHATokenToKVPool(size=SIZE, page_size=PAGE, dtype=torch.float32, head_num=H, head_dim=C,
+                               v_head_dim=v_head_dim, layer_num=L, device="cpu", enable_memory_saver=False,
+                               enable_alt_stream=False)
+    assert pool.kv_cache_layout == layout
+    return pool
+
+
+def write_mha(pool: Any, slots: torch.Tensor, layer_ids: list[int], values_of: torch.Tensor | None = None) -> None:
+    src = SLOTS if values_of is None else values_of
+    for i, layer in enumerate(layer_ids):
+        width = pool.get_v_head_dim()  # SGLang's own answer, for the hybrid pool too
+        pool.set_kv_buffer(Layer(layer), slots, rows(i, 0, src, H, pool.head_dim), rows(i, 1, src, H, width))
+
+
+def store(bound: Any) -> MemoryObj:
+    dtype = bound.connector.get_dtype()
+    obj = MemoryObj(torch.full(tuple(bound.connector.get_shape(T, bound.kvcaches)), 255 if dtype == torch.uint8
+                               else -1.0, dtype=dtype))
+    bound.connector.from_gpu(obj, 0, T, kvcaches=bound.kvcaches, slot_mapping=SLOTS)
+    return obj
+
+
+def kv_2ltd_expected(slots: torch.Tensor = SLOTS) -> torch.Tensor:
+    return torch.stack([torch.stack([rows(layer, kv, slots, H, C).reshape(len(slots), H * C) for layer in range(L)])
+                        for kv in range(2)])
+
+
+#: Slots that a reading with heads and slots swapped still finds inside the cache: a mutant then
+#: moves wrong elements without an error, as detection's misreading did.
+LOW = torch.tensor([3, 5, 12, 0, 9, 15, 7, 1])
+
+
+def mutant_store(conn: Any, cache: Any) -> torch.Tensor:
+    obj = MemoryObj(torch.full(tuple(conn.get_shape(T, cache)), -1.0))
+    conn.from_gpu(obj, 0, T, kvcaches=cache, slot_mapping=LOW)
+    return obj.tensor
+
+
+def copy(obj: MemoryObj) -> MemoryObj:
+    return MemoryObj(obj.tensor.clone(), obj.metadata.fmt)
+
+
+def load(bound: Any, obj: MemoryObj) -> None:
+    bound.connector.to_gpu(copy(obj), 0, T, kvcaches=bound.kvcaches, slot_mapping=AGAIN)
+
+
+def same_reads(pool: Any, oracle: Any, layer_ids: list[int]) -> bool:
+    """Whether SGLang's own getters read the same K and V from both pools, every layer."""
+    for layer in layer_ids:
+        k, v = pool.get_kv_buffer(layer)
+        ok, ov = oracle.get_kv_buffer(layer)
+        if not (torch.equal(pool.get_key_buffer(layer), oracle.get_key_buffer(layer)) and
+                torch.equal(pool.get_value_buffer(layer), oracle.get_value_buffer(layer)) and
+                torch.equal(k, ok) and torch.equal(v, ov)):
+            return False
+    return True
+
+
+MHA_CASES = [("nhd", None, "sglang_mha", "kv_2ltd"), ("hnd", None, "sglang_mha_hnd", "kv_2ltd"),
+             ("nhd", CV, "sglang_mha_v_head", "kv_planes")]
+
+
+@pytest.mark.parametrize(("layout", "v_head_dim", "spec", "obj"), MHA_CASES, ids=["nhd", "hnd", "v_head"])
+def test_mha_pools_move_right_both_ways(layout: str, v_head_dim: int | None, spec: str, obj: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = mha(layout, monkeypatch, v_head_dim)
+    write_mha(pool, SLOTS, list(range(L)))
+    bound = kvgen.from_sglang(pool)
+    assert (bound.layout, bound.obj, bound.layer_ids) == (spec, obj, tuple(range(L)))
+    stored = store(bound)
+    if obj == "kv_2ltd":  # [2, L, T, H * C]: every element where its coordinates say
+        assert torch.equal(stored.tensor, kv_2ltd_expected())
+    else:  # kv_planes: per layer a dense [T, H, C] region of K, then (16-byte aligned) one of V
+        k_bytes = T * H * C * 4
+        for layer in range(L):
+            row = stored.tensor[layer]
+            assert torch.equal(row[:k_bytes].view(torch.float32).reshape(T, H, C), rows(layer, 0, SLOTS, H, C))
+            v = row[k_bytes:k_bytes + T * H * CV * 4].view(torch.float32).reshape(T, H, CV)
+            assert torch.equal(v, rows(layer, 1, SLOTS, H, CV))
+
+    fresh, oracle = mha(layout, monkeypatch, v_head_dim), mha(layout, monkeypatch, v_head_dim)
+    load(kvgen.from_sglang(fresh), stored)
+    write_mha(oracle, AGAIN, list(range(L)))  # SGLang writes what the load should have written
+    assert same_reads(fresh, oracle, list(range(L)))
+    assert not same_reads(fresh, mha(layout, monkeypatch, v_head_dim), list(range(L)))  # the load wrote
+
+
+def test_the_hnd_pool_is_refused_without_its_word_and_moves_right_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The regression of issue 19: detection read this pool as [B, N, H, C] with N and H swapped."""
+    pool = mha("hnd", monkeypatch)
+    write_mha(pool, SLOTS, list(range(L)))
+    cache = [list(pool.k_buffer), list(pool.v_buffer)]
+    with pytest.raises(KVLayoutError, match="kv_cache_layout"):
+        kvgen.detect(cache, engine="sglang")
+    found = kvgen.detect(cache, engine="sglang", kv_layout=pool.kv_cache_layout)
+    assert (found.layout, found.extents["H"], found.extents["N"]) == ("sglang_mha_hnd", H, PAGE)
+    nhd = kvgen.detect([list(mha("nhd", monkeypatch).k_buffer), list(mha("nhd", monkeypatch).v_buffer)],
+                       engine="sglang", kv_layout="nhd")
+    assert nhd.layout == "sglang_mha"
+
+
+# -- a spec mutated to its neighbour (NHD <-> HND) fails the same checks ------------------------
+
+MUTANTS = {"sglang_mha_hnd": ("dims: [B, H, N, C]", "dims: [B, N, H, C]"),
+           "hicache_page_head": ("dims: [KV, B, H, N, L, C]", "dims: [KV, B, N, H, L, C]")}
+
+
+@pytest.fixture(scope="module")
+def mutants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A package holding each spec above with its heads and slots swapped, as `mutant_<name>`."""
+    root = tmp_path_factory.mktemp("mutants")
+    specs = root / "specs"
+    specs.mkdir()
+    for name, (old, new) in MUTANTS.items():
+        text = Path(load_library()[name].source).read_text("utf-8")
+        assert old in text
+        text = text.replace(old, new).replace(f"name: {name}", f"name: mutant_{name}")
+        text = "\n".join(line for line in text.splitlines() if not line.startswith("aliases:"))
+        (specs / f"{name}.yaml").write_text(text + "\n")
+    assert main(["build", "--specs", str(specs), "--out", str(root / "sglang_mutants")]) == 0
+    sys.path.insert(0, str(root))
+    try:
+        yield importlib.import_module("sglang_mutants")
+    finally:
+        sys.path.remove(str(root))
+        for name in [m for m in sys.modules if m.startswith("sglang_mutants")]:
+            del sys.modules[name]
+
+
+def test_a_mutated_hnd_spec_fails_against_the_pool(mutants: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = mha("hnd", monkeypatch)
+    everything = torch.arange(ROWS)
+    write_mha(pool, everything, list(range(L)), values_of=everything)
+    cache = [list(pool.k_buffer), list(pool.v_buffer)]
+    assert torch.equal(mutant_store(generated.get("sglang_mha_hnd", "kv_2ltd")(), cache), kv_2ltd_expected(LOW))
+    assert not torch.equal(mutant_store(mutants.get("mutant_sglang_mha_hnd", "kv_2ltd")(), cache),
+                           kv_2ltd_expected(LOW))
+
+
+# -- MLA, DSA, the hybrid pool's attention layers -----------------------------------------------
+
+RANK, ROPE = 8, 4
+
+
+def mla() -> Any:
+    return mp.MLATokenToKVPool(size=SIZE, page_size=PAGE, dtype=torch.float32, kv_lora_rank=RANK,
+                               qk_rope_head_dim=ROPE, layer_num=L, device="cpu", enable_memory_saver=False)
+
+
+def write_latent(pool: Any, slots: torch.Tensor) -> None:
+    with one_rank():
+        for layer in range(L):
+            pool.set_kv_buffer(Layer(layer), slots, rows(layer, 0, SLOTS, 1, RANK + ROPE), None)
+
+
+def test_mla_pool_moves_right_both_ways() -> None:
+    pool = mla()
+    write_latent(pool, SLOTS)
+    bound = kvgen.from_sglang(pool)
+    assert (bound.layout, bound.obj) == ("sglang_mla", "kv_mla")
+    stored = store(bound)  # [1, L, T, C]
+    want = torch.stack([rows(layer, 0, SLOTS, 1, RANK + ROPE)[:, 0] for layer in range(L)])[None]
+    assert torch.equal(stored.tensor, want)
+    fresh, oracle = mla(), mla()
+    load(kvgen.from_sglang(fresh), stored)
+    write_latent(oracle, AGAIN)
+    assert same_reads(fresh, oracle, list(range(L)))
+
+
+DSA_PAGE, INDEX_DIM = 64, 128  # SGLang's DSA pool requires 64-token pages and 128-wide index keys
+
+
+def dsa() -> Any:
+    with one_rank():
+        return mp.DSATokenToKVPool(size=DSA_PAGE, page_size=DSA_PAGE, kv_lora_rank=RANK, dtype=torch.float32,
+                                   qk_rope_head_dim=ROPE, layer_num=L, device="cpu", index_head_dim=INDEX_DIM,
+                                   enable_memory_saver=False, kv_cache_dim=RANK + ROPE)
+
+
+def index_key(layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bytes of one token's 128 fp8 index values and of its fp32 scale, coded by layer and slot."""
+    values = torch.tensor([(layer * 131 + slot * 7 + i) % 251 for i in range(INDEX_DIM)], dtype=torch.uint8)
+    return values, torch.tensor([float(layer * 1000 + slot)]).view(torch.uint8)
+
+
+def write_index(pool: Any, slots: torch.Tensor) -> None:
+    """SGLang's store_quantized is a GPU kernel; this writes its documented places instead
+    (index_key_cache.py: a page holds every token's key bytes, then every token's scale bytes)."""
+    for layer, buf in enumerate(pool.index_k_with_scale_buffer):
+        for src, dst in zip(SLOTS.tolist(), slots.tolist(), strict=True):
+            values, scale = index_key(layer, src)
+            page, off = divmod(dst, DSA_PAGE)
+            buf[page, off * INDEX_DIM:(off + 1) * INDEX_DIM] = values
+            buf[page, DSA_PAGE * INDEX_DIM + off * 4:DSA_PAGE * INDEX_DIM + off * 4 + 4] = scale
+
+
+def test_dsa_pool_latent_and_index_keys_move_right_both_ways() -> None:
+    pool = dsa()
+    write_latent(pool, SLOTS)
+    write_index(pool, SLOTS)
+    latent, index = kvgen.from_sglang(pool), kvgen.from_sglang(pool, part="indexer")
+    assert (latent.layout, index.layout) == ("sglang_mla", "vllm_dsa_indexer")
+    fresh, oracle = dsa(), dsa()
+    load(kvgen.from_sglang(fresh), store(latent))
+    bound = kvgen.from_sglang(fresh, part="indexer")
+    stored = store(index)  # kv_planes: per layer every token's 128 value bytes, then its scale bytes
+    for layer in range(L):
+        values = torch.stack([index_key(layer, s)[0] for s in SLOTS.tolist()])
+        scales = torch.stack([index_key(layer, s)[1] for s in SLOTS.tolist()])
+        row = stored.tensor[layer]
+        assert torch.equal(row[:T * INDEX_DIM].reshape(T, INDEX_DIM), values)
+        assert torch.equal(row[T * INDEX_DIM:T * INDEX_DIM + T * 4].reshape(T, 4), scales)
+    bound.connector.to_gpu(copy(stored), 0, T, kvcaches=bound.kvcaches, slot_mapping=AGAIN)
+    write_latent(oracle, AGAIN)
+    write_index(oracle, AGAIN)
+    assert same_reads(fresh, oracle, list(range(L)))
+    for layer in range(L):
+        assert torch.equal(fresh.index_key_cache.get_buffer(layer), oracle.index_key_cache.get_buffer(layer))
+
+
+def hybrid() -> Any:
+    return mp.HybridLinearKVPool(size=SIZE, dtype=torch.float32, page_size=PAGE, head_num=H, head_dim=C,
+                                 full_attention_layer_ids=[1, 3, 4], device="cpu", mamba_pool=None)
+
+
+def test_hybrid_linear_pools_attention_layers_move_right_both_ways() -> None:
+    pool = hybrid()
+    write_mha(pool, SLOTS, [1, 3, 4])
+    bound = kvgen.from_sglang(pool)
+    assert (bound.pool, bound.layout, bound.layer_ids) == ("HybridLinearKVPool", "sglang_mha", (1, 3, 4))
+    stored = store(bound)
+    assert torch.equal(stored.tensor, kv_2ltd_expected())  # entry i of the layer lists is model layer layer_ids[i]
+    fresh, oracle = hybrid(), hybrid()
+    load(kvgen.from_sglang(fresh), stored)
+    write_mha(oracle, AGAIN, [1, 3, 4])
+    assert same_reads(fresh, oracle, [1, 3, 4])
+
+
+def test_pools_kvgen_does_not_know_are_refused_by_class_and_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    class MHATokenToKVPoolFP4:  # SGLang's FP4 pool (a CUDA-only subclass): its buffers carry scales
+        kv_cache_layout = "nhd"
+
+    with pytest.raises(KVLayoutError, match="MHATokenToKVPoolFP4 with kv_cache_layout 'nhd'"):
+        kvgen.from_sglang(MHATokenToKVPoolFP4())
+    pool = mha("hnd", monkeypatch, CV)  # HND with a V head size of its own: no spec
+    with pytest.raises(KVLayoutError, match="MHATokenToKVPool with kv_cache_layout 'hnd'"):
+        kvgen.from_sglang(pool)
+
+
+# -- HiCache host pools --------------------------------------------------------------------------
+
+#: SGLang 0.5.23's MHATokenToKVPoolHost.init_kv_buffer dims per layout (names for its tuple).
+HOST_DIMS = {"layer_first": ("KV", "L", "S", "H", "C"), "page_first": ("KV", "S", "L", "H", "C"),
+             "page_first_direct": ("KV", "B", "L", "N", "H", "C"), "page_head": ("KV", "B", "H", "N", "L", "C")}
+MLA_HOST_DIMS = {"layer_first": ("L", "S", "1", "C"), "page_first": ("S", "L", "1", "C"),
+                 "page_first_direct": ("B", "L", "N", "1", "C")}
+
+
+def host(layout: str, mla_pool: bool = False) -> Any:
+    device = mla() if mla_pool else mp.MHATokenToKVPool(
+        size=SIZE, page_size=PAGE, dtype=torch.float32, head_num=H, head_dim=C, layer_num=L, device="cpu",
+        enable_memory_saver=False, enable_alt_stream=False)
+    info = device.get_device_pool_infos()[0].buffer_info
+    cls, extra = (MLATokenToKVPoolHost, {"target_layer_num": L}) if mla_pool else (MHATokenToKVPoolHost, {})
+    return cls(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu", device_capacity_tokens=SIZE,
+               start_layer=0, end_layer=L, **extra)
+
+
+def write_host(pool: Any, names: tuple[str, ...], slots: torch.Tensor, values_of: torch.Tensor = SLOTS) -> None:
+    """SGLang's host transfers are sgl_kernel CUDA ops; this writes the places init_kv_buffer's
+    dims document (S a host slot, B its page, N its offset in the page)."""
+    heads, width = (1, RANK + ROPE) if "1" in names else (H, C)
+    for kv in range(2 if "KV" in names else 1):
+        for layer in range(L):
+            for src, dst in zip(values_of.tolist(), slots.tolist(), strict=True):
+                for h in range(heads):
+                    at = {"KV": kv, "L": layer, "S": dst, "B": dst // PAGE, "N": dst % PAGE, "H": h, "1": 0}
+                    index = tuple(at[n] for n in names[:-1])
+                    pool.kv_buffer[index] = torch.tensor([code(layer, kv, src, h, c) for c in range(width)])
+
+
+@pytest.mark.parametrize("layout", list(HOST_DIMS) + [f"mla_{k}" for k in MLA_HOST_DIMS])
+def test_hicache_host_pools_built_by_sglang_move_right_both_ways(layout: str, mutants: Any) -> None:
+    is_mla = layout.startswith("mla_")
+    word = layout.removeprefix("mla_")
+    names = (MLA_HOST_DIMS if is_mla else HOST_DIMS)[word]
+    spec = f"hicache_mla_{word}" if is_mla else f"hicache_{word}"
+    obj = "kv_mla" if is_mla else "kv_2ltd"
+    pool = host(word, is_mla)
+    write_host(pool, names, SLOTS)
+    conn = generated.get(spec, obj)()
+    out = MemoryObj(torch.full(tuple(conn.get_shape(T, pool.kv_buffer)), -1.0))
+    conn.from_gpu(out, 0, T, kvcaches=pool.kv_buffer, slot_mapping=SLOTS)
+    want = (torch.stack([rows(layer, 0, SLOTS, 1, RANK + ROPE)[:, 0] for layer in range(L)])[None] if is_mla
+            else kv_2ltd_expected())
+    assert torch.equal(out.tensor, want)
+    fresh, oracle = host(word, is_mla), host(word, is_mla)
+    conn.to_gpu(copy(out), 0, T, kvcaches=fresh.kv_buffer, slot_mapping=AGAIN)
+    write_host(oracle, names, AGAIN)
+    for index in range(0, fresh.size, PAGE):  # SGLang's own page reader (what HiCache's storage tier reads)
+        assert torch.equal(fresh.get_data_page(index, flat=False), oracle.get_data_page(index, flat=False))
+    if word == "page_head":  # the neighbouring reading (slots before heads) fails the same check
+        everything = torch.arange(4 * PAGE)
+        write_host(pool, names, everything, values_of=everything)
+        assert torch.equal(mutant_store(conn, pool.kv_buffer), kv_2ltd_expected(LOW))
+        assert not torch.equal(mutant_store(mutants.get("mutant_hicache_page_head", "kv_2ltd")(), pool.kv_buffer),
+                               kv_2ltd_expected(LOW))
+
+
+# -- the hand-written facts (kvgen.oracle.facts*) against SGLang's live pools ---------------------
+
+def test_kvgen_verify_checks_the_hand_written_facts_against_sglangs_live_pools(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvgen.tools import verify_engines
+
+    wrong, checked = verify_engines.sglang_disagreements()
+    assert (wrong, checked) == ([], 7)
+    assert verify_engines.run() == 0
+    assert "7 of 7 SGLang 0.5.23 pool facts agree with the engine's live pools" in capsys.readouterr().out
+
+
+def test_a_wrong_fact_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvgen.oracle import facts
+    from kvgen.tools import verify_engines
+
+    hnd = facts.FACTS["sglang_mha_hnd"]
+
+    def nhd_shape(g: Any) -> tuple[int, ...]:  # the NHD reading of the HND pool: shape and address
+        return (g.B, g.N, g.H, g.C)
+
+    def nhd_address(g: Any, layer: int, kv: int, slot: int, h: int, c: int) -> Any:
+        return (kv, layer), (slot // g.N, slot % g.N, h, c)
+
+    for shape in (nhd_shape, hnd.shape):  # a wrong shape, then a right shape with the wrong address
+        monkeypatch.setitem(facts.FACTS, "sglang_mha_hnd",
+                            facts.Fact(hnd.name, hnd.kind, hnd.container, shape, nhd_address, hnd.fixed))
+        wrong, _ = verify_engines.sglang_disagreements()
+        assert len(wrong) == 1 and wrong[0].startswith("sglang_mha_hnd:")
