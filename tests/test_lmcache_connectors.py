@@ -23,7 +23,6 @@ from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
 import kvgen.integrations.lmcache as kl  # noqa: E402
 from kvgen import generated  # noqa: E402
-from kvgen.errors import KVLayoutError  # noqa: E402
 from kvgen.integrations.detect import detectable  # noqa: E402
 from kvgen.oracle import reference  # noqa: E402
 from kvgen.oracle.scenarios import EXT, block_table_mapping, clone_tree, make_cache, same_bits  # noqa: E402

@@ -6,10 +6,38 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import stat
 from pathlib import Path
 
 import torch
+
+
+def compiler() -> str | None:
+    """The C compiler to use: KVGEN_CC, else the first of cc, gcc, clang on PATH."""
+    wanted = os.environ.get("KVGEN_CC")
+    if wanted is not None:
+        return shutil.which(wanted) if wanted else None
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("KVGEN_CACHE_DIR")
+    if explicit:
+        return Path(explicit) / "native"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvgen" / "native"
+
+
+def missing_compiler() -> str:
+    """Why compiler() found none, in the user's terms."""
+    wanted = os.environ.get("KVGEN_CC")
+    return f"KVGEN_CC={wanted}: no such compiler on PATH" if wanted else \
+        "no C compiler found (install cc/gcc or set KVGEN_CC)"
 
 
 def switched_off(variable: str) -> bool:

@@ -32,7 +32,6 @@ import ctypes
 import hashlib
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
 import threading
@@ -44,6 +43,7 @@ import torch
 
 from kvgen.runtime import host
 from kvgen.runtime.binding import leaves
+from kvgen.runtime.host import cache_dir, compiler, missing_compiler
 from kvgen.runtime.layout import Geometry, ObjectLayout, PagedLayout
 from kvgen.runtime.slots import Chunk
 
@@ -67,26 +67,6 @@ class Unsupported(Exception):
 
 def _source() -> bytes:
     return resources.files("kvgen.runtime").joinpath("csrc/kvcopy.c").read_bytes()
-
-
-def compiler() -> str | None:
-    """The C compiler to use: KVGEN_CC, else the first of cc, gcc, clang on PATH."""
-    wanted = os.environ.get("KVGEN_CC")
-    if wanted is not None:
-        return shutil.which(wanted) if wanted else None
-    for name in ("cc", "gcc", "clang"):
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
-
-
-def cache_dir() -> Path:
-    explicit = os.environ.get("KVGEN_CACHE_DIR")
-    if explicit:
-        return Path(explicit) / "native"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvgen" / "native"
 
 
 def _compiler_id(cc: str) -> str:
@@ -123,9 +103,7 @@ def _load() -> tuple[Any, str | None]:
         return None, "switched off (KVGEN_NATIVE=0)"
     cc = compiler()
     if cc is None:
-        wanted = os.environ.get("KVGEN_CC")
-        return None, (f"KVGEN_CC={wanted}: no such compiler on PATH" if wanted
-                      else "no C compiler found (install cc/gcc or set KVGEN_CC)")
+        return None, missing_compiler()
     try:
         try:
             path = _build(cc, cache_dir())
