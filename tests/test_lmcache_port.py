@@ -21,10 +21,19 @@ from lmcache.v1.memory_allocators.pin_memory_allocator import PinMemoryAllocator
 from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
+from kvgen.integrations import hints as kvgen_hints  # noqa: E402
 from kvgen.integrations.lmcache import (  # noqa: E402
     VLLMPagedMemLayerwiseXPUConnector,
     VLLMPagedMemXPUConnectorV2,
 )
+
+
+@pytest.fixture(autouse=True)
+def _vllm_before_kv_cache_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These caches are the [2, B, N, H, C] tensors vLLM handed over before 0.33, whatever vllm
+    is installed here (detection reads the installed release otherwise)."""
+    monkeypatch.setattr(kvgen_hints, "installed_version", lambda engine: "0.32.0" if engine == "vllm" else None)
+
 
 DEVICE = "cpu"
 

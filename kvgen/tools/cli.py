@@ -246,8 +246,9 @@ def cmd_detect(args: argparse.Namespace) -> int:
     from kvgen.integrations.detect import detect, parse_cache_shape
 
     cache = parse_cache_shape(args.shape, args.stride, args.dtype)
-    hints = {k: getattr(args, k) for k in ("engine", "backend", "kv_layout", "given_order", "num_kv_heads",
-                                           "block_size", "head_size", "num_layers", "num_blocks", "layout")}
+    hints = {k: getattr(args, k) for k in ("engine", "engine_version", "backend", "kv_layout", "given_order",
+                                           "num_kv_heads", "block_size", "head_size", "num_layers", "num_blocks",
+                                           "layout")}
     hints["use_mla"] = args.mla
     found = detect(cache, **hints)
     facts = {"layout": found.layout, "lmcache": found.lmcache, "extents": dict(found.extents),
@@ -326,9 +327,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", metavar="S,S,...", help="the tensor's strides in elements (memory order is a fact)")
     p.add_argument("--dtype", metavar="NAME", help="the tensor's dtype, e.g. bfloat16")
     p.add_argument("--engine", metavar="NAME", help="the serving engine: vllm, sglang or trtllm")
+    p.add_argument("--engine-version", metavar="X.Y.Z",
+                   help="the engine's release: only specs whose versions hold it (vllm: the installed one)")
     p.add_argument("--backend", metavar="NAME", help="the engine's attention backend, e.g. FLASHINFER")
     p.add_argument("--kv-layout", metavar="NAME",
-                   help="NHD or HND (slots or heads first in a block), or a layout name such as BLHNC")
+                   help="vLLM's KVCacheLayout (LBNHC, ...), NHD or HND, or a layout name")
     p.add_argument("--given-order", choices=("NHD", "HND"),
                    help="the order the engine handed the slot and head dims in (vLLM: NHD)")
     p.add_argument("--num-kv-heads", type=int, metavar="H", help="KV heads per layer (this rank)")
