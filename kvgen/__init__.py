@@ -9,13 +9,14 @@ __version__ = "0.1.0"
 #: Highest spec format version (`kvgen:` key) this release reads.
 SPEC_FORMAT_VERSION = 2
 
-__all__ = ["__version__", "SPEC_FORMAT_VERSION", "detect"]
+__all__ = ["__version__", "SPEC_FORMAT_VERSION", "detect", "from_vllm"]
 
 
 def __getattr__(name: str) -> object:
-    """`kvgen.detect` on first use, so `import kvgen` stays torch-free."""
-    if name == "detect":
+    """`kvgen.detect` and `kvgen.from_vllm` on first use, so `import kvgen` stays torch-free."""
+    lazy = {"detect": "kvgen.integrations.detect", "from_vllm": "kvgen.integrations.vllm"}
+    if name in lazy:
         import importlib  # a lazy attribute, not an import of kvgen's root: the root stays torch-free
 
-        return importlib.import_module("kvgen.integrations.detect").detect
+        return getattr(importlib.import_module(lazy[name]), name)
     raise AttributeError(f"module 'kvgen' has no attribute {name!r}")
