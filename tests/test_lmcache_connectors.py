@@ -36,6 +36,7 @@ SEQ = 25
 HANDED = {
     "vllm_flash_attn_hnd": ("logical", {}),
     "vllm_flashinfer_hnd": ("logical", {}),
+    "vllm_flashinfer_nhd": ("as is", {"kv_layout": "NHD"}),  # [B, 2, N, H, C] with H == 2 is [B, H, N, 2, C] too
     "vllm_packed_hnd": ("as is", {"kv_layout": "HND"}),
     "vllm_packed_hnd_5d": ("as is", {"kv_layout": "HND"}),
     "vllm_heads_first": ("as is", {"kv_layout": "LHBNC"}),

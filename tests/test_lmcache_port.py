@@ -170,7 +170,8 @@ def test_xpu_connector_roundtrip_non_layerwise_multi_chunk(use_gpu: bool) -> Non
     meta = LMCacheMetadata(model_name="xpu_test_non_layerwise_multi_chunk", world_size=1, local_world_size=1,
                            worker_id=0, local_worker_id=0, kv_dtype=torch.bfloat16,
                            kv_shape=(num_layers, 2, total_tokens, num_heads_actual, head_size_actual))
-    conn = VLLMPagedMemXPUConnectorV2.from_metadata(meta, use_gpu=use_gpu, device=device)
+    conn = VLLMPagedMemXPUConnectorV2.from_metadata(meta, use_gpu=use_gpu, device=device,
+                                                    layout_hints={"kv_layout": "NHD"})  # H == N == 8: named
     pin_alloc = PinMemoryAllocator(size=1024 * 1024 * 64)
     memobjs = []
     try:
@@ -209,7 +210,8 @@ def test_xpu_connector_roundtrip_layerwise_multi_chunk_use_gpu_true() -> None:
     meta = LMCacheMetadata(model_name="xpu_test_layerwise_multi_chunk_gpu", world_size=1, local_world_size=1,
                            worker_id=0, local_worker_id=0, kv_dtype=torch.bfloat16,
                            kv_shape=(num_layers, 2, total_tokens, num_heads_actual, head_size_actual))
-    conn = VLLMPagedMemLayerwiseXPUConnector.from_metadata(meta, use_gpu=True, device=device)
+    conn = VLLMPagedMemLayerwiseXPUConnector.from_metadata(meta, use_gpu=True, device=device,
+                                                           layout_hints={"kv_layout": "NHD"})  # H == N == 8: named
     pin_alloc = PinMemoryAllocator(size=1024 * 1024 * 128)
     memobjs_by_layer = [[pin_alloc.allocate(torch.Size([e - s, 2, hidden_dim_actual]), torch.bfloat16,
                                             MemoryFormat.KV_T2D) for s, e in zip(starts, ends, strict=False)]
