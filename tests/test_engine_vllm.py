@@ -155,6 +155,16 @@ def test_equal_heads_and_block_size_are_read_as_vllm_declares() -> None:
         detect(views, kv_layout="LBHNC", **hints)  # the neighbour: the strides say otherwise
 
 
+def test_one_kv_head_is_not_taken_for_mla() -> None:
+    """With one KV head (a TP rank of a GQA model) the view is [B, 1, N, 2C], which an MLA latent of
+    width 2C also is; vLLM's spec says which (MLAAttentionSpec or not), and from_vllm passes it on."""
+    roundtrip("LBNHC", {"attn": full(num_kv_heads=1)}, planes=2)
+    kv, config = engine_cache("LBNHC", {"attn": full(num_kv_heads=1)})
+    views = [kv[n] for n in config.kv_cache_groups[0].layer_names]
+    with pytest.raises(AmbiguousLayout, match="use_mla"):
+        detect(views, engine="vllm", engine_version=VERSION, kv_layout="LBNHC", block_size=N)
+
+
 def test_kernel_blocks_smaller_than_the_manager_block_keep_the_manager_views() -> None:
     spec = full(block_size=2 * N)
     kv, config = engine_cache("LBNHC", {"attn": spec})

@@ -185,6 +185,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     coord = "(l, kv, slot, h, c)" if spec.is_paged else "(l, kv, t, h, c)"
     print(f"{spec.name} ({spec.kind}): {spec.summary}")
     print(f"  layout:   {spec.arrow()}")
+    if spec.given:
+        print(f"  given:    [{' '.join(d.render() for d in spec.given)}] (the order the engine hands each leaf over in)")
     if spec.is_simple:
         print(f"  element {coord}: {symbolic_address(spec)}")
     for line in explain_lines(spec):
