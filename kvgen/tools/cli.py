@@ -186,7 +186,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     print(f"{spec.name} ({spec.kind}): {spec.summary}")
     print(f"  layout:   {spec.arrow()}")
     if spec.given:
-        print(f"  given:    [{' '.join(d.render() for d in spec.given)}] (the order the engine hands each leaf over in)")
+        print(f"  given:    [{' '.join(d.render() for d in spec.given)}] (the order the engine hands leaves over in)")
     if spec.is_simple:
         print(f"  element {coord}: {symbolic_address(spec)}")
     for line in explain_lines(spec):
