@@ -274,4 +274,6 @@ def test_without_a_declaration_layouts_that_fit_the_same_tensors_are_refused() -
     views = [kv[n] for n in config.kv_cache_groups[0].layer_names]
     with pytest.raises(AmbiguousLayout, match="kv_layout='BLHNC'"):
         detect(views, engine="vllm", engine_version=VERSION, num_kv_heads=H, block_size=N)
+    declared = detect(views, engine="vllm", engine_version=VERSION, kv_layout=KVCacheLayout.BLHNC)  # vLLM's enum
+    assert declared.layout == "vllm_blhnc" and "given" in declared.decided_by
     assert "vllm_blhnc" in generated.LAYOUTS
