@@ -68,13 +68,14 @@ def _spec_hints(spec: Any, group: int) -> dict[str, Any]:
 
 def from_vllm(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: Any = None, *,
               engine_version: str | None = None, kv_object: str | None = None,
-              package: ModuleType | str | None = None) -> list[VllmGroup]:
+              package: ModuleType | str | None = None, **connector_args: Any) -> list[VllmGroup]:
     """A ready connector per KV cache group of a vLLM cache.
 
     `kv_caches`: layer name -> view, as vLLM's `allocate_kv_cache` returns (the manager views);
     `kv_cache_config`: vLLM's `KVCacheConfig`; `layout`: the resolved `KVCacheLayout` (member or
     name; default `kv_cache_config.kv_cache_layout`); `engine_version`: default the installed
-    vllm's; `kv_object`: the memory object to pair with (default kv_2ltd, kv_mla for MLA).
+    vllm's; `kv_object`: the memory object to pair with (default kv_2ltd, kv_mla for MLA);
+    `connector_args` (device, use_gpu, staging_bytes, backend) go to each connector.
     """
     name = _layout_name(layout, kv_cache_config)
     groups = list(getattr(kv_cache_config, "kv_cache_groups", ()))
@@ -92,6 +93,6 @@ def from_vllm(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: Any = 
         found = detect(views, package=package, engine="vllm", engine_version=engine_version, kv_layout=name,
                        num_layers=len(names), **hints)
         obj = kv_object or ("kv_mla" if hints["use_mla"] else "kv_2ltd")
-        connector = _package(package).get(found.layout, obj)()
+        connector = _package(package).get(found.layout, obj)(**connector_args)
         out.append(VllmGroup(index, names, found.view(views), found, connector))
     return out
