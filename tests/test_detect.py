@@ -271,3 +271,28 @@ def test_only_single_tree_kv_and_mla_caches_are_detected() -> None:
     cache = [torch.zeros(12, 4, 656, dtype=torch.uint8) for _ in range(3)]
     with pytest.raises(KVLayoutError, match="take its connector by name"):
         detect(cache, kv_layout="vllm_mla_fp8")
+
+
+def test_the_engine_release_picks_the_specs_and_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvgen.integrations import hints as detect_hints
+
+    handed = CacheShape((3,), (12, 2, 4, 8), (64, 8, 16, 1), "float32")  # vLLM 0.33 LBNHC: [B, H, N, C] view
+    old = CacheShape((3,), (2, 12, 4, 2, 4), None, "float32")  # vLLM 0.32 FlashAttention NHD
+    hints = {"engine": "vllm", "num_kv_heads": 2, "block_size": 4}
+    assert detect(handed, engine_version="0.33.1", kv_layout="NHD", **hints).layout == "vllm_lbnhc"
+    assert detect(old, engine_version="0.32", kv_layout="NHD", **hints).layout == "vllm_flash_attn_nhd"
+    with pytest.raises(NoLayout, match="describes vllm <0.33, not release 0.33.0"):
+        detect(old, engine_version="0.33.0", layout="vllm_flash_attn_nhd", **hints)
+    with pytest.raises(NoLayout, match=r"vLLM 0.34.0 KVCacheLayout.LBNHC: kvgen has no layout for it"):
+        detect(handed, engine_version="0.34.0", kv_layout="LBNHC", **hints)
+    with pytest.raises(KVLayoutError, match="needs the engine"):
+        detect(handed, engine_version="0.33.0")
+    with pytest.raises(KVLayoutError, match="expected release numbers"):
+        detect(handed, engine="vllm", engine_version="latest")
+    monkeypatch.setattr(detect_hints, "installed_version", lambda engine: "0.33.0")
+    assert detect(handed, kv_layout="LBNHC", **hints).layout == "vllm_lbnhc"  # the installed release
+    with pytest.raises(NoLayout):
+        detect(old, kv_layout="NHD", **hints)  # a 0.32 cache is not what vLLM 0.33 hands over
+    monkeypatch.setattr(detect_hints, "installed_version", lambda engine: None)  # vllm not installed: every release
+    with pytest.raises(AmbiguousLayout, match="engine_version"):
+        detect(handed, **hints)

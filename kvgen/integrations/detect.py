@@ -55,6 +55,7 @@ from kvgen.versions import some_release, version_in
 __all__ = ["HINTS", "SYNONYMS", "AmbiguousLayout", "CacheShape", "Detection", "NoLayout", "detect", "detect_shape",
            "layout_facts", "memory_order", "parse_cache_shape", "read_structure"]
 
+
 @dataclass(frozen=True)
 class LayoutFacts:
     """What one paged spec of a generated package says about its caches."""
@@ -339,7 +340,8 @@ def _declared(layout: str, facts: Sequence[LayoutFacts], everything: Sequence[La
     if not own:
         other = [f"{f.name} (vllm {f.versions.get('vllm', 'any release')})" for f in everything
                  if layout in (a.upper() for a in f.aliases)]
-        raise NoLayout(f"vLLM {version or ''} KVCacheLayout.{layout}: kvgen has no layout for it in this "
+        release = f"vLLM {version} " if version else "vLLM "
+        raise NoLayout(f"{release}KVCacheLayout.{layout}: kvgen has no layout for it in this "
                        f"release{'; ' + ', '.join(other) + ' describe(s) other releases' if other else ''}; "
                        "add a spec with that alias and the release in its versions", {layout: "no spec"})
     mla = tuple(f for f in facts if f.given and f.planes == 1 and "vllm" in f.families() and f not in own)
