@@ -9,12 +9,13 @@ __version__ = "0.1.0"
 #: Highest spec format version (`kvgen:` key) this release reads.
 SPEC_FORMAT_VERSION = 2
 
-__all__ = ["__version__", "SPEC_FORMAT_VERSION", "detect", "from_sglang"]
+__all__ = ["__version__", "SPEC_FORMAT_VERSION", "detect", "from_sglang", "from_vllm"]
 
 
 def __getattr__(name: str) -> object:
-    """`kvgen.detect` and `kvgen.from_sglang` on first use, so `import kvgen` stays torch-free."""
-    lazy = {"detect": "kvgen.integrations.detect", "from_sglang": "kvgen.integrations.sglang"}
+    """`kvgen.detect`, `kvgen.from_sglang` and `kvgen.from_vllm` on first use, so `import kvgen` stays torch-free."""
+    lazy = {"detect": "kvgen.integrations.detect", "from_sglang": "kvgen.integrations.sglang",
+            "from_vllm": "kvgen.integrations.vllm"}
     if name in lazy:
         import importlib  # a lazy attribute, not an import of kvgen's root: the root stays torch-free
 

@@ -12,7 +12,7 @@ import operator
 import re
 from collections.abc import Callable
 
-__all__ = ["CLAUSE", "RANGE", "admits_some_release", "parse_range", "release", "version_in"]
+__all__ = ["CLAUSE", "RANGE", "admits_some_release", "parse_range", "release", "some_release", "version_in"]
 
 #: One clause of a range, as the spec schema admits it.
 CLAUSE = r"(==|!=|>=|<=|>|<)\s*[0-9]+(\.[0-9]+){0,2}"
@@ -59,3 +59,13 @@ def admits_some_release(text: str) -> bool:
     clauses = parse_range(text)
     edges = {(0, 0, 0)} | {b for _, b in clauses} | {(b[0], b[1], b[2] + 1) for _, b in clauses}
     return any(_holds(edge, clauses) for edge in edges)
+
+
+def some_release(text: str) -> str | None:
+    """A release that lies in the range (the highest of its edges that does), as text; None for an
+    empty range. What a message offers as the `engine_version` that selects a spec."""
+    clauses = parse_range(text)
+    edges = {(0, 0, 0)} | {b for _, b in clauses} | {(b[0], b[1], b[2] + 1) for _, b in clauses}
+    edges |= {(b[0], b[1] - 1, 0) for _, b in clauses if b[1] > 0}
+    held = [edge for edge in edges if _holds(edge, clauses)]
+    return ".".join(map(str, max(held))) if held else None

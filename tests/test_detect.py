@@ -14,7 +14,17 @@ import torch
 
 import kvgen
 from kvgen import generated
-from kvgen.integrations.detect import AmbiguousLayout, CacheShape, NoLayout, detect, detectable, memory_order
+from kvgen.integrations.detect import (
+    AmbiguousLayout,
+    CacheShape,
+    LayoutFacts,
+    NoLayout,
+    detect,
+    detectable,
+    layout_facts,
+    memory_order,
+)
+from kvgen.integrations.shapes import map_leaves
 from kvgen.oracle import reference
 from kvgen.oracle.scenarios import EXT, make_cache
 from kvgen.runtime import KVLayoutError
@@ -36,9 +46,30 @@ def _family(name: str) -> str:
     return generated.LAYOUTS[name]["engines"][0].split("/")[0].split("-")[0].replace("tensorrt_llm", "trtllm")
 
 
+def _release(name: str) -> str | None:
+    """A release of the spec's engine it describes (vLLM: 0.33 for the KVCacheLayout specs, 0.32 for
+    the older ones), so detection does not depend on which vllm is installed here."""
+    if _family(name) != "vllm":
+        return None
+    return "0.33.0" if ">=0.33" in dict(LIBRARY[name].versions).get("vllm", "") else "0.32.0"
+
+
+def _handed_over(name: str) -> tuple[int, ...]:
+    """The memory-order dim each dim of what the engine hands over holds (`given`; else as is)."""
+    spec = LIBRARY[name]
+    perm = detect_facts(name).given_permutation() if spec.given else tuple(range(len(spec.dims)))
+    return tuple(perm.index(j) for j in range(len(perm)))
+
+
+def detect_facts(name: str) -> LayoutFacts:
+    return next(f for f in layout_facts() if f.name == name)
+
+
 def _shape(name: str, ext: dict[str, int]) -> CacheShape:
     spec = LIBRARY[name]
-    return CacheShape(tuple(ext[a] for a in spec.lists), reference.leaf_shape(spec, ext), None, "float32")
+    memory = reference.leaf_shape(spec, ext)
+    return CacheShape(tuple(ext[a] for a in spec.lists), tuple(memory[i] for i in _handed_over(name)), None,
+                      "float32")
 
 
 def _facts(name: str, ext: dict[str, int]) -> dict[str, object]:
@@ -47,6 +78,8 @@ def _facts(name: str, ext: dict[str, int]) -> dict[str, object]:
     mla = generated.LAYOUTS[name]["planes"] == 1
     hints: dict[str, object] = {"engine": _family(name), "num_layers": ext["L"], "head_size": ext["C"],
                                 "num_kv_heads": 1 if mla else ext["H"], "use_mla": mla}
+    if _release(name):
+        hints["engine_version"] = _release(name)
     if any(d.axes == ("N",) for d in spec.dims):
         hints["block_size"] = ext["N"]
     return hints
@@ -63,7 +96,8 @@ def _fits(cache: CacheShape, **hints: object) -> set[str]:
 
 @pytest.mark.parametrize("name", PAGED)
 def test_every_layout_is_detected_from_a_live_cache(name: str) -> None:
-    cache = make_cache(LIBRARY[name], torch.float32, "cpu")
+    memory = make_cache(LIBRARY[name], torch.float32, "cpu")
+    cache = map_leaves(memory, lambda t: t.permute(*_handed_over(name)))  # as the engine hands it over
     hints = _facts(name, EXT)
     found = _fits(_shape(name, EXT), **hints)
     if found != {name}:  # the cache alone cannot say: the engine's layout hint decides
@@ -74,7 +108,11 @@ def test_every_layout_is_detected_from_a_live_cache(name: str) -> None:
     for axis in ("L", "KV", "H", "C"):
         if LIBRARY[name].has(axis):
             assert got.extents[axis] == EXT[axis]
-    assert got.view(cache) is cache  # contiguous: handed over as it is
+    if LIBRARY[name].given:  # read in the declared order, the view is the memory order
+        assert all(v.stride() == m.stride() and v.shape == m.shape and v.data_ptr() == m.data_ptr()
+                   for v, m in zip(got.view(cache), memory, strict=True)) and "given" in got.decided_by
+    else:
+        assert got.view(cache) is cache  # contiguous: handed over as it is
 
 
 def test_ambiguities_are_refused_and_each_candidate_has_a_deciding_hint() -> None:
@@ -155,10 +193,11 @@ def test_equal_heads_and_block_size_strides_and_vllm_order_decide() -> None:
     logical = [t.permute(0, 1, 3, 2, 4) for t in physical]
     with pytest.raises(AmbiguousLayout, match="kv_layout='HND'"):
         detect(logical)  # memory order alone: [2, B, 4, 4, C] is NHD or HND
-    assert detect(logical, engine="vllm").layout == "vllm_flash_attn_hnd"  # vLLM permutes to N-before-H
+    old = {"engine": "vllm", "engine_version": "0.32"}  # before KVCacheLayout: the two-plane caches
+    assert detect(logical, **old).layout == "vllm_flash_attn_hnd"  # vLLM permutes to N-before-H
     with pytest.raises(AmbiguousLayout):
-        detect(physical, engine="vllm")  # contiguous: nothing says which 4 is which
-    assert detect(physical, engine="vllm", given_order="NHD").layout == "vllm_flash_attn_nhd"
+        detect(physical, **old)  # contiguous: nothing says which 4 is which
+    assert detect(physical, **old, given_order="NHD").layout == "vllm_flash_attn_nhd"
     assert detect(physical, kv_layout="HND").layout == "vllm_flash_attn_hnd"
 
 
@@ -210,7 +249,7 @@ def test_cli_detect_prints_the_layout_and_refuses_ambiguity(capsys: pytest.Captu
     assert out.startswith("vllm_flash_attn_nhd (LMCache format: NL_X_TWO_NB_BS_NH_HS)") and "as given" in out
     # vLLM's HND logical view: the strides say HND, the engine says the given order is N-before-H
     assert main(["detect", "32x[2,1000,16,8,128]", "--stride", "2048000,16384,128,2048,1", "--engine", "vllm",
-                 "--json"]) == 0
+                 "--engine-version", "0.32", "--json"]) == 0
     out = capsys.readouterr().out
     assert '"layout": "vllm_flash_attn_hnd"' in out and '"permutation": [\n    0,\n    1,\n    3,\n    2' in out
     assert main(["detect", "32x[2,1000,8,8,128]", "--num-kv-heads", "8"]) == 1
@@ -232,3 +271,28 @@ def test_only_single_tree_kv_and_mla_caches_are_detected() -> None:
     cache = [torch.zeros(12, 4, 656, dtype=torch.uint8) for _ in range(3)]
     with pytest.raises(KVLayoutError, match="take its connector by name"):
         detect(cache, kv_layout="vllm_mla_fp8")
+
+
+def test_the_engine_release_picks_the_specs_and_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvgen.integrations import hints as detect_hints
+
+    handed = CacheShape((3,), (12, 2, 4, 8), (64, 8, 16, 1), "float32")  # vLLM 0.33 LBNHC: [B, H, N, C] view
+    old = CacheShape((3,), (2, 12, 4, 2, 4), None, "float32")  # vLLM 0.32 FlashAttention NHD
+    hints = {"engine": "vllm", "num_kv_heads": 2, "block_size": 4}
+    assert detect(handed, engine_version="0.33.1", kv_layout="NHD", **hints).layout == "vllm_lbnhc"
+    assert detect(old, engine_version="0.32", kv_layout="NHD", **hints).layout == "vllm_flash_attn_nhd"
+    with pytest.raises(NoLayout, match="describes vllm <0.33, not release 0.33.0"):
+        detect(old, engine_version="0.33.0", layout="vllm_flash_attn_nhd", **hints)
+    with pytest.raises(NoLayout, match=r"vLLM 0.34.0 KVCacheLayout.LBNHC: kvgen has no layout for it"):
+        detect(handed, engine_version="0.34.0", kv_layout="LBNHC", **hints)
+    with pytest.raises(KVLayoutError, match="needs the engine"):
+        detect(handed, engine_version="0.33.0")
+    with pytest.raises(KVLayoutError, match="expected release numbers"):
+        detect(handed, engine="vllm", engine_version="latest")
+    monkeypatch.setattr(detect_hints, "installed_version", lambda engine: "0.33.0")
+    assert detect(handed, kv_layout="LBNHC", **hints).layout == "vllm_lbnhc"  # the installed release
+    with pytest.raises(NoLayout):
+        detect(old, kv_layout="NHD", **hints)  # a 0.32 cache is not what vLLM 0.33 hands over
+    monkeypatch.setattr(detect_hints, "installed_version", lambda engine: None)  # vllm not installed: every release
+    with pytest.raises(AmbiguousLayout, match="engine_version"):
+        detect(handed, **hints)

@@ -216,3 +216,18 @@ def test_generated_connector_moves_elements_where_the_facts_say(pair: tuple[str,
         return 0.0 if t is None else object_code(layer, kv, t, h, c)
 
     assert _mismatches(paged, G, fresh, expected)[:5] == []
+
+
+@pytest.mark.parametrize("g", GEOMETRIES, ids=str)
+def test_vllm_033_specs_say_the_order_vllm_hands_a_layer_over_in(g: Geometry) -> None:
+    """`given` against vLLM's sources (kvgen.oracle.facts_vllm): the memory-order leaf, read in the
+    spec's given order, is vLLM's logical [B, H, N, C] view (MLA: [B, 1, N, C])."""
+    from kvgen.oracle import facts_vllm
+
+    ext = extents(g)
+    for name in [*facts_vllm.SPEC_OF.values(), facts_vllm.MLA_SPEC]:
+        spec = SPECS[name]
+        memory = reference.leaf_shape(spec, ext)
+        handed = [memory[spec.dims.index(d)] for d in spec.given]
+        want = [g.B, 1, g.N, g.C] if name == facts_vllm.MLA_SPEC else [g.B, g.H, g.N, 2 * g.C]
+        assert handed == want, f"{name}: given {spec.given} hands over {handed}, vLLM hands over {want}"

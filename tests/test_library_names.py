@@ -21,7 +21,7 @@ def library():
     ("Hnd", "vllm_flash_attn_hnd"),
     ("VLLM_MLA", "vllm_mla"),
     ("sglang_mha", "sglang_mha"),
-    ("lbnhc", "vllm_packed_nhd"),
+    ("lbnhc", "vllm_lbnhc"),  # vLLM 0.33's KVCacheLayout name (aliases ignore case)
     # LMCache's names of memory formats
     ("KV_2LTD", "kv_2ltd"),
     ("KV_T2D", "kv_t2d"),

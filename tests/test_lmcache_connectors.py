@@ -37,6 +37,7 @@ SEQ = 25
 HANDED = {
     "vllm_flash_attn_hnd": ("logical", {}),
     "vllm_flashinfer_hnd": ("logical", {}),
+    "vllm_flashinfer_nhd": ("as is", {"kv_layout": "NHD"}),  # [B, 2, N, H, C] with H == 2 is [B, H, N, 2, C] too
     "vllm_packed_hnd": ("as is", {"kv_layout": "HND"}),
     "vllm_packed_hnd_5d": ("as is", {"kv_layout": "HND"}),
     "vllm_heads_first": ("as is", {"kv_layout": "LHBNC"}),
@@ -59,6 +60,13 @@ def _family(layout: str) -> str:
 
 def _handed(layout: str, cache: Any) -> tuple[Any, dict[str, Any]]:
     how, hints = HANDED.get(layout, ("as is", {}))
+    spec = LIBRARY[layout]
+    if _family(layout) == "vllm" and spec.given:  # vLLM 0.33: the logical [B, H, N, C] and its KVCacheLayout
+        order = [next(i for i, d in enumerate(spec.dims) if d == g) for g in spec.given]
+        return [t.permute(*order) for t in cache], {"kv_layout": (spec.aliases or ("LBNHC",))[0],
+                                                     "engine_version": "0.33.0"}
+    if _family(layout) == "vllm":  # the releases before KVCacheLayout (not the installed vllm's)
+        hints = {**hints, "engine_version": "0.32.0"}
     if how == "logical":  # swap the H and N dims of every tensor: what vLLM hands over
         spec = LIBRARY[layout]
         h = next(i for i, d in enumerate(spec.dims) if d.axes == ("H",))

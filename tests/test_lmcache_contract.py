@@ -22,11 +22,20 @@ from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
 import kvgen.integrations.lmcache as kl  # noqa: E402
+from kvgen.integrations import hints as kvgen_hints  # noqa: E402
 from kvgen.integrations.lmcache.base import LayerBufferAllocator, call_with  # noqa: E402
 from kvgen.oracle import reference  # noqa: E402
 from kvgen.oracle.scenarios import EXT, block_table_mapping, clone_tree, make_cache, same_bits  # noqa: E402
 from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
 from kvgen.spec.library import load_library  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _vllm_before_kv_cache_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These caches are the [2, B, N, H, C] tensors vLLM handed over before 0.33, whatever vllm
+    is installed here (detection reads the installed release otherwise)."""
+    monkeypatch.setattr(kvgen_hints, "installed_version", lambda engine: "0.32.0" if engine == "vllm" else None)
+
 
 LIBRARY = load_library()
 NHD = LIBRARY["vllm_flash_attn_nhd"]

@@ -21,10 +21,19 @@ from lmcache.v1.memory_allocators.pin_memory_allocator import PinMemoryAllocator
 from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
+from kvgen.integrations import hints as kvgen_hints  # noqa: E402
 from kvgen.integrations.lmcache import (  # noqa: E402
     VLLMPagedMemLayerwiseXPUConnector,
     VLLMPagedMemXPUConnectorV2,
 )
+
+
+@pytest.fixture(autouse=True)
+def _vllm_before_kv_cache_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These caches are the [2, B, N, H, C] tensors vLLM handed over before 0.33, whatever vllm
+    is installed here (detection reads the installed release otherwise)."""
+    monkeypatch.setattr(kvgen_hints, "installed_version", lambda engine: "0.32.0" if engine == "vllm" else None)
+
 
 DEVICE = "cpu"
 
@@ -161,7 +170,8 @@ def test_xpu_connector_roundtrip_non_layerwise_multi_chunk(use_gpu: bool) -> Non
     meta = LMCacheMetadata(model_name="xpu_test_non_layerwise_multi_chunk", world_size=1, local_world_size=1,
                            worker_id=0, local_worker_id=0, kv_dtype=torch.bfloat16,
                            kv_shape=(num_layers, 2, total_tokens, num_heads_actual, head_size_actual))
-    conn = VLLMPagedMemXPUConnectorV2.from_metadata(meta, use_gpu=use_gpu, device=device)
+    conn = VLLMPagedMemXPUConnectorV2.from_metadata(meta, use_gpu=use_gpu, device=device,
+                                                    layout_hints={"kv_layout": "NHD"})  # H == N == 8: named
     pin_alloc = PinMemoryAllocator(size=1024 * 1024 * 64)
     memobjs = []
     try:
@@ -200,7 +210,8 @@ def test_xpu_connector_roundtrip_layerwise_multi_chunk_use_gpu_true() -> None:
     meta = LMCacheMetadata(model_name="xpu_test_layerwise_multi_chunk_gpu", world_size=1, local_world_size=1,
                            worker_id=0, local_worker_id=0, kv_dtype=torch.bfloat16,
                            kv_shape=(num_layers, 2, total_tokens, num_heads_actual, head_size_actual))
-    conn = VLLMPagedMemLayerwiseXPUConnector.from_metadata(meta, use_gpu=True, device=device)
+    conn = VLLMPagedMemLayerwiseXPUConnector.from_metadata(meta, use_gpu=True, device=device,
+                                                           layout_hints={"kv_layout": "NHD"})  # H == N == 8: named
     pin_alloc = PinMemoryAllocator(size=1024 * 1024 * 128)
     memobjs_by_layer = [[pin_alloc.allocate(torch.Size([e - s, 2, hidden_dim_actual]), torch.bfloat16,
                                             MemoryFormat.KV_T2D) for s, e in zip(starts, ends, strict=False)]

@@ -185,7 +185,7 @@ def test_unknown_keyword_names_a_close_match(method: str, keyword: str, hint: st
 
 
 def test_asking_for_a_pair_that_was_not_generated_says_how_to_add_it() -> None:
-    with pytest.raises(KVLayoutError, match="'vllm_rbln -> vllm_packed_nhd', in a transfers.yaml"):
+    with pytest.raises(KVLayoutError, match="'vllm_rbln -> vllm_lbnhc', in a transfers.yaml"):
         generated.transfer("RBLN", "LBNHC")
     with pytest.raises(KVLayoutError, match="no layout or object named 'nope'"):
         generated.transfer("nope", "NHD")

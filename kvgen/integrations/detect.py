@@ -7,10 +7,16 @@ matched against every paged spec of a generated package (its `LAYOUTS` and each 
 shape table here. Exactly one spec must fit. When several fit, the error names them with
 the hint that decides; when none fits, it says which fact each spec disagreed with.
 
-Memory order: a spec lists a leaf's dims outermost first, as they lie in memory. An
-engine may hand over a permuted view (vLLM exposes its HND caches in the logical order
-[2, B, N, H, C] with HND strides); detection matches the view whose dims are sorted by
-stride and `Detection.view` hands that (free) view to the connector.
+Memory order: a spec lists a leaf's dims outermost first, as they lie in memory. A spec
+that declares `given` (the order the engine hands a leaf over in: vLLM 0.33's logical
+[B, H, N, C] for every KVCacheLayout) is read by its one fixed permutation given -> dims, and
+refused when the leaf's strides do not follow dims. For a spec without `given`, an engine may
+still hand over a permuted view (vLLM before 0.33 exposed its HND caches in the logical order
+[2, B, N, H, C] with HND strides); detection matches the view whose dims are sorted by stride.
+Either way `Detection.view` hands the (free) memory-order view to the connector.
+
+Versions: specs say which engine releases they describe (`versions`); detection considers only
+those that hold the engine's release (`engine_version=`, for vLLM by default the installed one).
 """
 
 from __future__ import annotations
@@ -24,21 +30,32 @@ from typing import Any
 
 from kvgen.errors import KVLayoutError
 from kvgen.integrations import sglang_layouts
-from kvgen.integrations.shapes import CacheShape, map_leaves, memory_order, parse_cache_shape, read_structure
+from kvgen.integrations.deciders import deciders, extents
+from kvgen.integrations.hints import (
+    AXIS_HINTS,
+    HINTS,
+    ORDERS,
+    SYNONYMS,
+    VLLM_LAYOUTS_BEFORE,
+    declared_vllm_layout,
+    describe_hints,
+    engine_version,
+    family,
+    normalize_hints,
+)
+from kvgen.integrations.shapes import (
+    CacheShape,
+    check_given,
+    map_leaves,
+    memory_order,
+    parse_cache_shape,
+    read_structure,
+)
+from kvgen.integrations.shapes import Mismatch as _Mismatch
+from kvgen.versions import version_in
 
-__all__ = ["AmbiguousLayout", "CacheShape", "Detection", "NoLayout", "detect", "detect_shape", "layout_facts",
-           "memory_order", "parse_cache_shape", "read_structure"]
-
-#: Hints `detect` understands (LMCache's LayoutHints keys are among them).
-HINTS = ("engine", "backend", "kv_layout", "given_order", "num_blocks", "num_kv_heads", "block_size",
-         "head_size", "hidden_dim", "num_layers", "use_mla", "kv_shape", "layout", "dtype", "kv_list_layout")
-#: Other names engines use for the same facts.
-SYNONYMS = {"tokens_per_block": "block_size", "page_size": "block_size", "head_dim": "head_size"}
-#: The hint that states each axis's extent.
-AXIS_HINTS = (("L", "num_layers"), ("B", "num_blocks"), ("H", "num_kv_heads"), ("N", "block_size"),
-              ("C", "head_size"))
-#: In-block orders a `kv_layout` hint may name (anything else names a spec).
-ORDERS = {"NHD": ("N", "H"), "HND": ("H", "N")}
+__all__ = ["HINTS", "SYNONYMS", "AmbiguousLayout", "CacheShape", "Detection", "NoLayout", "detect", "detect_shape",
+           "layout_facts", "memory_order", "parse_cache_shape", "read_structure"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +71,26 @@ class LayoutFacts:
     planes: int
     lmcache: str | None
     read_geometry: Callable[[Any], Any]
+    aliases: tuple[str, ...] = ()
+    #: The order the engine hands a leaf over in (`given`), () when it hands over memory order.
+    given: tuple[tuple[str, ...], ...] = ()
+    #: Engine family -> the range of its releases the spec describes (`versions`).
+    versions: Mapping[str, str] = field(default_factory=dict)
+
+    def describes(self, engine: str, version: str) -> bool:
+        """Whether the spec holds for release `version` of `engine` (no range: every release)."""
+        span = self.versions.get(engine)
+        return span is None or version_in(version, span)
+
+    def given_permutation(self) -> tuple[int, ...]:
+        """For each memory-order dim, the handed-over dim that holds it (singletons in order)."""
+        used: set[int] = set()
+        perm = []
+        for dim in self.dims:
+            i = next(j for j, g in enumerate(self.given) if g == dim and j not in used)
+            used.add(i)
+            perm.append(i)
+        return tuple(perm)
 
     def axis_dim(self, axis: str) -> int | None:
         """The leaf dim that holds `axis` alone, if any."""
@@ -67,7 +104,7 @@ class LayoutFacts:
         return "NHD" if n < h else "HND"
 
     def families(self) -> set[str]:
-        return {_family(e.split("/")[0]) for e in self.engines}
+        return {family(e.split("/")[0]) for e in self.engines}
 
     def backends(self) -> set[str]:
         """Attention backends named by the spec's engines (FLASH_ATTN, FLASHINFER, ...)."""
@@ -112,17 +149,6 @@ class NoLayout(KVLayoutError):
         self.reasons = dict(reasons)
 
 
-class _Mismatch(Exception):
-    """One fact a spec disagrees with (internal)."""
-
-
-def _family(name: str) -> str:
-    name = str(getattr(name, "value", name)).lower().replace("-", "_")
-    if name in ("tensorrt_llm", "tensorrtllm", "trt_llm"):
-        return "trtllm"
-    return name.split("_")[0] if name.startswith("vllm_") else name
-
-
 def _package(package: ModuleType | str | None) -> ModuleType:
     if package is None:
         package = "kvgen.generated"
@@ -154,7 +180,10 @@ def _facts_of(package: ModuleType) -> tuple[LayoutFacts, ...]:
         out.append(LayoutFacts(name=name, lists=tuple(facts["lists"]), dims=tuple(map(tuple, facts["dims"])),
                                sizes=dict(paged.sizes), dtypes=tuple(paged.dtypes),
                                engines=tuple(facts.get("engines", ())), planes=int(facts.get("planes", 2)),
-                               lmcache=facts.get("lmcache"), read_geometry=cls.read_geometry))
+                               lmcache=facts.get("lmcache"), read_geometry=cls.read_geometry,
+                               aliases=tuple(facts.get("aliases", ())),
+                               given=tuple(map(tuple, facts.get("given", ()))),
+                               versions=dict(facts.get("versions", ()))))
     return tuple(out)
 
 
@@ -225,8 +254,8 @@ def _check_hints(f: LayoutFacts, ext: Mapping[str, int], hints: Mapping[str, Any
         what = "an MLA cache (one plane)" if hints["planes"] == 1 else "separate K and V"
         raise _Mismatch(f"the engine says {what}, the spec has {f.planes} plane(s)")
     engine = hints.get("engine")
-    if engine is not None and _family(engine) not in f.families():
-        raise _Mismatch(f"engine {_family(engine)!r}: the spec is for {', '.join(sorted(f.families()))}")
+    if engine is not None and family(engine) not in f.families():
+        raise _Mismatch(f"engine {family(engine)!r}: the spec is for {', '.join(sorted(f.families()))}")
     backend = hints.get("backend")
     if backend is not None and str(backend).upper() not in f.backends():
         raise _Mismatch(f"backend {backend!r}: the spec is for {', '.join(sorted(f.backends())) or 'no backend'}")
@@ -235,7 +264,9 @@ def _check_hints(f: LayoutFacts, ext: Mapping[str, int], hints: Mapping[str, Any
     if kv_layout is not None and str(kv_layout).upper() in ORDERS and order != str(kv_layout).upper():
         raise _Mismatch(f"kv_layout={kv_layout!r}, the spec's order is {order or 'neither NHD nor HND'}")
     given = hints.get("given_order")
-    if given is None and engine is not None and _family(engine) == "vllm" and perm != tuple(range(len(perm))):
+    if f.given:
+        return  # the spec states the order the engine hands its leaves over in
+    if given is None and engine is not None and family(engine) == "vllm" and perm != tuple(range(len(perm))):
         given = "NHD"  # vLLM permutes a cache only to hand over its logical view: slots (N) before heads (H)
     if given is not None and f.order():
         n, h = perm[f.axis_dim("N")], perm[f.axis_dim("H")]  # type: ignore[index]
@@ -244,99 +275,102 @@ def _check_hints(f: LayoutFacts, ext: Mapping[str, int], hints: Mapping[str, Any
                             f"they would be in {'NHD' if n < h else 'HND'} order")
 
 
-# -- hints ------------------------------------------------------------------------------
-
-def normalize_hints(hints: Mapping[str, Any]) -> dict[str, Any]:
-    """Hints under their canonical names, with kv_shape and use_mla unfolded; TypeError on
-    an unknown name, KVLayoutError when two hints disagree."""
-    out: dict[str, Any] = {}
-    for key, value in hints.items():
-        name = SYNONYMS.get(key, key)
-        if name not in HINTS:
-            raise TypeError(f"detect() got an unknown hint {key!r}; hints: {', '.join(HINTS + tuple(SYNONYMS))}")
-        if value is None:
-            continue
-        if name in out and out[name] != value:
-            raise KVLayoutError(f"hints disagree: {name} is {out[name]!r} and {value!r}")
-        out[name] = value
-    derived: dict[str, Any] = {}
-    if "kv_shape" in out:
-        kv_shape = tuple(int(x) for x in out.pop("kv_shape"))
-        if len(kv_shape) != 5:
-            raise KVLayoutError(f"kv_shape must be (num_layers, 2 or 1, chunk_size, num_kv_heads, head_size), "
-                                f"got {kv_shape}")
-        derived.update(num_layers=kv_shape[0], planes=kv_shape[1], num_kv_heads=kv_shape[3],
-                       head_size=kv_shape[4])
-    if "use_mla" in out:
-        planes = 1 if out.pop("use_mla") else 2
-        if derived.get("planes", planes) != planes:
-            raise KVLayoutError(f"hints disagree: use_mla says {planes} plane(s), kv_shape {derived['planes']}")
-        derived["planes"] = planes
-    for key, value in derived.items():
-        if key in out and out[key] != value:
-            raise KVLayoutError(f"hints disagree: {key}={out[key]!r}, but kv_shape says {value!r}")
-        out.setdefault(key, value)
-    out.pop("kv_list_layout", None)  # SGLang's list organisation: the list levels already say it
-    return out
-
-
-def _describe_hints(hints: Mapping[str, Any]) -> str:
-    shown = {k: (_family(v) if k == "engine" else v) for k, v in hints.items() if k != "planes"}
-    if "planes" in hints:
-        shown["use_mla"] = hints["planes"] == 1
-    return ", ".join(f"{k}={v!r}" for k, v in sorted(shown.items())) or "none"
-
-
 # -- detection --------------------------------------------------------------------------
 
 def detect_shape(cache: CacheShape, *, package: ModuleType | str | None = None, **hints: Any) -> Detection:
     """Detection from a CacheShape (no tensors needed); see `detect`."""
     hints = normalize_hints(hints)
-    facts = layout_facts(package)
+    version = engine_version(hints)
+    hints.pop("engine_version", None)
+    engine = family(hints["engine"]) if hints.get("engine") is not None else None
+    if version is not None and engine is None:
+        raise KVLayoutError(f"engine_version={version!r} needs the engine it is a release of (engine='vllm', ...)")
+    everything = layout_facts(package)
+    facts = everything if version is None else tuple(f for f in everything if f.describes(engine, version))
     if hints.get("dtype") is not None:
         cache = CacheShape(cache.lists, cache.shape, cache.stride, str(hints.pop("dtype")).removeprefix("torch."))
-    perm = memory_order(cache.shape, cache.stride)
-    shape = tuple(cache.shape[i] for i in perm)
+    sorted_perm = memory_order(cache.shape, cache.stride)
     named = hints.pop("layout", None)
     sglang_layouts.read_word(hints)  # SGLang's kv_cache_layout words name an order, or are refused
-    kv_layout = hints.get("kv_layout")
-    if kv_layout is not None and str(kv_layout).upper() not in ORDERS:
-        named = named or kv_layout  # BLHNC, BLNHC or any spec name, alias or LMCache format
+    declared = declared_vllm_layout(hints.get("kv_layout"), engine, version)
+    if declared is not None:
         hints.pop("kv_layout")
+        facts = _declared(declared, facts, everything, version)
+    elif hints.get("kv_layout") is not None and str(hints["kv_layout"]).upper() not in ORDERS:
+        kv_layout = str(getattr(hints["kv_layout"], "name", hints.pop("kv_layout")))
+        named = named or VLLM_LAYOUTS_BEFORE.get(kv_layout.upper(), kv_layout)  # a spec name, alias or format
     if named is not None:
-        name = _package(package).resolve(str(named))
-        facts = tuple(f for f in facts if f.name == name)
-        if not facts:
-            raise KVLayoutError(f"layout {named!r} is no paged layout detection reads (one tree of K/V or MLA "
-                                "tensors); for a cache of several parts or fields, or K or V alone, take its "
-                                "connector by name: kvgen.generated.get(layout, object)")
+        facts = _named(named, facts, everything, package, engine, version)
     fits, refused = [], {}
     for f in facts:
+        perm = f.given_permutation() if f.given else sorted_perm
         try:
-            ext = _fit(f, cache, shape)
+            if f.given:
+                check_given(f.given, f.dims, cache, perm)
+            ext = _fit(f, cache, tuple(cache.shape[i] for i in perm))
             _check_hints(f, ext, hints, perm)
         except _Mismatch as why:
             refused[f.name] = str(why)
             continue
-        fits.append((f, ext))
-    fits += sglang_layouts.neighbours(fits, facts, hints, named is not None,
-                                      lambda g, rest: _try_fit(g, cache, shape, rest, perm))
-    where = f"cache {cache.describe()}" + (f" (memory order [{', '.join(map(str, shape))}])"
-                                           if perm != tuple(range(len(perm))) else "")
+        fits.append((f, ext, perm))
+    shape = tuple(cache.shape[i] for i in sorted_perm)
+    fits += [(g, ext, sorted_perm) for g, ext in sglang_layouts.neighbours(
+        [(f, ext) for f, ext, _ in fits], facts, hints, named is not None,
+        lambda g, rest: _try_fit(g, cache, shape, rest, sorted_perm))]
+    where = f"cache {cache.describe()}" + (f" (by stride [{', '.join(map(str, shape))}])"
+                                           if sorted_perm != tuple(range(len(sorted_perm))) else "")
+    said = describe_hints({**hints, **({"engine_version": version} if version else {}),
+                           **({"kv_layout": declared} if declared else {})})
     if not fits:
-        raise NoLayout(f"no layout fits the {where} with hints {_describe_hints(hints)}; what disagreed:\n  "
+        raise NoLayout(f"no layout fits the {where} with hints {said}; what disagreed:\n  "
                        + "\n  ".join(f"{name}: {why}" for name, why in refused.items()), refused)
-    if len(fits) > 1 or any(sglang_layouts.needs_word(f, hints, named is not None) for f, _ in fits):
-        deciders = {f.name: _deciders(f, ext, fits) for f, ext in fits}
-        lines = [f"{f.name} {_extents(ext)} (pass "
-                 f"{', '.join(f'{k}={v!r}' for k, v in deciders[f.name].items())})" for f, ext in fits]
-        if any(sglang_layouts.word_of(f) for f, _ in fits):
+    pairs = [(f, ext) for f, ext, _ in fits]
+    if len(fits) > 1 or any(sglang_layouts.needs_word(f, hints, named is not None) for f, _ in pairs):
+        deciders = {f.name: deciders(f, ext, pairs) for f, ext in pairs}
+        lines = [f"{f.name} {extents(ext)} (pass "
+                 f"{', '.join(f'{k}={v!r}' for k, v in deciders[f.name].items())})" for f, ext in pairs]
+        if any(sglang_layouts.word_of(f) for f, _ in pairs):
             lines.append(f"an SGLang pool says its layout, its shape does not: pass {sglang_layouts.HINT}")
-        raise AmbiguousLayout(f"{len(fits)} layouts fit the {where} with hints {_describe_hints(hints)}; kvgen "
+        raise AmbiguousLayout(f"{len(fits)} layouts fit the {where} with hints {said}; kvgen "
                               "does not guess:\n  " + "\n  ".join(lines), deciders)
-    f, ext = fits[0]
-    decided = tuple(sorted(k for k in hints)) + (("strides",) if perm != tuple(range(len(perm))) else ())
+    f, ext, perm = fits[0]
+    moved = perm != tuple(range(len(perm)))
+    decided = tuple(sorted(set(hints) | ({"kv_layout"} if declared else set()))) + (
+        ("given",) if f.given else (("strides",) if moved else ()))
     return Detection(f.name, f.lmcache, ext, perm, decided)
+
+
+def _declared(layout: str, facts: Sequence[LayoutFacts], everything: Sequence[LayoutFacts],
+              version: str | None) -> tuple[LayoutFacts, ...]:
+    """The specs a vLLM KVCacheLayout names for this release: the one with that alias, and the
+    MLA caches (one head slot: the same bytes under every layout); refused in vLLM's words when
+    the library has none for the release."""
+    own = tuple(f for f in facts if layout in (a.upper() for a in f.aliases))
+    if not own:
+        other = [f"{f.name} (vllm {f.versions.get('vllm', 'any release')})" for f in everything
+                 if layout in (a.upper() for a in f.aliases)]
+        release = f"vLLM {version} " if version else "vLLM "
+        raise NoLayout(f"{release}KVCacheLayout.{layout}: kvgen has no layout for it in this "
+                       f"release{'; ' + ', '.join(other) + ' describe(s) other releases' if other else ''}; "
+                       "add a spec with that alias and the release in its versions", {layout: "no spec"})
+    mla = tuple(f for f in facts if f.given and f.planes == 1 and "vllm" in f.families() and f not in own)
+    return own + mla
+
+
+def _named(named: Any, facts: Sequence[LayoutFacts], everything: Sequence[LayoutFacts],
+           package: ModuleType | str | None, engine: str | None, version: str | None) -> tuple[LayoutFacts, ...]:
+    name = _package(package).resolve(str(getattr(named, "name", named)))
+    kept = tuple(f for f in facts if f.name == name)
+    if kept:
+        return kept
+    known = next((f for f in everything if f.name == name), None)
+    if known is not None:
+        raise NoLayout(f"layout {named!r} ({name}) describes {engine} {known.versions.get(str(engine))}, "
+                       f"not release {version}; pass engine_version= if the engine is another release",
+                       {name: f"not for {engine} {version}"})
+    raise KVLayoutError(f"layout {named!r} is no paged layout detection reads (one tree of K/V or MLA "
+                        "tensors); for a cache of several parts or fields, or K or V alone, take its "
+                        "connector by name: kvgen.generated.get(layout, object)")
 
 
 def _try_fit(f: LayoutFacts, cache: CacheShape, shape: tuple[int, ...], hints: Mapping[str, Any],
@@ -347,32 +381,6 @@ def _try_fit(f: LayoutFacts, cache: CacheShape, shape: tuple[int, ...], hints: M
     except _Mismatch:
         return None
     return ext
-
-
-def _extents(ext: Mapping[str, int]) -> str:
-    return "[" + " ".join(f"{k}={v}" for k, v in ext.items()) + "]"
-
-
-def _deciders(f: LayoutFacts, ext: Mapping[str, int], fits: Sequence[tuple[LayoutFacts, Mapping[str, int]]]
-              ) -> dict[str, Any]:
-    """Hints that keep `f` and drop at least one other candidate (`layout` always decides)."""
-    out: dict[str, Any] = {}
-    word = sglang_layouts.word_of(f)
-    for axis, hint in AXIS_HINTS:
-        if word is None and axis in ext and len({e.get(axis) for _, e in fits}) > 1:
-            out[hint] = ext[axis]
-    if word is not None:
-        out["kv_layout"] = word  # the pool's kv_cache_layout: the only fact that orders SGLang's 4-D buffers
-    elif f.order() and len({g.order() for g, _ in fits}) > 1:
-        out["kv_layout"] = f.order()
-    if len({frozenset(g.families()) for g, _ in fits}) > 1 and len(f.families()) == 1:
-        out["engine"] = next(iter(f.families()))
-    others = [g.backends() for g, _ in fits if g.name != f.name]
-    own = sorted(b for b in f.backends() if not all(b in o for o in others))
-    if own:
-        out["backend"] = own[0]
-    out["layout"] = f.name
-    return out
 
 
 def detect(kvcaches: Any, *, package: ModuleType | str | None = None, **hints: Any) -> Detection:

@@ -1,5 +1,6 @@
 """Caches as detection reads them: list lengths, the leaf's shape, strides and dtype,
-from live tensors or from text (the CLI), and the stride order of a leaf's dims."""
+from live tensors or from text (the CLI), the stride order of a leaf's dims, and the check
+that a leaf handed over in a spec's declared order (`given`) follows its memory order."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgen.errors import KVLayoutError
+
+
+class Mismatch(Exception):
+    """One fact a spec disagrees with (internal to detection)."""
 
 
 @dataclass(frozen=True)
@@ -96,3 +101,24 @@ def parse_cache_shape(text: str, stride: str | None = None, dtype: str | None = 
         raise KVLayoutError(f"cache shape {text!r}: need a tensor shape, and one stride per dim when strides "
                             "are given")
     return CacheShape(lists, shape, strides, dtype)
+
+
+def check_given(given: Sequence[tuple[str, ...]], dims: Sequence[tuple[str, ...]], cache: CacheShape,
+                perm: tuple[int, ...]) -> None:
+    """A leaf handed over in the spec's `given` order has strides that follow its `dims`."""
+    if len(cache.shape) != len(given):
+        raise Mismatch(f"rank: the engine hands over {len(given)}-dim tensors, the cache's have {len(cache.shape)}")
+    if cache.stride is None:
+        return  # a shape alone: the given order is the engine's statement, nothing to check it with
+    big = [(cache.stride[i], i) for i in perm if cache.shape[i] != 1]
+    if all(a[0] > b[0] for a, b in zip(big, big[1:], strict=False)):
+        return
+    names = [_dim_name(d) for d in given]
+    found = [names[i] for _, i in sorted(big, key=lambda si: -si[0])]
+    raise Mismatch(f"handed over as [{', '.join(names)}] with strides ({', '.join(map(str, cache.stride))}), "
+                    f"the memory order is [{', '.join(found)}], not the spec's "
+                    f"[{', '.join(_dim_name(d) for d in dims)}]")
+
+
+def _dim_name(dim: tuple[str, ...]) -> str:
+    return "1" if not dim else dim[0] if len(dim) == 1 else f"({' '.join(dim)})"

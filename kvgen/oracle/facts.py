@@ -416,4 +416,4 @@ def disagreement(spec: Spec, g: Geometry) -> str | None:
 
 
 # Host pools and offload stores register their entries from their own module.
-from kvgen.oracle import facts_host  # noqa: E402,F401
+from kvgen.oracle import facts_host, facts_vllm  # noqa: E402,F401

@@ -55,6 +55,8 @@ def layout_facts(spec: Spec) -> Fields:
         facts += [("lmcache", spec.lmcache_format), ("engines", spec.engines), ("placement", spec.placement)]
         if spec.versions:
             facts.append(("versions", spec.versions))
+        if spec.given:
+            facts.append(("given", tuple(d.axes for d in spec.given)))
     else:
         facts += [("format", spec.format)]
     facts.append(("planes", spec.planes))

@@ -238,6 +238,9 @@ class Spec(Shaped):
     carries: Carries | None = None
     #: Engine family -> the range of its releases this layout describes (`versions:`).
     versions: tuple[tuple[str, str], ...] = ()
+    #: The order the engine hands each leaf over in (`given:`), a permutation of `dims`; () when
+    #: the engine hands over the memory order itself.
+    given: tuple[Dim, ...] = ()
 
     @property
     def is_paged(self) -> bool:
@@ -380,6 +383,7 @@ def build_spec(doc: Document, origin: str | None = None) -> Spec:
         pack=Pack(d["pack"]) if "pack" in d else None,
         members=tuple(d.get("members", ())),
         versions=tuple(sorted(d.get("versions", {}).items())),
+        given=tuple(_dim(v) for v in d.get("given", ())),
         carries=Carries(*(c if isinstance(c, str) else tuple(c) for c in (d["carries"]["groups"],
                                                                             d["carries"]["state"])))
         if "carries" in d else None,

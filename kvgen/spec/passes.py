@@ -157,9 +157,27 @@ def check_versions(spec: Spec, doc: Document) -> list[Problem]:
     return out
 
 
+def check_given(spec: Spec, doc: Document) -> list[Problem]:
+    """`given` (the order the engine hands a leaf over) holds exactly the dims of `dims`, each
+    once, so reading a handed-over leaf is one fixed permutation."""
+    if not spec.given:
+        return []
+    if not spec.dims:
+        return [doc.problem(("given",), "given needs dims (the memory order it permutes); a spec with parts "
+                                        "has none", key=True)]
+    want = sorted(d.render() for d in spec.dims)
+    have = sorted(d.render() for d in spec.given)
+    if want != have:
+        shown = ", ".join(d.render() for d in spec.dims)
+        return [doc.problem(("given",), f"given must be a permutation of dims [{shown}]; it has "
+                                        f"[{', '.join(d.render() for d in spec.given)}]")]
+    return []
+
+
 PASSES: tuple[Pass, ...] = (
     check_axes_once, check_kind_axes, check_fused, check_lists,
     check_sizes, check_extents, check_accepts_self, check_reserved_format, check_versions,
+    check_given,
 )
 
 

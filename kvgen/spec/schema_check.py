@@ -212,7 +212,7 @@ def _misplaced_fields(doc: Document, error: jsonschema.ValidationError) -> list[
         return [doc.problem((key,), f"field {key!r} is for objects of pack: groups", key=True)
                 for key in ("members", "carries") if key in data]
     if data.get("kind") == "object":
-        for key in ("lmcache", "engines", "versions", "placement"):
+        for key in ("lmcache", "engines", "versions", "given", "placement"):
             if key in data:
                 out.append(doc.problem((key,), f"field {key!r} is for kind: paged, not kind: object", key=True))
     else:

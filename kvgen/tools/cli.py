@@ -194,6 +194,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     coord = "(l, kv, slot, h, c)" if spec.is_paged else "(l, kv, t, h, c)"
     print(f"{spec.name} ({spec.kind}): {spec.summary}")
     print(f"  layout:   {spec.arrow()}")
+    if spec.given:
+        print(f"  given:    [{' '.join(d.render() for d in spec.given)}] (the order the engine hands leaves over in)")
     if spec.is_simple:
         print(f"  element {coord}: {symbolic_address(spec)}")
     for line in explain_lines(spec):
@@ -340,9 +342,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", metavar="S,S,...", help="the tensor's strides in elements (memory order is a fact)")
     p.add_argument("--dtype", metavar="NAME", help="the tensor's dtype, e.g. bfloat16")
     p.add_argument("--engine", metavar="NAME", help="the serving engine: vllm, sglang or trtllm")
+    p.add_argument("--engine-version", metavar="X.Y.Z",
+                   help="the engine's release: only specs whose versions hold it (vllm: the installed one)")
     p.add_argument("--backend", metavar="NAME", help="the engine's attention backend, e.g. FLASHINFER")
     p.add_argument("--kv-layout", metavar="NAME",
-                   help="NHD or HND (slots or heads first in a block), or a layout name such as BLHNC")
+                   help="vLLM's KVCacheLayout (LBNHC, ...), NHD or HND, or a layout name")
     p.add_argument("--given-order", choices=("NHD", "HND"),
                    help="the order the engine handed the slot and head dims in (vLLM: NHD)")
     p.add_argument("--num-kv-heads", type=int, metavar="H", help="KV heads per layer (this rank)")

@@ -38,8 +38,9 @@ def detect_main(args: argparse.Namespace) -> int:
 
 def _detect(args: argparse.Namespace, package: ModuleType | None) -> int:
     cache = parse_cache_shape(args.shape, args.stride, args.dtype)
-    hints = {k: getattr(args, k) for k in ("engine", "backend", "kv_layout", "given_order", "num_kv_heads",
-                                           "block_size", "head_size", "num_layers", "num_blocks", "layout")}
+    hints = {k: getattr(args, k) for k in ("engine", "engine_version", "backend", "kv_layout", "given_order",
+                                           "num_kv_heads", "block_size", "head_size", "num_layers", "num_blocks",
+                                           "layout")}
     hints["use_mla"] = args.mla
     found = detect(cache, package=package, **hints)
     facts = {"layout": found.layout, "lmcache": found.lmcache, "extents": dict(found.extents),

@@ -27,13 +27,12 @@ class _VLLM:
     ENGINE = "vllm"
 
     def _hints(self) -> dict[str, Any]:
-        """vLLM's connector contract adds one fact: vLLM hands its caches over in the logical
-        order of its backend's kv-cache shape, slots (N) before heads (H), permuting an HND
-        cache's physical view to get there. An explicit kv_layout hint takes precedence."""
-        hints = super()._hints()  # type: ignore[misc]
-        if "kv_layout" not in hints and "layout" not in hints:
-            hints.setdefault("given_order", "NHD")
-        return hints
+        """LMCache's layout_hints (kv_layout: vLLM's KVCacheLayout name, or NHD / HND) and
+        metadata, passed on as they are. No order is assumed for a cache handed over as it
+        lies: vLLM's CPU attention keeps heads before slots, so a contiguous cache with as
+        many heads as slots is refused until kv_layout names it (detection itself knows that
+        a *permuted* pre-0.33 view is vLLM's slots-before-heads logical order)."""
+        return super()._hints()  # type: ignore[misc]
 
     def _store_extra(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
         return {}

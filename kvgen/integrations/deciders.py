@@ -1,0 +1,53 @@
+"""The hints that tell apart the layouts an ambiguous cache fits: what a refusal suggests.
+
+Each candidate gets the hints that keep it and drop at least one other candidate: an extent
+the candidates read differently, the engine's own name for the layout (vLLM's KVCacheLayout,
+SGLang's kv_cache_layout), MLA or not, the engine, its backend or release; `layout` always
+decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvgen.integrations import sglang_layouts
+from kvgen.integrations.hints import AXIS_HINTS
+from kvgen.versions import some_release
+
+__all__ = ["deciders", "extents"]
+
+
+def extents(ext: Mapping[str, int]) -> str:
+    return "[" + " ".join(f"{k}={v}" for k, v in ext.items()) + "]"
+
+
+def deciders(f: Any, ext: Mapping[str, int], fits: Sequence[tuple[Any, Mapping[str, int]]]
+              ) -> dict[str, Any]:
+    """Hints that keep `f` and drop at least one other candidate (`layout` always decides)."""
+    out: dict[str, Any] = {}
+    word = sglang_layouts.word_of(f)
+    for axis, hint in AXIS_HINTS:
+        if word is None and axis in ext and len({e.get(axis) for _, e in fits}) > 1:
+            out[hint] = ext[axis]
+    if word is not None:
+        out["kv_layout"] = word  # the pool's kv_cache_layout: the only fact that orders SGLang's 4-D buffers
+    elif f.given and f.aliases:
+        out["kv_layout"] = f.aliases[0]  # the engine's own name for the layout (vLLM's KVCacheLayout)
+    elif f.order() and len({g.order() for g, _ in fits}) > 1:
+        out["kv_layout"] = f.order()
+    if len({g.planes for g, _ in fits}) > 1:
+        out["use_mla"] = f.planes == 1
+    if len({frozenset(g.families()) for g, _ in fits}) > 1 and len(f.families()) == 1:
+        out["engine"] = next(iter(f.families()))
+    others = [g.backends() for g, _ in fits if g.name != f.name]
+    own = sorted(b for b in f.backends() if not all(b in o for o in others))
+    if own:
+        out["backend"] = own[0]
+    if f.versions and len(f.families()) == 1:  # detection for that engine keeps only its releases' specs
+        engine = next(iter(f.families()))
+        if engine in f.versions:
+            out.setdefault("engine", engine)
+            out["engine_version"] = some_release(f.versions[engine])
+    out["layout"] = f.name
+    return out

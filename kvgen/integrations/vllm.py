@@ -1,0 +1,98 @@
+"""Connectors for a vLLM 0.33 cache, from what vLLM itself declares: the per-layer views
+`allocate_kv_cache` returns (a dict layer name -> logical [B, H, N, C] view), the
+`KVCacheConfig` (its groups and their `KVCacheSpec`s) and the resolved `KVCacheLayout`
+(`kv_cache_config.kv_cache_layout` / `cache_config.kv_cache_layout`). Nothing is read from
+shapes alone: the layout's name, the heads, the block size and MLA-or-not come from vLLM's
+objects, and detection checks the views against them.
+
+One connector per KV cache group: groups overlay the same bytes (a block belongs to one group
+at a time), so each connector sees its own group's layers only, and its alias checks still
+refuse layers of one group that share memory. Keep the manager views (`allocate_kv_cache`
+without kernel block sizes): views re-cut into smaller kernel blocks are refused, their block
+size differs from the group's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from kvgen.errors import KVLayoutError
+from kvgen.integrations.detect import Detection, _package, detect
+
+__all__ = ["VllmGroup", "from_vllm"]
+
+
+@dataclass(frozen=True)
+class VllmGroup:
+    """One KV cache group, ready to move: its layers (in the group's order), their views in
+    memory order (pass them as `kvcaches=`), the detection and the connector."""
+
+    index: int
+    layer_names: tuple[str, ...]
+    kvcaches: list[Any]
+    detection: Detection
+    connector: Any
+
+
+def _layout_name(layout: Any, kv_cache_config: Any) -> str:
+    if layout is None:
+        layout = getattr(kv_cache_config, "kv_cache_layout", None)
+    if layout is None:
+        raise KVLayoutError("from_vllm: no KVCacheLayout given and kv_cache_config.kv_cache_layout is unset; pass "
+                            "vLLM's resolved layout (cache_config.kv_cache_layout or KVCacheLayout.<name>)")
+    return str(getattr(layout, "name", layout))
+
+
+def _spec_hints(spec: Any, group: int) -> dict[str, Any]:
+    """The facts of a group's KVCacheSpec as detection hints; refuses what kvgen has no spec for."""
+    kind = type(spec).__name__
+    if hasattr(spec, "kv_cache_specs"):
+        raise KVLayoutError(f"from_vllm: group {group} has per-layer specs ({kind}); kvgen moves groups whose "
+                            "layers share one KVCacheSpec")
+    packed = {k: getattr(spec, k, None) for k in ("num_head_slots", "state_content_bytes")}
+    quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
+    tokens = getattr(spec, "tokens_per_state", 1)
+    if any(v is not None for v in packed.values()) or quant != "NONE" or tokens != 1:
+        raise KVLayoutError(f"from_vllm: group {group} ({kind}) packs its cells (kv_quant_mode={quant}, "
+                            f"tokens_per_state={tokens}, {packed}); kvgen has no layout for that cell yet")
+    mla = kind.startswith("MLA") or getattr(spec, "head_size_v", None) == 0
+    if not mla and spec.head_size_v != spec.head_size:
+        raise KVLayoutError(f"from_vllm: group {group} has K head size {spec.head_size} and V head size "
+                            f"{spec.head_size_v}; the vLLM 0.33 layouts pack K and V halves of one width")
+    return {"num_kv_heads": spec.num_kv_heads, "block_size": spec.block_size, "head_size": spec.head_size,
+            "use_mla": mla, "dtype": str(spec.dtype).removeprefix("torch.")}
+
+
+def from_vllm(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: Any = None, *,
+              engine_version: str | None = None, kv_object: str | None = None,
+              package: ModuleType | str | None = None, **connector_args: Any) -> list[VllmGroup]:
+    """A ready connector per KV cache group of a vLLM cache.
+
+    `kv_caches`: layer name -> view, as vLLM's `allocate_kv_cache` returns (the manager views);
+    `kv_cache_config`: vLLM's `KVCacheConfig`; `layout`: the resolved `KVCacheLayout` (member or
+    name; default `kv_cache_config.kv_cache_layout`); `engine_version`: default the installed
+    vllm's; `kv_object`: the memory object to pair with (default kv_2ltd, kv_mla for MLA);
+    `connector_args` (device, use_gpu, staging_bytes, backend) go to each connector.
+    """
+    name = _layout_name(layout, kv_cache_config)
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", ()))
+    if not groups:
+        raise KVLayoutError("from_vllm: the KVCacheConfig has no kv_cache_groups (an attention-free model?)")
+    out = []
+    for index, group in enumerate(groups):
+        names = tuple(group.layer_names)
+        missing = [n for n in names if n not in kv_caches]
+        if missing:
+            raise KVLayoutError(f"from_vllm: group {index} names layers {missing} that kv_caches does not hold "
+                                f"(it holds {sorted(kv_caches)[:8]}...)")
+        hints = _spec_hints(group.kv_cache_spec, index)
+        views = [kv_caches[n] for n in names]
+        found = detect(views, package=package, engine="vllm", engine_version=engine_version, kv_layout=name,
+                       num_layers=len(names), **hints)
+        obj = kv_object or ("kv_mla" if hints["use_mla"] else "kv_2ltd")
+        connector = _package(package).get(found.layout, obj)(**connector_args)
+        out.append(VllmGroup(index, names, found.view(views), found, connector))
+    return out

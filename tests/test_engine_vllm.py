@@ -1,0 +1,279 @@
+"""vLLM 0.33's own cache code as the oracle: every KVCacheLayout, padded pages, MLA, kernel blocks
+smaller than the manager block and a hybrid model's overlaid groups, moved by kvgen both ways.
+
+Caches are made by vLLM's functions (FullAttentionSpec / MLAAttentionSpec / SlidingWindowSpec,
+get_kv_cache_config_from_groups with a stand-in for the few VllmConfig fields it reads,
+allocate_kv_cache, create_kv_cache_views, compute_layout_strides). vLLM's write kernel
+(reshape_and_cache_flash) is CUDA-only, so the values are written through vLLM's logical
+[B, H, N, C] view, whose element semantics are the documented ones (C is K's head_size values,
+then V's). Each value encodes (layer, block, head, slot in block, content), so a K/V swap, a
+transposition or a wrong layer changes it. kvgen stores into objects, which are compared with the
+coordinates they must hold, then loads them into a fresh cache made by the same vLLM functions,
+which is read back through its logical view. Importing vllm costs seconds; the tests themselves
+are small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+iface = pytest.importorskip("vllm.v1.kv_cache_interface",
+                            reason="vllm 0.33.0 is not installed (scripts/dev installs it unless KVGEN_NO_ENGINES=1)")
+
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+import kvgen  # noqa: E402
+from kvgen import generated  # noqa: E402
+from kvgen.integrations.detect import AmbiguousLayout, NoLayout, detect  # noqa: E402
+from kvgen.oracle import facts_vllm, reference  # noqa: E402
+from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
+from kvgen.spec.library import load_library  # noqa: E402
+
+LIBRARY = load_library()
+#: No two extents equal: a swapped pair of axes changes a shape or a value.
+L, B, N, H, C = 2, 5, 4, 3, 6
+LAYOUTS = [layout.name for layout in KVCacheLayout]
+#: Layouts whose pages are whole runs (L and B outermost): the ones vLLM can pad.
+PADDABLE = [name for name in LAYOUTS if KVCacheLayout[name].is_block_compact]
+#: Scattered slots, a whole block (8..11) among them.
+SLOTS = [17, 3, 8, 9, 10, 11, 0, 19, 6]
+VERSION = "0.33.0"
+
+
+def _vllm_config(layout: str, num_blocks: int) -> Any:
+    """The VllmConfig fields get_kv_cache_config_from_groups reads (a whole VllmConfig needs a model)."""
+    cache = SimpleNamespace(get_resolved_kv_cache_layout=lambda: KVCacheLayout[layout],
+                            prefix_cache_retention_interval=None, num_gpu_blocks_override=num_blocks)
+    return SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None), cache_config=cache)
+
+
+def full(**kw: Any) -> Any:
+    return iface.FullAttentionSpec(**{"block_size": N, "num_kv_heads": H, "head_size": C, "dtype": torch.float32,
+                                      **kw})
+
+
+def mla(**kw: Any) -> Any:
+    return iface.MLAAttentionSpec(block_size=N, num_kv_heads=1, head_size=C, dtype=torch.float32, **kw)
+
+
+def engine_cache(layout: str, groups: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any]:
+    """vLLM's cache for groups {prefix: spec} of L layers each: its views and its KVCacheConfig."""
+    specs = [iface.KVCacheGroupSpec([f"{p}.{i}" for i in range(L)], spec) for p, spec in groups.items()]
+    config = get_kv_cache_config_from_groups(_vllm_config(layout, B), specs, 1 << 30)
+    config.kv_cache_layout = layout
+    return allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout[layout]), config
+
+
+def code(layer: int, shape: torch.Size, salt: int = 0) -> torch.Tensor:
+    """Values of one layer's logical [B, H, N, C] view: 1 + the position, layer outermost."""
+    b, h, n, c = shape
+    base = (salt * L + layer) * b * h * n * c
+    return (torch.arange(b * h * n * c, dtype=torch.float32) + 1 + base).reshape(b, h, n, c)
+
+
+def write(kv: dict[str, torch.Tensor], names: list[str], salt: int = 0) -> None:
+    for i, name in enumerate(names):
+        kv[name].copy_(code(i, kv[name].shape, salt))  # through vLLM's logical view
+
+
+def expected(kv: dict[str, torch.Tensor], names: list[str], slots: list[int], planes: int) -> torch.Tensor:
+    """The object [KV, L, T, H * C] (MLA: [1, L, T, C]) the slots must give, from the logical views."""
+    rows = []
+    for name in names:
+        v = kv[name]
+        n = v.shape[2]
+        per_token = torch.stack([v[s // n, :, s % n, :] for s in slots])  # [T, H, content]
+        rows.append(torch.stack([per_token[..., k * (v.shape[3] // planes):(k + 1) * (v.shape[3] // planes)]
+                                 .reshape(len(slots), -1) for k in range(planes)]))
+    return torch.stack(rows, dim=1)
+
+
+def store(group: Any, planes: int, slots: list[int]) -> MemoryObj:
+    width = group.detection.extents["H"] * group.detection.extents["C"] if planes == 2 else \
+        group.detection.extents["C"]
+    obj = MemoryObj(torch.zeros(planes, len(group.layer_names), len(slots), width))
+    group.connector.from_gpu(obj, 0, len(slots), kvcaches=group.kvcaches, slot_mapping=torch.tensor(slots))
+    return obj  # labelled with the object's format by the store
+
+
+def load(group: Any, obj: MemoryObj, slots: list[int]) -> None:
+    group.connector.to_gpu(obj, 0, len(slots), kvcaches=group.kvcaches, slot_mapping=torch.tensor(slots))
+
+
+def read_back(kv: dict[str, torch.Tensor], names: list[str], slots: list[int]) -> torch.Tensor:
+    return torch.stack([torch.stack([kv[n][s // kv[n].shape[2], :, s % kv[n].shape[2], :] for s in slots])
+                        for n in names])
+
+
+def roundtrip(layout: str, groups: dict[str, Any], planes: int, **kw: Any) -> None:
+    kv, config = engine_cache(layout, groups)
+    names = list(config.kv_cache_groups[0].layer_names)
+    write(kv, names)
+    (group,) = kvgen.from_vllm(kv, config, KVCacheLayout[layout], engine_version=VERSION, **kw)
+    obj = store(group, planes, SLOTS)
+    assert torch.equal(obj.tensor, expected(kv, names, SLOTS, planes))
+    fresh, fresh_config = engine_cache(layout, groups)
+    (target,) = kvgen.from_vllm(fresh, fresh_config, layout, engine_version=VERSION, **kw)
+    load(target, obj, SLOTS)
+    assert torch.equal(read_back(fresh, names, SLOTS), read_back(kv, names, SLOTS))
+    untouched = sorted(set(range(B * N)) - set(SLOTS))
+    assert not read_back(fresh, names, untouched).any()  # nothing written outside the slots
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_kv_cache_layout_moves_both_ways(layout: str) -> None:
+    roundtrip(layout, {"attn": full()}, planes=2)
+
+
+@pytest.mark.parametrize("layout", PADDABLE)
+def test_padded_pages_move_both_ways(layout: str) -> None:
+    page = H * N * 2 * C * 4
+    roundtrip(layout, {"attn": full(page_size_padded=page + 64)}, planes=2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mla_latent_moves_both_ways(layout: str) -> None:
+    roundtrip(layout, {"mla": mla()}, planes=1)
+
+
+def test_equal_heads_and_block_size_are_read_as_vllm_declares() -> None:
+    """The 'Why' regression: with H == N the default LBNHC (legacy NHD) and a padded page were refused."""
+    roundtrip("LBNHC", {"attn": full(num_kv_heads=N)}, planes=2)
+    roundtrip("LBNHC", {"attn": full(num_kv_heads=N, page_size_padded=N * N * 2 * C * 4 + 64)}, planes=2)
+    kv, config = engine_cache("LBNHC", {"attn": full(num_kv_heads=N)})
+    views = [kv[n] for n in config.kv_cache_groups[0].layer_names]
+    hints = {"engine": "vllm", "engine_version": VERSION, "num_kv_heads": N, "block_size": N}
+    assert detect(views, kv_layout="NHD", **hints).layout == "vllm_lbnhc"  # NHD names LBNHC from 0.33 on
+    with pytest.raises(NoLayout, match="the memory order is"):
+        detect(views, kv_layout="LBHNC", **hints)  # the neighbour: the strides say otherwise
+
+
+def test_one_kv_head_is_not_taken_for_mla() -> None:
+    """With one KV head (a TP rank of a GQA model) the view is [B, 1, N, 2C], which an MLA latent of
+    width 2C also is; vLLM's spec says which (MLAAttentionSpec or not), and from_vllm passes it on."""
+    roundtrip("LBNHC", {"attn": full(num_kv_heads=1)}, planes=2)
+    kv, config = engine_cache("LBNHC", {"attn": full(num_kv_heads=1)})
+    views = [kv[n] for n in config.kv_cache_groups[0].layer_names]
+    with pytest.raises(AmbiguousLayout, match="use_mla"):
+        detect(views, engine="vllm", engine_version=VERSION, kv_layout="LBNHC", block_size=N)
+
+
+def test_kernel_blocks_smaller_than_the_manager_block_keep_the_manager_views() -> None:
+    spec = full(block_size=2 * N)
+    kv, config = engine_cache("LBNHC", {"attn": spec})
+    tensor = config.kv_cache_tensors[0]
+    raw = torch.tensor([], dtype=torch.int8).set_(kv["attn.0"].untyped_storage())  # the one backing buffer
+    kernel = iface.create_kv_cache_views(raw, spec, config.num_blocks, KVCacheLayout.LBNHC, tensor,
+                                         kernel_block_size=N)
+    names = list(config.kv_cache_groups[0].layer_names)
+    for i, view in enumerate(kernel):  # what attention writes: kernel blocks of N slots
+        view.copy_(code(i, view.shape))
+    (group,) = kvgen.from_vllm(kv, config, engine_version=VERSION)  # the manager views, blocks of 2N
+    slots = [5, 6, 7, 8, 9, 30, 1]
+    obj = store(group, 2, slots).tensor
+    kernel_kv = dict(zip(names, kernel, strict=True))
+    # manager slot s (block s // 2N) is kernel block 2 (s // 2N) + (s % 2N) // N, slot s % N: slot s again
+    assert torch.equal(obj, expected(kernel_kv, names, slots, 2))
+    with pytest.raises(NoLayout, match="block_size"):
+        kvgen.from_vllm(kernel_kv, config, engine_version=VERSION)
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
+def test_hybrid_groups_overlay_one_buffer_and_each_has_its_connector(layout: str) -> None:
+    kv, config = engine_cache(layout, {"full": full(), "swa": iface.SlidingWindowSpec(
+        block_size=N, num_kv_heads=H, head_size=C, dtype=torch.float32, sliding_window=2 * N)})
+    groups = kvgen.from_vllm(kv, config, layout, engine_version=VERSION)
+    assert [g.layer_names for g in groups] == [tuple(g.layer_names) for g in config.kv_cache_groups]
+    assert kv["full.0"].data_ptr() == kv["swa.0"].data_ptr()  # vLLM overlays the groups from byte 0
+    full_names, swa_names = (list(g.layer_names) for g in groups)
+    write(kv, full_names)  # blocks 0..2 belong to the full group, 3..4 to the window
+    full_slots, swa_slots = [1, 4, 5, 6, 7, 9], [12, 13, 18, 19]
+    full_obj = store(groups[0], 2, full_slots).tensor
+    assert torch.equal(full_obj, expected(kv, full_names, full_slots, 2))
+    write(kv, swa_names, salt=1)  # the window group's blocks, over the same bytes
+    assert torch.equal(store(groups[1], 2, swa_slots).tensor, expected(kv, swa_names, swa_slots, 2))
+    # overlap inside a group is still refused: one layer's view given twice
+    twice = dataclasses.replace(groups[0], kvcaches=[groups[0].kvcaches[0]] * L)
+    with pytest.raises(KVLayoutError):
+        store(twice, 2, full_slots)
+    # and an object that is the cache's own memory
+    buffer = torch.tensor([], dtype=torch.float32).set_(kv["full.0"].untyped_storage())
+    inside = MemoryObj(buffer[:2 * L * len(full_slots) * H * C].view(2, L, len(full_slots), H * C))
+    with pytest.raises(KVLayoutError):
+        groups[0].connector.from_gpu(inside, 0, len(full_slots), kvcaches=groups[0].kvcaches,
+                                     slot_mapping=torch.tensor(full_slots))
+
+
+def test_facts_agree_with_vllms_own_tables_and_views() -> None:
+    assert set(facts_vllm.KV_CACHE_LAYOUTS) == set(LAYOUTS)
+    for name in LAYOUTS:
+        member = KVCacheLayout[name]
+        assert facts_vllm.KV_CACHE_LAYOUTS[name] == member.value
+        assert facts_vllm.layer_view_order(name) == member.layer_view_order
+        spec = LIBRARY[facts_vllm.SPEC_OF[name]]
+        assert tuple(d.axes[-1] for d in spec.given) == facts_vllm.HANDED_OVER
+        kv, config = engine_cache(name, {"attn": full()})
+        view = kv[config.kv_cache_groups[0].layer_names[0]]
+        memory = view.permute(*member.layer_view_order)
+        assert list(memory.stride()) == sorted(memory.stride(), reverse=True)  # vLLM's own view, memory order
+        fact = facts_vllm.SPEC_OF[name]
+        assert tuple(memory.shape) == generated_shape(fact)
+
+
+def generated_shape(name: str) -> tuple[int, ...]:
+    spec = LIBRARY[name]
+    return reference.leaf_shape(spec, {"L": L, "KV": 2, "B": B, "N": N, "H": H, "C": C})
+
+
+def _swap(dims: tuple[Any, ...], a: str, b: str) -> tuple[Any, ...]:
+    i = next(k for k, d in enumerate(dims) if d.axes == (a,))
+    j = next(k for k, d in enumerate(dims) if d.axes == (b,))
+    out = list(dims)
+    out[i], out[j] = out[j], out[i]
+    return tuple(out)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_spec_mutated_to_the_neighbouring_layout_fails(layout: str) -> None:
+    """The same comparison with the spec's handed-over order mutated to its neighbour's (H and N
+    swapped; H == N so the shapes agree and only the values can tell) gives wrong objects, and the
+    neighbouring built-in spec is refused by detection."""
+    heads = N
+    kv, config = engine_cache(layout, {"attn": full(num_kv_heads=heads)})
+    names = list(config.kv_cache_groups[0].layer_names)
+    write(kv, names)
+    spec = LIBRARY[facts_vllm.SPEC_OF[layout]]
+    ext = {"L": L, "KV": 2, "B": B, "N": N, "H": heads, "C": C}
+    for candidate, right in ((spec, True), (dataclasses.replace(spec, given=_swap(spec.given, "H", "N")), False)):
+        perm = [next(i for i, g in enumerate(candidate.given) if g == d) for d in candidate.dims]
+        obj = torch.zeros(2, L, len(SLOTS), heads * C)
+        reference.store(candidate, LIBRARY["kv_2ltd"], ext, [kv[n].permute(*perm) for n in names], obj, SLOTS, 0,
+                        len(SLOTS))
+        assert torch.equal(obj, expected(kv, names, SLOTS, 2)) is right
+    neighbour = {"LBHNC": "LBNHC", "LBNHC": "LBHNC", "BLHNC": "BLNHC", "BLNHC": "BLHNC",
+                 "LHBNC": "LBHNC", "BHLNC": "BLNHC"}[layout]
+    with pytest.raises(NoLayout, match="the memory order is"):
+        kvgen.from_vllm(kv, config, neighbour, engine_version=VERSION)
+
+
+def test_a_layout_the_library_lacks_for_the_release_is_refused_in_vllms_words() -> None:
+    kv, config = engine_cache("LBNHC", {"attn": full()})
+    with pytest.raises(NoLayout, match=r"vLLM 0.34.0 KVCacheLayout.LBNHC: kvgen has no layout for it"):
+        kvgen.from_vllm(kv, config, engine_version="0.34.0")
+
+
+def test_without_a_declaration_layouts_that_fit_the_same_tensors_are_refused() -> None:
+    kv, config = engine_cache("BLHNC", {"attn": full()})
+    views = [kv[n] for n in config.kv_cache_groups[0].layer_names]
+    with pytest.raises(AmbiguousLayout, match="kv_layout='BLHNC'"):
+        detect(views, engine="vllm", engine_version=VERSION, num_kv_heads=H, block_size=N)
+    declared = detect(views, engine="vllm", engine_version=VERSION, kv_layout=KVCacheLayout.BLHNC)  # vLLM's enum
+    assert declared.layout == "vllm_blhnc" and "given" in declared.decided_by
+    assert "vllm_blhnc" in generated.LAYOUTS
