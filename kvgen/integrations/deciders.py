@@ -34,7 +34,7 @@ def deciders(f: Any, ext: Mapping[str, int], fits: Sequence[tuple[Any, Mapping[s
         out["kv_layout"] = word  # the pool's kv_cache_layout: the only fact that orders SGLang's 4-D buffers
     elif f.given and f.aliases:
         out["kv_layout"] = f.aliases[0]  # the engine's own name for the layout (vLLM's KVCacheLayout)
-    elif f.order() and len({g.order() for g, _ in fits}) > 1:
+    elif f.order() and len({g.order() for g, _ in fits}) > 1 and not _names_a_vllm_layout(f):
         out["kv_layout"] = f.order()
     if len({g.planes for g, _ in fits}) > 1:
         out["use_mla"] = f.planes == 1
@@ -51,3 +51,10 @@ def deciders(f: Any, ext: Mapping[str, int], fits: Sequence[tuple[Any, Mapping[s
             out["engine_version"] = some_release(f.versions[engine])
     out["layout"] = f.name
     return out
+
+
+def _names_a_vllm_layout(f: Any) -> bool:
+    """Whether NHD or HND would name a KVCacheLayout rather than `f`'s in-block order: from vLLM
+    0.33 they are LBNHC and LBHNC, so they order only a vLLM spec whose releases predate that
+    (its suggested engine_version says so); a vLLM spec that names no release is told by others."""
+    return "vllm" in f.families() and "vllm" not in f.versions

@@ -292,7 +292,10 @@ def detect_shape(cache: CacheShape, *, package: ModuleType | str | None = None, 
     sorted_perm = memory_order(cache.shape, cache.stride)
     named = hints.pop("layout", None)
     sglang_layouts.read_word(hints)  # SGLang's kv_cache_layout words name an order, or are refused
-    declared = declared_vllm_layout(hints.get("kv_layout"), engine, version)
+    # With a layout named outright, NHD or HND only checks its in-block order (vLLM 0.33 reads
+    # them as LBNHC and LBHNC, which would overrule the name).
+    legacy = str(hints.get("kv_layout")).upper() in ORDERS
+    declared = None if named is not None and legacy else declared_vllm_layout(hints.get("kv_layout"), engine, version)
     if declared is not None:
         hints.pop("kv_layout")
         facts = _declared(declared, facts, everything, version)
@@ -326,13 +329,13 @@ def detect_shape(cache: CacheShape, *, package: ModuleType | str | None = None, 
                        + "\n  ".join(f"{name}: {why}" for name, why in refused.items()), refused)
     pairs = [(f, ext) for f, ext, _ in fits]
     if len(fits) > 1 or any(sglang_layouts.needs_word(f, hints, named is not None) for f, _ in pairs):
-        deciders = {f.name: deciders(f, ext, pairs) for f, ext in pairs}
+        decide = {f.name: deciders(f, ext, pairs) for f, ext in pairs}
         lines = [f"{f.name} {extents(ext)} (pass "
-                 f"{', '.join(f'{k}={v!r}' for k, v in deciders[f.name].items())})" for f, ext in pairs]
+                 f"{', '.join(f'{k}={v!r}' for k, v in decide[f.name].items())})" for f, ext in pairs]
         if any(sglang_layouts.word_of(f) for f, _ in pairs):
             lines.append(f"an SGLang pool says its layout, its shape does not: pass {sglang_layouts.HINT}")
         raise AmbiguousLayout(f"{len(fits)} layouts fit the {where} with hints {said}; kvgen "
-                              "does not guess:\n  " + "\n  ".join(lines), deciders)
+                              "does not guess:\n  " + "\n  ".join(lines), decide)
     f, ext, perm = fits[0]
     moved = perm != tuple(range(len(perm)))
     decided = tuple(sorted(set(hints) | ({"kv_layout"} if declared else set()))) + (
@@ -364,10 +367,14 @@ def _named(named: Any, facts: Sequence[LayoutFacts], everything: Sequence[Layout
     if kept:
         return kept
     known = next((f for f in everything if f.name == name), None)
-    if known is not None:
-        raise NoLayout(f"layout {named!r} ({name}) describes {engine} {known.versions.get(str(engine))}, "
+    if known is not None and str(engine) in known.versions:
+        raise NoLayout(f"layout {named!r} ({name}) describes {engine} {known.versions[str(engine)]}, "
                        f"not release {version}; pass engine_version= if the engine is another release",
                        {name: f"not for {engine} {version}"})
+    if known is not None:
+        left = ", ".join(f.name for f in facts) or "none"
+        raise NoLayout(f"layout {named!r} ({name}) is not among the layouts the other hints leave ({left})",
+                       {name: "ruled out by the other hints"})
     raise KVLayoutError(f"layout {named!r} is no paged layout detection reads (one tree of K/V or MLA "
                         "tensors); for a cache of several parts or fields, or K or V alone, take its "
                         "connector by name: kvgen.generated.get(layout, object)")

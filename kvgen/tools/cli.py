@@ -337,26 +337,9 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("detect", help="which layout a cache of this shape is (refuses to guess)")
     _specs_arg(p)
-    p.add_argument("shape", metavar="SHAPE",
-                   help="list lengths then the tensor shape: 32x[2,1000,16,8,128], 2x32x[4096,8,128], [B,L,2,H,N,C]")
-    p.add_argument("--stride", metavar="S,S,...", help="the tensor's strides in elements (memory order is a fact)")
-    p.add_argument("--dtype", metavar="NAME", help="the tensor's dtype, e.g. bfloat16")
-    p.add_argument("--engine", metavar="NAME", help="the serving engine: vllm, sglang or trtllm")
-    p.add_argument("--engine-version", metavar="X.Y.Z",
-                   help="the engine's release: only specs whose versions hold it (vllm: the installed one)")
-    p.add_argument("--backend", metavar="NAME", help="the engine's attention backend, e.g. FLASHINFER")
-    p.add_argument("--kv-layout", metavar="NAME",
-                   help="vLLM's KVCacheLayout (LBNHC, ...), NHD or HND, or a layout name")
-    p.add_argument("--given-order", choices=("NHD", "HND"),
-                   help="the order the engine handed the slot and head dims in (vLLM: NHD)")
-    p.add_argument("--num-kv-heads", type=int, metavar="H", help="KV heads per layer (this rank)")
-    p.add_argument("--block-size", type=int, metavar="N", help="tokens per block (page size)")
-    p.add_argument("--head-size", type=int, metavar="C", help="values per head (MLA: the latent width)")
-    p.add_argument("--num-layers", type=int, metavar="L", help="number of layers")
-    p.add_argument("--num-blocks", type=int, metavar="B", help="number of blocks in the cache")
-    p.add_argument("--mla", action=argparse.BooleanOptionalAction, default=None,
-                   help="whether the model uses MLA (one latent plane instead of K and V)")
-    p.add_argument("--layout", metavar="NAME", help="check the cache against this one layout only")
+    from kvgen.tools.detect_view import add_arguments as add_detect_arguments
+
+    add_detect_arguments(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=cmd_detect)
 
