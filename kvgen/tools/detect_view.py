@@ -68,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the engine's release: only specs whose versions hold it (vllm: the installed one)")
     p.add_argument("--backend", metavar="NAME", help="the engine's attention backend, e.g. FLASHINFER")
     p.add_argument("--kv-layout", metavar="NAME",
-                   help="vLLM's KVCacheLayout (LBNHC, ...), SGLang's kv_cache_layout (nhd, hnd), NHD or HND, or a layout name")
+                   help="vLLM's KVCacheLayout (LBNHC, ...), SGLang's kv_cache_layout (nhd, hnd), NHD or HND, "
+                        "or a layout name")
     p.add_argument("--given-order", choices=("NHD", "HND"),
                    help="the order the engine handed the slot and head dims in (vLLM: NHD)")
     p.add_argument("--num-kv-heads", type=int, metavar="H", help="KV heads per layer (this rank)")
