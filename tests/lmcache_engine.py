@@ -30,6 +30,11 @@ except Exception as exc:  # lmcache, or one of its engine's imports, is missing
     os._exit(0)
 
 import kvgen.integrations.lmcache as kl  # noqa: E402
+from kvgen.integrations import hints as kvgen_hints  # noqa: E402
+
+# These caches are the [2, B, N, H, C] tensors vLLM handed over before 0.33, whatever vllm is
+# installed here (detection takes the installed release as vLLM's declaration otherwise).
+kvgen_hints.installed_version = lambda engine: "0.32.0" if engine == "vllm" else None
 
 L, H, C, N, B = 2, 2, 8, 16, 80  # layers, heads, content per head, slots per block, blocks
 CHUNK = 256

@@ -46,7 +46,7 @@ def extra_specs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     specs = tmp_path_factory.mktemp("specs")
     source = (BUILTIN_SPECS / "vllm/flash_attn_nhd.yaml").read_text()
     mine = (source.replace("name: vllm_flash_attn_nhd", "name: my_layout").replace("aliases: [NHD]\n", "")
-            .replace("engines: [vllm/FLASH_ATTN]\n", ""))
+            .replace("engines: [vllm/FLASH_ATTN]\n", "").replace('versions: {vllm: "<0.33"}\n', ""))
     (specs / "mine.yaml").write_text(mine)
     return specs
 

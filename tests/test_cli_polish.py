@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _copy_of_nhd(name: str) -> str:
     text = (ROOT / "specs" / "vllm" / "flash_attn_nhd.yaml").read_text()
-    keep = [line for line in text.splitlines() if not line.startswith(("aliases:", "lmcache:", "engines:"))]
+    naming = ("aliases:", "lmcache:", "engines:", "versions:")
+    keep = [line for line in text.splitlines() if not line.startswith(naming)]
     return "\n".join(keep).replace("name: vllm_flash_attn_nhd", f"name: {name}") + "\n"
 
 

@@ -39,8 +39,8 @@ class Validation:
 
 
 #: What names or documents a layout without changing it: two specs equal but for these are one layout.
-_NAMING = {"name": "", "summary": "", "aliases": (), "lmcache_format": None, "engines": (), "source": "",
-           "origin": "", "digest": "", "code": None, "accepts": ()}
+_NAMING = {"name": "", "summary": "", "aliases": (), "lmcache_format": None, "engines": (), "versions": (),
+           "source": "", "origin": "", "digest": "", "code": None, "accepts": ()}
 
 
 def twins(builtin: Sequence[Entry], entries: Sequence[Entry]) -> list[str]:
