@@ -7,6 +7,13 @@ SGLang: pools built with SGLang's own classes on CPU, elements written with the 
 `set_kv_buffer`; each fact's shape must be the live buffer's and its address of each written
 element must hold that element. The HiCache host pools' transfers are GPU kernels, so their
 facts are checked by shape only (tests/test_engine_sglang.py moves data through them).
+
+vLLM: caches built with vLLM's own FullAttentionSpec / MLAAttentionSpec, KVCacheTensor planning
+(get_kv_cache_config_from_groups) and create_kv_cache_views (through allocate_kv_cache) for
+every KVCacheLayout; vLLM's write kernel is CUDA-only, so values are written through its logical
+[B, H, N, C] view (C: K's head_size values, then V's). Each fact's KVCacheLayout table entry must
+be vLLM's, its memory order the one vLLM's compute_layout_strides gives, its shape the live view's
+in that order, and its address of each element must hold that element.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from typing import Any
 
 SGLANG = "0.5.23"
 WHERE = "`scripts/dev engines` runs them in .venv-sglang"
+VLLM = "0.33.0"
+VLLM_WHERE = "`scripts/dev test` installs vllm==0.33.0 unless KVGEN_NO_ENGINES=1"
 
 
 class Skipped(Exception):
@@ -129,14 +138,101 @@ def sglang_disagreements() -> tuple[list[str], int]:
     return wrong, 7
 
 
-#: engine -> (release the facts describe, the check).
-ENGINES: dict[str, tuple[str, Callable[[], tuple[list[str], int]]]] = {"SGLang": (SGLANG, sglang_disagreements)}
+def _vllm_modules() -> tuple[Any, Any, Any, Any]:
+    if importlib.util.find_spec("vllm") is None:
+        raise Skipped(f"vllm is not installed in this Python; {VLLM_WHERE}")
+    version = importlib.metadata.version("vllm")
+    if version != VLLM:
+        raise Skipped(f"vllm {version} is installed, these facts describe {VLLM}")
+    try:
+        from vllm.v1 import kv_cache_interface, kv_cache_layout
+        from vllm.v1.core import kv_cache_planning
+        from vllm.v1.worker import utils
+    except Exception as exc:  # noqa: BLE001 - any failure of vLLM's import chain means: not here
+        raise Skipped(f"vllm does not import here ({type(exc).__name__}: {exc}); {VLLM_WHERE}") from None
+    return kv_cache_interface, kv_cache_layout, kv_cache_planning, utils
+
+
+def vllm_disagreements() -> tuple[list[str], int]:
+    """(what disagrees, how many facts were checked) for vLLM's caches, every KVCacheLayout with
+    and without MLA; Skipped when vLLM cannot run here."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvgen.oracle import facts_vllm
+    from kvgen.oracle.facts import FACTS, Geometry
+
+    iface, layouts, planning, worker = _vllm_modules()
+    L, B, N, H, C = 2, 5, 4, 3, 6  # no two extents equal: a swap of any two axes shows
+    wrong: list[str] = []
+
+    def live(layout: Any, spec: Any) -> tuple[list[torch.Tensor], tuple[int, ...]]:
+        """vLLM's per-layer views of one group of L layers, and compute_layout_strides' answer."""
+        cache = SimpleNamespace(get_resolved_kv_cache_layout=lambda: layout, prefix_cache_retention_interval=None,
+                                num_gpu_blocks_override=B)  # the VllmConfig fields the planner reads
+        config = SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None), cache_config=cache)
+        names = [f"layer.{i}" for i in range(L)]
+        kv_config = planning.get_kv_cache_config_from_groups(config, [iface.KVCacheGroupSpec(names, spec)], 1 << 30)
+        views = worker.allocate_kv_cache(kv_config, torch.device("cpu"), layout)
+        return [views[n] for n in names], iface.compute_layout_strides(spec, B, L, layout)
+
+    def check(name: str, layout: Any, spec: Any, heads: int, kvs: int) -> None:
+        fact, g = FACTS[name], Geometry(L=L, B=B, N=N, H=heads, C=C)
+        views, strides = live(layout, spec)
+        physical = [strides[i] for i in layout.value]  # vLLM's byte strides, in the fact's memory order
+        # MLA's one head slot: the logical order is the memory order, up to that size-1 axis
+        order = (0, 1, 2, 3) if fact.mla else facts_vllm.layer_view_order(layout.name)
+        if physical != sorted(physical, reverse=True):
+            wrong.append(f"{name}: vLLM's strides {list(strides)} are not in the order {layout.value} the fact says")
+            return
+        for layer, view in enumerate(views):  # through vLLM's logical [B, H, N, C] view
+            view.copy_(torch.arange(view.numel(), dtype=view.dtype).reshape(view.shape) + 1 + layer * view.numel())
+        memory = [v.permute(*order) for v in views]
+        if tuple(memory[0].shape) != fact.shape(g):
+            wrong.append(f"{name}: vLLM's view in memory order is {list(memory[0].shape)}, "
+                         f"the fact says {list(fact.shape(g))}")
+            return
+        for layer in range(L):
+            for kv in range(kvs):
+                for slot in range(B * N):
+                    for h in range(heads):
+                        path, index = fact.address(g, layer, kv, slot, h, 0)
+                        logical = views[layer][slot // N, h, slot % N, kv * C:(kv + 1) * C]
+                        try:
+                            got = memory[path[0]][index[:-1]][index[-1]:index[-1] + C]
+                        except IndexError:
+                            got = None  # the fact's address lies outside vLLM's view
+                        if got is None or not torch.equal(got, logical):
+                            wrong.append(f"{name}: layer {layer}, {'KV'[kv]}, slot {slot}, head {h} is not where "
+                                         f"the fact says {index}")
+                            return
+
+    members = list(layouts.KVCacheLayout)
+    if {m.name: m.value for m in members} != facts_vllm.KV_CACHE_LAYOUTS:
+        wrong.append(f"KVCacheLayout: vLLM's members are {[(m.name, m.value) for m in members]}, the facts say "
+                     f"{sorted(facts_vllm.KV_CACHE_LAYOUTS.items())}")
+    for member in members:
+        if member.name not in facts_vllm.SPEC_OF:
+            continue  # reported above
+        check(facts_vllm.SPEC_OF[member.name], member,
+              iface.FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=C, dtype=torch.float32), H, 2)
+        check(facts_vllm.MLA_SPEC, member,
+              iface.MLAAttentionSpec(block_size=N, num_kv_heads=1, head_size=C, dtype=torch.float32), 1, 1)
+    return wrong, 1 + 2 * len(members)
+
+
+#: engine -> (release the facts describe, what is checked, the check).
+ENGINES: dict[str, tuple[str, str, Callable[[], tuple[list[str], int]]]] = {
+    "SGLang": (SGLANG, "pool facts agree with the engine's live pools", sglang_disagreements),
+    "vLLM": (VLLM, "cache facts agree with the engine's live caches", vllm_disagreements),
+}
 
 
 def run() -> int:
     """Print each engine's result (or why it was skipped); the number of disagreements."""
     failures = 0
-    for engine, (release, check) in ENGINES.items():
+    for engine, (release, what, check) in ENGINES.items():
         try:
             wrong, checked = check()
         except Skipped as why:
@@ -144,6 +240,6 @@ def run() -> int:
             continue
         for line in wrong:
             print(f"kvgen verify: {engine} {release}: {line}", file=sys.stderr)
-        print(f"{checked - len(wrong)} of {checked} {engine} {release} pool facts agree with the engine's live pools")
+        print(f"{checked - len(wrong)} of {checked} {engine} {release} {what}")
         failures += len(wrong)
     return failures
