@@ -193,3 +193,33 @@ def test_tensor_parallel_ranks_tile_the_canonical_page_at_their_global_heads(lay
     assert torch.equal(kvgen.view(torch.int8).reshape(len(BLOCKS), -1), want)
     assert want.ne(0).view(len(BLOCKS), -1).any(dim=1).all()
 
+
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC", "LBHNC"])
+def test_a_canonical_spec_mutated_to_the_neighbouring_page_fails(layout: str) -> None:
+    """With as many heads as slots both canonical pages have one shape and only the bytes tell them
+    apart: the canonical spec with its N and H swapped (kvgen's reference reads the spec) must not
+    give vLLM's bytes, and the spec as built must."""
+    import dataclasses
+
+    from kvgen.oracle import transfer_reference
+    from kvgen.spec.library import load_library
+
+    library = load_library()
+    kv, config, names = engine_cache(layout, full(heads=N))
+    fill(kv, names)
+    maps = mappings(kv, config, N)
+    want = torch.zeros(len(BLOCKS), L * maps[names[0]].canonical_page_size_bytes, dtype=torch.int8)
+    vllm_rows(kv, names, maps, want)
+    host = library[CANONICAL[FAMILY[layout]]]
+    i, j = (next(k for k, d in enumerate(host.dims) if d.axes == (a,)) for a in ("N", "H"))
+    swapped = list(host.dims)
+    swapped[i], swapped[j] = swapped[j], swapped[i]
+    ext = {"L": L, "KV": 2, "B": B, "N": N, "H": N, "C": C}
+    for spec, right in ((host, True), (dataclasses.replace(host, dims=tuple(swapped)), False)):
+        rows = torch.zeros(len(BLOCKS), L, N, N, 2 * C)
+        transfer_reference.transfer(library[facts_vllm.SPEC_OF[layout]], ext, memory_order(kv, names, layout, False),
+                                    slots(BLOCKS).tolist(), spec, {**ext, "B": len(BLOCKS)}, rows,
+                                    slots(list(range(len(BLOCKS)))).tolist())
+        assert torch.equal(rows.view(torch.int8).reshape(len(BLOCKS), -1), want) is right
