@@ -284,10 +284,11 @@ def test_without_a_declaration_layouts_that_fit_the_same_tensors_are_refused() -
 def test_kvgen_verify_checks_the_vllm_facts_against_vllms_live_caches(capsys: pytest.CaptureFixture[str]) -> None:
     from kvgen.tools import verify_engines
 
-    # the KVCacheLayout table, then each layout's fact and the MLA fact under each layout
-    assert verify_engines.vllm_disagreements() == ([], 1 + 2 * len(LAYOUTS))
+    # the KVCacheLayout table, each layout's fact and the MLA fact under each layout, and the canonical
+    # offload pages v1-nhd, v1-hnd and MLA
+    assert verify_engines.vllm_disagreements() == ([], 1 + 2 * len(LAYOUTS) + 3)
     verify_engines.run()
-    assert f"13 of 13 vLLM {VERSION} cache facts agree with the engine's live caches" in capsys.readouterr().out
+    assert f"16 of 16 vLLM {VERSION} cache facts agree with the engine's live caches" in capsys.readouterr().out
 
 
 def test_a_wrong_vllm_fact_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -307,6 +308,16 @@ def test_a_wrong_vllm_fact_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
         wrong, _ = verify_engines.vllm_disagreements()
         assert len(wrong) == 1 and wrong[0].startswith("vllm_lbnhc:"), wrong
     monkeypatch.setitem(facts.FACTS, "vllm_lbnhc", right)
+    page = facts.FACTS["vllm_canonical_lbnhc"]
+
+    def heads_first(g: Any, layer: int, kv: int, slot: int, h: int, c: int) -> Any:  # v1-hnd's place, v1-nhd's shape
+        flat = ((h * g.N + slot % g.N) * 2 + kv) * g.C + c
+        return (), (slot // g.N, layer, flat // (g.H * 2 * g.C), flat // (2 * g.C) % g.H, flat % (2 * g.C))
+
+    monkeypatch.setitem(facts.FACTS, "vllm_canonical_lbnhc", dataclasses.replace(page, address=heads_first))
+    wrong, _ = verify_engines.vllm_disagreements()
+    assert len(wrong) == 1 and wrong[0].startswith("vllm_canonical_lbnhc:"), wrong
+    monkeypatch.setitem(facts.FACTS, "vllm_canonical_lbnhc", page)
     monkeypatch.setitem(facts_vllm.KV_CACHE_LAYOUTS, "LBNHC", KVCacheLayout.LBHNC.value)  # a wrong table entry
     wrong, _ = verify_engines.vllm_disagreements()
     assert wrong and wrong[0].startswith("KVCacheLayout:")
