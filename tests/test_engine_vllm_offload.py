@@ -51,8 +51,8 @@ def engine_cache(layout: str, spec: Any, num_blocks: int = B) -> tuple[dict[str,
     return allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout[layout]), config, names
 
 
-def full(heads: int = H) -> Any:
-    return iface.FullAttentionSpec(block_size=N, num_kv_heads=heads, head_size=C, dtype=torch.float32)
+def full(heads: int = H, **kw: Any) -> Any:
+    return iface.FullAttentionSpec(block_size=N, num_kv_heads=heads, head_size=C, dtype=torch.float32, **kw)
 
 
 def mla() -> Any:
@@ -156,6 +156,23 @@ def test_every_layout_moves_into_vllms_canonical_page_byte_exactly(layout: str) 
     rows = kvgen_rows(layout, kv, names, host, shape, False)
     assert torch.equal(rows.view(torch.int8).reshape(len(BLOCKS), -1), want)
     load_back(layout, full(), rows, host, False)
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if KVCacheLayout[name].is_block_compact])
+def test_padded_pages_move_into_vllms_canonical_page_byte_exactly(layout: str) -> None:
+    """page_size_padded widens the block stride; the canonical page is the unpadded page's bytes."""
+    spec = full(page_size_padded=H * N * 2 * C * 4 + 64)
+    kv, config, names = engine_cache(layout, spec)
+    fill(kv, names)
+    maps = mappings(kv, config, H)
+    assert all(maps[n].parallelism_agnostic for n in names)
+    want = torch.zeros(len(BLOCKS), L * maps[names[0]].canonical_page_size_bytes, dtype=torch.int8)
+    vllm_rows(kv, names, maps, want)
+    family = FAMILY[layout]
+    shape = (len(BLOCKS), L, N, H, 2 * C) if family == "LBNHC" else (len(BLOCKS), L, H, N, 2 * C)
+    rows = kvgen_rows(layout, kv, names, CANONICAL[family], shape, False)
+    assert torch.equal(rows.view(torch.int8).reshape(len(BLOCKS), -1), want)
+    load_back(layout, spec, rows, CANONICAL[family], False)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
