@@ -30,11 +30,6 @@ except Exception as exc:  # lmcache, or one of its engine's imports, is missing
     os._exit(0)
 
 import kvgen.integrations.lmcache as kl  # noqa: E402
-from kvgen.integrations import hints as kvgen_hints  # noqa: E402
-
-# These caches are the [2, B, N, H, C] tensors vLLM handed over before 0.33, whatever vllm is
-# installed here (detection takes the installed release as vLLM's declaration otherwise).
-kvgen_hints.installed_version = lambda engine: "0.32.0" if engine == "vllm" else None
 
 L, H, C, N, B = 2, 2, 8, 16, 80  # layers, heads, content per head, slots per block, blocks
 CHUNK = 256
@@ -72,8 +67,35 @@ def sglang_cache() -> list[list[torch.Tensor]]:
     return [[coded((B * N, H, C), layer, kv) for layer in range(L)] for kv in range(2)]
 
 
+def vllm033_cache(layout: str) -> list[torch.Tensor]:
+    """vLLM 0.33's per-layer logical [B, H, N, (K V) C] views of one KVCacheLayout, made by vLLM's own
+    planning, allocate_kv_cache and create_kv_cache_views, coded through those views (vLLM's write
+    kernel is CUDA-only)."""
+    from types import SimpleNamespace
+
+    from vllm.v1 import kv_cache_interface as iface
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    member = KVCacheLayout[layout]
+    cache = SimpleNamespace(get_resolved_kv_cache_layout=lambda: member, prefix_cache_retention_interval=None,
+                            num_gpu_blocks_override=B)  # the VllmConfig fields the planner reads
+    config = SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None), cache_config=cache)
+    names = [f"attn.{i}" for i in range(L)]
+    spec = iface.FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=C, dtype=torch.float32)
+    kv_config = get_kv_cache_config_from_groups(config, [iface.KVCacheGroupSpec(names, spec)], 1 << 30)
+    kv = allocate_kv_cache(kv_config, torch.device("cpu"), member)
+    views = [kv[name] for name in names]
+    for layer, view in enumerate(views):
+        view.copy_(coded(tuple(view.shape), layer, 0))
+    return views
+
+
 def token_rows(cache: Any, slots: torch.Tensor, kind: str) -> list[torch.Tensor]:
     """Each leaf's values at `slots`, in token order."""
+    if kind == "vllm033":
+        return [leaf[slots // N, :, slots % N] for leaf in cache]
     if kind == "vllm":
         return [leaf[:, slots // N, slots % N] for leaf in cache]
     if kind == "mla":
@@ -128,20 +150,39 @@ def run(eng: Any, cache: Any, kind: str, n_store: int, n_load: int, cached: int 
     return None
 
 
+def drop_in(cls: Any, **hints: Any) -> Callable[[Any], Any]:
+    """The drop-in class as LMCache builds it from its metadata, with LMCache's layout_hints."""
+    return lambda meta: cls.from_metadata(meta, device="cpu", layout_hints=hints)
+
+
+#: The [2, B, N, H, C] and [B, N, C] caches below are vLLM's before 0.33 (from 0.33 every layer is a
+#: [B, H, N, (K V) C] view): the release is named, since with vllm 0.33 installed it is the default.
+BEFORE_033 = {"engine_version": "0.32.0"}
+
 CASES: dict[str, Callable[[], str | None]] = {
-    "store-retrieve": lambda: run(engine(lambda m: kl.VLLMPagedMemGPUConnectorV2.from_metadata(m, device="cpu")),
+    "store-retrieve": lambda: run(engine(drop_in(kl.VLLMPagedMemGPUConnectorV2, **BEFORE_033)),
                                   vllm_cache(), "vllm", 512, 512),
-    "prefix-hit": lambda: run(engine(lambda m: kl.VLLMPagedMemGPUConnectorV2.from_metadata(m, device="cpu")),
+    "prefix-hit": lambda: run(engine(drop_in(kl.VLLMPagedMemGPUConnectorV2, **BEFORE_033)),
                               vllm_cache(), "vllm", 512, 900),
-    "vllm-cached-tokens": lambda: run(engine(lambda m: kl.VLLMPagedMemGPUConnectorV2.from_metadata(m, device="cpu")),
+    "vllm-cached-tokens": lambda: run(engine(drop_in(kl.VLLMPagedMemGPUConnectorV2, **BEFORE_033)),
                                       vllm_cache(), "vllm", 768, 768, cached=300),
-    "layerwise": lambda: run(engine(lambda m: kl.VLLMPagedMemLayerwiseGPUConnector.from_metadata(m, device="cpu"),
+    "layerwise": lambda: run(engine(drop_in(kl.VLLMPagedMemLayerwiseGPUConnector, **BEFORE_033),
                                     layerwise=True), vllm_cache(), "vllm", 512, 512, layerwise=True),
-    "mla": lambda: run(engine(lambda m: kl.VLLMPagedMemGPUConnectorV2.from_metadata(m, device="cpu"), mla=True),
+    "mla": lambda: run(engine(drop_in(kl.VLLMPagedMemGPUConnectorV2, **BEFORE_033), mla=True),
                        mla_cache(), "mla", 512, 512),
     "sglang": lambda: run(engine(lambda m: kl.SGLangGPUConnector.from_metadata(m, device="cpu")),
                           sglang_cache(), "sglang", 512, 512),
 }
+
+
+def vllm033_case(layout: str) -> Callable[[], str | None]:
+    """vLLM 0.33's views of `layout` through the drop-in, the layout named by LMCache's layout_hints."""
+    return lambda: run(engine(drop_in(kl.VLLMPagedMemGPUConnectorV2, kv_layout=layout)), vllm033_cache(layout),
+                       "vllm033", 512, 512)
+
+
+CASES.update({f"vllm033-{layout}": vllm033_case(layout)
+              for layout in ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")})
 
 
 def main(names: list[str]) -> None:

@@ -277,3 +277,65 @@ def test_without_a_declaration_layouts_that_fit_the_same_tensors_are_refused() -
     declared = detect(views, engine="vllm", engine_version=VERSION, kv_layout=KVCacheLayout.BLHNC)  # vLLM's enum
     assert declared.layout == "vllm_blhnc" and "given" in declared.decided_by
     assert "vllm_blhnc" in generated.LAYOUTS
+
+
+# -- `kvgen verify`: the hand-written facts against vLLM's live caches ----------------------------
+
+def test_kvgen_verify_checks_the_vllm_facts_against_vllms_live_caches(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvgen.tools import verify_engines
+
+    # the KVCacheLayout table, each layout's fact and the MLA fact under each layout, and the canonical
+    # offload pages v1-nhd, v1-hnd and MLA
+    assert verify_engines.vllm_disagreements() == ([], 1 + 2 * len(LAYOUTS) + 3)
+    verify_engines.run()
+    assert f"16 of 16 vLLM {VERSION} cache facts agree with the engine's live caches" in capsys.readouterr().out
+
+
+def test_a_wrong_vllm_fact_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvgen.oracle import facts
+    from kvgen.tools import verify_engines
+
+    right = facts.FACTS["vllm_lbnhc"]
+
+    def hnd_shape(g: Any) -> tuple[int, ...]:  # LBHNC's reading of an LBNHC view
+        return (g.B, g.H, g.N, 2 * g.C)
+
+    def v_first(g: Any, layer: int, kv: int, slot: int, h: int, c: int) -> Any:  # K and V swapped
+        return (layer,), (slot // g.N, slot % g.N, h, (1 - kv) * g.C + c)
+
+    for shape, address in ((hnd_shape, right.address), (right.shape, v_first)):
+        monkeypatch.setitem(facts.FACTS, "vllm_lbnhc", dataclasses.replace(right, shape=shape, address=address))
+        wrong, _ = verify_engines.vllm_disagreements()
+        assert len(wrong) == 1 and wrong[0].startswith("vllm_lbnhc:"), wrong
+    monkeypatch.setitem(facts.FACTS, "vllm_lbnhc", right)
+    page = facts.FACTS["vllm_canonical_lbnhc"]
+
+    def heads_first(g: Any, layer: int, kv: int, slot: int, h: int, c: int) -> Any:  # v1-hnd's place, v1-nhd's shape
+        flat = ((h * g.N + slot % g.N) * 2 + kv) * g.C + c
+        return (), (slot // g.N, layer, flat // (g.H * 2 * g.C), flat // (2 * g.C) % g.H, flat % (2 * g.C))
+
+    monkeypatch.setitem(facts.FACTS, "vllm_canonical_lbnhc", dataclasses.replace(page, address=heads_first))
+    wrong, _ = verify_engines.vllm_disagreements()
+    assert len(wrong) == 1 and wrong[0].startswith("vllm_canonical_lbnhc:"), wrong
+    monkeypatch.setitem(facts.FACTS, "vllm_canonical_lbnhc", page)
+    monkeypatch.setitem(facts_vllm.KV_CACHE_LAYOUTS, "LBNHC", KVCacheLayout.LBHNC.value)  # a wrong table entry
+    wrong, _ = verify_engines.vllm_disagreements()
+    assert wrong and wrong[0].startswith("KVCacheLayout:")
+    assert verify_engines.run() == len(wrong)
+
+
+def test_kvgen_verify_says_why_the_vllm_checks_were_skipped(monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.metadata
+    import importlib.util
+
+    from kvgen.tools import verify_engines
+
+    found, version = importlib.util.find_spec, importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.34.0" if name == "vllm" else version(name))
+    verify_engines.run()
+    assert f"vLLM {VERSION} engine checks skipped: vllm 0.34.0 is installed, these facts describe {VERSION}" \
+        in capsys.readouterr().out
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else found(name, *a))
+    assert verify_engines.run() == 0
+    assert f"vLLM {VERSION} engine checks skipped: vllm is not installed in this Python" in capsys.readouterr().out

@@ -79,6 +79,22 @@ def vllm_offload_nhd(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int
     return (), (slot // g.N, layer, kv, slot % g.N, h, c)
 
 
+# vLLM 0.33 (distributed/kv_transfer/kv_connector/v1/offloading/canonical_mapping.py): layers are
+# packed [B, H, N, (K V) C] views, so `_packed_kv_regions` keeps K then V per head: with NHD strides
+# (LBNHC) a token row of all heads, the page [N, H, 2C] ("v1-nhd"); with HND strides (LBHNC) each
+# head's run of tokens at its global head index, the page [H, N, 2C] ("v1-hnd").
+# shared_offload_region.py create_next_canonical_view carves the layers' pages one after another
+# from the start of each CPU row.
+@_fact("vllm_canonical_lbnhc", "paged", ONE_TENSOR, lambda g: (g.B, g.L, g.N, g.H, 2 * g.C))
+def vllm_canonical_lbnhc(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+    return (), (slot // g.N, layer, slot % g.N, h, kv * g.C + c)
+
+
+@_fact("vllm_canonical_lbhnc", "paged", ONE_TENSOR, lambda g: (g.B, g.L, g.H, g.N, 2 * g.C))
+def vllm_canonical_lbhnc(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+    return (), (slot // g.N, layer, h, slot % g.N, kv * g.C + c)
+
+
 # sharding.py `_layer_mapping` for MLAAttentionSpec: the latent is TP-replicated, one row of
 # page_size_bytes // block_size per token, stored once (only TP rank 0 writes): a page [N, C], rows
 # of layers as above: [num_blocks, L, N, C].

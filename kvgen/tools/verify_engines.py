@@ -7,6 +7,15 @@ SGLang: pools built with SGLang's own classes on CPU, elements written with the 
 `set_kv_buffer`; each fact's shape must be the live buffer's and its address of each written
 element must hold that element. The HiCache host pools' transfers are GPU kernels, so their
 facts are checked by shape only (tests/test_engine_sglang.py moves data through them).
+
+vLLM: caches built with vLLM's own FullAttentionSpec / MLAAttentionSpec, KVCacheTensor planning
+(get_kv_cache_config_from_groups) and create_kv_cache_views (through allocate_kv_cache) for
+every KVCacheLayout; vLLM's write kernel is CUDA-only, so values are written through its logical
+[B, H, N, C] view (C: K's head_size values, then V's). Each fact's KVCacheLayout table entry must
+be vLLM's, its memory order the one vLLM's compute_layout_strides gives, its shape the live view's
+in that order, and its address of each element must hold that element. The canonical offload
+pages (facts_host: vllm_canonical_lbnhc / _lbhnc, vllm_offload_mla) against the CPU rows vLLM's
+own CopyRuns (derive_canonical_mappings, one TP rank) make from such a cache.
 """
 
 from __future__ import annotations
@@ -16,10 +25,13 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable
+from math import prod
 from typing import Any
 
 SGLANG = "0.5.23"
 WHERE = "`scripts/dev engines` runs them in .venv-sglang"
+VLLM = "0.33.0"
+VLLM_WHERE = "`scripts/dev test` installs vllm==0.33.0 unless KVGEN_NO_ENGINES=1"
 
 
 class Skipped(Exception):
@@ -129,14 +141,142 @@ def sglang_disagreements() -> tuple[list[str], int]:
     return wrong, 7
 
 
-#: engine -> (release the facts describe, the check).
-ENGINES: dict[str, tuple[str, Callable[[], tuple[list[str], int]]]] = {"SGLang": (SGLANG, sglang_disagreements)}
+def _vllm_modules() -> tuple[Any, Any, Any, Any, Any]:
+    if importlib.util.find_spec("vllm") is None:
+        raise Skipped(f"vllm is not installed in this Python; {VLLM_WHERE}")
+    version = importlib.metadata.version("vllm")
+    if version != VLLM:
+        raise Skipped(f"vllm {version} is installed, these facts describe {VLLM}")
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading import canonical_mapping
+        from vllm.v1 import kv_cache_interface, kv_cache_layout
+        from vllm.v1.core import kv_cache_planning
+        from vllm.v1.worker import utils
+    except Exception as exc:  # noqa: BLE001 - any failure of vLLM's import chain means: not here
+        raise Skipped(f"vllm does not import here ({type(exc).__name__}: {exc}); {VLLM_WHERE}") from None
+    return kv_cache_interface, kv_cache_layout, kv_cache_planning, utils, canonical_mapping
+
+
+def vllm_disagreements() -> tuple[list[str], int]:
+    """(what disagrees, how many facts were checked) for vLLM's caches, every KVCacheLayout with
+    and without MLA, and the canonical offload pages (facts_host) against the CopyRuns of vLLM's
+    derive_canonical_mappings; Skipped when vLLM cannot run here."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvgen.oracle import facts_vllm
+    from kvgen.oracle.facts import FACTS, Geometry
+
+    iface, layouts, planning, worker, canonical = _vllm_modules()
+    L, B, N, H, C = 2, 5, 4, 3, 6  # no two extents equal: a swap of any two axes shows
+    names = [f"layer.{i}" for i in range(L)]
+    wrong: list[str] = []
+
+    def live(layout: Any, spec: Any) -> tuple[dict[str, torch.Tensor], Any]:
+        """vLLM's per-layer views of one group of L layers, coded through the logical view, and its
+        KVCacheConfig."""
+        cache = SimpleNamespace(get_resolved_kv_cache_layout=lambda: layout, prefix_cache_retention_interval=None,
+                                num_gpu_blocks_override=B)  # the VllmConfig fields the planner reads
+        config = SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None), cache_config=cache)
+        kv_config = planning.get_kv_cache_config_from_groups(config, [iface.KVCacheGroupSpec(names, spec)], 1 << 30)
+        views = worker.allocate_kv_cache(kv_config, torch.device("cpu"), layout)
+        for layer, name in enumerate(names):  # through vLLM's logical [B, H, N, C] view
+            view = views[name]
+            view.copy_(torch.arange(view.numel(), dtype=view.dtype).reshape(view.shape) + 1 + layer * view.numel())
+        return views, kv_config
+
+    def holds(name: str, tensors: list[torch.Tensor], views: list[torch.Tensor], g: Geometry, kvs: int) -> None:
+        """Every element of vLLM's logical views is where the fact says in `tensors` (by path)."""
+        fact = FACTS[name]
+        if tuple(tensors[0].shape) != fact.shape(g):
+            wrong.append(f"{name}: vLLM's tensor in memory order is {list(tensors[0].shape)}, "
+                         f"the fact says {list(fact.shape(g))}")
+            return
+        for layer in range(L):
+            for kv in range(kvs):
+                for slot in range(B * N):
+                    for h in range(g.H):
+                        path, index = fact.address(g, layer, kv, slot, h, 0)
+                        logical = views[layer][slot // N, h, slot % N, kv * C:(kv + 1) * C]
+                        try:
+                            got = tensors[path[0] if path else 0][index[:-1]][index[-1]:index[-1] + C]
+                        except IndexError:
+                            got = None  # the fact's address lies outside vLLM's tensor
+                        if got is None or not torch.equal(got, logical):
+                            wrong.append(f"{name}: layer {layer}, {'KV'[kv]}, slot {slot}, head {h} is not where "
+                                         f"the fact says {index}")
+                            return
+
+    def check(name: str, layout: Any, spec: Any, heads: int, kvs: int) -> None:
+        strides = iface.compute_layout_strides(spec, B, L, layout)
+        physical = [strides[i] for i in layout.value]  # vLLM's byte strides, in the fact's memory order
+        if physical != sorted(physical, reverse=True):
+            wrong.append(f"{name}: vLLM's strides {list(strides)} are not in the order {layout.value} the fact says")
+            return
+        # MLA's one head slot: the logical order is the memory order, up to that size-1 axis
+        order = (0, 1, 2, 3) if FACTS[name].mla else facts_vllm.layer_view_order(layout.name)
+        kv, _ = live(layout, spec)
+        views = [kv[n] for n in names]
+        holds(name, [v.permute(*order) for v in views], views, Geometry(L=L, B=B, N=N, H=heads, C=C), kvs)
+
+    def offload(name: str, layout: Any, spec: Any, heads: int, kvs: int) -> None:
+        """The canonical CPU rows of all B blocks, made by applying vLLM's CopyRuns of one TP rank
+        to each layer's worker page (the bytes from the layer view's block b on), the layers' pages
+        one after another in a row."""
+        kv, kv_config = live(layout, spec)
+        parallel = SimpleNamespace(tensor_parallel_size=1, prefill_context_parallel_size=1, world_size=1,
+                                   decode_context_parallel_size=1, cp_kv_cache_interleave_size=1, rank=0)
+        vllm_config = SimpleNamespace(parallel_config=parallel,
+                                      model_config=SimpleNamespace(get_total_num_kv_heads=lambda: heads))
+        maps = canonical.derive_canonical_mappings(vllm_config, kv_config, kv)
+        page = maps[names[0]].canonical_page_size_bytes
+        rows = torch.zeros(B, L * page, dtype=torch.int8)
+        for b in range(B):
+            for layer, n in enumerate(names):
+                raw = torch.tensor([], dtype=torch.int8).set_(kv[n].untyped_storage())
+                base = (kv[n].storage_offset() + b * kv[n].stride(0)) * kv[n].element_size()
+                for run in maps[n].runs:
+                    for i in range(run.num_fragments):
+                        src, dst = base + run.local_offset + i * run.local_stride, \
+                            layer * page + run.canonical_offset + i * run.canonical_stride
+                        rows[b, dst:dst + run.fragment_size] = raw[src:src + run.fragment_size]
+        g = Geometry(L=L, B=B, N=N, H=heads, C=C)
+        flat = rows.view(torch.float32)
+        if flat.numel() != prod(FACTS[name].shape(g)):
+            wrong.append(f"{name}: vLLM's canonical rows are {list(rows.shape)} bytes, the fact says "
+                         f"{list(FACTS[name].shape(g))} float32")
+            return
+        holds(name, [flat.reshape(FACTS[name].shape(g))], [kv[n] for n in names], g, kvs)
+
+    members = list(layouts.KVCacheLayout)
+    if {m.name: m.value for m in members} != facts_vllm.KV_CACHE_LAYOUTS:
+        wrong.append(f"KVCacheLayout: vLLM's members are {[(m.name, m.value) for m in members]}, the facts say "
+                     f"{sorted(facts_vllm.KV_CACHE_LAYOUTS.items())}")
+    full = iface.FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=C, dtype=torch.float32)
+    mla = iface.MLAAttentionSpec(block_size=N, num_kv_heads=1, head_size=C, dtype=torch.float32)
+    for member in members:
+        if member.name in facts_vllm.SPEC_OF:  # else reported above
+            check(facts_vllm.SPEC_OF[member.name], member, full, H, 2)
+            check(facts_vllm.MLA_SPEC, member, mla, 1, 1)
+    for name, layout, spec, heads, kvs in (("vllm_canonical_lbnhc", "LBNHC", full, H, 2),
+                                           ("vllm_canonical_lbhnc", "LBHNC", full, H, 2),
+                                           ("vllm_offload_mla", "LBNHC", mla, 1, 1)):
+        offload(name, layouts.KVCacheLayout[layout], spec, heads, kvs)
+    return wrong, 1 + 2 * len(members) + 3
+
+
+#: engine -> (release the facts describe, what is checked, the check).
+ENGINES: dict[str, tuple[str, str, Callable[[], tuple[list[str], int]]]] = {
+    "SGLang": (SGLANG, "pool facts agree with the engine's live pools", sglang_disagreements),
+    "vLLM": (VLLM, "cache facts agree with the engine's live caches", vllm_disagreements),
+}
 
 
 def run() -> int:
     """Print each engine's result (or why it was skipped); the number of disagreements."""
     failures = 0
-    for engine, (release, check) in ENGINES.items():
+    for engine, (release, what, check) in ENGINES.items():
         try:
             wrong, checked = check()
         except Skipped as why:
@@ -144,6 +284,6 @@ def run() -> int:
             continue
         for line in wrong:
             print(f"kvgen verify: {engine} {release}: {line}", file=sys.stderr)
-        print(f"{checked - len(wrong)} of {checked} {engine} {release} pool facts agree with the engine's live pools")
+        print(f"{checked - len(wrong)} of {checked} {engine} {release} {what}")
         failures += len(wrong)
     return failures
