@@ -82,3 +82,20 @@ def test_torch_is_taken_when_asked_for() -> None:
 def test_an_unknown_copy_backend_is_refused() -> None:
     with pytest.raises(KVLayoutError, match="one of 'torch', 'native' or None .auto., got 'triton'"):
         T(copy_backend="triton")
+
+
+def test_a_layerwise_transfer_picks_its_threads_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading the host's load once per call, not once per layer (it costs a /proc read)."""
+    from kvgen.runtime import native_transfer
+
+    asked: list[int] = []
+
+    def counting(nbytes: int, *args: int) -> int:
+        asked.append(nbytes)
+        return 1
+
+    monkeypatch.setattr(native_transfer, "cpu_threads", counting)
+    src, dst = _caches()
+    want = _want(src, dst)
+    assert sum(1 for _ in T().copy_layers(src, S, dst, D)) == SRC_EXT["L"] + 1
+    assert SRC_EXT["L"] > 1 and len(asked) == 1 and same_bits(dst, want)

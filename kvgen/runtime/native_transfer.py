@@ -65,6 +65,8 @@ class Description:
     keep: tuple[Any, ...]
     threads_bytes: int  # bytes one kernel call moves (a layer's when layerwise)
     chunk_bytes: int  # bytes of the whole call, every layer
+    #: (threads, streaming stores), chosen at the first move: once per call, not per layer.
+    picked: tuple[int, int] | None = None
 
 
 def _fn() -> Any:
@@ -199,8 +201,10 @@ def _order(dims: list[list[int]], item: int) -> tuple[int, list[list[int]]]:
 def move(d: Description, layer: int | None) -> None:
     """Run the description (one layer of it when `layer` is given)."""
     fn = _fn()
-    threads = cpu_threads(d.threads_bytes, TEAM_PARALLEL_BYTES if native.team() else PARALLEL_BYTES)
-    stream = int(host.streams(d.chunk_bytes))
+    if d.picked is None:
+        d.picked = (cpu_threads(d.threads_bytes, TEAM_PARALLEL_BYTES if native.team() else PARALLEL_BYTES),
+                    int(host.streams(d.chunk_bytes)))
+    threads, stream = d.picked
     (ls0, cs0), (ls1, cs1) = d.layer if layer is not None else ((0, 0), (0, 0))
     at = layer or 0
     for part in d.parts:
