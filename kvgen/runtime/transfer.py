@@ -142,8 +142,11 @@ class TransferBase:
     def _compiled(self, call: Call, *, layerwise: bool) -> native_transfer.Description | None:
         """The compiled kernel's description of this call, or None for the torch copies (a
         device other than the CPU, a cache the kernel cannot describe, copy_backend='torch')."""
-        if self.copy_backend == "torch" or (self.copy_backend is None and native.unavailable()):
+        if self.copy_backend == "torch":
             return None
+        if self.copy_backend is None and (native.unavailable() or "cpu" != call.gs.device.type
+                                          or "cpu" != call.gd.device.type):
+            return None  # not a fallback: the kernel never moves these
         try:
             return native_transfer.describe(self.src_layout, self.dst_layout, call.src, call.dst, call.gs, call.gd,
                                             call.pairs, call.bindings, layerwise)
