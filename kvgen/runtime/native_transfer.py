@@ -28,7 +28,7 @@ import torch
 
 from kvgen.runtime import host, native
 from kvgen.runtime.layout import Geometry, PagedLayout
-from kvgen.runtime.pairs import Index, Pairs, Side
+from kvgen.runtime.pairs import Index, Pairs
 from kvgen.runtime.threads import PARALLEL_BYTES, TEAM_PARALLEL_BYTES, cpu_threads
 
 #: Int64 fields per dim of kvgen_transfer: the extent, then idx, first, div, cs, cs2, ls per side.
@@ -98,11 +98,9 @@ def describe(src_layout: PagedLayout, dst_layout: PagedLayout, src_tree: Any, ds
         raise native.Unsupported("the compiled kernel moves CPU caches only")
     if src_layout.parts or dst_layout.parts:
         raise native.Unsupported("caches of several planes move by torch ops")
-    sides = []
-    for layout, tree, g, b in ((src_layout, src_tree, gs, bindings[0]), (dst_layout, dst_tree, gd, bindings[1])):
-        ext = g.extents()
-        sides.append((native._cache_of(b, tree, _Layout(layout), g, ext), g))
-    (cs, _), (cd, _) = sides
+    es, ed = gs.extents(), gd.extents()
+    cs = native._cache_of(bindings[0], src_tree, _Layout(src_layout), gs, es)
+    cd = native._cache_of(bindings[1], dst_tree, _Layout(dst_layout), gd, ed)
     item = gs.dtype.itemsize
     heads = {"H": (p.src_h, p.dst_h, p.heads)}
     axes = ({a for d in src_layout.dims for a in d} | set(src_layout.lists)
@@ -112,7 +110,9 @@ def describe(src_layout: PagedLayout, dst_layout: PagedLayout, src_tree: Any, ds
     shared: list[list[int]] = []
     shift = [0, 0]
     for a in sorted(axes):
-        first_s, first_d, n = heads.get(a, (0, 0, gs.extents().get(a, 1)))
+        if a not in heads and es.get(a, 1) != ed.get(a, 1):  # the pair check agrees L, KV, C: never here
+            raise native.Unsupported(f"axis {a} has {es.get(a, 1)} entries in src_caches, {ed.get(a, 1)} in dst")
+        first_s, first_d, n = heads.get(a, (0, 0, es.get(a, 1)))
         row = [n]
         for k, (c, first) in enumerate(((cs, first_s), (cd, first_d))):
             if a in c.ls:
@@ -144,7 +144,7 @@ def describe(src_layout: PagedLayout, dst_layout: PagedLayout, src_tree: Any, ds
     if p.has_tokens:
         tok: list[int] = [_count(p.src.slots)]
         for c, g, side, what in ((cs, gs, p.src, "src_slots"), (cd, gd, p.dst, "dst_slots")):
-            addr, first = _index(_slots(side), what)
+            addr, first = _index(side.slots, what)
             keep.append(side.slots)
             if g.N is None:
                 tok += [addr, first, 1, c.strides["S"], 0, 0]
@@ -170,9 +170,6 @@ def _count(ids: Index | None) -> int:
     assert ids is not None
     return ids.stop - ids.start if isinstance(ids, slice) else ids.numel()
 
-
-def _slots(side: Side) -> Index | None:
-    return side.slots
 
 
 def _order(dims: list[list[int]], item: int) -> tuple[int, list[list[int]]]:
