@@ -345,3 +345,23 @@ def test_naive_baseline_matches_every_default_connector(alloc: str) -> None:
 
 def test_variation_is_max_over_min() -> None:
     assert variation([2.0, 2.5, 3.0]) == pytest.approx(0.5)
+
+
+def test_all_selects_every_builtin_instead_of_the_short_default_set() -> None:
+    """--all: every paged layout, object, declared transfer and model (the default set is a few)."""
+    import argparse
+
+    from kvgen.spec.transfers import load_transfers
+    from kvgen.tools.bench.targets import every_builtin
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--all", "--layouts", "NHD"])
+    library = load_library()
+    every_builtin(args, library)
+    assert set(args.layouts) == {s.name for s in library.paged} > set(DEFAULT_LAYOUTS)
+    assert set(args.objects) == {s.name for s in library.objects} > set(DEFAULT_OBJECTS)
+    assert args.transfers.split(",") == [f"{p.src.name}:{p.dst.name}" for p in load_transfers(library)]
+    assert {m.name for m in library.models} == set(args.models.split(",")) and len(library.models) > 2
+    targets = select_targets(library, generated, args.layouts, args.objects)
+    assert {(t.layout, t.obj) for t in targets} >= {("sglang_mha_v_head", "kv_planes_layer"), ("vllm_mla", "kv_mla")}

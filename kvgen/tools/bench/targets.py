@@ -131,6 +131,18 @@ def select_targets(library: Library, package: Any, layouts: Sequence[str], objec
     return targets
 
 
+def every_builtin(args: Any, library: Library) -> None:
+    """`--all`: select every paged layout and memory object (each pair measured where a
+    connector was generated), every declared transfer and every model, in place of the
+    short default set (and of any selection given with it)."""
+    from kvgen.spec.transfers import load_transfers
+
+    args.layouts = [s.name for s in library.paged]
+    args.objects = [s.name for s in library.objects]
+    args.transfers = ",".join(f"{p.src.name}:{p.dst.name}" for p in load_transfers(library, args.specs))
+    args.models = ",".join(m.name for m in library.models)
+
+
 def _has(package: Any, paged: Spec, obj: Spec) -> bool:
     try:
         package.get(paged.name, obj.name)
