@@ -28,3 +28,14 @@ def device(request: pytest.FixtureRequest) -> str:
     if request.param not in available_devices():
         pytest.skip(f"device {request.param} is not available here")
     return request.param
+
+
+@pytest.fixture(params=["native", "torch"])
+def copy_backend(request: pytest.FixtureRequest) -> str:
+    """The copy path of a transfer test: the compiled CPU kernel, then the generated torch
+    copies (the fallback and readable reference); each runs the same checks."""
+    from kvgen.runtime import native
+
+    if request.param == "native" and native.unavailable():
+        pytest.skip(f"the compiled kernel cannot run here: {native.unavailable()}")
+    return request.param

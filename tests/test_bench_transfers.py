@@ -25,25 +25,37 @@ def test_transfer_rows_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixt
     assert rc == 0
     header = next(line for line in printed.splitlines() if line.startswith("source"))
     assert all(column in header for column in HEADERS)
-    assert "direct transfer and two-copy path agreed bit for bit on all 4 rows" in printed
+    assert "direct transfer and two-copy path agreed bit for bit on all 8 rows" in printed
     rows = json.loads(out.read_text())["transfers"]
-    assert [(r["src"], r["dst"], r["tokens"]) for r in rows] == [
-        ("vllm_flash_attn_hnd", "vllm_flash_attn_nhd", 6), ("vllm_flash_attn_hnd", "vllm_flash_attn_nhd", 16),
-        ("vllm_mla", "hicache_mla_page_first", 6), ("vllm_mla", "hicache_mla_page_first", 16)]
-    assert [r["via"] for r in rows] == ["kv_2ltd", "kv_2ltd", "kv_mla", "kv_mla"]
+    hnd, mla = ("vllm_flash_attn_hnd", "vllm_flash_attn_nhd"), ("vllm_mla", "hicache_mla_page_first")
+    assert [(r["src"], r["dst"], r["tokens"], r["mode"]) for r in rows] == [
+        (*pair, t, mode) for pair in (hnd, mla) for t in (6, 16) for mode in ("whole", "layers")]
+    assert [r["via"] for r in rows] == ["kv_2ltd"] * 4 + ["kv_mla"] * 4
     for r in rows:
-        assert r["matches"] is True
+        assert r["matches"] is True and r["backend"] == "auto"
         assert {k: len(v) for k, v in r["repeat_seconds"].items()} == {"kvgen": 2, "memcpy": 2, "two-copy": 2}
         assert 0 < r["x_two_copy"]["min"] <= r["x_two_copy"]["median"] <= r["x_two_copy"]["max"]
-    assert rows[1]["bytes"] == 16 * 2 * 2 * 2 * 8 * 2  # T x L x KV x H x C x bfloat16
-    assert rows[3]["bytes"] == 16 * 2 * 1 * 1 * 576 * 2  # MLA: one latent of 576 values
+        assert r["peak_extra_bytes"] is None or r["peak_extra_bytes"] >= 0
+    assert rows[3]["bytes"] == 16 * 2 * 2 * 2 * 8 * 2  # T x L x KV x H x C x bfloat16
+    assert rows[7]["bytes"] == 16 * 2 * 1 * 1 * 576 * 2  # MLA: one latent of 576 values
+
+
+def test_transfer_rows_per_copy_path(tmp_path: Path) -> None:
+    """--backend native,torch: one row set per copy path, each checked against the two-copy path."""
+    out = tmp_path / "r.json"
+    assert main(["bench", *TINY, "--tokens", "16", "--transfers", "HND:NHD", "--backend", "native,torch",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["transfers"]
+    assert [(r["backend"], r["mode"]) for r in rows] == [
+        ("native", "whole"), ("native", "layers"), ("torch", "whole"), ("torch", "layers")]
+    assert all(r["matches"] for r in rows)
 
 
 def test_a_wrong_direct_transfer_is_reported(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     cls = generated.transfer("HND", "NHD")
-    monkeypatch.setattr(cls, "_copy", lambda self, *args: None)  # moves nothing
+    monkeypatch.setattr(cls, "copy", lambda self, *args, **kwargs: None)  # moves nothing, on any copy path
     assert main(["bench", *TINY, "--tokens", "8", "--transfers", "HND:NHD"]) == 1
-    assert "direct transfer and two-copy path DISAGREED on 1 of 1 rows" in capsys.readouterr().out
+    assert "direct transfer and two-copy path DISAGREED on 1 of 2 rows" in capsys.readouterr().out  # whole only
 
 
 @pytest.mark.parametrize("value,word", [

@@ -1,9 +1,13 @@
 """Every built-in layout-to-layout transfer against the element-by-element reference
 (kvgen.oracle.transfer_reference), with coordinate-coded caches: partial blocks, -1 slots on
 either side, block sizes that differ, head ranges, strided and odd-offset caches; every
-scenario, whole and layer by layer, on one transfer of each structure; dtypes."""
+scenario, whole and layer by layer, on one transfer of each structure; dtypes. Each runs on
+the compiled CPU kernel and on the generated torch copies (the copy_backend fixture); a
+CUDA device runs the torch copies only."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ from kvgen.oracle.transfer_scenarios import (
     run_transfer,
 )
 from kvgen.spec.library import load_library
+from kvgen.spec.model import Spec
 from kvgen.spec.transfers import load_transfers
 
 LIBRARY = load_library()
@@ -74,25 +79,33 @@ def test_the_entry_point_of_the_issue() -> None:
     assert generated.transfer("HND", "nhd") is T  # aliases, any case
 
 
+def _transfer(src: Spec, dst: Spec, device: str, copy_backend: str) -> Any:
+    """A transfer object on `copy_backend`; the compiled kernel moves CPU caches only."""
+    if copy_backend == "native" and device != "cpu":
+        pytest.skip("the compiled kernel moves CPU caches only")
+    return generated.transfer(src.name, dst.name)(copy_backend=copy_backend)
+
+
 @pytest.mark.parametrize("module", sorted(MODULES))
-def test_builtin_transfer_matches_reference(module: str, device: str) -> None:
+def test_builtin_transfer_matches_reference(module: str, device: str, copy_backend: str) -> None:
     src, dst = MODULES[module]
-    transfer = generated.transfer(src.name, dst.name)()  # one object meets every cache in turn
+    transfer = _transfer(src, dst, device, copy_backend)  # one object meets every cache in turn
     failed = [name for name in CORE if applies(src, dst, SCENARIOS[name])
               and not check_transfer(generated, src, dst, device, SCENARIOS[name], transfer=transfer)]
     assert failed == [], f"{module} differs from the reference in {failed}"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
-def test_builtin_transfer_layer_by_layer(module: str, device: str) -> None:
+def test_builtin_transfer_layer_by_layer(module: str, device: str, copy_backend: str) -> None:
     src, dst = MODULES[module]
-    assert check_transfer(generated, src, dst, device, SCENARIOS["misaligned"], layerwise=True)
+    transfer = _transfer(src, dst, device, copy_backend)
+    assert check_transfer(generated, src, dst, device, SCENARIOS["misaligned"], transfer=transfer, layerwise=True)
 
 
 @pytest.mark.parametrize("module,layerwise", [(m, False) for m in REPRESENTATIVE] + [(m, True) for m in LAYERWISE])
-def test_every_scenario(module: str, layerwise: bool, device: str) -> None:
+def test_every_scenario(module: str, layerwise: bool, device: str, copy_backend: str) -> None:
     src, dst = MODULES[module]
-    transfer = generated.transfer(src.name, dst.name)()
+    transfer = _transfer(src, dst, device, copy_backend)
     failed = [sc.name for sc in SCENARIOS.values() if applies(src, dst, sc)
               and not check_transfer(generated, src, dst, device, sc, transfer=transfer, layerwise=layerwise)]
     assert failed == []
@@ -100,10 +113,11 @@ def test_every_scenario(module: str, layerwise: bool, device: str) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("module", REPRESENTATIVE[:3])
-def test_dtypes(module: str, dtype: torch.dtype, device: str) -> None:
+def test_dtypes(module: str, dtype: torch.dtype, device: str, copy_backend: str) -> None:
     src, dst = MODULES[module]
+    transfer = _transfer(src, dst, device, copy_backend)
     for name in ("partial_ends", "strided_src_odd_dst", "odd_src_strided_dst"):
-        assert check_transfer(generated, src, dst, device, SCENARIOS[name], dtype=dtype)
+        assert check_transfer(generated, src, dst, device, SCENARIOS[name], dtype=dtype, transfer=transfer)
 
 
 def test_layerwise_yields_once_per_layer_then_once_more() -> None:

@@ -129,10 +129,19 @@ def test_build_reports_a_bad_transfers_file(tmp_path: Path, capsys: pytest.Captu
     assert not (tmp_path / "out").exists()
 
 
-def test_verify_catches_a_transfer_that_swaps_k_and_v(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_catches_a_transfer_that_swaps_k_and_v(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      request: pytest.FixtureRequest) -> None:
+    """The generated torch copies are what the mutation breaks; with the compiled kernel
+    switched off (KVGEN_NATIVE=0) verify runs them, as on a host without a C compiler."""
     import shutil
 
+    from kvgen.runtime import native
     from kvgen.spec.library import REPO_ROOT
+
+    monkeypatch.setenv("KVGEN_NATIVE", "0")
+    native.reset()
+    request.addfinalizer(native.reset)  # the next test loads the kernel again
 
     out = tmp_path / "pkg"
     shutil.copytree(REPO_ROOT / "generated", out, ignore=shutil.ignore_patterns("__pycache__"))

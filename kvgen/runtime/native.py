@@ -51,7 +51,7 @@ from kvgen.runtime.slots import Chunk
 #: of one user, and glibc's memcpy already picks the widest vector unit at run time.
 FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-std=c99")
 #: The kernel's calling convention (kvgen_abi() in csrc/kvcopy.c).
-ABI = 3
+ABI = 4
 #: Int64 fields per dim (csrc/kvcopy.c) and the most dims it takes.
 FIELDS, MAX_DIMS = 9, 8
 

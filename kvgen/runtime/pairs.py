@@ -248,4 +248,4 @@ def move_blocks(x: torch.Tensor, dx: int, xs: Index, y: torch.Tensor, dy: int, y
     if isinstance(ys, slice):
         y.narrow(dy, ys.start, ys.stop - ys.start).copy_(part)
     else:
-        y.index_copy_(dy, ys, carry(part, y))
+        put_index(y, dy, ys, carry(part, y))

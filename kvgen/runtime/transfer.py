@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvgen.runtime import calls
+from kvgen.runtime import calls, native, native_transfer
 from kvgen.runtime.aliasing import CacheMemory, share_elements
 from kvgen.runtime.binding import Binding, check_layer_leaves, layer_leaves, leaf_names, leaves, new_binding, snapshot
 from kvgen.runtime.connector import MAX_WORD
@@ -65,8 +65,16 @@ class TransferBase:
     read_src_geometry: ClassVar[Callable[[Any], Geometry]]
     read_dst_geometry: ClassVar[Callable[[Any], Geometry]]
 
-    def __init__(self, *, backend: Backend | None = None):
-        """`backend`: a device backend to use instead of each device's own (tests pass a fake)."""
+    def __init__(self, *, backend: Backend | None = None, copy_backend: str | None = None):
+        """`backend`: a device backend to use instead of each device's own (tests pass a fake).
+        `copy_backend`: "native" (the compiled CPU kernel, refused where it cannot run), "torch"
+        (the generated torch copies), or None: the kernel where it runs, else torch."""
+        if copy_backend is not None and copy_backend not in native_transfer.BACKENDS:
+            raise KVLayoutError(f"copy_backend must be one of {', '.join(map(repr, native_transfer.BACKENDS))} or "
+                                f"None (auto), got {copy_backend!r}")
+        if copy_backend == "native" and native.unavailable():
+            raise KVLayoutError(f"copy_backend='native' cannot run here: {native.unavailable()}")
+        self.copy_backend = copy_backend
         self._backend = backend
         self._lock = threading.Lock()
         self._bindings: dict[tuple[str, Any], Binding] = {}
@@ -87,7 +95,11 @@ class TransferBase:
         scratch = self._local.__dict__.setdefault("scratch", Scratch())  # a whole copy ends before the next
         call = self._begin(src_caches, src_slots, dst_caches, dst_slots, src_heads, dst_heads, scratch)
         if call.pairs.moved:
-            self._copy(call.src, call.dst, call.gs, call.gd, call.pairs, call.words)
+            compiled = self._compiled(call, layerwise=False)
+            if compiled is not None:
+                native_transfer.move(compiled, None)
+            else:
+                self._copy(call.src, call.dst, call.gs, call.gd, call.pairs, call.words)
         for device in dict.fromkeys((call.gs.device, call.gd.device)):
             backend = self._backend_for(device)
             backend.synchronize(backend.current_stream())
@@ -111,10 +123,13 @@ class TransferBase:
         stream = self._stream(device, backend)
         sides = [(leaves(tree), layer_leaves(tree, layout.lists, call.gs.L), binding) for tree, layout, binding
                  in ((call.src, self.src_layout, call.bindings[0]), (call.dst, self.dst_layout, call.bindings[1]))]
+        compiled = self._compiled(call, layerwise=True) if call.pairs.moved else None
         for layer in range(call.gs.L):
             for tensors, per_layer, binding in sides if layer else ():  # the caller ran since the last step
                 check_layer_leaves(tensors, per_layer[layer], binding, f"{self.name}: layer {layer}")
-            if call.pairs.moved:
+            if compiled is not None:
+                native_transfer.move(compiled, layer)
+            elif call.pairs.moved:
                 with on_stream(backend, stream):
                     self._copy_layer(layer, call.src, call.dst, call.gs, call.gd, call.pairs, call.words)
             yield
@@ -123,6 +138,23 @@ class TransferBase:
         else:
             backend.wait_stream(backend.current_stream(), stream)
         yield
+
+    def _compiled(self, call: Call, *, layerwise: bool) -> native_transfer.Description | None:
+        """The compiled kernel's description of this call, or None for the torch copies (a
+        device other than the CPU, a cache the kernel cannot describe, copy_backend='torch')."""
+        if self.copy_backend == "torch":
+            return None
+        if self.copy_backend is None and (native.unavailable() or "cpu" != call.gs.device.type
+                                          or "cpu" != call.gd.device.type):
+            return None  # not a fallback: the kernel never moves these
+        try:
+            return native_transfer.describe(self.src_layout, self.dst_layout, call.src, call.dst, call.gs, call.gd,
+                                            call.pairs, call.bindings, layerwise)
+        except native.Unsupported as why:
+            if self.copy_backend == "native":
+                raise KVLayoutError(f"{self.name}: copy_backend='native' cannot move these caches: {why}") from None
+            native.stats["fallbacks"] += 1
+            return None
 
     # -- checks, all before the first write ---------------------------------------------------
 

@@ -153,7 +153,9 @@ static kv_omp_parallel kv_parallel;
 static kv_omp_int kv_thread_num, kv_num_threads;
 
 typedef struct {
-    kv_job *jobs;
+    void *(*body)(void *); /* one thread's share: kv_thread or kv_pair_thread */
+    char *jobs;
+    size_t size; /* bytes per job */
     int count;
 } kv_team;
 
@@ -161,7 +163,7 @@ static void kv_team_body(void *arg) {
     const kv_team *team = (const kv_team *)arg;
     /* a team smaller than asked for still moves every share */
     for (int t = kv_thread_num(); t < team->count; t += kv_num_threads())
-        kv_thread(&team->jobs[t]);
+        team->body(team->jobs + (size_t)t * team->size);
 }
 
 /* Register GOMP_parallel, omp_get_thread_num and omp_get_num_threads of the process's
@@ -238,7 +240,7 @@ int kvgen_move(int store, int nd, const int64_t *dims, int64_t run, char *const 
         started[t] = 0;
     }
     if (kv_parallel) {
-        kv_team team = {jobs, threads};
+        kv_team team = {kv_thread, (char *)jobs, sizeof jobs[0], threads};
         kv_parallel(kv_team_body, &team, (unsigned)threads, 0);
         return 0;
     }
@@ -256,5 +258,140 @@ int kvgen_move(int store, int nd, const int64_t *dims, int64_t run, char *const 
     return 0;
 }
 
+/* -- cache to cache (a layout-to-layout transfer) ------------------------------------------
+ *
+ * The same nested loops with both sides addressed alike: each dim has 13 int64 fields,
+ *   ext, then for the source and then the destination: idx, first, div, cs, cs2, ls
+ * (meanings as above; `idx` gives both sides' values v, each side split by its own div).
+ * An entry whose source or destination v is < 0 is skipped. Nothing here checks bounds: the
+ * transfer checked every slot, block and head range before calling. */
+#define KV_PAIR_FIELDS 13
+
+typedef struct {
+    int64_t ext;
+    const int64_t *idx[2];
+    int64_t first[2], div[2], cs[2], cs2[2], ls[2];
+} kv_pdim;
+
+typedef struct {
+    int nd;
+    kv_pdim d[KV_MAXD];
+    int64_t run;
+    char *const *leaves[2];
+    int64_t shift[2];
+    int64_t lo, hi;
+    int stream;
+} kv_pjob;
+
+static inline int64_t kv_bytes(const kv_pdim *d, int s, int64_t v) {
+    return d->div[s] > 1 ? (v / d->div[s]) * d->cs[s] + (v % d->div[s]) * d->cs2[s] : v * d->cs[s];
+}
+
+static void kv_pair_walk(const kv_pjob *job, int k, int64_t sl, int64_t so, int64_t dl, int64_t dof) {
+    const kv_pdim *d = &job->d[k];
+    int64_t lo = k == 0 ? job->lo : 0, hi = k == 0 ? job->hi : d->ext;
+    int last = k == job->nd - 1;
+    if (last && !d->idx[0] && !d->idx[1] && d->div[0] <= 1 && d->div[1] <= 1 && !d->ls[0] && !d->ls[1]) {
+        const char *sp = job->leaves[0][sl] + so + (d->first[0] + lo) * d->cs[0];
+        char *dp = job->leaves[1][dl] + dof + (d->first[1] + lo) * d->cs[1];
+        for (int64_t i = lo; i < hi; i++, sp += d->cs[0], dp += d->cs[1])
+            kv_copy(dp, sp, job->run, job->stream);
+        return;
+    }
+    for (int64_t i = lo; i < hi; i++) {
+        int64_t vs = d->idx[0] ? d->idx[0][i] : d->first[0] + i;
+        int64_t vd = d->idx[1] ? d->idx[1][i] : d->first[1] + i;
+        if (vs < 0 || vd < 0)
+            continue;
+        int64_t cs = so + kv_bytes(d, 0, vs), cd = dof + kv_bytes(d, 1, vd);
+        if (last)
+            kv_copy(job->leaves[1][dl + vd * d->ls[1]] + cd, job->leaves[0][sl + vs * d->ls[0]] + cs, job->run,
+                    job->stream);
+        else
+            kv_pair_walk(job, k + 1, sl + vs * d->ls[0], cs, dl + vd * d->ls[1], cd);
+    }
+}
+
+static void *kv_pair_thread(void *arg) {
+    const kv_pjob *job = (const kv_pjob *)arg;
+    kv_pair_walk(job, 0, 0, job->shift[0], 0, job->shift[1]);
+#if defined(__SSE2__)
+    if (job->stream)
+        _mm_sfence();
+#endif
+    return NULL;
+}
+
+/* Move one chunk of a transfer. dims: nd * KV_PAIR_FIELDS int64 values, outermost first;
+ * run: bytes of the innermost contiguous run (the same on both sides); src, dst: base
+ * address of every cache tensor of each side; src_shift, dst_shift: bytes added to every
+ * leaf address of that side (one layer); threads share dim 0 as in kvgen_move. Returns 0,
+ * or -1 for a description it cannot run (the caller then uses torch). */
+int kvgen_transfer(int nd, const int64_t *dims, int64_t run, char *const *src, int64_t src_shift, char *const *dst,
+                   int64_t dst_shift, int threads, int stream) {
+    if (nd < 1 || nd > KV_MAXD || run <= 0)
+        return -1;
+    kv_pjob job;
+    memset(&job, 0, sizeof job);
+    job.nd = nd;
+    job.run = run;
+    job.leaves[0] = src;
+    job.leaves[1] = dst;
+    job.shift[0] = src_shift;
+    job.shift[1] = dst_shift;
+    job.stream = stream != 0;
+    for (int k = 0; k < nd; k++) {
+        const int64_t *f = dims + (int64_t)k * KV_PAIR_FIELDS;
+        kv_pdim *d = &job.d[k];
+        d->ext = f[0];
+        for (int s = 0; s < 2; s++) {
+            const int64_t *g = f + 1 + 6 * s;
+            d->idx[s] = (const int64_t *)(intptr_t)g[0];
+            d->first[s] = g[1];
+            d->div[s] = g[2];
+            d->cs[s] = g[3];
+            d->cs2[s] = g[4];
+            d->ls[s] = g[5];
+        }
+        if (d->ext <= 0)
+            return 0; /* nothing to move */
+    }
+    int64_t ext = job.d[0].ext;
+    if (threads > KV_MAXT)
+        threads = KV_MAXT;
+    if (threads > ext)
+        threads = (int)ext;
+    if (threads <= 1) {
+        job.lo = 0;
+        job.hi = ext;
+        kv_pair_thread(&job);
+        return 0;
+    }
+    kv_pjob jobs[KV_MAXT];
+    pthread_t ids[KV_MAXT];
+    int started[KV_MAXT];
+    for (int t = 0; t < threads; t++) {
+        jobs[t] = job;
+        jobs[t].lo = ext * t / threads;
+        jobs[t].hi = ext * (t + 1) / threads;
+        started[t] = 0;
+    }
+    if (kv_parallel) {
+        kv_team team = {kv_pair_thread, (char *)jobs, sizeof jobs[0], threads};
+        kv_parallel(kv_team_body, &team, (unsigned)threads, 0);
+        return 0;
+    }
+    for (int t = 1; t < threads; t++)
+        started[t] = pthread_create(&ids[t], NULL, kv_pair_thread, &jobs[t]) == 0;
+    kv_pair_thread(&jobs[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(ids[t], NULL);
+        else
+            kv_pair_thread(&jobs[t]);
+    }
+    return 0;
+}
+
 /* The version of the calling convention above; the loader refuses a library with another. */
-int kvgen_abi(void) { return 3; }
+int kvgen_abi(void) { return 4; }

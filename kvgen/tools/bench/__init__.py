@@ -112,6 +112,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", type=_backends, default=["auto"], metavar="B,B",
                    help="copy backends to time, comma list of auto (what a connector picks by default), native "
                         "(the compiled CPU kernel), torch, triton; one row set per backend (default: auto)")
+    p.add_argument("--all", action="store_true",
+                   help="measure every built-in (and --specs) layout with each object it has a connector for, every "
+                        "declared transfer and every model, instead of the short default set (overrides --layouts, "
+                        "--objects, --transfers and --models)")
     p.add_argument("--busy", action="store_true",
                    help="measure with a neighbour process keeping every core busy with torch work (as a "
                         "co-located inference engine would); it starts before the first row and is stopped after")
@@ -143,6 +147,11 @@ def main(args: argparse.Namespace) -> int:
     from kvgen.tools.bench.busy import neighbour
 
     try:
+        if getattr(args, "all", False):
+            from kvgen.spec.library import load_library
+            from kvgen.tools.bench.targets import every_builtin
+
+            every_builtin(args, load_library(list(args.specs)))
         with neighbour() if args.busy else contextlib.nullcontext():
             result = run(args, None if args.quiet else _progress)
     except SpecError:

@@ -23,10 +23,11 @@ if TYPE_CHECKING:
     from kvgen.spec.model import Spec
 
 #: Defaults from the issue: every MHA layout against kv_2ltd, the MLA layouts against
-#: kv_mla, and each with its layerwise partner (kv_t2d, kv_mla_layer).
+#: kv_mla, and each with its layerwise partner (kv_t2d, kv_mla_layer); one cache of several
+#: planes (spec format 2: SGLang's K and V of different head sizes) against kv_planes.
 DEFAULT_LAYOUTS = ("vllm_flash_attn_nhd", "vllm_flash_attn_hnd", "vllm_flashinfer_nhd", "vllm_kv_tuple",
-                   "vllm_cross_layer", "sglang_mha", "vllm_mla", "sglang_mla")
-DEFAULT_OBJECTS = ("kv_2ltd", "kv_t2d", "kv_mla", "kv_mla_layer")
+                   "vllm_cross_layer", "sglang_mha", "vllm_mla", "sglang_mla", "sglang_mha_v_head")
+DEFAULT_OBJECTS = ("kv_2ltd", "kv_t2d", "kv_mla", "kv_mla_layer", "kv_planes")
 #: 8192 tokens is a 1 GiB object at the default geometry; on a 2-core CPU the full
 #: default run would take well over the 3 minutes budgeted, so the default stops at 2048.
 DEFAULT_TOKENS = (256, 2048)
@@ -128,6 +129,18 @@ def select_targets(library: Library, package: Any, layouts: Sequence[str], objec
         raise KVLayoutError(f"no generated connector pairs layouts {', '.join(s.name for s in paged)} with objects "
                             f"{', '.join(o.name for o in objs)}; these layouts pair with:\n" + "\n".join(partners))
     return targets
+
+
+def every_builtin(args: Any, library: Library) -> None:
+    """`--all`: select every paged layout and memory object (each pair measured where a
+    connector was generated), every declared transfer and every model, in place of the
+    short default set (and of any selection given with it)."""
+    from kvgen.spec.transfers import load_transfers
+
+    args.layouts = [s.name for s in library.paged]
+    args.objects = [s.name for s in library.objects]
+    args.transfers = ",".join(f"{p.src.name}:{p.dst.name}" for p in load_transfers(library, args.specs))
+    args.models = ",".join(m.name for m in library.models)
 
 
 def _has(package: Any, paged: Spec, obj: Spec) -> bool:

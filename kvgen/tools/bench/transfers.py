@@ -5,7 +5,9 @@ the destination cache with the destination layout's connector), in one run.
 
 The three contenders run in rotated order on every repeat; ratios are paired per repeat, as in
 the connector rows. Before timing, each row checks that the direct transfer and the two-copy
-path leave the destination cache bit for bit the same.
+path leave the destination cache bit for bit the same. Every pair is measured whole (`copy`)
+and layer by layer (`copy_layers`), on each copy path --backend names (auto, native, torch),
+with the peak extra memory of one call on the CPU.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from kvgen.oracle.reference import leaf_shape, nest
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.runtime import MemoryObj
 from kvgen.tools.bench.baseline import memcpy
-from kvgen.tools.bench.measure import Spread, Timed, paired_ratios, timed_repeats
+from kvgen.tools.bench.measure import Spread, Timed, paired_ratios, peak_extra_bytes, timed_repeats
 from kvgen.tools.bench.targets import extents, slot_mapping
 
-HEADERS = ("source", "destination", "tokens", "GB/s", "memcpy GB/s", "x memcpy min-med-max", "two-copy GB/s",
-           "x two-copy min-med-max", "via object", "memcpy var", "direct==two-copy")
+HEADERS = ("source", "destination", "tokens", "mode", "backend", "GB/s", "memcpy GB/s", "x memcpy min-med-max",
+           "two-copy GB/s", "x two-copy min-med-max", "via object", "peak MiB", "memcpy var", "direct==two-copy")
+#: How a row calls the transfer: every layer in one call, or one layer per generator step.
+MODES = ("whole", "layers")
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,11 @@ class TransferRow(Timed):
     via: str | None
     seconds: Mapping[str, Sequence[float]]
     matches: bool
+    mode: str = "whole"
+    #: The copy path asked for (auto: what a transfer picks by default) and the one that ran.
+    backend: str = "auto"
+    #: Peak resident bytes one call takes beyond those before it (CPU only; None elsewhere).
+    peak: int | None = None
 
     @property
     def x_two_copy(self) -> Spread | None:
@@ -49,13 +58,15 @@ class TransferRow(Timed):
     def cells(self) -> tuple[str, ...]:
         var = f"{self.memcpy_variation * 100:.0f}%" + (" !" if self.memcpy_unstable else "  ")
         two = self.x_two_copy
-        return (self.src, self.dst, str(self.tokens), f"{self.gbps():.2f}", f"{self.gbps('memcpy'):.2f}",
-                self.x_memcpy.cell(), f"{self.gbps('two-copy'):.2f}" if two else "-", two.cell() if two else "-",
-                self.via or "-", var, "yes" if self.matches else "NO")
+        peak = f"{self.peak / 2**20:.1f}" if self.peak is not None else "-"
+        return (self.src, self.dst, str(self.tokens), self.mode, self.backend, f"{self.gbps():.2f}",
+                f"{self.gbps('memcpy'):.2f}", self.x_memcpy.cell(), f"{self.gbps('two-copy'):.2f}" if two else "-",
+                two.cell() if two else "-", self.via or "-", peak, var, "yes" if self.matches else "NO")
 
     def as_dict(self) -> dict[str, object]:
         two = self.x_two_copy
-        return {"src": self.src, "dst": self.dst, "tokens": self.tokens, "bytes": self.bytes, "via": self.via,
+        return {"src": self.src, "dst": self.dst, "tokens": self.tokens, "mode": self.mode, "backend": self.backend,
+                "peak_extra_bytes": self.peak, "bytes": self.bytes, "via": self.via,
                 "gbps": self.gbps(), "memcpy_gbps": self.gbps("memcpy"),
                 "two_copy_gbps": self.gbps("two-copy") if two else None, "x_memcpy": vars(self.x_memcpy),
                 "x_two_copy": vars(two) if two else None, "memcpy_variation": self.memcpy_variation,
@@ -123,25 +134,40 @@ def rows(moves: Sequence[tuple[Any, Any, type]], args: Any, library: Any, packag
         for tokens in args.tokens:
             maps = [torch.tensor(slot_mapping(tokens, num_blocks, args.block_size, args.alloc, rng), device=device)
                     for _ in range(2)]
-            row = _row(T(), via, caches[0], maps[0], caches[1], maps[1], tokens, device, sync, args)
-            out.append(TransferRow(src.name, dst.name, tokens, row[0], via[0] if via else None, row[1], row[2]))
-            if progress:
-                r = out[-1]
-                print(f"[transfer {len(out)}] {r.src} -> {r.dst} T={tokens}: {r.gbps():.2f} GB/s (memcpy "
-                      f"{r.gbps('memcpy'):.2f}, two-copy {r.gbps('two-copy') if r.via else float('nan'):.2f}, "
-                      f"direct==two-copy {'yes' if r.matches else 'NO'})", file=sys.stderr, flush=True)
+            for backend in _backends(args, device):
+                for mode in MODES:
+                    transfer = T(copy_backend=None if backend == "auto" else backend)
+                    row = _row(transfer, mode, via, caches[0], maps[0], caches[1], maps[1], tokens, device, sync, args)
+                    out.append(TransferRow(src.name, dst.name, tokens, row[0], via[0] if via else None, row[1],
+                                           row[2], mode, backend, row[3]))
+                    if progress:
+                        r = out[-1]
+                        print(f"[transfer {len(out)}] {r.src} -> {r.dst} T={tokens} {mode} ({backend}): "
+                              f"{r.gbps():.2f} GB/s (memcpy {r.gbps('memcpy'):.2f}, two-copy "
+                              f"{r.gbps('two-copy') if r.via else float('nan'):.2f}, direct==two-copy "
+                              f"{'yes' if r.matches else 'NO'})", file=sys.stderr, flush=True)
     return out
 
 
-def _row(transfer: Any, via: tuple[str, type, type] | None, src: Any, s: torch.Tensor, dst: Any, d: torch.Tensor,
-         tokens: int, device: torch.device, sync: Callable[[], None],
-         args: Any) -> tuple[int, dict[str, list[float]], bool]:
+def _backends(args: Any, device: torch.device) -> list[str]:
+    """The copy paths --backend names that a transfer has: auto, native (CPU only), torch."""
+    asked = list(getattr(args, "backend", None) or ["auto"])
+    return [b for b in asked if b in ("auto", "torch") or (b == "native" and device.type == "cpu")]
+
+
+def _row(transfer: Any, mode: str, via: tuple[str, type, type] | None, src: Any, s: torch.Tensor, dst: Any,
+         d: torch.Tensor, tokens: int, device: torch.device, sync: Callable[[], None],
+         args: Any) -> tuple[int, dict[str, list[float]], bool, int | None]:
     gs, _ = transfer.check(src, dst)
     size = torch.empty(0, dtype=gs.dtype).element_size()
     nbytes = tokens * gs.L * gs.KV * gs.H * gs.C * size
 
     def direct() -> None:
-        transfer.copy(src, s, dst, d)
+        if mode == "whole":
+            transfer.copy(src, s, dst, d)
+        else:
+            for _ in transfer.copy_layers(src, s, dst, d):
+                pass
 
     fns: dict[str, Callable[[], None]] = {"kvgen": direct, "memcpy": memcpy(nbytes, device)}
     matches = True
@@ -158,7 +184,8 @@ def _row(transfer: Any, via: tuple[str, type, type] | None, src: Any, s: torch.T
         direct()
         two_copy(twin)
         matches = same_bits(dst, twin)
-    return nbytes, timed_repeats(fns, sync, args.warmup, args.repeats), matches
+    seconds = timed_repeats(fns, sync, args.warmup, args.repeats)
+    return nbytes, seconds, matches, peak_extra_bytes(direct) if device.type == "cpu" else None
 
 
 def text(found: Sequence[TransferRow]) -> list[str]:

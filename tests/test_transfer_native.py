@@ -1,0 +1,101 @@
+"""Which copy path a transfer takes: the compiled CPU kernel by default where it runs, the
+generated torch copies where it cannot describe the caches (and refused, before any write,
+when copy_backend='native' was asked for), a wrong copy_backend refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvgen import generated
+from kvgen.errors import KVLayoutError
+from kvgen.oracle import transfer_reference
+from kvgen.oracle.scenarios import clone_tree, same_bits
+from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT, make_cache
+from kvgen.runtime import native
+from kvgen.spec.library import load_library
+
+LIBRARY = load_library()
+HND, NHD = LIBRARY["vllm_flash_attn_hnd"], LIBRARY["vllm_flash_attn_nhd"]
+T = generated.transfer("vllm_flash_attn_hnd", "vllm_flash_attn_nhd")
+S, D = torch.tensor([0, 1, 2, 3, 9, 17]), torch.tensor([4, 5, 6, 7, 0, 30])
+
+pytestmark = pytest.mark.skipif(bool(native.unavailable()), reason=f"no compiled kernel: {native.unavailable()}")
+
+
+def _caches(mixed: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    src = make_cache(HND, SRC_EXT, torch.float32, "cpu")
+    dst = make_cache(NHD, DST_EXT, torch.float32, "cpu", 10000)
+    if mixed:  # layer 1 of the source with other strides than layer 0: one description cannot serve both
+        t = src[1]
+        big = torch.zeros(t.shape[0], t.shape[1] + 1, *t.shape[2:])
+        src[1] = big[:, 1:]
+        src[1].copy_(t)
+    return src, dst
+
+
+def _want(src: list[torch.Tensor], dst: list[torch.Tensor]) -> list[torch.Tensor]:
+    want = clone_tree(dst)
+    transfer_reference.transfer(HND, SRC_EXT, src, S.tolist(), NHD, DST_EXT, want, D.tolist())
+    return want
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_auto_moves_cpu_caches_with_the_compiled_kernel(layerwise: bool) -> None:
+    src, dst = _caches()
+    want = _want(src, dst)
+    calls = native.stats["calls"]
+    t = T()
+    if layerwise:
+        assert sum(1 for _ in t.copy_layers(src, S, dst, D)) == SRC_EXT["L"] + 1
+    else:
+        t.copy(src, S, dst, D)
+    assert native.stats["calls"] > calls and same_bits(dst, want)
+
+
+def test_caches_the_kernel_cannot_describe_fall_back_to_torch() -> None:
+    src, dst = _caches(mixed=True)
+    want = _want(src, dst)
+    fallbacks = native.stats["fallbacks"]
+    T().copy(src, S, dst, D)
+    assert native.stats["fallbacks"] == fallbacks + 1 and same_bits(dst, want)
+
+
+def test_a_forced_compiled_copy_refuses_them_before_writing() -> None:
+    src, dst = _caches(mixed=True)
+    before = clone_tree(dst)
+    with pytest.raises(KVLayoutError, match="copy_backend='native' cannot move these caches: cache tensors differ"):
+        T(copy_backend="native").copy(src, S, dst, D)
+    with pytest.raises(KVLayoutError, match="copy_backend='native'"):
+        next(T(copy_backend="native").copy_layers(src, S, dst, D))
+    assert same_bits(dst, before)
+
+
+def test_torch_is_taken_when_asked_for() -> None:
+    src, dst = _caches()
+    want = _want(src, dst)
+    calls = native.stats["calls"]
+    T(copy_backend="torch").copy(src, S, dst, D)
+    assert native.stats["calls"] == calls and same_bits(dst, want)
+
+
+def test_an_unknown_copy_backend_is_refused() -> None:
+    with pytest.raises(KVLayoutError, match="one of 'torch', 'native' or None .auto., got 'triton'"):
+        T(copy_backend="triton")
+
+
+def test_a_layerwise_transfer_picks_its_threads_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading the host's load once per call, not once per layer (it costs a /proc read)."""
+    from kvgen.runtime import native_transfer
+
+    asked: list[int] = []
+
+    def counting(nbytes: int, *args: int) -> int:
+        asked.append(nbytes)
+        return 1
+
+    monkeypatch.setattr(native_transfer, "cpu_threads", counting)
+    src, dst = _caches()
+    want = _want(src, dst)
+    assert sum(1 for _ in T().copy_layers(src, S, dst, D)) == SRC_EXT["L"] + 1
+    assert SRC_EXT["L"] > 1 and len(asked) == 1 and same_bits(dst, want)
