@@ -6,7 +6,14 @@ import pytest
 import torch
 from harness import EXT, make_cache, same_bits, tensors_of
 
-from kvgen.oracle import reference
+from kvgen import generated
+from kvgen.oracle import reference, transfer_reference
+from kvgen.oracle.address import element_address
+from kvgen.oracle.scenarios import clone_tree
+from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT
+from kvgen.oracle.transfer_scenarios import make_cache as transfer_cache
+from kvgen.plan.copy import plan_library
+from kvgen.runtime.ops import bits
 from kvgen.spec.library import load_library
 
 LIB = load_library()
@@ -99,9 +106,6 @@ def test_make_cache_gives_fresh_coded_leaves() -> None:
 def _one_by_one(paged, obj, cache, objects, slots, *, to_cache: bool) -> None:
     """The reference's definition written as loops: each element of each moved token from
     where element_address puts it in one spec to where it puts it in the other."""
-    from kvgen.oracle.address import element_address
-    from kvgen.runtime.ops import bits
-
     ext, oext = EXT, {**EXT, "T": len(slots)}
     has = {a: paged.has(a) for a in ("L", "KV", "H", "C")}
     for t, slot in enumerate(slots):
@@ -123,8 +127,6 @@ def _one_by_one(paged, obj, cache, objects, slots, *, to_cache: bool) -> None:
 
 
 def _pairs() -> list[tuple[str, str]]:
-    from kvgen.plan.copy import plan_library
-
     return [(p.paged.name, p.obj.name) for p in plan_library(LIB) if p.paged.is_simple]
 
 
@@ -154,3 +156,40 @@ def test_reference_moves_each_element_where_element_address_says(pair: tuple[str
     _one_by_one(paged, obj, expected, objects, twice, to_cache=True)
     assert same_bits(loaded, expected)
     assert not same_bits(loaded, make_cache(paged, torch.float32, "cpu"))
+
+
+def _transfer_one_by_one(src, src_ext, source, src_slots, dst, dst_ext, target, dst_slots, sh, dh) -> None:
+    """The transfer reference's definition as loops: each element of each token whose two
+    slots are >= 0, from where element_address puts it in the source to the destination."""
+    snapshot = [bits(t).clone() for t in tensors_of(source)]
+    frozen = reference.nest(src, src_ext, lambda path: snapshot[reference.leaf_paths(src, src_ext).index(path)])
+    for s, d in zip(src_slots, dst_slots, strict=True):
+        if s < 0 or d < 0:
+            continue
+        for layer in range(src_ext["L"]):
+            for kv in range(src_ext["KV"] if src.has("KV") else 1):
+                for j in range(sh[1] - sh[0]):
+                    for c in range(src_ext["C"]):
+                        at = {"l": layer, "kv": kv, "c": c}
+                        spath, sidx = element_address(src, {**at, "h": sh[0] + j, "slot": s}, src_ext)
+                        dpath, didx = element_address(dst, {**at, "h": dh[0] + j, "slot": d}, dst_ext)
+                        bits(reference.leaf(target, dpath))[didx] = reference.leaf(frozen, spath)[sidx]
+
+
+@pytest.mark.parametrize("heads", [None, ((1, 2), (0, 1))], ids=["all_heads", "one_head"])
+def test_transfer_reference_moves_each_element_where_element_address_says(heads) -> None:
+    """Every built-in transfer pair (with a head range where both have heads), with a skipped
+    source slot and a destination slot written twice: the later token wins."""
+    src_slots, dst_slots = [5, -1, 17, 30, 2], [9, 3, 38, 9, 11]
+    for a, b in sorted(generated.TRANSFERS):
+        src, dst = LIB[a], LIB[b]
+        if heads is not None and not (src.has("H") and dst.has("H")):
+            continue
+        sh, dh = heads or (transfer_reference.heads_of(src, SRC_EXT, None), transfer_reference.heads_of(dst, DST_EXT,
+                                                                                                         None))
+        source = transfer_cache(src, SRC_EXT, torch.float32, "cpu")
+        got = transfer_cache(dst, DST_EXT, torch.float32, "cpu", 50_000)
+        want = clone_tree(got)
+        transfer_reference.transfer(src, SRC_EXT, source, src_slots, dst, DST_EXT, got, dst_slots, sh, dh)
+        _transfer_one_by_one(src, SRC_EXT, source, src_slots, dst, DST_EXT, want, dst_slots, sh, dh)
+        assert same_bits(got, want), (a, b)

@@ -56,20 +56,19 @@ def leaf(tree: Any, path: Sequence[int]) -> torch.Tensor:
     return tree
 
 
-def _logical(spec: Spec, ext: Extents, lead: Sequence[int] = ()) -> dict[str, torch.Tensor]:
-    """Every (l, kv, h, c) of `spec` as index grids of shape (*lead, L, KV, H, C), in the
-    order of nested loops over l, kv, h, c (an axis the spec lacks has extent 1)."""
+def logical_grids(spec: Spec, ext: Extents, lead: Sequence[int] = ()) -> dict[str, torch.Tensor]:
+    """Every (l, kv, h, c) of `spec` as index grids that broadcast to (*lead, L, KV, H, C), in
+    the order of nested loops over l, kv, h, c (an axis the spec lacks has extent 1)."""
     sizes = [ext[a] if spec.has(a) else 1 for a in ("L", "KV", "H", "C")]
-    shape = (*lead, *sizes)
     out = {}
     for i, (name, n) in enumerate(zip(("l", "kv", "h", "c"), sizes, strict=True)):
-        view = [1] * len(shape)
+        view = [1] * (len(lead) + len(sizes))
         view[len(lead) + i] = n
-        out[name] = torch.arange(n).view(view).expand(shape)
+        out[name] = torch.arange(n).view(view)
     return out
 
 
-def _positions(spec: Spec, coords: Mapping[str, Any], ext: Extents, shape: Sequence[int]) -> torch.Tensor:
+def element_positions(spec: Spec, coords: Mapping[str, Any], ext: Extents, shape: Sequence[int]) -> torch.Tensor:
     """Where each element at `coords` (index grids) lies in the spec's leaves laid end to end
     in leaf_paths order, each leaf in index order: element_address evaluated on every
     element at once, each index checked against the extent it indexes."""
@@ -83,7 +82,7 @@ def _positions(spec: Spec, coords: Mapping[str, Any], ext: Extents, shape: Seque
     return flat
 
 
-def _flatten(tree: Any, paths: list[tuple[int, ...]]) -> tuple[torch.Tensor, tuple[int, ...]]:
+def flat_bits(tree: Any, paths: list[tuple[int, ...]]) -> tuple[torch.Tensor, tuple[int, ...]]:
     """The bits of every leaf, in index order, laid end to end (on the CPU), and the leaf shape."""
     shapes = {tuple(leaf(tree, p).shape) for p in paths}
     if len(shapes) != 1:
@@ -91,7 +90,7 @@ def _flatten(tree: Any, paths: list[tuple[int, ...]]) -> tuple[torch.Tensor, tup
     return torch.cat([bits(leaf(tree, p)).detach().cpu().reshape(-1) for p in paths]), shapes.pop()
 
 
-def _write_back(tree: Any, paths: list[tuple[int, ...]], flat: torch.Tensor) -> None:
+def write_back(tree: Any, paths: list[tuple[int, ...]], flat: torch.Tensor) -> None:
     at = 0
     for path in paths:
         raw = bits(leaf(tree, path))
@@ -100,13 +99,13 @@ def _write_back(tree: Any, paths: list[tuple[int, ...]], flat: torch.Tensor) -> 
         at += n
 
 
-def _put(dst: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
+def put_last(dst: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
     """dst[where] = values, where a position written twice keeps the later value (as a loop would)."""
     where, values = where.reshape(-1), values.reshape(-1)
-    unique, inverse = torch.unique(where, return_inverse=True)
-    last = torch.full((unique.numel(),), -1, dtype=torch.long)
-    last.scatter_reduce_(0, inverse, torch.arange(where.numel()), reduce="amax")
-    dst[where[last]] = values[last].to(dst.dtype)
+    last = torch.full((dst.numel(),), -1, dtype=torch.long)
+    last.scatter_reduce_(0, where, torch.arange(where.numel()), reduce="amax")
+    written = last >= 0
+    dst[written] = values[last[written]].to(dst.dtype)
 
 
 def tokens(slot_mapping: Sequence[int], start: int, end: int, offset: int = 0,
@@ -138,19 +137,19 @@ def _move(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, slo
     if not moved:
         return
     cache_paths, obj_paths = leaf_paths(paged, ext), leaf_paths(obj, obj_ext)
-    cache_vals, cache_shape = _flatten(kvcaches, cache_paths)
-    obj_vals, obj_shape = _flatten(objects, obj_paths)
+    cache_vals, cache_shape = flat_bits(kvcaches, cache_paths)
+    obj_vals, obj_shape = flat_bits(objects, obj_paths)
     t, slot = (torch.tensor(v).view(-1, 1, 1, 1, 1) for v in zip(*moved, strict=True))
-    coords = _logical(paged, ext, (len(moved),))
-    here = _positions(paged, {**coords, "slot": slot}, ext, cache_shape)
-    there = _positions(obj, {**coords, "t": t}, obj_ext, obj_shape)
+    coords = logical_grids(paged, ext, (len(moved),))
+    here = element_positions(paged, {**coords, "slot": slot}, ext, cache_shape)
+    there = element_positions(obj, {**coords, "t": t}, obj_ext, obj_shape)
     here, there = torch.broadcast_tensors(here, there)
     if to_cache:
-        _put(cache_vals, here, obj_vals[there])
-        _write_back(kvcaches, cache_paths, cache_vals)
+        put_last(cache_vals, here, obj_vals[there])
+        write_back(kvcaches, cache_paths, cache_vals)
     else:
-        _put(obj_vals, there, cache_vals[here])
-        _write_back(objects, obj_paths, obj_vals)
+        put_last(obj_vals, there, cache_vals[here])
+        write_back(objects, obj_paths, obj_vals)
 
 
 # -- coordinate-encoding test data ----------------------------------------------------
@@ -173,14 +172,16 @@ def coded(ident: Any, dtype: torch.dtype) -> Any:
 def fill_cache(paged: Spec, ext: Extents, kvcaches: Any, dtype: torch.dtype, salt: int = 0) -> None:
     """Give every element the code of its coordinates (l, kv, slot, h, c)."""
     paths = leaf_paths(paged, ext)
-    vals, shape = _flatten(kvcaches, paths)
+    vals, shape = flat_bits(kvcaches, paths)
     slots = ext["S"] if "S" in ext else ext["B"] * ext["N"]
     kv, h, c = (ext[a] if paged.has(a) else 1 for a in ("KV", "H", "C"))
-    coords = _logical(paged, ext, (slots,))
+    coords = logical_grids(paged, ext, (slots,))
     slot = torch.arange(slots).view(-1, 1, 1, 1, 1)
     ident = (((coords["l"] * kv + coords["kv"]) * slots + slot) * h + coords["h"]) * c + coords["c"]
-    _put(vals, _positions(paged, {**coords, "slot": slot}, ext, shape), coded(ident + salt, dtype))
-    _write_back(kvcaches, paths, vals)
+    where, codes = torch.broadcast_tensors(element_positions(paged, {**coords, "slot": slot}, ext, shape),
+                                           coded(ident + salt, dtype))
+    put_last(vals, where, codes)
+    write_back(kvcaches, paths, vals)
 
 
 def fill_object(tensors: Sequence[torch.Tensor], dtype: torch.dtype, salt: int) -> None:
