@@ -10,14 +10,16 @@ Tests and `kvgen verify` compare every generated connector with it.
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from kvgen.oracle.address import element_address
 from kvgen.runtime.ops import bits
+from kvgen.runtime.threads import intra_op_threads
 from kvgen.spec.model import Spec
 
 Extents = Mapping[str, int]
@@ -102,10 +104,26 @@ def write_back(tree: Any, paths: list[tuple[int, ...]], flat: torch.Tensor) -> N
 def put_last(dst: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
     """dst[where] = values, where a position written twice keeps the later value (as a loop would)."""
     where, values = where.reshape(-1), values.reshape(-1)
-    last = torch.full((dst.numel(),), -1, dtype=torch.long)
-    last.scatter_reduce_(0, where, torch.arange(where.numel()), reduce="amax")
-    written = last >= 0
-    dst[written] = values[last[written]].to(dst.dtype)
+    order = torch.arange(where.numel())
+    last = torch.full((dst.numel(),), -1, dtype=torch.long).scatter_reduce_(0, where, order, reduce="amax")
+    keep = last[where] == order
+    dst[where[keep]] = values[keep].to(dst.dtype)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def one_thread(fn: F) -> F:
+    """`fn` with torch on one intra-op thread: the reference's ops are small, and on a host
+    whose cores are taken each parallel region's barrier waits a scheduling slice (as
+    kvgen.runtime.threads.cpu_threads says for connectors), which made them ~30x slower."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with intra_op_threads(1):
+            return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 def tokens(slot_mapping: Sequence[int], start: int, end: int, offset: int = 0,
@@ -129,6 +147,7 @@ def load(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, slot
     _move(paged, obj, ext, kvcaches, objects, slot_mapping, start, end, offset, skip, to_cache=True)
 
 
+@one_thread
 def _move(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, slot_mapping: Sequence[int],
           start: int, end: int, offset: int, skip: int, *, to_cache: bool) -> None:
     mapping = [int(s) for s in slot_mapping]
@@ -169,6 +188,7 @@ def coded(ident: Any, dtype: torch.dtype) -> Any:
     return ident % (code_space(dtype) - 1) + 1
 
 
+@one_thread
 def fill_cache(paged: Spec, ext: Extents, kvcaches: Any, dtype: torch.dtype, salt: int = 0) -> None:
     """Give every element the code of its coordinates (l, kv, slot, h, c)."""
     paths = leaf_paths(paged, ext)

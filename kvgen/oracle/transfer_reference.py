@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvgen.oracle.reference import element_positions, flat_bits, leaf_paths, put_last, write_back
+from kvgen.oracle.reference import element_positions, flat_bits, leaf_paths, one_thread, put_last, write_back
 from kvgen.spec.model import Spec
 
 Extents = Mapping[str, int]
@@ -27,6 +27,7 @@ def heads_of(spec: Spec, ext: Extents, heads: Heads | None) -> Heads:
     return heads if heads is not None else (0, ext["H"] if spec.has("H") else 1)
 
 
+@one_thread
 def transfer(src: Spec, src_ext: Extents, src_caches: Any, src_slots: Sequence[int],
              dst: Spec, dst_ext: Extents, dst_caches: Any, dst_slots: Sequence[int],
              src_heads: Heads | None = None, dst_heads: Heads | None = None) -> None:
