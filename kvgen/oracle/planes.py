@@ -5,7 +5,8 @@ over its shape, whatever its strides); each value of each plane (a part, or a fi
 part) is moved from the address kvgen.oracle.address says for the cache to the one it says
 for the object, or back. A plane without a slot axis (a per-layer scale) moves with every
 chunk that moves at least one token. Like kvgen.oracle.reference it reads specs only, never
-the planner or generated code.
+the planner or generated code, and works out the addresses of every row of a plane at once,
+on index grids, then moves the rows' bytes as one gather and scatter.
 """
 
 from __future__ import annotations
