@@ -6,7 +6,9 @@ present. A device that is asked for but absent is skipped, never silently replac
 Tests marked `serial` measure time, count threads or start CPU-heavy neighbours: a test
 running beside them on another worker would change what they see. `scripts/dev test` runs
 the others in parallel (pytest-xdist) and then these alone. Under a plain `pytest -n N`
-they are kept on one worker, one after another (an xdist group, `--dist loadgroup`).
+they are kept on one worker, one after another (an xdist group, `--dist loadgroup`). A
+file whose module fixture is costly (a build, a subprocess) names an xdist group of its own,
+so one worker makes that fixture once.
 """
 
 from __future__ import annotations

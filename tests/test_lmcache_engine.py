@@ -14,6 +14,9 @@ import pytest
 
 pytest.importorskip("lmcache", reason="lmcache 0.5.6 is not installed (scripts/dev test installs it)")
 
+# Under pytest-xdist one worker runs this file, so the engine subprocess is made once (conftest.py).
+pytestmark = pytest.mark.xdist_group("lmcache_engine")
+
 SCRIPT = Path(__file__).with_name("lmcache_engine.py")
 CASES = ["store-retrieve", "prefix-hit", "vllm-cached-tokens", "layerwise", "mla", "sglang"]
 
