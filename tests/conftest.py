@@ -1,12 +1,20 @@
-"""Shared fixtures: the device every connector test runs on.
+"""Shared fixtures: the device every connector test runs on; the serial tests.
 
 KVGEN_TEST_DEVICES=cpu,cuda picks devices; by default CPU plus every CUDA / XPU device
 present. A device that is asked for but absent is skipped, never silently replaced.
+
+Tests marked `serial` measure time, count threads or start CPU-heavy neighbours: a test
+running beside them on another worker would change what they see. `scripts/dev test` runs
+the others in parallel (pytest-xdist) and then these alone. Under a plain `pytest -n N`
+they are kept on one worker, one after another (an xdist group, `--dist loadgroup`). A
+file whose module fixture is costly (a build, a subprocess) names an xdist group of its own,
+so one worker makes that fixture once.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -16,6 +24,30 @@ from kvgen.runtime import available_devices
 def _devices() -> list[str]:
     asked = os.environ.get("KVGEN_TEST_DEVICES")
     return [d.strip() for d in asked.split(",") if d.strip()] if asked else available_devices()
+
+
+SERIAL_GROUP = "serial"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist's default `load` ignores groups; `loadgroup` is `load` that honours them. Its
+    # workers parse the command line afresh, so the controller tells them (workerinput).
+    if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", None) == "load":
+        config.option.dist = "loadgroup"
+    if getattr(config, "workerinput", {}).get("kvgen_loadgroup"):
+        config.option.loadgroup = True
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest without xdist never calls it
+def pytest_configure_node(node: Any) -> None:
+    node.workerinput["kvgen_loadgroup"] = node.config.option.dist == "loadgroup"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups off the items
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("serial") is not None:
+            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -31,6 +31,9 @@ from kvgen.emit.build import build, check, recover, render, write_atomically
 from kvgen.errors import BuildError
 from kvgen.spec.library import BUILTIN_SPECS, REPO_ROOT
 
+# Kills at timed points and lock waits: run alone (conftest.py).
+pytestmark = pytest.mark.serial
+
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 Snapshot = dict[str, bytes]

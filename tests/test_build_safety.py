@@ -23,6 +23,9 @@ from kvgen.emit.render import DIGEST_PREFIX, body_digest, unseal
 from kvgen.errors import BuildError
 from kvgen.spec.library import BUILTIN_SPECS, REPO_ROOT, load_library
 
+# Under pytest-xdist one worker runs this file, so the render `files` holds is made once (conftest.py).
+pytestmark = pytest.mark.xdist_group("build_safety")
+
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 SAMPLE = "vllm_flash_attn_nhd__kv_2ltd.py"

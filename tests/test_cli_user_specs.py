@@ -12,6 +12,9 @@ import pytest
 from kvgen.tools.cli import main
 
 # Heads outermost, K/V packed inside each head's content: a layout not in the library.
+# Under pytest-xdist one worker runs this file, so the package `built` writes is made once (conftest.py).
+pytestmark = pytest.mark.xdist_group("cli_user_specs")
+
 GOOD = """\
 kvgen: 1
 name: my_engine_hkv

@@ -4,9 +4,9 @@ Cache elements carry the code of their coordinates (layer, kv, slot, head, c) an
 objects carry codes of their own positions, so a K/V swap, a transposed head or a
 misplaced token changes bits that the comparison sees. Comparisons are bitwise.
 
-These run the generated torch code (`backend="torch"`), what GPUs without Triton and CPUs
-without a compiler use; the compiled CPU path, the default on the CPU, is checked against the
-same reference in tests/test_native.py and in every scenario by `kvgen verify`.
+Each case runs twice: on the path a connector takes by default (on the CPU the compiled
+kernel, where a compiler is found) and on the generated torch code (`backend="torch"`), what
+GPUs without Triton and CPUs without a compiler use.
 """
 
 from __future__ import annotations
@@ -52,21 +52,26 @@ def _ids(case: tuple) -> str:
     return f"{case[0]}-{case[1]}-{str(case[2]).removeprefix('torch.')}"
 
 
-def _setup(module: str, scenario: str, dtype: torch.dtype, device: str):
+#: How the tables run each case: the connector's own choice (backend None), and the torch ops.
+BACKENDS = {"default": None, "torch": "torch"}
+
+
+def _setup(module: str, scenario: str, dtype: torch.dtype, device: str, backend: str | None = "torch"):
     plan = PLANS[module]
     sc = SCENARIOS[scenario]
     rng = random.Random(f"{module}/{scenario}")
     mapping_list = sc.mapping(rng, EXT)
     mapping = torch.tensor(mapping_list, dtype=torch.long, device=device)
-    connector = generated.get(plan.paged.name, plan.obj.name)(device=device, backend="torch")
+    connector = generated.get(plan.paged.name, plan.obj.name)(device=device, backend=backend)
     cache = make_cache(plan.paged, dtype, device, sc.strided, sc.odd_cache)
     connector.bind(cache)
     return plan, sc, mapping_list, mapping, connector, cache
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_store_matches_reference(case: tuple, device: str) -> None:
-    plan, sc, mapping_list, mapping, connector, cache = _setup(*case, device)
+def test_store_matches_reference(case: tuple, backend: str, device: str) -> None:
+    plan, sc, mapping_list, mapping, connector, cache = _setup(*case, device, BACKENDS[backend])
     lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=False)]
     objs = make_objects(connector, connector.layerwise, lengths, case[2], device, salt=7, odd_offset=sc.odd_objects)
     expected = make_objects(connector, connector.layerwise, lengths, case[2], device, salt=7)
@@ -84,9 +89,10 @@ def test_store_matches_reference(case: tuple, device: str) -> None:
     assert fmts == {plan.obj.format}
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_load_matches_reference(case: tuple, device: str) -> None:
-    plan, sc, mapping_list, mapping, connector, cache = _setup(*case, device)
+def test_load_matches_reference(case: tuple, backend: str, device: str) -> None:
+    plan, sc, mapping_list, mapping, connector, cache = _setup(*case, device, BACKENDS[backend])
     lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=False)]
     objs = make_objects(connector, connector.layerwise, lengths, case[2], device, salt=500, fmt=connector.format,
                         odd_offset=sc.odd_objects)

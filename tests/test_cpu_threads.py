@@ -17,6 +17,9 @@ from kvgen.runtime import kernels, threads
 from kvgen.spec.library import load_library
 from kvgen.tools.bench.busy import neighbour
 
+# Thread counts that depend on how busy the host is: run alone (conftest.py).
+pytestmark = pytest.mark.serial
+
 MB = 1 << 20
 LIBRARY = load_library()
 

@@ -9,16 +9,25 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(tmp_path: Path, fail_on: str = "") -> subprocess.CompletedProcess[str]:
+def _run(tmp_path: Path, fail_on: str = "", *args: str, code: int = 3) -> subprocess.CompletedProcess[str]:
+    """scripts/dev with a stand-in Python that logs its arguments and exits `code` when they
+    contain `fail_on`."""
     fake = tmp_path / "python"
     log = tmp_path / "calls"
-    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\ncase "$*" in *"{fail_on or "@never@"}"*) exit 3;; esac\nexit 0\n')
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\ncase "$*" in *"{fail_on or "@never@"}"*) exit {code};; esac\n'
+                    'exit 0\n')
     fake.chmod(0o755)
-    return subprocess.run([str(ROOT / "scripts" / "dev"), "run"], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHON": str(fake)})
+    return subprocess.run([str(ROOT / "scripts" / "dev"), *(args or ("run",))], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHON": str(fake), "KVGEN_TEST_WORKERS": "2"})
+
+
+def _pytest_calls(tmp_path: Path) -> list[str]:
+    return [c for c in (tmp_path / "calls").read_text().splitlines() if c.startswith("-m pytest")]
 
 
 def test_run_prints_its_steps_with_times_and_a_summary(tmp_path: Path) -> None:
@@ -41,3 +50,23 @@ def test_a_failing_step_is_named_in_the_summary(tmp_path: Path) -> None:
     last = done.stderr.strip().splitlines()[-1]
     assert re.fullmatch(r"scripts/dev run: FAILED at check after \d+ s \(exit 3\); done before it: set-up \d+ s, "
                         r"build \d+ s", last), last
+
+
+def test_test_runs_the_parallel_pass_then_the_serial_tests_alone(tmp_path: Path) -> None:
+    done = _run(tmp_path, "", "test", "tests/test_words.py", "-x")
+    assert done.returncode == 0, done.stderr
+    assert _pytest_calls(tmp_path) == ["-m pytest -q -n 2 -m not serial tests/test_words.py -x",
+                                       "-m pytest -q -m serial tests/test_words.py -x"]
+
+
+@pytest.mark.parametrize("failing", ["not serial", "-m serial"])
+def test_a_failing_pass_fails_test_and_the_other_pass_still_runs(tmp_path: Path, failing: str) -> None:
+    done = _run(tmp_path, failing, "test", code=1)
+    assert done.returncode == 1
+    assert len(_pytest_calls(tmp_path)) == 2
+
+
+@pytest.mark.parametrize("empty, code", [("-m serial", 0), ("-m pytest", 5)], ids=["one_pass", "both_passes"])
+def test_a_pass_that_selects_no_test_fails_only_when_both_do(tmp_path: Path, empty: str, code: int) -> None:
+    done = _run(tmp_path, empty, "test", code=5)
+    assert done.returncode == code, done.stderr

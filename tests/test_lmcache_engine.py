@@ -17,6 +17,9 @@ import pytest
 
 pytest.importorskip("lmcache", reason="lmcache 0.5.6 is not installed (scripts/dev test installs it)")
 
+# Under pytest-xdist one worker runs this file, so the engine subprocess is made once (conftest.py).
+pytestmark = pytest.mark.xdist_group("lmcache_engine")
+
 SCRIPT = Path(__file__).with_name("lmcache_engine.py")
 from kvgen.oracle.facts_vllm import KV_CACHE_LAYOUTS  # noqa: E402
 

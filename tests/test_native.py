@@ -110,6 +110,7 @@ def test_torch_openmp_runtime_is_found_here() -> None:
 
 
 @needs_compiler
+@pytest.mark.serial  # threads of its own, within a time limit
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
 def test_a_forked_child_moves_chunks_on_threads_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's OpenMP team does not survive a fork: a child that used it would wait forever.

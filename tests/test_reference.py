@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from harness import EXT, make_cache, same_bits, tensors_of
 
-from kvgen.oracle import reference
+from kvgen import generated
+from kvgen.oracle import planes, reference, transfer_reference
+from kvgen.oracle.address import element_address
+from kvgen.oracle.scenarios import clone_tree
+from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT
+from kvgen.oracle.transfer_scenarios import make_cache as transfer_cache
+from kvgen.plan.copy import plan_library
+from kvgen.runtime.ops import bits
 from kvgen.spec.library import load_library
 
 LIB = load_library()
@@ -91,3 +99,164 @@ def test_make_cache_gives_fresh_coded_leaves() -> None:
         leaves = tensors_of(cache)
         assert all(t.is_contiguous() != strided for t in leaves)
         assert all((t.storage_offset() % 2 == 1) == odd for t in leaves)
+
+
+# -- the whole-array evaluation against element_address, one element at a time ---------------
+
+def _one_by_one(paged, obj, cache, objects, slots, *, to_cache: bool) -> None:
+    """The reference's definition written as loops: each element of each moved token from
+    where element_address puts it in one spec to where it puts it in the other."""
+    ext, oext = EXT, {**EXT, "T": len(slots)}
+    has = {a: paged.has(a) for a in ("L", "KV", "H", "C")}
+    for t, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        for layer in range(EXT["L"] if has["L"] else 1):
+            for kv in range(EXT["KV"] if has["KV"] else 1):
+                for h in range(EXT["H"] if has["H"] else 1):
+                    for c in range(EXT["C"] if has["C"] else 1):
+                        at = {"l": layer, "kv": kv, "h": h, "c": c}
+                        cpath, cidx = element_address(paged, {**at, "slot": slot}, ext)
+                        opath, oidx = element_address(obj, {**at, "t": t}, oext)
+                        here = bits(reference.leaf(cache, cpath))
+                        there = bits(reference.leaf(objects, opath))
+                        if to_cache:
+                            here[cidx] = there[oidx]
+                        else:
+                            there[oidx] = here[cidx]
+
+
+def _pairs() -> list[tuple[str, str]]:
+    return [(p.paged.name, p.obj.name) for p in plan_library(LIB) if p.paged.is_simple]
+
+
+def _objects(obj, tokens: int, salt: int):
+    shape = reference.leaf_shape(obj, {**EXT, "T": tokens})
+    out = [torch.zeros(shape) for _ in range(EXT["L"])] if obj.lists else torch.zeros(shape)
+    reference.fill_object(tensors_of(out), torch.float32, salt)
+    return out
+
+
+@pytest.mark.parametrize("pair", _pairs(), ids="-".join)
+def test_reference_moves_each_element_where_element_address_says(pair: tuple[str, str]) -> None:
+    """Store and load of every simple built-in pair equal the element-by-element loop, for a
+    mapping with a skipped token and, on load, a slot written twice (the later token wins)."""
+    paged, obj = LIB[pair[0]], LIB[pair[1]]
+    slots = [13, -1, 2, 40, 7]
+    got, want = _objects(obj, len(slots), 3), _objects(obj, len(slots), 3)
+    cache = make_cache(paged, torch.float32, "cpu")
+    reference.store(paged, obj, EXT, cache, got, slots, 0, len(slots))
+    _one_by_one(paged, obj, cache, want, slots, to_cache=False)
+    assert same_bits(got, want)
+
+    twice = [13, -1, 2, 13, 7]
+    objects = _objects(obj, len(twice), 900)
+    loaded, expected = make_cache(paged, torch.float32, "cpu"), make_cache(paged, torch.float32, "cpu")
+    reference.load(paged, obj, EXT, loaded, objects, twice, 0, len(twice))
+    _one_by_one(paged, obj, expected, objects, twice, to_cache=True)
+    assert same_bits(loaded, expected)
+    assert not same_bits(loaded, make_cache(paged, torch.float32, "cpu"))
+
+
+def _transfer_one_by_one(src, src_ext, source, src_slots, dst, dst_ext, target, dst_slots, sh, dh) -> None:
+    """The transfer reference's definition as loops: each element of each token whose two
+    slots are >= 0, from where element_address puts it in the source to the destination."""
+    snapshot = [bits(t).clone() for t in tensors_of(source)]
+    frozen = reference.nest(src, src_ext, lambda path: snapshot[reference.leaf_paths(src, src_ext).index(path)])
+    for s, d in zip(src_slots, dst_slots, strict=True):
+        if s < 0 or d < 0:
+            continue
+        for layer in range(src_ext["L"]):
+            for kv in range(src_ext["KV"] if src.has("KV") else 1):
+                for j in range(sh[1] - sh[0]):
+                    for c in range(src_ext["C"]):
+                        at = {"l": layer, "kv": kv, "c": c}
+                        spath, sidx = element_address(src, {**at, "h": sh[0] + j, "slot": s}, src_ext)
+                        dpath, didx = element_address(dst, {**at, "h": dh[0] + j, "slot": d}, dst_ext)
+                        bits(reference.leaf(target, dpath))[didx] = reference.leaf(frozen, spath)[sidx]
+
+
+@pytest.mark.parametrize("heads", [None, ((1, 2), (0, 1))], ids=["all_heads", "one_head"])
+def test_transfer_reference_moves_each_element_where_element_address_says(heads) -> None:
+    """Every built-in transfer pair (with a head range where both have heads), with a skipped
+    source slot and a destination slot written twice: the later token wins."""
+    src_slots, dst_slots = [5, -1, 17, 30, 2], [9, 3, 38, 9, 11]
+    for a, b in sorted(generated.TRANSFERS):
+        src, dst = LIB[a], LIB[b]
+        if heads is not None and not (src.has("H") and dst.has("H")):
+            continue
+        sh, dh = heads or (transfer_reference.heads_of(src, SRC_EXT, None), transfer_reference.heads_of(dst, DST_EXT,
+                                                                                                         None))
+        source = transfer_cache(src, SRC_EXT, torch.float32, "cpu")
+        got = transfer_cache(dst, DST_EXT, torch.float32, "cpu", 50_000)
+        want = clone_tree(got)
+        transfer_reference.transfer(src, SRC_EXT, source, src_slots, dst, DST_EXT, got, dst_slots, sh, dh)
+        _transfer_one_by_one(src, SRC_EXT, source, src_slots, dst, DST_EXT, want, dst_slots, sh, dh)
+        assert same_bits(got, want), (a, b)
+
+
+# -- format 2: the planes reference against its row-by-row definition --------------------------
+
+def _rows_one_by_one(paged, obj, ext, cache, objects, slots, *, to_cache: bool) -> None:
+    """Each row (count values) of each plane of each moved token (once per chunk for a plane
+    without slots), as bytes, from where plane_address puts it to where the object's
+    ObjectAddresses does."""
+    from kvgen.oracle.address import ObjectAddresses, plane_address, plane_count
+
+    oext = {**ext, "T": len(slots)}
+    leaves = {p: planes.read_leaf(reference.leaf(cache, p)) for p in planes.cache_paths(paged, ext)}
+    if isinstance(objects, torch.Tensor):
+        owned = {(): planes.read_leaf(objects)}
+    else:
+        owned = {p: planes.read_leaf(reference.leaf(objects, p)) for p in planes.object_paths(obj, oext)}
+    sizes, item = planes.value_sizes(paged, cache), next(iter(owned.values())).item
+    there_of = ObjectAddresses(paged, obj, oext, sizes, item).address
+    moved = [(t, s) for t, s in enumerate(slots) if s >= 0]
+    for plane in paged.moved_planes():
+        count, size = plane_count(paged, plane, ext), sizes[plane.name]
+        part_item = reference.leaf(cache, next(p for p in leaves if plane_address(
+            paged, plane, {"l": 0, "kv": 0, "h": 0, "slot": 0, "c": 0}, ext, 1)[0] == p)).element_size()
+        for t, slot in moved if plane.has_slots else moved[:1] and [(0, 0)]:
+            for v in planes.value_rows(plane, ext):
+                cpath, cidx, cbyte = plane_address(paged, plane, {**v, "slot": slot, "c": 0}, ext, part_item)
+                opath, oidx, obyte = there_of(plane, {**v, "t": t, "c": 0})
+                a = leaves[cpath].offset(cidx, cbyte)
+                b = owned[opath].offset(oidx, obyte)
+                n = count * size
+                if to_cache:
+                    leaves[cpath].data[a:a + n] = owned[opath].data[b:b + n]
+                else:
+                    owned[opath].data[b:b + n] = leaves[cpath].data[a:a + n]
+    for written in (leaves if to_cache else owned).values():
+        written.write_back()
+
+
+def _parts_pairs() -> list[tuple[str, str]]:
+    from kvgen.plan.package import plan_connectors
+
+    return [(p.paged.name, p.obj.name) for p in plan_connectors(LIB) if not p.paged.is_simple]
+
+
+@pytest.mark.parametrize("pair", _parts_pairs(), ids="-".join)
+def test_planes_reference_moves_each_row_where_the_addresses_say(pair: tuple[str, str]) -> None:
+    """Store and load of every format-2 built-in pair equal the row-by-row loop, with a
+    skipped token and, on load, a slot written twice (the later token wins)."""
+    paged, obj = LIB[pair[0]], LIB[pair[1]]
+    ext = planes.parts_extents(paged, EXT)
+    connector = generated.get(paged.name, obj.name)(device="cpu")
+    for slots, to_cache in (([13, -1, 2, 40, 7], False), ([13, -1, 2, 13, 7], True)):
+        cache = make_cache(paged, torch.float32, "cpu")
+        connector.bind(cache)
+        shape, dtype = connector.get_shape(len(slots)), connector.get_dtype()
+        made = []
+        for _ in range(2):
+            tree = [torch.zeros(shape, dtype=dtype) for _ in range(EXT["L"])] if obj.lists else torch.zeros(shape,
+                                                                                                          dtype=dtype)
+            for j, t in enumerate(tensors_of(tree)):
+                planes.fill_bytes(t, f"object/{j}")
+            made.append(tree)
+        other = make_cache(paged, torch.float32, "cpu")
+        move = planes.load if to_cache else planes.store
+        move(paged, obj, ext, cache, made[0], slots, 0, len(slots))
+        _rows_one_by_one(paged, obj, ext, other, made[1], slots, to_cache=to_cache)
+        assert same_bits(cache, other) and same_bits(made[0], made[1]), (pair, to_cache)

@@ -155,6 +155,7 @@ def test_deep_nesting_is_rejected_before_composing(tmp_path: Path) -> None:
     check(problems_of([spec]), "nesting is deeper than", 8)
 
 
+@pytest.mark.serial  # a time limit
 def test_billion_laughs_does_not_expand() -> None:
     spec = CORPUS / "billion_laughs.yaml"
     tracemalloc.start()

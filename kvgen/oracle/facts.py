@@ -44,7 +44,7 @@ import itertools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from kvgen.oracle.address import element_address
+from kvgen.oracle.agreement import address_disagreement
 from kvgen.oracle.reference import leaf_shape
 from kvgen.spec.model import Spec
 
@@ -372,10 +372,15 @@ def positions(fact: Fact, g: Geometry) -> int:
     return g.B * g.N if fact.kind == "paged" else g.T
 
 
+def element_sizes(fact: Fact, g: Geometry) -> tuple[int, int, int, int, int]:
+    """How many l, kv, pos, h and c the layout holds."""
+    planes, heads = (1, 1) if fact.mla else ((1, g.H) if fact.single else (2, g.H))
+    return g.L, planes, positions(fact, g), heads, g.C
+
+
 def elements(fact: Fact, g: Geometry) -> Iterator[tuple[int, int, int, int, int]]:
     """Every (l, kv, pos, h, c) the layout holds."""
-    planes, heads = (1, 1) if fact.mla else ((1, g.H) if fact.single else (2, g.H))
-    return itertools.product(range(g.L), range(planes), range(positions(fact, g)), range(heads), range(g.C))
+    return itertools.product(*(range(n) for n in element_sizes(fact, g)))
 
 
 def disagreement(spec: Spec, g: Geometry) -> str | None:
@@ -406,13 +411,7 @@ def disagreement(spec: Spec, g: Geometry) -> str | None:
     ext = extents(g)
     if leaf_shape(spec, ext) != fact.shape(g):
         return f"shape {leaf_shape(spec, ext)} at {g}, the source says {fact.shape(g)}"
-    pos = "slot" if fact.kind == "paged" else "t"
-    for layer, kv, p, h, c in elements(fact, g):
-        got = element_address(spec, {"l": layer, "kv": kv, pos: p, "h": h, "c": c}, ext)
-        want = fact.address(g, layer, kv, p, h, c)
-        if got != want:
-            return f"(l={layer}, kv={kv}, {pos}={p}, h={h}, c={c}) at {got}, the source says {want} ({g})"
-    return None
+    return address_disagreement(spec, ext, lambda *e: fact.address(g, *e), element_sizes(fact, g), g)
 
 
 # Host pools and offload stores register their entries from their own module.

@@ -45,8 +45,10 @@ import functools
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvgen.oracle.address import ObjectAddresses, plane_address, plane_count
+from kvgen.oracle.agreement import first_difference
 from kvgen.oracle.facts import Geometry, Level
 from kvgen.oracle.planes import part_shape
 from kvgen.spec.model import Spec
@@ -310,10 +312,18 @@ PACKED_FACTS["kv_planes_layer"] = _planes(True)
 
 # -- using the table ---------------------------------------------------------------------------------
 
+def value_sizes(plane: PlaneFact, g: Geometry) -> tuple[int, int, int, int, int]:
+    """How many layer, kv, slot, h and c one plane has (one slot for a plane without slots)."""
+    return g.L, 2 if plane.kv else 1, g.B * g.N if plane.slots else 1, g.H if plane.heads else 1, plane.count(g)
+
+
 def values(fact: PartsFact, plane: PlaneFact, g: Geometry) -> Iterator[tuple[int, int, int, int, int]]:
-    """Every (layer, kv, slot, h, c) of one plane (slot 0 only for a plane without slots)."""
-    return itertools.product(range(g.L), range(2 if plane.kv else 1), range(g.B * g.N if plane.slots else 1),
-                             range(g.H if plane.heads else 1), range(plane.count(g)))
+    """Every (layer, kv, slot, h, c) of one plane."""
+    return itertools.product(*(range(n) for n in value_sizes(plane, g)))
+
+
+def _coords(pos: str, e: tuple[Any, ...]) -> dict[str, Any]:
+    return dict(zip(("l", "kv", pos, "h", "c"), e, strict=True))
 
 
 def extents(fact: PartsFact, g: Geometry) -> dict[str, int]:
@@ -356,12 +366,12 @@ def parts_disagreement(spec: Spec, g: Geometry) -> str | None:
         if (plane.has_slots, "KV" in plane.axes, "H" in plane.axes) != (pf.slots, pf.kv, pf.heads):
             return f"plane {plane.name}: axes {plane.axes} (slots: {plane.has_slots}), the source differs"
         item = fact.parts[pf.part].item()
-        for layer, kv, slot, h, c in values(fact, pf, g):
-            got = plane_address(spec, plane, {"l": layer, "kv": kv, "slot": slot, "h": h, "c": c}, ext, item)
-            want = pf.address(g, layer, kv, slot, h, c)
-            if got != want:
-                return (f"plane {plane.name} (l={layer}, kv={kv}, slot={slot}, h={h}, c={c}) at {got}, the source "
-                        f"says {want} ({g})")
+        found = first_difference(value_sizes(pf, g), functools.partial(pf.address, g),
+                                 lambda *e, p=plane, i=item: plane_address(spec, p, _coords("slot", e), ext, i))
+        if found is not None:
+            (layer, kv, slot, h, c), want, got = found
+            return (f"plane {plane.name} (l={layer}, kv={kv}, slot={slot}, h={h}, c={c}) at {got}, the source "
+                    f"says {want} ({g})")
     return None
 
 
@@ -392,10 +402,11 @@ def _packed_disagreement(spec: Spec, g: Geometry) -> str | None:
         except (KeyError, ValueError) as exc:
             return f"holding {cache.name}: {type(exc).__name__} {exc}"
         for plane, pf in zip(cache.moved_planes(), cf.planes, strict=True):
-            for layer, kv, t, h, c in values(cf, pf, dataclasses.replace(g, B=1, N=g.T)):
-                got = at.address(plane, {"l": layer, "kv": kv, "t": t, "h": h, "c": c})
-                want = fact.address(g, cf, pf, layer, kv, t, h, c)
-                if got != want:
-                    return (f"holding {cache.name}: plane {plane.name} (l={layer}, kv={kv}, t={t}, h={h}, c={c}) "
-                            f"at {got}, the source says {want} ({g})")
+            found = first_difference(value_sizes(pf, dataclasses.replace(g, B=1, N=g.T)),
+                                     functools.partial(fact.address, g, cf, pf),
+                                     lambda *e, at=at, plane=plane: at.address(plane, _coords("t", e)))
+            if found is not None:
+                (layer, kv, t, h, c), want, got = found
+                return (f"holding {cache.name}: plane {plane.name} (l={layer}, kv={kv}, t={t}, h={h}, c={c}) "
+                        f"at {got}, the source says {want} ({g})")
     return None

@@ -5,7 +5,8 @@ over its shape, whatever its strides); each value of each plane (a part, or a fi
 part) is moved from the address kvgen.oracle.address says for the cache to the one it says
 for the object, or back. A plane without a slot axis (a per-layer scale) moves with every
 chunk that moves at least one token. Like kvgen.oracle.reference it reads specs only, never
-the planner or generated code.
+the planner or generated code, and works out the addresses of every row of a plane at once,
+on index grids, then moves the rows' bytes as one gather and scatter.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ import hashlib
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 
 from kvgen.oracle.address import ByteAddress, ObjectAddresses, plane_address, plane_count
-from kvgen.oracle.reference import leaf, tokens
+from kvgen.oracle.reference import leaf, one_thread, put_last, tokens
 from kvgen.runtime.ops import bits
 from kvgen.spec.model import ITEMSIZE, PART_LEVEL, Part, Plane, Spec
 
@@ -118,59 +118,102 @@ def _storage_items(spec: Spec, kvcaches: Any) -> dict[str, int]:
     return out
 
 
+@one_thread
 def move(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, slot_mapping: Sequence[int],
          start: int, end: int, offset: int = 0, skip: int = 0, *, to_cache: bool) -> None:
     """Store (to_cache False) or load the chunk [start, end) of a format-2 cache."""
     mapping = [int(s) for s in slot_mapping]
     moved = list(tokens(mapping, start, end, offset, skip))
+    if not moved:
+        return
     obj_ext = {**ext, "T": end - start}
-    cache = {p: read_leaf(leaf(kvcaches, p)) for p in cache_paths(paged, ext)}
+    cache = Bytes([leaf(kvcaches, p) for p in cache_paths(paged, ext)])
     if isinstance(objects, torch.Tensor):
-        objs = {(): read_leaf(objects)}
+        objs = Bytes([objects])
     else:
-        objs = {p: read_leaf(leaf(objects, p)) for p in object_paths(obj, obj_ext)}
+        objs = Bytes([leaf(objects, p) for p in object_paths(obj, obj_ext)])
     sizes = value_sizes(paged, kvcaches)
     items = _storage_items(paged, kvcaches)
-    there_of = ObjectAddresses(paged, obj, obj_ext, sizes, next(iter(objs.values())).item).address
+    there_of = ObjectAddresses(paged, obj, obj_ext, sizes, objs.items[0]).address
+    obj_sizes = [ext[a] for a in obj.lists] if not isinstance(objects, torch.Tensor) else []
     for plane in paged.moved_planes():
         item, size, count = items[plane.part.name], sizes[plane.name], plane_count(paged, plane, ext)
-        work = moved if plane.has_slots else ([(None, None)] if moved else [])
-        for t, slot in work:
-            for v in value_rows(plane, ext):
-                # A row's values follow one another in both tensors' bytes (C is innermost and
-                # moves as bytes): the address of its first and last value says where it lies.
-                here = partial(_at_cache, paged, plane, {**v, "slot": slot or 0}, ext, item)
-                there = partial(_at_object, there_of, plane, {**v, "t": t or 0})
-                c_leaf, a = _run(cache, here, plane, count, size)
-                o_leaf, b = _run(objs, there, plane, count, size)
-                n = count * size
-                if to_cache:
-                    c_leaf.data[a:a + n] = o_leaf.data[b:b + n]
-                else:
-                    o_leaf.data[b:b + n] = c_leaf.data[a:a + n]
-    for written in (cache if to_cache else objs).values():
-        written.write_back()
+        t, slot = (torch.tensor(v).view(-1, 1, 1, 1) for v in zip(*moved, strict=True)) if plane.has_slots \
+            else (torch.zeros(1, 1, 1, 1, dtype=torch.long),) * 2
+        rows = _value_grids(plane, ext)
+        # A row's values follow one another in both tensors' bytes (C is innermost and moves as
+        # bytes): the address of its first and last value says where it lies.
+        here = [cache.offsets(plane_address(paged, plane, {**rows, "slot": slot, "c": c}, ext, item),
+                              _list_sizes(paged, ext)) for c in (0, count - 1)]
+        there = [objs.offsets(there_of(plane, {**rows, "t": t, "c": c}), obj_sizes) for c in (0, count - 1)]
+        a, b = _runs(plane, here, count, size), _runs(plane, there, count, size)
+        step = torch.arange(count * size)
+        a, b = (torch.broadcast_to(x, torch.broadcast_shapes(a.shape, b.shape)).reshape(-1, 1) + step for x in (a, b))
+        if to_cache:
+            put_last(cache.data, a, objs.data[b])
+        else:
+            put_last(objs.data, b, cache.data[a])
+    (cache if to_cache else objs).write_back()
 
 
-def _at_cache(paged: Spec, plane: Plane, coords: dict[str, int], ext: Extents, item: int, c: int) -> ByteAddress:
-    return plane_address(paged, plane, {**coords, "c": c}, ext, item)
+class Bytes:
+    """The bytes of some tensors, each in index order, laid end to end, with where each starts."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+        self.items = [t.element_size() for t in tensors]
+        self.shapes = [tuple(t.shape) for t in tensors]
+        raw = [bits(t).detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+        self.starts = [0]
+        for r in raw:
+            self.starts.append(self.starts[-1] + r.numel())
+        self.data = torch.cat(raw) if raw else torch.empty(0, dtype=torch.uint8)
+
+    def offsets(self, address: ByteAddress, list_sizes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tensor number, byte in the whole) of a ByteAddress of index grids; tensors are
+        numbered in path order over `list_sizes`, and those reached must share a shape."""
+        path, index, byte = address
+        number = torch.zeros((), dtype=torch.long)
+        for i, n in zip(path, list_sizes, strict=True):
+            number = number * n + torch.as_tensor(i)
+        reached = {self.shapes[k] for k in number.unique().tolist()}
+        if len(reached) != 1:
+            raise AssertionError(f"one plane's values lie in tensors of shapes {sorted(reached)}")
+        shape, item = reached.pop(), self.items[int(number.reshape(-1)[0])]
+        flat = torch.zeros((), dtype=torch.long)
+        for i, n in zip(index, shape, strict=True):
+            i = torch.as_tensor(i)
+            if bool(((i < 0) | (i >= n)).any()):
+                raise IndexError(f"a value address falls outside an extent of {n}")
+            flat = flat * n + i
+        return number, torch.tensor(self.starts)[number] + flat * item + torch.as_tensor(byte)
+
+    def write_back(self) -> None:
+        for t, lo, hi, shape in zip(self.tensors, self.starts[:-1], self.starts[1:], self.shapes, strict=True):
+            target = bits(t)
+            target.copy_(self.data[lo:hi].view(target.dtype).reshape(shape).to(target.device))
 
 
-def _at_object(there_of: Callable[[Plane, dict[str, int]], ByteAddress], plane: Plane, coords: dict[str, int],
-               c: int) -> ByteAddress:
-    return there_of(plane, {**coords, "c": c})
+def _list_sizes(spec: Spec, ext: Extents) -> list[int]:
+    return [len(spec.parts) if a == PART_LEVEL else ext[a] for a in spec.lists]
 
 
-def _run(leaves: dict[tuple[int, ...], Leaf], at: Callable[[int], ByteAddress], plane: Plane, count: int,
-         size: int) -> tuple[Leaf, int]:
-    """The leaf and first byte of a row of `count` values of `size` bytes (`at(c)`: where
-    value c starts), checking that its last value lies (count - 1) values after the first."""
-    first, last = at(0), at(count - 1)
-    target = leaves[first[0]]
-    a, z = target.offset(first[1], first[2]), target.offset(last[1], last[2])
-    if last[0] != first[0] or z - a != (count - 1) * size:
-        raise AssertionError(f"{plane.name}: values of one row are not consecutive bytes ({first} .. {last})")
-    return target, a
+def _value_grids(plane: Plane, ext: Extents) -> dict[str, torch.Tensor]:
+    """Every (l, kv, h) of one plane as index grids over (token, L, KV, H)."""
+    out = {}
+    for i, a in enumerate(("L", "KV", "H")):
+        n = ext[a] if a in plane.axes else 1
+        out[a.lower()] = torch.arange(n).view([1] + [n if k == i else 1 for k in range(3)])
+    return out
+
+
+def _runs(plane: Plane, ends: list[tuple[torch.Tensor, torch.Tensor]], count: int, size: int) -> torch.Tensor:
+    """The first byte of each row of `count` values of `size` bytes, from (tensor, byte) of its
+    first and last value, checking that the last lies (count - 1) values after the first."""
+    (first_t, first), (last_t, last) = (torch.broadcast_tensors(*e) for e in ends)
+    if not (torch.equal(first_t, last_t) and torch.equal(last - first, torch.full_like(first, (count - 1) * size))):
+        raise AssertionError(f"{plane.name}: values of one row are not consecutive bytes")
+    return first
 
 
 def store(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, slot_mapping: Sequence[int],

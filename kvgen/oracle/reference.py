@@ -1,20 +1,25 @@
-"""The reference interpreter: a slow, obviously correct store and load, element by element.
+"""The reference interpreter: an obviously correct store and load, element by element.
 
-It reads the specs through `kvgen.oracle.address` only (never the planner or generated code),
-works on plain Python lists of the tensors' bits, and so says what any connector must
-produce. Tests and `kvgen verify` compare every generated connector with it.
+It reads the specs through `kvgen.oracle.address` only (never the planner or generated code)
+and so says what any connector must produce. Each element moves from where
+`element_address` puts it in the cache to where it puts it in the object; the function is
+evaluated on index grids of every element at once (it is plain arithmetic), and the
+elements move as one gather and scatter over the tensors' bits laid end to end.
+Tests and `kvgen verify` compare every generated connector with it.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from kvgen.oracle.address import element_address
 from kvgen.runtime.ops import bits
+from kvgen.runtime.threads import intra_op_threads
 from kvgen.spec.model import Spec
 
 Extents = Mapping[str, int]
@@ -53,27 +58,72 @@ def leaf(tree: Any, path: Sequence[int]) -> torch.Tensor:
     return tree
 
 
-def _logical(spec: Spec, ext: Extents) -> Iterator[dict[str, int]]:
-    ranges = {a.lower(): range(ext[a] if spec.has(a) else 1) for a in ("L", "KV", "H", "C")}
-    for values in itertools.product(*ranges.values()):
-        yield dict(zip(ranges, values, strict=False))
+def logical_grids(spec: Spec, ext: Extents, lead: Sequence[int] = ()) -> dict[str, torch.Tensor]:
+    """Every (l, kv, h, c) of `spec` as index grids that broadcast to (*lead, L, KV, H, C), in
+    the order of nested loops over l, kv, h, c (an axis the spec lacks has extent 1)."""
+    sizes = [ext[a] if spec.has(a) else 1 for a in ("L", "KV", "H", "C")]
+    out = {}
+    for i, (name, n) in enumerate(zip(("l", "kv", "h", "c"), sizes, strict=True)):
+        view = [1] * (len(lead) + len(sizes))
+        view[len(lead) + i] = n
+        out[name] = torch.arange(n).view(view)
+    return out
 
 
-def _read(tree: Any, spec: Spec, paths: list[tuple[int, ...]]) -> dict[tuple[int, ...], Any]:
-    return {p: bits(leaf(tree, p)).tolist() for p in paths}
+def element_positions(spec: Spec, coords: Mapping[str, Any], ext: Extents, shape: Sequence[int]) -> torch.Tensor:
+    """Where each element at `coords` (index grids) lies in the spec's leaves laid end to end
+    in leaf_paths order, each leaf in index order: element_address evaluated on every
+    element at once, each index checked against the extent it indexes."""
+    path, index = element_address(spec, coords, ext)
+    flat = torch.zeros((), dtype=torch.long)
+    for i, n in zip((*path, *index), (*(ext[a] for a in spec.lists), *shape), strict=True):
+        i = torch.as_tensor(i)
+        if bool(((i < 0) | (i >= n)).any()):
+            raise IndexError(f"{spec.name}: an element address falls outside an extent of {n}")
+        flat = flat * n + i
+    return flat
 
 
-def _write_back(tree: Any, values: dict[tuple[int, ...], Any]) -> None:
-    for path, nested in values.items():
-        target = leaf(tree, path)
-        raw = bits(target)
-        raw.copy_(torch.tensor(nested, dtype=raw.dtype, device=raw.device))
+def flat_bits(tree: Any, paths: list[tuple[int, ...]]) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The bits of every leaf, in index order, laid end to end (on the CPU), and the leaf shape."""
+    shapes = {tuple(leaf(tree, p).shape) for p in paths}
+    if len(shapes) != 1:
+        raise ValueError(f"leaves of one tree differ in shape: {sorted(shapes)}")
+    return torch.cat([bits(leaf(tree, p)).detach().cpu().reshape(-1) for p in paths]), shapes.pop()
 
 
-def _get(nested: Any, index: tuple[int, ...]) -> Any:
-    for i in index[:-1]:
-        nested = nested[i]
-    return nested, index[-1]
+def write_back(tree: Any, paths: list[tuple[int, ...]], flat: torch.Tensor) -> None:
+    at = 0
+    for path in paths:
+        raw = bits(leaf(tree, path))
+        n = raw.numel()
+        raw.copy_(flat[at:at + n].view(raw.shape))
+        at += n
+
+
+def put_last(dst: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
+    """dst[where] = values, where a position written twice keeps the later value (as a loop would)."""
+    where, values = where.reshape(-1), values.reshape(-1)
+    order = torch.arange(where.numel())
+    last = torch.full((dst.numel(),), -1, dtype=torch.long).scatter_reduce_(0, where, order, reduce="amax")
+    keep = last[where] == order
+    dst[where[keep]] = values[keep].to(dst.dtype)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def one_thread(fn: F) -> F:
+    """`fn` with torch on one intra-op thread: the reference's ops are small, and on a host
+    whose cores are taken each parallel region's barrier waits a scheduling slice (as
+    kvgen.runtime.threads.cpu_threads says for connectors), which made them ~30x slower."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with intra_op_threads(1):
+            return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 def tokens(slot_mapping: Sequence[int], start: int, end: int, offset: int = 0,
@@ -97,23 +147,28 @@ def load(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, slot
     _move(paged, obj, ext, kvcaches, objects, slot_mapping, start, end, offset, skip, to_cache=True)
 
 
+@one_thread
 def _move(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, slot_mapping: Sequence[int],
           start: int, end: int, offset: int, skip: int, *, to_cache: bool) -> None:
     mapping = [int(s) for s in slot_mapping]
     obj_ext = {**ext, "T": end - start}
-    cache_vals = _read(kvcaches, paged, leaf_paths(paged, ext))
-    obj_vals = _read(objects, obj, leaf_paths(obj, obj_ext))
-    for t, slot in tokens(mapping, start, end, offset, skip):
-        for coords in _logical(paged, ext):
-            cpath, cidx = element_address(paged, {**coords, "slot": slot}, ext)
-            opath, oidx = element_address(obj, {**coords, "t": t}, obj_ext)
-            c_list, c_last = _get(cache_vals[cpath], cidx)
-            o_list, o_last = _get(obj_vals[opath], oidx)
-            if to_cache:
-                c_list[c_last] = o_list[o_last]
-            else:
-                o_list[o_last] = c_list[c_last]
-    _write_back(kvcaches if to_cache else objects, cache_vals if to_cache else obj_vals)
+    moved = list(tokens(mapping, start, end, offset, skip))
+    if not moved:
+        return
+    cache_paths, obj_paths = leaf_paths(paged, ext), leaf_paths(obj, obj_ext)
+    cache_vals, cache_shape = flat_bits(kvcaches, cache_paths)
+    obj_vals, obj_shape = flat_bits(objects, obj_paths)
+    t, slot = (torch.tensor(v).view(-1, 1, 1, 1, 1) for v in zip(*moved, strict=True))
+    coords = logical_grids(paged, ext, (len(moved),))
+    here = element_positions(paged, {**coords, "slot": slot}, ext, cache_shape)
+    there = element_positions(obj, {**coords, "t": t}, obj_ext, obj_shape)
+    here, there = torch.broadcast_tensors(here, there)
+    if to_cache:
+        put_last(cache_vals, here, obj_vals[there])
+        write_back(kvcaches, cache_paths, cache_vals)
+    else:
+        put_last(obj_vals, there, cache_vals[here])
+        write_back(objects, obj_paths, obj_vals)
 
 
 # -- coordinate-encoding test data ----------------------------------------------------
@@ -127,24 +182,26 @@ def code_space(dtype: torch.dtype) -> int:
     return _CODE_SPACE[torch.empty(0, dtype=dtype).element_size()]
 
 
-def coded(ident: int, dtype: torch.dtype) -> int:
-    """A distinct, finite bit pattern for `ident` (unique while ident < code_space)."""
+def coded(ident: Any, dtype: torch.dtype) -> Any:
+    """A distinct, finite bit pattern for `ident` (unique while ident < code_space); an int,
+    or a tensor of them for a tensor of idents."""
     return ident % (code_space(dtype) - 1) + 1
 
 
+@one_thread
 def fill_cache(paged: Spec, ext: Extents, kvcaches: Any, dtype: torch.dtype, salt: int = 0) -> None:
     """Give every element the code of its coordinates (l, kv, slot, h, c)."""
     paths = leaf_paths(paged, ext)
-    vals = _read(kvcaches, paged, paths)
+    vals, shape = flat_bits(kvcaches, paths)
     slots = ext["S"] if "S" in ext else ext["B"] * ext["N"]
     kv, h, c = (ext[a] if paged.has(a) else 1 for a in ("KV", "H", "C"))
-    for slot in range(slots):
-        for coords in _logical(paged, ext):
-            ident = (((coords["l"] * kv + coords["kv"]) * slots + slot) * h + coords["h"]) * c + coords["c"]
-            path, idx = element_address(paged, {**coords, "slot": slot}, ext)
-            lst, last = _get(vals[path], idx)
-            lst[last] = coded(ident + salt, dtype)
-    _write_back(kvcaches, vals)
+    coords = logical_grids(paged, ext, (slots,))
+    slot = torch.arange(slots).view(-1, 1, 1, 1, 1)
+    ident = (((coords["l"] * kv + coords["kv"]) * slots + slot) * h + coords["h"]) * c + coords["c"]
+    where, codes = torch.broadcast_tensors(element_positions(paged, {**coords, "slot": slot}, ext, shape),
+                                           coded(ident + salt, dtype))
+    put_last(vals, where, codes)
+    write_back(kvcaches, paths, vals)
 
 
 def fill_object(tensors: Sequence[torch.Tensor], dtype: torch.dtype, salt: int) -> None:
@@ -152,7 +209,6 @@ def fill_object(tensors: Sequence[torch.Tensor], dtype: torch.dtype, salt: int) 
     base = 0
     for t in tensors:
         n = t.numel()
-        codes = [coded(base + i + salt, dtype) for i in range(n)]
         raw = bits(t)
-        raw.copy_(torch.tensor(codes, dtype=raw.dtype).view(raw.shape))
+        raw.copy_(coded(torch.arange(base + salt, base + salt + n), dtype).to(raw.dtype).view(raw.shape))
         base += n
