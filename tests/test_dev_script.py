@@ -23,7 +23,8 @@ def _run(tmp_path: Path, fail_on: str = "", *args: str, code: int = 3) -> subpro
                     'exit 0\n')
     fake.chmod(0o755)
     return subprocess.run([str(ROOT / "scripts" / "dev"), *(args or ("run",))], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHON": str(fake), "KVGEN_TEST_WORKERS": "2"})
+                          timeout=60, env={**os.environ, "PYTHON": str(fake), "KVGEN_TEST_WORKERS": "2",
+                                           "KVGEN_NO_ENGINES": "1"})  # the engines' venv is not under test
 
 
 def _pytest_calls(tmp_path: Path) -> list[str]:
