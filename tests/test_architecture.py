@@ -33,7 +33,6 @@ from code_rules import (
     third_party,
 )
 
-
 #: Shared, torch-free modules every stage may import.
 CORE = {"kvgen", "kvgen.errors", "kvgen.notation", "kvgen.names", "kvgen.interface", "kvgen.versions"}
 #: What each part of kvgen may import from kvgen, besides CORE and itself.
@@ -301,7 +300,8 @@ def test_no_two_classes_share_a_name() -> None:
         key = f"{module_name(PACKAGE.parent / at.split(':')[0])}:{name}"
         if key not in PENDING_CLASSES:
             by_name.setdefault(name, []).append(at)
-    found = [f"class {name} is defined {len(ats)} times: {', '.join(ats)}" for name, ats in by_name.items() if len(ats) > 1]
+    found = [f"class {name} is defined {len(ats)} times: {', '.join(ats)}"
+             for name, ats in by_name.items() if len(ats) > 1]
     assert not found, "\n".join(found)
 
 

@@ -21,8 +21,8 @@ from kvgen import generated
 from kvgen.oracle import reference
 from kvgen.oracle.facts import (
     FACTS,
+    EngineGeometry,
     Fact,
-    Geometry,
     disagreement,
     elements,
     extents,
@@ -40,9 +40,9 @@ SPECS = {s.name: s for s in LIBRARY.specs}
 
 #: No two extents equal (KV is 2), so a swapped pair of axes changes a shape or an address.
 GEOMETRIES = (
-    Geometry(L=3, B=5, N=4, H=6, C=7, T=9),
-    Geometry(L=5, B=3, N=7, H=4, C=6, T=11),
-    Geometry(L=4, B=6, N=3, H=5, C=8, T=10),
+    EngineGeometry(L=3, B=5, N=4, H=6, C=7, T=9),
+    EngineGeometry(L=5, B=3, N=7, H=4, C=6, T=11),
+    EngineGeometry(L=4, B=6, N=3, H=5, C=8, T=10),
 )
 
 
@@ -56,13 +56,13 @@ def test_every_builtin_spec_has_a_fact_and_every_fact_a_spec() -> None:
 
 
 @pytest.mark.parametrize("g", GEOMETRIES, ids=str)
-def test_geometries_keep_every_extent_apart(g: Geometry) -> None:
+def test_geometries_keep_every_extent_apart(g: EngineGeometry) -> None:
     sizes = [g.L, 2, g.B, g.N, g.H, g.C, g.T]
     assert len(set(sizes)) == len(sizes)
     assert g.T <= g.B * g.N
 
 
-def _leaf_paths(fact: Fact, g: Geometry) -> list[tuple[int, ...]]:
+def _leaf_paths(fact: Fact, g: EngineGeometry) -> list[tuple[int, ...]]:
     ranges = [range(level_size(axis, g)) for _, axis in fact.container]
     return [tuple(p) for p in itertools.product(*ranges)]
 
@@ -98,7 +98,7 @@ def test_spec_containers_and_shape_are_the_engines(name: str) -> None:
         assert reference.leaf_shape(spec, ext) == fact.shape(g)
         tree = reference.nest(spec, ext, lambda path: ("leaf", path))
 
-        def walk(node: Any, depth: int, path: tuple[int, ...], g: Geometry = g) -> None:
+        def walk(node: Any, depth: int, path: tuple[int, ...], g: EngineGeometry = g) -> None:
             if depth == len(fact.container):
                 assert node == ("leaf", path)
                 return
@@ -117,7 +117,7 @@ def test_spec_containers_and_shape_are_the_engines(name: str) -> None:
 G = GEOMETRIES[0]
 
 
-def _build(fact: Fact, g: Geometry, make: Callable[[tuple[int, ...]], torch.Tensor]) -> Any:
+def _build(fact: Fact, g: EngineGeometry, make: Callable[[tuple[int, ...]], torch.Tensor]) -> Any:
     """Containers as the source hands them over ("seq" as a list, as LMCache's SGLang adapter)."""
 
     def level(depth: int, path: tuple[int, ...]) -> Any:
@@ -136,7 +136,7 @@ def _leaf(tree: Any, path: tuple[int, ...]) -> torch.Tensor:
     return tree
 
 
-def _by_leaf(fact: Fact, g: Geometry, value: Callable[..., float]) -> dict[tuple[int, ...], tuple[list, list]]:
+def _by_leaf(fact: Fact, g: EngineGeometry, value: Callable[..., float]) -> dict[tuple[int, ...], tuple[list, list]]:
     groups: dict[tuple[int, ...], tuple[list, list]] = defaultdict(lambda: ([], []))
     for e in elements(fact, g):
         path, index = fact.address(g, *e)
@@ -149,12 +149,12 @@ def _columns(indices: list[tuple[int, ...]]) -> tuple[torch.Tensor, ...]:
     return tuple(torch.tensor(col) for col in zip(*indices, strict=True))
 
 
-def _write(fact: Fact, g: Geometry, tree: Any, value: Callable[..., float]) -> None:
+def _write(fact: Fact, g: EngineGeometry, tree: Any, value: Callable[..., float]) -> None:
     for path, (indices, values) in _by_leaf(fact, g, value).items():
         _leaf(tree, path)[_columns(indices)] = torch.tensor(values, dtype=torch.float32)
 
 
-def _mismatches(fact: Fact, g: Geometry, tree: Any, value: Callable[..., float]) -> list[tuple]:
+def _mismatches(fact: Fact, g: EngineGeometry, tree: Any, value: Callable[..., float]) -> list[tuple]:
     bad = []
     for path, (indices, values) in _by_leaf(fact, g, value).items():
         got = _leaf(tree, path)[_columns(indices)].tolist()
@@ -162,12 +162,12 @@ def _mismatches(fact: Fact, g: Geometry, tree: Any, value: Callable[..., float])
     return bad
 
 
-def _cache_code(fact: Fact, g: Geometry) -> Callable[..., float]:
+def _cache_code(fact: Fact, g: EngineGeometry) -> Callable[..., float]:
     slots = positions(fact, g)
     return lambda layer, kv, slot, h, c: float(((((layer * 2 + kv) * slots + slot) * g.H + h) * g.C + c) + 1)
 
 
-def _object_code(g: Geometry) -> Callable[..., float]:
+def _object_code(g: EngineGeometry) -> Callable[..., float]:
     return lambda layer, kv, t, h, c: float(100000 + (((layer * 2 + kv) * g.T + t) * g.H + h) * g.C + c)
 
 
@@ -219,7 +219,7 @@ def test_generated_connector_moves_elements_where_the_facts_say(pair: tuple[str,
 
 
 @pytest.mark.parametrize("g", GEOMETRIES, ids=str)
-def test_vllm_033_specs_say_the_order_vllm_hands_a_layer_over_in(g: Geometry) -> None:
+def test_vllm_033_specs_say_the_order_vllm_hands_a_layer_over_in(g: EngineGeometry) -> None:
     """`given` against vLLM's sources (kvgen.oracle.facts_vllm): the memory-order leaf, read in the
     spec's given order, is vLLM's logical [B, H, N, C] view (MLA: [B, 1, N, C])."""
     from kvgen.oracle import facts_vllm

@@ -10,13 +10,13 @@ import pytest
 import yaml
 
 from kvgen.errors import SpecError
-from kvgen.oracle.facts import Geometry, disagreement
+from kvgen.oracle.facts import EngineGeometry, disagreement
 from kvgen.oracle.facts_groups import GROUPS_FACTS
 from kvgen.spec.library import load_library, load_specs
 
 LIBRARY = load_library()
 GROUPS = {s.name: s for s in LIBRARY.objects if s.carries is not None}
-G = Geometry(L=3, B=5, N=4, H=6, C=7, T=9)
+G = EngineGeometry(L=3, B=5, N=4, H=6, C=7, T=9)
 
 
 def test_every_groups_object_has_facts() -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvgen import generated
-from kvgen.oracle.facts import Geometry
+from kvgen.oracle.facts import EngineGeometry
 from kvgen.oracle.facts_parts import (
     FREE_DTYPE,
     PACKED_FACTS,
@@ -31,15 +31,15 @@ from kvgen.oracle.scenarios import Scenario, connector_load, connector_store
 from kvgen.runtime import MemoryObj
 
 #: No two extents equal; per-part widths are C + 3 * index.
-G = Geometry(L=3, B=5, N=4, H=6, C=7, T=9)
+G = EngineGeometry(L=3, B=5, N=4, H=6, C=7, T=9)
 LEVEL = {"L": lambda g: g.L, "KV": lambda g: 2}
 
 
-def _level(axis: str, fact: PartsFact, g: Geometry) -> int:
+def _level(axis: str, fact: PartsFact, g: EngineGeometry) -> int:
     return len(fact.parts) if axis == "P" else LEVEL[axis](g)
 
 
-def _build(fact: PartsFact, g: Geometry, make: Any) -> Any:
+def _build(fact: PartsFact, g: EngineGeometry, make: Any) -> Any:
     """Containers as the source hands them over; make(path, part index) makes each leaf."""
     where = [axis for _, axis in fact.container]
 
@@ -67,7 +67,7 @@ def _leaves(tree: Any, paths: list[tuple[int, ...]]) -> dict[tuple[int, ...], Le
     return {p: read_leaf(_leaf(tree, p)) for p in paths}
 
 
-def _paths(fact: PartsFact, g: Geometry) -> list[tuple[int, ...]]:
+def _paths(fact: PartsFact, g: EngineGeometry) -> list[tuple[int, ...]]:
     import itertools
 
     return list(itertools.product(*(range(_level(a, fact, g)) for _, a in fact.container)))
@@ -111,7 +111,7 @@ def test_every_format2_layout_has_connectors() -> None:
     assert {layout for layout, _ in PAIRS} == set(PARTS_FACTS)
 
 
-def _fill(fact: PartsFact, g: Geometry, tree: Any, tag: str, where: Any, pos_range: int,
+def _fill(fact: PartsFact, g: EngineGeometry, tree: Any, tag: str, where: Any, pos_range: int,
           planes: list[PlaneFact]) -> None:
     """Write each value's code at `where(plane, layer, kv, pos, h, c)`."""
     paths: dict[tuple[int, ...], Leaf] = {}
@@ -128,12 +128,12 @@ def _fill(fact: PartsFact, g: Geometry, tree: Any, tag: str, where: Any, pos_ran
         leaf.write_back()
 
 
-def _positions(g: Geometry, count: int) -> Geometry:
+def _positions(g: EngineGeometry, count: int) -> EngineGeometry:
     """A geometry whose B * N is `count` (values() walks slots as B * N)."""
-    return Geometry(L=g.L, B=1, N=count, H=g.H, C=g.C, T=g.T)
+    return EngineGeometry(L=g.L, B=1, N=count, H=g.H, C=g.C, T=g.T)
 
 
-def _mismatches(fact: PartsFact, g: Geometry, tree: Any, where: Any, want: Any, pos_range: int,
+def _mismatches(fact: PartsFact, g: EngineGeometry, tree: Any, where: Any, want: Any, pos_range: int,
                 planes: list[PlaneFact]) -> list[tuple]:
     leaves: dict[tuple[int, ...], Leaf] = {}
     bad = []

@@ -19,11 +19,11 @@ import pytest
 import yaml
 
 from kvgen.errors import SpecError
-from kvgen.oracle.facts import Geometry, disagreement
+from kvgen.oracle.facts import EngineGeometry, disagreement
 from kvgen.spec.library import BUILTIN_SPECS, load_library, load_specs
 
 #: No two extents equal (KV is 2), so no swap of two axes keeps every address.
-G = Geometry(L=3, B=5, N=4, H=6, C=7, T=9)
+G = EngineGeometry(L=3, B=5, N=4, H=6, C=7, T=9)
 
 # Format-2 specs (parts, fields, packs) have mutants of their own: tests/test_spec_mutations_parts.py.
 FILES = {spec.name: Path(spec.source).resolve() for spec in load_library().specs if spec.is_simple}

@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 from kvgen.errors import SpecError
-from kvgen.oracle.facts import Geometry, disagreement
+from kvgen.oracle.facts import EngineGeometry, disagreement
 from kvgen.spec.library import load_library, load_specs
 
-G = Geometry(L=3, B=5, N=4, H=6, C=7, T=9)
+G = EngineGeometry(L=3, B=5, N=4, H=6, C=7, T=9)
 # Groups objects have no dims or parts to mutate: tests/test_facts_groups.py mutates them.
 FILES = {spec.name: Path(spec.source).resolve() for spec in load_library().specs
          if not spec.is_simple and spec.carries is None}

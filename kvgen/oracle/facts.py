@@ -23,7 +23,9 @@ Sources (projects as named on GitHub):
   rebellions-sw/vllm-rbln vllm_rbln/v1/attention/backends/flash_attention.py.
 - SGLang (sgl-project/sglang): python/sglang/srt/mem_cache/memory_pool.py.
 - Host pools and offload stores (SGLang HiCache, vLLM's canonical CPU offload, Dynamo KVBM):
-  kvgen/oracle/facts_host.py, with their sources.
+  kvgen/oracle/facts_host.py, with their sources; SGLang 0.5.23's device pools in
+  facts_sglang.py and vLLM 0.33's caches in facts_vllm.py. Each fills a table of its own
+  (kvgen.oracle.fact_table.FactTable), merged below into FACTS.
 - TensorRT-LLM (NVIDIA/TensorRT-LLM): cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp,
   cpp/tensorrt_llm/kernels/kvCacheUtils.h.
 - LMCache 0.5.6 (LMCache/LMCache): lmcache/v1/memory_management.py (MemoryFormat),
@@ -41,69 +43,27 @@ logical vLLM view is that tensor permuted back.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
+from kvgen.oracle import facts_host, facts_sglang, facts_vllm
 from kvgen.oracle.agreement import address_disagreement
+from kvgen.oracle.fact_table import (
+    ONE_TENSOR,
+    PER_LAYER,
+    Address,
+    EngineGeometry,
+    Fact,
+    FactTable,
+    merge,
+)
+from kvgen.oracle.facts_groups import groups_disagreement
+from kvgen.oracle.facts_parts import parts_disagreement
 from kvgen.oracle.reference import leaf_shape
 from kvgen.spec.model import Spec
 
-
-@dataclass(frozen=True)
-class Geometry:
-    """One model and cache size, in the engines' words."""
-
-    L: int  # num_layers
-    B: int  # num_blocks (pages)
-    N: int  # block_size: token slots per block
-    H: int  # num_kv_heads (MLA caches have no head axis: one latent plane)
-    C: int  # head_size; the latent width (kv_lora_rank + rope dim) for MLA
-    T: int = 0  # tokens in one memory object (chunk)
-
-
-#: (container path, tensor index) of one element.
-Address = tuple[tuple[int, ...], tuple[int, ...]]
-#: A container level, outermost first: (kind, axis). Kinds: "list", "tuple", or "seq" where the
-#: sources disagree (LMCache types SGLang's pair as a list and documents it as a tuple).
-Level = tuple[str, str]
-#: address(g, l, kv, pos, h, c); pos is the slot for caches, the token for objects.
-AddressFn = Callable[[Geometry, int, int, int, int, int], Address]
-
-KV2 = {"KV": 2}
-
-
-@dataclass(frozen=True)
-class Fact:
-    name: str  # the built-in spec this entry checks
-    kind: str  # "paged" or "object"
-    container: tuple[Level, ...]
-    shape: Callable[[Geometry], tuple[int, ...]]
-    address: AddressFn
-    #: Extents the source writes as literals; the spec's `sizes` must say exactly these.
-    fixed: Mapping[str, int] = field(default_factory=dict)
-    #: One latent plane: kv and h are always 0.
-    mla: bool = False
-    #: LMCache's engine format name (paged), or its MemoryFormat name and code (objects).
-    lmcache: str | None = None
-    code: int | None = None
-    #: One plane with heads (LMCache's kv_size 1 with NH): kv is always 0.
-    single: bool = False
-
-
-FACTS: dict[str, Fact] = {}
-
-
-def _fact(name: str, kind: str, container: tuple[Level, ...], shape: Callable[[Geometry], tuple[int, ...]],
-          fixed: Mapping[str, int] = KV2, *, mla: bool = False, lmcache: str | None = None,
-          code: int | None = None, single: bool = False) -> Callable[[AddressFn], AddressFn]:
-    def register(address: AddressFn) -> AddressFn:
-        FACTS[name] = Fact(name, kind, container, shape, address, dict(fixed), mla, lmcache, code, single)
-        return address
-    return register
-
-
-PER_LAYER: tuple[Level, ...] = (("list", "L"),)
-ONE_TENSOR: tuple[Level, ...] = ()
+#: This module's own entries (vLLM's device caches, TensorRT-LLM, LMCache's objects).
+ENGINE_FACTS = FactTable()
+_fact = ENGINE_FACTS.fact
 
 
 # -- vLLM FlashAttention / FlashInfer / Triton: K and V as a size-2 axis -----------------------
@@ -114,7 +74,7 @@ ONE_TENSOR: tuple[Level, ...] = ()
 # kv_format/specs/nl_x_two_nb_bs_nh_hs.py "NL x [2, NB, BS, NH, HS]").
 @_fact("vllm_flash_attn_nhd", "paged", PER_LAYER, lambda g: (2, g.B, g.N, g.H, g.C),
        lmcache="NL_X_TWO_NB_BS_NH_HS")
-def vllm_flash_attn_nhd(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_flash_attn_nhd(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (layer,), (kv, slot // g.N, slot % g.N, h, c)
 
 
@@ -123,7 +83,7 @@ def vllm_flash_attn_nhd(g: Geometry, layer: int, kv: int, slot: int, h: int, c: 
 # "NL x [2, NB, NH, BS, HS]", num_heads = shape[2], block_size = shape[3].
 @_fact("vllm_flash_attn_hnd", "paged", PER_LAYER, lambda g: (2, g.B, g.H, g.N, g.C),
        lmcache="NL_X_TWO_NB_NH_BS_HS")
-def vllm_flash_attn_hnd(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_flash_attn_hnd(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (layer,), (kv, slot // g.N, h, slot % g.N, c)
 
 
@@ -132,7 +92,7 @@ def vllm_flash_attn_hnd(g: Geometry, layer: int, kv: int, slot: int, h: int, c: 
 # order (0, 1, 2, 3, 4). LMCache nl_x_nb_two_bs_nh_hs.py "NL x [NB, 2, BS, NH, HS]".
 @_fact("vllm_flashinfer_nhd", "paged", PER_LAYER, lambda g: (g.B, 2, g.N, g.H, g.C),
        lmcache="NL_X_NB_TWO_BS_NH_HS")
-def vllm_flashinfer_nhd(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_flashinfer_nhd(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (layer,), (slot // g.N, kv, slot % g.N, h, c)
 
 
@@ -140,7 +100,7 @@ def vllm_flashinfer_nhd(g: Geometry, layer: int, kv: int, slot: int, h: int, c: 
 # head_size); LMCache nl_x_nb_two_nh_bs_hs.py "NL x [NB, 2, NH, BS, HS]".
 @_fact("vllm_flashinfer_hnd", "paged", PER_LAYER, lambda g: (g.B, 2, g.H, g.N, g.C),
        lmcache="NL_X_NB_TWO_NH_BS_HS")
-def vllm_flashinfer_hnd(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_flashinfer_hnd(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (layer,), (slot // g.N, kv, h, slot % g.N, c)
 
 
@@ -150,7 +110,7 @@ def vllm_flashinfer_hnd(g: Geometry, layer: int, kv: int, slot: int, h: int, c: 
 # [NB, NL, 2, BS, NH, HS]" (vLLM CROSS_LAYER).
 @_fact("vllm_cross_layer", "paged", ONE_TENSOR, lambda g: (g.B, g.L, 2, g.N, g.H, g.C),
        lmcache="NB_NL_TWO_BS_NH_HS")
-def vllm_cross_layer(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_cross_layer(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (slot // g.N, layer, kv, slot % g.N, h, c)
 
 
@@ -160,7 +120,7 @@ def vllm_cross_layer(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int
 # layers[i][0] as K and layers[i][1] as V.
 @_fact("vllm_kv_tuple", "paged", (("list", "L"), ("tuple", "KV")), lambda g: (g.B, g.N, g.H, g.C),
        lmcache="NL_X_TWO_X_NB_BS_NH_HS")
-def vllm_kv_tuple(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_kv_tuple(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (layer, kv), (slot // g.N, slot % g.N, h, c)
 
 
@@ -168,7 +128,7 @@ def vllm_kv_tuple(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -
 # (2, num_blocks, num_kv_heads, 1, block_size, head_size); LMCache nl_x_two_nb_nh_one_bs_hs.py
 # "NL x [2, NB, NH, 1, BS, HS]".
 @_fact("vllm_rbln", "paged", PER_LAYER, lambda g: (2, g.B, g.H, 1, g.N, g.C), lmcache="NL_X_TWO_NB_NH_ONE_BS_HS")
-def vllm_rbln(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_rbln(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (layer,), (kv, slot // g.N, h, 0, slot % g.N, c)
 
 
@@ -178,7 +138,7 @@ def vllm_rbln(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Ad
 # ("num_kv_heads assumed to be 1 for MLA"); stride order (0, 1, 2). LMCache nl_x_nb_bs_hs.py
 # "NL x [NB, BS, HS]", K and V share one latent.
 @_fact("vllm_mla", "paged", PER_LAYER, lambda g: (g.B, g.N, g.C), {}, mla=True, lmcache="NL_X_NB_BS_HS")
-def vllm_mla(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_mla(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (layer,), (slot // g.N, slot % g.N, c)
 
 
@@ -196,39 +156,39 @@ def vllm_mla(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Add
 
 # LBNHC: [L, B, N, H, 2C], NHD; LMCache nl_x_nb_bs_nh_cs.py "NL x [NB, BS, NH, CS]".
 @_fact("vllm_packed_nhd", "paged", PER_LAYER, lambda g: (g.B, g.N, g.H, 2 * g.C), lmcache="NL_X_NB_BS_NH_CS")
-def vllm_packed_nhd(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_packed_nhd(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (layer,), (slot // g.N, slot % g.N, h, kv * g.C + c)
 
 
 # LBHNC: [L, B, H, N, 2C], HND; LMCache nl_x_nb_nh_bs_cs.py "NL x [NB, NH, BS, CS]".
 @_fact("vllm_packed_hnd", "paged", PER_LAYER, lambda g: (g.B, g.H, g.N, 2 * g.C), lmcache="NL_X_NB_NH_BS_CS")
-def vllm_packed_hnd(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_packed_hnd(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (layer,), (slot // g.N, h, slot % g.N, kv * g.C + c)
 
 
 # LHBNC: [L, H, B, N, 2C]; LMCache refuses it (kv_format/types.py _UNSUPPORTED_KV_LAYOUTS).
 @_fact("vllm_heads_first", "paged", PER_LAYER, lambda g: (g.H, g.B, g.N, 2 * g.C))
-def vllm_heads_first(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_heads_first(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (layer,), (h, slot // g.N, slot % g.N, kv * g.C + c)
 
 
 # BLNHC: [B, L, N, H, 2C]; LMCache nb_nl_bs_nh_cs.py "[NB, NL, BS, NH, CS]".
 @_fact("vllm_blocks_first_nhd", "paged", ONE_TENSOR, lambda g: (g.B, g.L, g.N, g.H, 2 * g.C),
        lmcache="NB_NL_BS_NH_CS")
-def vllm_blocks_first_nhd(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_blocks_first_nhd(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (slot // g.N, layer, slot % g.N, h, kv * g.C + c)
 
 
 # BLHNC: [B, L, H, N, 2C]; LMCache nb_nl_nh_bs_cs.py "[NB, NL, NH, BS, CS]".
 @_fact("vllm_blocks_first_hnd", "paged", ONE_TENSOR, lambda g: (g.B, g.L, g.H, g.N, 2 * g.C),
        lmcache="NB_NL_NH_BS_CS")
-def vllm_blocks_first_hnd(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_blocks_first_hnd(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (slot // g.N, layer, h, slot % g.N, kv * g.C + c)
 
 
 # BHLNC: [B, H, L, N, 2C]; LMCache refuses it (kv_format/types.py _UNSUPPORTED_KV_LAYOUTS).
 @_fact("vllm_blocks_heads_first", "paged", ONE_TENSOR, lambda g: (g.B, g.H, g.L, g.N, 2 * g.C))
-def vllm_blocks_heads_first(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_blocks_heads_first(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (slot // g.N, h, layer, slot % g.N, kv * g.C + c)
 
 
@@ -240,7 +200,7 @@ def vllm_blocks_heads_first(g: Geometry, layer: int, kv: int, slot: int, h: int,
 # V_layers]"; gpu_connectors.py SGLangGPUConnector: "kvcaches: Tuple[List[Tensor], List[Tensor]]".
 @_fact("sglang_mha", "paged", (("seq", "KV"), ("list", "L")), lambda g: (g.B * g.N, g.H, g.C),
        lmcache="TWO_X_NL_X_NBBS_NH_HS")
-def sglang_mha(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def sglang_mha(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (kv, layer), (slot, h, c)
 
 
@@ -248,7 +208,7 @@ def sglang_mha(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> A
 # torch.zeros((size + page_size, 1, kv_lora_rank + qk_rope_head_dim)); LMCache nl_x_nbbs_one_hs.py
 # "NL x [PBS, 1, HS]".
 @_fact("sglang_mla", "paged", PER_LAYER, lambda g: (g.B * g.N, 1, g.C), {}, mla=True, lmcache="NL_X_NBBS_ONE_HS")
-def sglang_mla(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def sglang_mla(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (layer,), (slot, 0, c)
 
 
@@ -261,7 +221,7 @@ def sglang_mla(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> A
 # detectors/trtllm.py views that 4-D pool as [NB, NL, 2, num_kv_heads, tokens_per_block, head_dim]
 # (trtllm_cross_layer.py "[NB, NL, 2, NH, BS, HS]"); the facts give that 6-D view.
 @_fact("trtllm_pool", "paged", ONE_TENSOR, lambda g: (g.B, g.L, 2, g.H, g.N, g.C), lmcache="NB_NL_TWO_NH_BS_HS")
-def trtllm_pool(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def trtllm_pool(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (slot // g.N, layer, kv, h, slot % g.N, c)
 
 
@@ -274,35 +234,35 @@ def trtllm_pool(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> 
 # KV_2LTD = 1: "[2, num_layers, num_tokens, hidden_dim]"; VLLMPagedMemGPUConnectorV2.get_shape
 # returns [kv_size, num_layers, num_tokens, hidden_dim_size] with kv_size 2.
 @_fact("kv_2ltd", "object", ONE_TENSOR, lambda g: (2, g.L, g.T, g.H * g.C), lmcache="KV_2LTD", code=1)
-def kv_2ltd(g: Geometry, layer: int, kv: int, t: int, h: int, c: int) -> Address:
+def kv_2ltd(g: EngineGeometry, layer: int, kv: int, t: int, h: int, c: int) -> Address:
     return (), (kv, layer, t, h * g.C + c)
 
 
 # KV_T2D = 2: "[num_tokens, 2, hidden_dim]"; VLLMPagedMemLayerwiseGPUConnector.get_shape returns
 # [num_tokens, 2, hidden_dim_size], one object per layer.
 @_fact("kv_t2d", "object", PER_LAYER, lambda g: (g.T, 2, g.H * g.C), lmcache="KV_T2D", code=2)
-def kv_t2d(g: Geometry, layer: int, kv: int, t: int, h: int, c: int) -> Address:
+def kv_t2d(g: EngineGeometry, layer: int, kv: int, t: int, h: int, c: int) -> Address:
     return (layer,), (t, kv, h * g.C + c)
 
 
 # KV_2TD = 3: "[2, num_tokens, hidden_dim]"; VLLMBufferLayerwiseGPUConnector.get_shape returns
 # [2, num_tokens, hidden_dim_size], one object per layer.
 @_fact("kv_2td", "object", PER_LAYER, lambda g: (2, g.T, g.H * g.C), lmcache="KV_2TD", code=3)
-def kv_2td(g: Geometry, layer: int, kv: int, t: int, h: int, c: int) -> Address:
+def kv_2td(g: EngineGeometry, layer: int, kv: int, t: int, h: int, c: int) -> Address:
     return (layer,), (kv, t, h * g.C + c)
 
 
 # KV_MLA_FMT = 6: "[1, num_layers, num_tokens, aligned_head_size]"; VLLMPagedMemGPUConnectorV2
 # get_shape with use_mla has kv_size 1.
 @_fact("kv_mla", "object", ONE_TENSOR, lambda g: (1, g.L, g.T, g.C), {}, mla=True, lmcache="KV_MLA_FMT", code=6)
-def kv_mla(g: Geometry, layer: int, kv: int, t: int, h: int, c: int) -> Address:
+def kv_mla(g: EngineGeometry, layer: int, kv: int, t: int, h: int, c: int) -> Address:
     return (), (0, layer, t, c)
 
 
 # KV_MLA_FMT per layer: VLLMPagedMemLayerwiseGPUConnector.get_shape with use_mla returns
 # "MLA format: [num_tokens, hidden_dim_size]" (one head of the latent width).
 @_fact("kv_mla_layer", "object", PER_LAYER, lambda g: (g.T, g.C), {}, mla=True, lmcache="KV_MLA_FMT", code=6)
-def kv_mla_layer(g: Geometry, layer: int, kv: int, t: int, h: int, c: int) -> Address:
+def kv_mla_layer(g: EngineGeometry, layer: int, kv: int, t: int, h: int, c: int) -> Address:
     return (layer,), (t, c)
 
 
@@ -312,14 +272,14 @@ def kv_mla_layer(g: Geometry, layer: int, kv: int, t: int, h: int, c: int) -> Ad
 # "a 5-D tensor whose K/V (size-2) axis is second-to-last" (deprecated form of NL_X_NB_BS_NH_CS,
 # whose content holds K first): kv selects along dim 3.
 @_fact("vllm_packed_nhd_5d", "paged", PER_LAYER, lambda g: (g.B, g.N, g.H, 2, g.C), lmcache="NL_X_NB_BS_NH_TWO_HS")
-def vllm_packed_nhd_5d(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_packed_nhd_5d(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (layer,), (slot // g.N, slot % g.N, h, kv, c)
 
 
 # nl_x_nb_nh_bs_two_hs.py: "Per-layer, HND, blocks-first with fused K/V: NL x [NB, NH, BS, 2, HS]";
 # num_heads = shape[1], block_size = shape[2].
 @_fact("vllm_packed_hnd_5d", "paged", PER_LAYER, lambda g: (g.B, g.H, g.N, 2, g.C), lmcache="NL_X_NB_NH_BS_TWO_HS")
-def vllm_packed_hnd_5d(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_packed_hnd_5d(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (layer,), (slot // g.N, h, slot % g.N, kv, c)
 
 
@@ -327,7 +287,7 @@ def vllm_packed_hnd_5d(g: Geometry, layer: int, kv: int, slot: int, h: int, c: i
 # "[K_layers, V_layers]"; data_ptrs unpacks `k, v = kv_caches`.
 @_fact("sglang_mha_blocks", "paged", (("seq", "KV"), ("list", "L")), lambda g: (g.B, g.N, g.H, g.C),
        lmcache="TWO_X_NL_X_NB_BS_NH_HS")
-def sglang_mha_blocks(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def sglang_mha_blocks(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (kv, layer), (slot // g.N, slot % g.N, h, c)
 
 
@@ -335,7 +295,7 @@ def sglang_mha_blocks(g: Geometry, layer: int, kv: int, slot: int, h: int, c: in
 # physical K or V allocation ... NL is the number of registered component tensors"; kv_size() is 1.
 @_fact("sglang_components", "paged", PER_LAYER, lambda g: (g.B, g.N, g.H, g.C), {}, single=True,
        lmcache="NL_X_NB_BS_NH_HS")
-def sglang_components(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def sglang_components(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (layer,), (slot // g.N, slot % g.N, h, c)
 
 
@@ -345,53 +305,53 @@ def sglang_components(g: Geometry, layer: int, kv: int, slot: int, h: int, c: in
 # chunk shape (nl, chunk_tokens, nh * hs).
 @_fact("kv_1ltd", "object", ONE_TENSOR, lambda g: (1, g.L, g.T, g.H * g.C), {}, single=True, lmcache="KV_MLA_FMT",
        code=6)
-def kv_1ltd(g: Geometry, layer: int, kv: int, t: int, h: int, c: int) -> Address:
+def kv_1ltd(g: EngineGeometry, layer: int, kv: int, t: int, h: int, c: int) -> Address:
     return (), (0, layer, t, h * g.C + c)
 
 
 # The per-layer form: VLLMPagedMemLayerwiseGPUConnector.get_shape for one plane is
 # [num_tokens, hidden_dim_size], one object per layer.
 @_fact("kv_1td", "object", PER_LAYER, lambda g: (g.T, g.H * g.C), {}, single=True, lmcache="KV_MLA_FMT", code=6)
-def kv_1td(g: Geometry, layer: int, kv: int, t: int, h: int, c: int) -> Address:
+def kv_1td(g: EngineGeometry, layer: int, kv: int, t: int, h: int, c: int) -> Address:
     return (layer,), (t, h * g.C + c)
 
 
 # -- using the table ------------------------------------------------------------------------------
 
-def extents(g: Geometry) -> dict[str, int]:
+def extents(g: EngineGeometry) -> dict[str, int]:
     """The geometry as kvgen extents (axis letter -> size)."""
     return {"L": g.L, "KV": 2, "B": g.B, "N": g.N, "H": g.H, "C": g.C, "T": g.T}
 
 
-def level_size(axis: str, g: Geometry) -> int:
+#: Every built-in layout's entry, by spec name: this module's, then each source module's.
+FACTS: dict[str, Fact] = merge(ENGINE_FACTS, facts_host.HOST_FACTS, facts_sglang.SGLANG_FACTS, facts_vllm.VLLM_FACTS)
+
+
+def level_size(axis: str, g: EngineGeometry) -> int:
     return 2 if axis == "KV" else getattr(g, axis)
 
 
-def positions(fact: Fact, g: Geometry) -> int:
+def positions(fact: Fact, g: EngineGeometry) -> int:
     """Slots of a cache, tokens of an object."""
     return g.B * g.N if fact.kind == "paged" else g.T
 
 
-def element_sizes(fact: Fact, g: Geometry) -> tuple[int, int, int, int, int]:
+def element_sizes(fact: Fact, g: EngineGeometry) -> tuple[int, int, int, int, int]:
     """How many l, kv, pos, h and c the layout holds."""
     planes, heads = (1, 1) if fact.mla else ((1, g.H) if fact.single else (2, g.H))
     return g.L, planes, positions(fact, g), heads, g.C
 
 
-def elements(fact: Fact, g: Geometry) -> Iterator[tuple[int, int, int, int, int]]:
+def elements(fact: Fact, g: EngineGeometry) -> Iterator[tuple[int, int, int, int, int]]:
     """Every (l, kv, pos, h, c) the layout holds."""
     return itertools.product(*(range(n) for n in element_sizes(fact, g)))
 
 
-def disagreement(spec: Spec, g: Geometry) -> str | None:
+def disagreement(spec: Spec, g: EngineGeometry) -> str | None:
     """The first way `spec` differs from the facts about the layout it names, or None."""
     if spec.carries is not None:  # a model's groups object
-        from kvgen.oracle.facts_groups import groups_disagreement
-
         return groups_disagreement(spec)
     if not spec.is_simple:  # format 2: parts, fields, packed objects
-        from kvgen.oracle.facts_parts import parts_disagreement
-
         return parts_disagreement(spec, g)
     fact = FACTS.get(spec.name)
     if fact is None:
@@ -413,6 +373,3 @@ def disagreement(spec: Spec, g: Geometry) -> str | None:
         return f"shape {leaf_shape(spec, ext)} at {g}, the source says {fact.shape(g)}"
     return address_disagreement(spec, ext, lambda *e: fact.address(g, *e), element_sizes(fact, g), g)
 
-
-# Host pools and offload stores register their entries from their own module.
-from kvgen.oracle import facts_host, facts_vllm  # noqa: E402,F401

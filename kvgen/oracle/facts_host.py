@@ -1,6 +1,6 @@
 """Facts about the host pools and offload stores that layout-to-layout transfers reach, written
-from the engines' own sources; registered into kvgen.oracle.facts.FACTS (which imports this
-module), so every test and `kvgen verify` check them like the engine layouts.
+from the engines' own sources; merged into kvgen.oracle.facts.FACTS, so every test and
+`kvgen verify` check them like the engine layouts.
 
 Sources (projects as named on GitHub): SGLang (sgl-project/sglang)
 python/sglang/srt/mem_cache/pool_host/mha.py, mla.py and base.py; vLLM (vllm-project/vllm)
@@ -10,7 +10,11 @@ lib/kvbm-kernels/README.md.
 
 from __future__ import annotations
 
-from kvgen.oracle.facts import ONE_TENSOR, Address, Geometry, _fact
+from kvgen.oracle.fact_table import ONE_TENSOR, Address, EngineGeometry, FactTable
+
+#: The host pools and offload stores, by spec name (kvgen.oracle.facts merges them into FACTS).
+HOST_FACTS = FactTable()
+_fact = HOST_FACTS.fact
 
 # -- Host pools and offload stores (the far side of layout-to-layout transfers) -------------------
 
@@ -22,14 +26,14 @@ from kvgen.oracle.facts import ONE_TENSOR, Address, Geometry, _fact
 # MHATokenToKVPoolHost.init_kv_buffer, layout "layer_first": dims (2, layer_num, size, head_num,
 # head_dim); k_buffer is kv_buffer[0], v_buffer kv_buffer[1].
 @_fact("hicache_layer_first", "paged", ONE_TENSOR, lambda g: (2, g.L, g.B * g.N, g.H, g.C))
-def hicache_layer_first(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def hicache_layer_first(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (kv, layer, slot, h, c)
 
 
 # layout "page_first": dims (2, size, layer_num, head_num, head_dim) (per-layer views are
 # kv_buffer[i].transpose(0, 1)[layer]).
 @_fact("hicache_page_first", "paged", ONE_TENSOR, lambda g: (2, g.B * g.N, g.L, g.H, g.C))
-def hicache_page_first(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def hicache_page_first(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (kv, slot, layer, h, c)
 
 
@@ -37,33 +41,33 @@ def hicache_page_first(g: Geometry, layer: int, kv: int, slot: int, h: int, c: i
 # slot is page slot // page_size, row slot % page_size (transfer_kv_per_layer_direct_pf_lf copies
 # whole pages).
 @_fact("hicache_page_first_direct", "paged", ONE_TENSOR, lambda g: (2, g.B, g.L, g.N, g.H, g.C))
-def hicache_page_first_direct(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def hicache_page_first_direct(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (kv, slot // g.N, layer, slot % g.N, h, c)
 
 
 # layout "page_head" (SGLang 0.5.23): dims (2, page_num, head_num, page_size, layer_num, head_dim); a
 # page keeps each head's tokens together, every layer's row of a (head, token) side by side.
 @_fact("hicache_page_head", "paged", ONE_TENSOR, lambda g: (2, g.B, g.H, g.N, g.L, g.C))
-def hicache_page_head(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def hicache_page_head(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (kv, slot // g.N, h, slot % g.N, layer, c)
 
 
 # MLATokenToKVPoolHost.init_kv_buffer: "layer_first" dims (layer_num, size, 1, kv_cache_dim) with
 # kv_cache_dim = kv_lora_rank + qk_rope_head_dim; one latent, no K/V planes.
 @_fact("hicache_mla_layer_first", "paged", ONE_TENSOR, lambda g: (g.L, g.B * g.N, 1, g.C), {}, mla=True)
-def hicache_mla_layer_first(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def hicache_mla_layer_first(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (layer, slot, 0, c)
 
 
 # "page_first": dims (size, layer_num, 1, kv_cache_dim).
 @_fact("hicache_mla_page_first", "paged", ONE_TENSOR, lambda g: (g.B * g.N, g.L, 1, g.C), {}, mla=True)
-def hicache_mla_page_first(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def hicache_mla_page_first(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (slot, layer, 0, c)
 
 
 # "page_first_direct": dims (page_num, layer_num, page_size, 1, kv_cache_dim).
 @_fact("hicache_mla_page_first_direct", "paged", ONE_TENSOR, lambda g: (g.B, g.L, g.N, 1, g.C), {}, mla=True)
-def hicache_mla_page_first_direct(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def hicache_mla_page_first_direct(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (slot // g.N, layer, slot % g.N, 0, c)
 
 
@@ -75,7 +79,7 @@ def hicache_mla_page_first_direct(g: Geometry, layer: int, kv: int, slot: int, h
 # pages one after another (canonical_offset grows by canonical_page_size_bytes per layer), so the
 # CPU region is [num_blocks, L, 2, N, H, C] (format identity "v1-nhd").
 @_fact("vllm_offload_nhd", "paged", ONE_TENSOR, lambda g: (g.B, g.L, 2, g.N, g.H, g.C))
-def vllm_offload_nhd(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_offload_nhd(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (slot // g.N, layer, kv, slot % g.N, h, c)
 
 
@@ -86,12 +90,12 @@ def vllm_offload_nhd(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int
 # shared_offload_region.py create_next_canonical_view carves the layers' pages one after another
 # from the start of each CPU row.
 @_fact("vllm_canonical_lbnhc", "paged", ONE_TENSOR, lambda g: (g.B, g.L, g.N, g.H, 2 * g.C))
-def vllm_canonical_lbnhc(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_canonical_lbnhc(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (slot // g.N, layer, slot % g.N, h, kv * g.C + c)
 
 
 @_fact("vllm_canonical_lbhnc", "paged", ONE_TENSOR, lambda g: (g.B, g.L, g.H, g.N, 2 * g.C))
-def vllm_canonical_lbhnc(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_canonical_lbhnc(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (slot // g.N, layer, h, slot % g.N, kv * g.C + c)
 
 
@@ -99,7 +103,7 @@ def vllm_canonical_lbhnc(g: Geometry, layer: int, kv: int, slot: int, h: int, c:
 # page_size_bytes // block_size per token, stored once (only TP rank 0 writes): a page [N, C], rows
 # of layers as above: [num_blocks, L, N, C].
 @_fact("vllm_offload_mla", "paged", ONE_TENSOR, lambda g: (g.B, g.L, g.N, g.C), {}, mla=True)
-def vllm_offload_mla(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_offload_mla(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (slot // g.N, layer, slot % g.N, c)
 
 
@@ -108,8 +112,6 @@ def vllm_offload_mla(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int
 # outermost so that any TP size reads its heads as one slice; a pool of them is
 # [num_blocks, H, L, 2, N, C].
 @_fact("dynamo_universal", "paged", ONE_TENSOR, lambda g: (g.B, g.H, g.L, 2, g.N, g.C))
-def dynamo_universal(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def dynamo_universal(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (slot // g.N, h, layer, kv, slot % g.N, c)
 
-
-from kvgen.oracle import facts_sglang  # noqa: E402,F401  (SGLang 0.5.23 device pools: registered with the rest)

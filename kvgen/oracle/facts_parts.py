@@ -49,21 +49,21 @@ from typing import Any
 
 from kvgen.oracle.address import ObjectAddresses, plane_address, plane_count
 from kvgen.oracle.agreement import first_difference
-from kvgen.oracle.facts import Geometry, Level
+from kvgen.oracle.fact_table import EngineGeometry, Level
 from kvgen.oracle.planes import part_shape
 from kvgen.spec.model import Spec
 
 #: (container path, index of the storage element holding the value's first byte, byte in it).
 ByteAddress = tuple[tuple[int, ...], tuple[int, ...], int]
 #: where(g, layer, kv, pos, h, c); pos is the slot for caches, the token for objects.
-PlaneAddress = Callable[[Geometry, int, int, int, int, int], ByteAddress]
+PlaneAddress = Callable[[EngineGeometry, int, int, int, int, int], ByteAddress]
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1, "int8": 1}
 #: The dtype a test gives a part whose source leaves its dtype open.
 FREE_DTYPE = "bfloat16"
 
 
-def width(g: Geometry, part: int) -> int:
+def width(g: EngineGeometry, part: int) -> int:
     """The C of a part whose width the source leaves open (latent, rope, K, V head sizes):
     different per part, so a swapped pair of parts changes a shape."""
     return g.C + 3 * part
@@ -72,7 +72,7 @@ def width(g: Geometry, part: int) -> int:
 @dataclass(frozen=True)
 class PartFact:
     name: str
-    shape: Callable[[Geometry], tuple[int, ...]]
+    shape: Callable[[EngineGeometry], tuple[int, ...]]
     #: The dtypes the source allows the part's tensors (empty: any); tests use the first.
     dtypes: tuple[str, ...]
 
@@ -90,7 +90,7 @@ class PlaneFact:
     part: int
     #: The dtype of one value: a field's, else the part's (None when any).
     dtype: str | None
-    count: Callable[[Geometry], int]
+    count: Callable[[EngineGeometry], int]
     kv: bool
     heads: bool
     slots: bool
@@ -144,8 +144,8 @@ _register(PartsFact(
 # -- DeepSeek-V3.2 indexer keys: [BS x 128 fp8][BS x fp32 scale] per block ---------------------------
 # nl_x_nb_bsv_bss.py: tensor [NB, BS, 132] uint8; block b's 132 * BS bytes hold token n's values at
 # n * 128 and its scale at BS * 128 + n * 4.
-def _indexer(region: Callable[[Geometry], int], per_token: int) -> PlaneAddress:
-    def where(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> ByteAddress:
+def _indexer(region: Callable[[EngineGeometry], int], per_token: int) -> PlaneAddress:
+    def where(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> ByteAddress:
         byte = region(g) + (slot % g.N) * per_token + c
         return (layer,), (slot // g.N, byte // 132, byte % 132), 0
     return where
@@ -233,8 +233,8 @@ class PackedFact:
     lmcache: str
     code: int
     layerwise: bool
-    shape: Callable[[Geometry, PartsFact], tuple[int, ...]]
-    address: Callable[[Geometry, PartsFact, PlaneFact, int, int, int, int, int], ByteAddress]
+    shape: Callable[[EngineGeometry, PartsFact], tuple[int, ...]]
+    address: Callable[[EngineGeometry, PartsFact, PlaneFact, int, int, int, int, int], ByteAddress]
     #: Whether the object can hold this cache's planes.
     fits: Callable[[PartsFact], bool]
 
@@ -242,7 +242,7 @@ class PackedFact:
 PACKED_FACTS: dict[str, PackedFact] = {}
 
 
-def _row_bytes(cache: PartsFact, g: Geometry, upto: int | None = None) -> int:
+def _row_bytes(cache: PartsFact, g: EngineGeometry, upto: int | None = None) -> int:
     planes = cache.planes if upto is None else cache.planes[:upto]
     return sum(p.count(g) * cache.value_bytes(p) for p in planes)
 
@@ -254,11 +254,11 @@ def _row_fits(cache: PartsFact) -> bool:
 def _rows(layerwise: bool) -> PackedFact:
     # One flat plane of the summed width, in elements of the first part's dtype; each token's row
     # holds plane 0's bytes, then plane 1's, ... (mp_mem_kernels byte_off += nbytes per plane).
-    def shape(g: Geometry, cache: PartsFact) -> tuple[int, ...]:
+    def shape(g: EngineGeometry, cache: PartsFact) -> tuple[int, ...]:
         w = _row_bytes(cache, g) // cache.parts[0].item()
         return (g.T, w) if layerwise else (1, g.L, g.T, w)
 
-    def where(g: Geometry, cache: PartsFact, plane: PlaneFact, layer: int, kv: int, t: int, h: int,
+    def where(g: EngineGeometry, cache: PartsFact, plane: PlaneFact, layer: int, kv: int, t: int, h: int,
               c: int) -> ByteAddress:
         item = cache.parts[0].item()
         byte = _row_bytes(cache, g, cache.planes.index(plane)) + c * cache.value_bytes(plane)
@@ -272,13 +272,13 @@ PACKED_FACTS["kv_mla_rows"] = _rows(False)
 PACKED_FACTS["kv_mla_rows_layer"] = _rows(True)
 
 
-def _region_extents(g: Geometry, cache: PartsFact, plane: PlaneFact) -> tuple[int, ...]:
+def _region_extents(g: EngineGeometry, cache: PartsFact, plane: PlaneFact) -> tuple[int, ...]:
     """A plane's region per layer: [KV, T, H, C] with the axes it lacks left out."""
     return tuple(n for n, here in ((2, plane.kv), (g.T, plane.slots), (g.H, plane.heads),
                                    (plane.count(g), True)) if here)
 
 
-def _regions(g: Geometry, cache: PartsFact) -> tuple[list[int], int]:
+def _regions(g: EngineGeometry, cache: PartsFact) -> tuple[list[int], int]:
     starts, at = [], 0
     for plane in cache.planes:
         starts.append(at)
@@ -290,11 +290,11 @@ def _regions(g: Geometry, cache: PartsFact) -> tuple[list[int], int]:
 
 
 def _planes(layerwise: bool) -> PackedFact:
-    def shape(g: Geometry, cache: PartsFact) -> tuple[int, ...]:
+    def shape(g: EngineGeometry, cache: PartsFact) -> tuple[int, ...]:
         layer = _regions(g, cache)[1]
         return (layer,) if layerwise else (g.L, layer)
 
-    def where(g: Geometry, cache: PartsFact, plane: PlaneFact, layer: int, kv: int, t: int, h: int,
+    def where(g: EngineGeometry, cache: PartsFact, plane: PlaneFact, layer: int, kv: int, t: int, h: int,
               c: int) -> ByteAddress:
         index = [i for i, here in ((kv, plane.kv), (t, plane.slots), (h, plane.heads), (c, True)) if here]
         start = _regions(g, cache)[0][cache.planes.index(plane)]
@@ -312,12 +312,12 @@ PACKED_FACTS["kv_planes_layer"] = _planes(True)
 
 # -- using the table ---------------------------------------------------------------------------------
 
-def value_sizes(plane: PlaneFact, g: Geometry) -> tuple[int, int, int, int, int]:
+def value_sizes(plane: PlaneFact, g: EngineGeometry) -> tuple[int, int, int, int, int]:
     """How many layer, kv, slot, h and c one plane has (one slot for a plane without slots)."""
     return g.L, 2 if plane.kv else 1, g.B * g.N if plane.slots else 1, g.H if plane.heads else 1, plane.count(g)
 
 
-def values(fact: PartsFact, plane: PlaneFact, g: Geometry) -> Iterator[tuple[int, int, int, int, int]]:
+def values(fact: PartsFact, plane: PlaneFact, g: EngineGeometry) -> Iterator[tuple[int, int, int, int, int]]:
     """Every (layer, kv, slot, h, c) of one plane."""
     return itertools.product(*(range(n) for n in value_sizes(plane, g)))
 
@@ -326,14 +326,14 @@ def _coords(pos: str, e: tuple[Any, ...]) -> dict[str, Any]:
     return dict(zip(("l", "kv", pos, "h", "c"), e, strict=True))
 
 
-def extents(fact: PartsFact, g: Geometry) -> dict[str, int]:
+def extents(fact: PartsFact, g: EngineGeometry) -> dict[str, int]:
     """The geometry as kvgen extents, with each part's free width."""
     out = {"L": g.L, "KV": 2, "B": g.B, "N": g.N, "H": g.H, "C": g.C, "T": g.T}
     out.update({f"C.{p.name}": width(g, i) for i, p in enumerate(fact.parts)})
     return out
 
 
-def parts_disagreement(spec: Spec, g: Geometry) -> str | None:
+def parts_disagreement(spec: Spec, g: EngineGeometry) -> str | None:
     """The first way a format-2 spec differs from the facts, or None. A packed object is
     compared through every built-in cache whose planes it holds."""
     if not spec.is_paged:
@@ -382,7 +382,7 @@ def _builtin_caches() -> tuple[Spec, ...]:
     return tuple(s for s in load_library().paged if s.name in PARTS_FACTS)
 
 
-def _packed_disagreement(spec: Spec, g: Geometry) -> str | None:
+def _packed_disagreement(spec: Spec, g: EngineGeometry) -> str | None:
     fact = PACKED_FACTS.get(spec.name)
     if fact is None:
         return f"no fact entry for {spec.name}"

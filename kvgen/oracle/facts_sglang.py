@@ -1,11 +1,15 @@
 """Facts about SGLang 0.5.23's device pools beyond kvgen/oracle/facts.py, written from
-sglang/srt/mem_cache/memory_pool.py; registered into kvgen.oracle.facts.FACTS (facts_host
-imports this module), so every test and `kvgen verify` check them like the other layouts.
+sglang/srt/mem_cache/memory_pool.py; merged into kvgen.oracle.facts.FACTS, so every test and
+`kvgen verify` check them like the other layouts.
 """
 
 from __future__ import annotations
 
-from kvgen.oracle.facts import Address, Geometry, _fact
+from kvgen.oracle.fact_table import Address, EngineGeometry, FactTable
+
+#: The SGLang 0.5.23's device pools, by spec name (kvgen.oracle.facts merges them into FACTS).
+SGLANG_FACTS = FactTable()
+_fact = SGLANG_FACTS.fact
 
 
 # MHATokenToKVPool with SGLANG_USE_HND_KVCACHE=1 (kv_cache_layout "hnd"): _kv_buffer_shapes gives
@@ -14,5 +18,5 @@ from kvgen.oracle.facts import Address, Geometry, _fact
 # C] tensor per layer, handed over as (k_buffer, v_buffer) lists like the NHD pool; set_kv_buffer
 # writes slot `loc` at k_buf[loc // page_size, :, loc % page_size, :].
 @_fact("sglang_mha_hnd", "paged", (("seq", "KV"), ("list", "L")), lambda g: (g.B, g.H, g.N, g.C))
-def sglang_mha_hnd(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def sglang_mha_hnd(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (kv, layer), (slot // g.N, h, slot % g.N, c)

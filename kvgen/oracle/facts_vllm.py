@@ -1,6 +1,6 @@
-"""Facts about vLLM 0.33's caches, written from its own sources; registered into
-kvgen.oracle.facts.FACTS (which imports this module), so every test and `kvgen verify` check
-them like the other layouts. tests/test_engine_vllm.py compares them with vLLM's live answer
+"""Facts about vLLM 0.33's caches, written from its own sources; merged into
+kvgen.oracle.facts.FACTS, so every test and `kvgen verify` check them like the other
+layouts. tests/test_engine_vllm.py compares them with vLLM's live answer
 where vllm is installed.
 
 Sources (vllm-project/vllm 0.33.0): vllm/v1/kv_cache_layout.py (KVCacheLayout: "The logical
@@ -15,7 +15,11 @@ a dict layer name -> that view, in the tensor's layer order).
 
 from __future__ import annotations
 
-from kvgen.oracle.facts import PER_LAYER, Address, Geometry, _fact
+from kvgen.oracle.fact_table import PER_LAYER, Address, EngineGeometry, FactTable
+
+#: The vLLM 0.33's caches, by spec name (kvgen.oracle.facts merges them into FACTS).
+VLLM_FACTS = FactTable()
+_fact = VLLM_FACTS.fact
 
 #: KVCacheLayout members as kv_cache_layout.py writes them: the physical order of the logical
 #: axes L=0, B=1, H=2, N=3, C=4.
@@ -44,11 +48,11 @@ def layer_view_order(layout: str) -> tuple[int, ...]:
 def _register(layout: str) -> None:
     order = layer_view_order(layout)
 
-    def shape(g: Geometry) -> tuple[int, ...]:
+    def shape(g: EngineGeometry) -> tuple[int, ...]:
         logical = (g.B, g.H, g.N, 2 * g.C)
         return tuple(logical[i] for i in order)
 
-    def address(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+    def address(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
         logical = (slot // g.N, h, slot % g.N, kv * g.C + c)  # K first, then V, in the content
         return (layer,), tuple(logical[i] for i in order)
 
@@ -63,5 +67,5 @@ for _layout in KV_CACHE_LAYOUTS:
 # the latent (kv_lora_rank + qk_rope_head_dim); one head slot puts the same bytes in the same
 # order under every layout.
 @_fact(MLA_SPEC, "paged", PER_LAYER, lambda g: (g.B, 1, g.N, g.C), {}, mla=True)
-def vllm_mla_latent(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+def vllm_mla_latent(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (layer,), (slot // g.N, 0, slot % g.N, c)

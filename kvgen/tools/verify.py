@@ -100,11 +100,11 @@ def _check(package: ModuleType, plan: Any, device: str, scenarios: list[Scenario
 def _check_facts(library: Any) -> int:
     """Built-in specs against the engines' own facts (kvgen.oracle.facts): a wrong spec
     would otherwise verify, since the reference reads the same spec as the generator."""
-    from kvgen.oracle.facts import FACTS, Geometry, disagreement
+    from kvgen.oracle.facts import FACTS, EngineGeometry, disagreement
     from kvgen.oracle.facts_groups import GROUPS_FACTS
     from kvgen.oracle.facts_parts import PACKED_FACTS, PARTS_FACTS
 
-    geometry = Geometry(L=3, B=5, N=4, H=6, C=7, T=9)  # no two extents equal
+    geometry = EngineGeometry(L=3, B=5, N=4, H=6, C=7, T=9)  # no two extents equal
     tables = (FACTS, PARTS_FACTS, PACKED_FACTS, GROUPS_FACTS)
     checked = [s for s in library.specs if any(s.name in t for t in tables)]
     wrong = [(s.name, why) for s in checked if (why := disagreement(s, geometry)) is not None]

@@ -62,7 +62,7 @@ def sglang_disagreements() -> tuple[list[str], int]:
     cannot run here."""
     import torch
 
-    from kvgen.oracle.facts import FACTS, Geometry
+    from kvgen.oracle.facts import FACTS, EngineGeometry
 
     mp, host_mod = _sglang_modules()
     L, H, PAGE, C, SIZE = 3, 4, 16, 8, 48  # H != PAGE: a swap of heads and slots shows
@@ -94,7 +94,7 @@ def sglang_disagreements() -> tuple[list[str], int]:
 
     wrong: list[str] = []
 
-    def holds(name: str, tree: Any, g: Geometry, kvs: int, heads: int) -> None:
+    def holds(name: str, tree: Any, g: EngineGeometry, kvs: int, heads: int) -> None:
         fact, leaf = FACTS[name], tree
         while isinstance(leaf, (list, tuple)):
             leaf = leaf[0]
@@ -121,7 +121,7 @@ def sglang_disagreements() -> tuple[list[str], int]:
                                          f"the fact says {index}")
                             return
 
-    g = Geometry(L=L, B=rows // PAGE, N=PAGE, H=H, C=C)
+    g = EngineGeometry(L=L, B=rows // PAGE, N=PAGE, H=H, C=C)
     for hnd, name in ((False, "sglang_mha"), (True, "sglang_mha_hnd")):
         pool = mha(hnd)
         for layer in range(L):
@@ -132,12 +132,12 @@ def sglang_disagreements() -> tuple[list[str], int]:
     mla.dcp_replicated = True  # a single rank: set_kv_buffer asks no parallel context
     for layer in range(L):
         mla.set_kv_buffer(_Layer(layer), slots, values(layer, 0, 1, C), None)
-    holds("sglang_mla", list(mla.kv_buffer), Geometry(L=L, B=rows // PAGE, N=PAGE, H=1, C=C), 1, 1)
+    holds("sglang_mla", list(mla.kv_buffer), EngineGeometry(L=L, B=rows // PAGE, N=PAGE, H=1, C=C), 1, 1)
     info = mha(False).get_device_pool_infos()[0].buffer_info
     for layout in ("layer_first", "page_first", "page_first_direct", "page_head"):
         host = host_mod.MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
                                              device_capacity_tokens=SIZE, start_layer=0, end_layer=L)
-        holds(f"hicache_{layout}", host.kv_buffer, Geometry(L=L, B=host.size // PAGE, N=PAGE, H=H, C=C), 0, H)
+        holds(f"hicache_{layout}", host.kv_buffer, EngineGeometry(L=L, B=host.size // PAGE, N=PAGE, H=H, C=C), 0, H)
     return wrong, 7
 
 
@@ -166,7 +166,7 @@ def vllm_disagreements() -> tuple[list[str], int]:
     import torch
 
     from kvgen.oracle import facts_vllm
-    from kvgen.oracle.facts import FACTS, Geometry
+    from kvgen.oracle.facts import FACTS, EngineGeometry
 
     iface, layouts, planning, worker, canonical = _vllm_modules()
     L, B, N, H, C = 2, 5, 4, 3, 6  # no two extents equal: a swap of any two axes shows
@@ -186,7 +186,7 @@ def vllm_disagreements() -> tuple[list[str], int]:
             view.copy_(torch.arange(view.numel(), dtype=view.dtype).reshape(view.shape) + 1 + layer * view.numel())
         return views, kv_config
 
-    def holds(name: str, tensors: list[torch.Tensor], views: list[torch.Tensor], g: Geometry, kvs: int) -> None:
+    def holds(name: str, tensors: list[torch.Tensor], views: list[torch.Tensor], g: EngineGeometry, kvs: int) -> None:
         """Every element of vLLM's logical views is where the fact says in `tensors` (by path)."""
         fact = FACTS[name]
         if tuple(tensors[0].shape) != fact.shape(g):
@@ -218,7 +218,7 @@ def vllm_disagreements() -> tuple[list[str], int]:
         order = (0, 1, 2, 3) if FACTS[name].mla else facts_vllm.layer_view_order(layout.name)
         kv, _ = live(layout, spec)
         views = [kv[n] for n in names]
-        holds(name, [v.permute(*order) for v in views], views, Geometry(L=L, B=B, N=N, H=heads, C=C), kvs)
+        holds(name, [v.permute(*order) for v in views], views, EngineGeometry(L=L, B=B, N=N, H=heads, C=C), kvs)
 
     def offload(name: str, layout: Any, spec: Any, heads: int, kvs: int) -> None:
         """The canonical CPU rows of all B blocks, made by applying vLLM's CopyRuns of one TP rank
@@ -241,7 +241,7 @@ def vllm_disagreements() -> tuple[list[str], int]:
                         src, dst = base + run.local_offset + i * run.local_stride, \
                             layer * page + run.canonical_offset + i * run.canonical_stride
                         rows[b, dst:dst + run.fragment_size] = raw[src:src + run.fragment_size]
-        g = Geometry(L=L, B=B, N=N, H=heads, C=C)
+        g = EngineGeometry(L=L, B=B, N=N, H=heads, C=C)
         flat = rows.view(torch.float32)
         if flat.numel() != prod(FACTS[name].shape(g)):
             wrong.append(f"{name}: vLLM's canonical rows are {list(rows.shape)} bytes, the fact says "
