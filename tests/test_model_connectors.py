@@ -18,7 +18,7 @@ import kvgen.generated as generated
 from kvgen.errors import KVLayoutError
 from kvgen.oracle import model_scenarios as ms
 from kvgen.oracle import models as oracle
-from kvgen.plan.models import skipped_models
+from kvgen.plan.package import skipped_models
 from kvgen.runtime import MemoryObj
 from kvgen.runtime import model as runtime_model
 from kvgen.spec.library import load_library

@@ -5,7 +5,7 @@ members the build has a whole-chunk connector for, with the group's layout), and
 table the generated module holds: per group its layers, member object and member connector
 module, declared sizes, dtypes and window; per carried state group its layers and tensors.
 A pair is not generated when a carried group has no member, or when the object names a group
-or state group the model lacks; `skipped_models` says why. No torch here.
+or state group the model lacks; `kvgen.plan.package.skipped_models` says why. No torch here.
 """
 
 from __future__ import annotations
@@ -140,11 +140,4 @@ def plan_models(library: Library, connectors: Sequence[Any]) -> tuple[list[Model
     return _prefix_views(plans), skipped
 
 
-def skipped_models(library: Library) -> list[tuple[str, str, str]]:
-    """(model, object, why) for each model/object pair a build does not generate (`kvgen explain`)."""
-    from kvgen.plan.package import plan_connectors
-
-    return plan_models(library, plan_connectors(library))[1]
-
-
-__all__ = ["ModelPlan", "plan_model", "plan_models", "skipped_models", "whole_chunk_pairs"]
+__all__ = ["ModelPlan", "plan_model", "plan_models", "whole_chunk_pairs"]

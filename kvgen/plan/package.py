@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import product
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvgen.plan.code import Method, copy_methods, parts_methods, parts_shape_body, shape_body
 from kvgen.plan.convert import Converter, plan_converters
@@ -17,33 +17,13 @@ from kvgen.plan.copy import CopyPlan, Mode, plan_library
 from kvgen.plan.geometry import geometry_body, parts_geometry_body
 from kvgen.plan.kernel import KernelPlan, make_kernel_plan
 from kvgen.plan.kernel_parts import PartsKernelPlan, make_parts_kernel_plan
+from kvgen.plan.layouts import Fields, layout_fields
+from kvgen.plan.models import ModelPlan, plan_models
 from kvgen.plan.parts import PartsPlan, compatible_parts, plan_parts
+from kvgen.plan.transfer import TransferPlan, plan_transfers
 from kvgen.spec.library import UNDEFINED, Library
-from kvgen.spec.model import DTYPES, Spec
-
-if TYPE_CHECKING:
-    from kvgen.plan.models import ModelPlan
-    from kvgen.plan.transfer import TransferPlan
-    from kvgen.spec.transfers import TransferPair
-
-#: A layout constant's fields in the order the runtime's dataclass declares them.
-Fields = tuple[tuple[str, Any], ...]
-
-
-def layout_fields(spec: Spec) -> Fields:
-    dims = tuple(d.axes for d in spec.dims)
-    if spec.is_paged:
-        fields: Fields = (("name", spec.name), ("lists", spec.lists), ("dims", dims), ("sizes", spec.sizes),
-                          ("dtypes", spec.dtypes))
-        if not spec.is_simple:
-            # () for a part of any dtype keeps each part's entry on one line
-            parts = tuple((p.name, tuple(d.axes for d in p.dims), () if set(p.dtypes) == set(DTYPES) else p.dtypes)
-                          for p in spec.parts)
-            fields += (("parts", parts),)
-        return fields
-    fields = (("name", spec.name), ("format", spec.format), ("code", spec.code), ("accepts", spec.accepts),
-              ("lists", spec.lists), ("dims", dims))
-    return fields + ((("pack", str(spec.pack)),) if spec.pack is not None else ())
+from kvgen.spec.model import Spec
+from kvgen.spec.transfers import TransferPair
 
 
 def layout_facts(spec: Spec) -> Fields:
@@ -141,10 +121,12 @@ def format_transitions(library: Library) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(pairs))
 
 
-def plan_package(library: Library, transfers: Sequence[TransferPair] = ()) -> PackagePlan:
-    from kvgen.plan.models import plan_models
-    from kvgen.plan.transfer import plan_transfers  # it builds on this module's layout fields
+def skipped_models(library: Library) -> list[tuple[str, str, str]]:
+    """(model, object, why) for each model/object pair a build does not generate (`kvgen explain`)."""
+    return plan_models(library, plan_connectors(library))[1]
 
+
+def plan_package(library: Library, transfers: Sequence[TransferPair] = ()) -> PackagePlan:
     plans = plan_connectors(library)
     return PackagePlan(
         library=library,
@@ -159,4 +141,4 @@ def plan_package(library: Library, transfers: Sequence[TransferPair] = ()) -> Pa
     )
 
 
-__all__ = ["UNDEFINED", "ConnectorPlan", "PackagePlan", "plan_connectors", "plan_package"]
+__all__ = ["UNDEFINED", "ConnectorPlan", "PackagePlan", "plan_connectors", "plan_package", "skipped_models"]

@@ -36,7 +36,7 @@ from kvgen.plan.copy import (
     select,
 )
 from kvgen.plan.geometry import geometry_body
-from kvgen.plan.package import Fields, layout_fields
+from kvgen.plan.layouts import Fields, layout_fields
 from kvgen.spec.model import Spec
 from kvgen.spec.transfers import TransferPair
 

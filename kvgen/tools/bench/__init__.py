@@ -25,11 +25,14 @@ import contextlib
 import importlib.util
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvgen.errors import KVGenError, SpecError
-from kvgen.tools.bench.targets import DEFAULT_LAYOUTS, DEFAULT_OBJECTS, DEFAULT_TOKENS, MLA_C
+from kvgen.spec.library import load_library
+from kvgen.tools.bench.busy import neighbour
+from kvgen.tools.bench.targets import DEFAULT_LAYOUTS, DEFAULT_OBJECTS, DEFAULT_TOKENS, MLA_C, every_builtin
 
 #: Default transfer rows (kept here too: this module imports no torch).
 DEFAULT_TRANSFERS = ("vllm_flash_attn_hnd:vllm_flash_attn_nhd", "vllm_flash_attn_nhd:hicache_page_first")
@@ -128,29 +131,41 @@ def _progress(row: Any, done: int, total: int) -> None:
           f"(memcpy {row.gbps('memcpy'):.2f}, {naive})", file=sys.stderr, flush=True)
 
 
+def _refusal(args: argparse.Namespace, present: list[str]) -> str | None:
+    """Why the options cannot run here, or None."""
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        return ("--plot needs matplotlib, which is not installed; "
+                "install it with `pip install 'kvgen[plot]'` (or drop --plot)")
+    if args.device.split(":")[0] not in present:
+        return f"device {args.device} is not available here (present: {', '.join(present)})"
+    return None
+
+
+def _write(args: argparse.Namespace, data: dict[str, Any], plot: Callable[[dict[str, Any], Path], None]) -> None:
+    """The --json file and the --plot image, where asked for."""
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    if args.plot is not None:
+        plot(data, args.plot)
+        print(f"wrote {args.plot}")
+
+
 def main(args: argparse.Namespace) -> int:
     """Exit status: 0, 1 when the naive baseline disagreed with a connector, 2 for a
     selection or option that cannot run (the message names the valid choices)."""
-    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
-        print("kvgen bench: --plot needs matplotlib, which is not installed; "
-              "install it with `pip install 'kvgen[plot]'` (or drop --plot)", file=sys.stderr)
-        return 2
+    # torch: the command line above stays torch-free, as `kvgen build` loads it
     from kvgen.runtime import available_devices
     from kvgen.tools.bench import report
     from kvgen.tools.bench.run import run
 
-    present = available_devices()
-    if args.device.split(":")[0] not in present:
-        print(f"kvgen bench: device {args.device} is not available here (present: {', '.join(present)})",
-              file=sys.stderr)
+    refusal = _refusal(args, available_devices())
+    if refusal is not None:
+        print(f"kvgen bench: {refusal}", file=sys.stderr)
         return 2
-    from kvgen.tools.bench.busy import neighbour
-
     try:
         if getattr(args, "all", False):
-            from kvgen.spec.library import load_library
-            from kvgen.tools.bench.targets import every_builtin
-
             every_builtin(args, load_library(list(args.specs)))
         with neighbour() if args.busy else contextlib.nullcontext():
             result = run(args, None if args.quiet else _progress)
@@ -161,14 +176,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     machine = report.machine_facts(str(args.device))
     print(report.text(result, machine))
-    data = report.as_json(result, machine)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.json}")
-    if args.plot is not None:
-        report.plot(data, args.plot)
-        print(f"wrote {args.plot}")
+    _write(args, report.as_json(result, machine), report.plot)
     return 1 if any(r.naive_matches is False for r in result.rows) or any(
         not r.matches for r in (*result.transfers, *result.models)) else 0
 

@@ -26,6 +26,7 @@ from kvgen.runtime import MemoryObj
 from kvgen.tools.bench.baseline import memcpy
 from kvgen.tools.bench.measure import Spread, Timed, paired_ratios, peak_extra_bytes, timed_repeats
 from kvgen.tools.bench.targets import slot_mapping
+from kvgen.tools.bench.text_table import table
 
 HEADERS = ("model", "object", "tokens", "dir", "GB/s", "memcpy GB/s", "x memcpy min-med-max", "per-group GB/s",
            "x per-group min-med-max", "peak MiB", "memcpy var", "==per-group")
@@ -165,8 +166,6 @@ def rows(selected: Sequence[Any], args: Any, library: Any, package: Any, device:
 
 
 def text(found: Sequence[ModelRow]) -> list[str]:
-    from kvgen.tools.bench.report import table
-
     lines = ["", "Model connectors (kv_groups: every group with its own block table, one request's state): the "
              "model connector, a plain copy of the same bytes, and the per-group path (each group's own "
              "connector into its section, state rows copied by hand)",

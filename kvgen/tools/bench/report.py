@@ -10,8 +10,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from kvgen import __version__
 from kvgen.tools.bench.measure import MEMCPY_VARIATION_LIMIT, CheckCost, Row
+from kvgen.tools.bench.models import text as model_text
 from kvgen.tools.bench.targets import MLA_C
+from kvgen.tools.bench.text_table import table
+from kvgen.tools.bench.transfers import text as transfer_text
 
 if TYPE_CHECKING:
     from kvgen.tools.bench.run import Result
@@ -23,10 +29,6 @@ UNSTABLE_MARK = "!"
 
 
 def machine_facts(device: str) -> dict[str, Any]:
-    import torch
-
-    from kvgen import __version__
-
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -40,19 +42,6 @@ def machine_facts(device: str) -> dict[str, Any]:
     if device.startswith("cuda") and torch.cuda.is_available():
         facts["device_name"] = torch.cuda.get_device_name(torch.device(device))
     return facts
-
-
-def table(headers: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
-    """A plain-text table; figure columns (rates, ratios, microseconds, counts) right-aligned."""
-    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    right = [i for i, h in enumerate(headers)
-             if "/s" in h or h.startswith("x ") or h in ("tokens", "memcpy var", "peak MiB") or h.endswith(" us")]
-
-    def line(values: Sequence[str]) -> str:
-        cells = [v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths, strict=True))]
-        return "  ".join(cells).rstrip()
-
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(c) for c in cells)])
 
 
 def row_cells(row: Row) -> tuple[str, ...]:
@@ -121,22 +110,18 @@ def text(result: Result, machine: dict[str, Any]) -> str:
         out.append(f"{len(result.rows) - len(checked)} rows have no naive baseline (caches of several planes: "
                    "`kvgen verify` checks those connectors against the reference)")
     if result.transfers:
-        from kvgen.tools.bench.transfers import text as transfer_text
-
         out += transfer_text(result.transfers)
     if result.models:
-        from kvgen.tools.bench.models import text as model_text
-
         out += model_text(result.models)
     return "\n".join(out)
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
     """Bars of kvgen, naive and memcpy GB/s per connector; one panel per token count and direction."""
-    import matplotlib
+    import matplotlib  # optional (the plot extra): only `kvgen bench --plot` needs it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display needed
 
     rows = data["rows"]
     tokens = sorted({r["tokens"] for r in rows})

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvgen.emit.build import build
 from kvgen.errors import KVGenError, KVLayoutError
+from kvgen.spec.library import REPO_ROOT, Library
+from kvgen.spec.transfers import load_transfers
 
 if TYPE_CHECKING:
     import random
 
-    from kvgen.spec.library import Library
     from kvgen.spec.model import Spec
 
 #: Defaults from the issue: every MHA layout against kv_2ltd, the MLA layouts against
@@ -49,8 +51,6 @@ def _installed() -> Any:
             return importlib.import_module(name)
         except ModuleNotFoundError:
             pass
-    from kvgen.spec.library import REPO_ROOT
-
     sys.path.insert(0, str(REPO_ROOT))
     return importlib.import_module("generated")
 
@@ -62,8 +62,6 @@ def connector_package(specs: Sequence[Path] = ()) -> Iterator[Any]:
     if not specs:
         yield _installed()
         return
-    from kvgen.emit.build import build
-
     # A unique name: Python caches a package by name, and a second run may bring other specs.
     name = f"kvgen_bench_{uuid.uuid4().hex[:12]}"
     with tempfile.TemporaryDirectory(prefix="kvgen-bench-") as tmp:
@@ -135,8 +133,6 @@ def every_builtin(args: Any, library: Library) -> None:
     """`--all`: select every paged layout and memory object (each pair measured where a
     connector was generated), every declared transfer and every model, in place of the
     short default set (and of any selection given with it)."""
-    from kvgen.spec.transfers import load_transfers
-
     args.layouts = [s.name for s in library.paged]
     args.objects = [s.name for s in library.objects]
     args.transfers = ",".join(f"{p.src.name}:{p.dst.name}" for p in load_transfers(library, args.specs))

@@ -27,6 +27,7 @@ from kvgen.runtime import MemoryObj
 from kvgen.tools.bench.baseline import memcpy
 from kvgen.tools.bench.measure import Spread, Timed, paired_ratios, peak_extra_bytes, timed_repeats
 from kvgen.tools.bench.targets import extents, slot_mapping
+from kvgen.tools.bench.text_table import table
 
 HEADERS = ("source", "destination", "tokens", "mode", "backend", "GB/s", "memcpy GB/s", "x memcpy min-med-max",
            "two-copy GB/s", "x two-copy min-med-max", "via object", "peak MiB", "memcpy var", "direct==two-copy")
@@ -189,8 +190,6 @@ def _row(transfer: Any, mode: str, via: tuple[str, type, type] | None, src: Any,
 
 
 def text(found: Sequence[TransferRow]) -> list[str]:
-    from kvgen.tools.bench.report import table
-
     lines = ["", "Layout-to-layout transfers: the generated transfer (GB/s of KV moved), a plain copy of the same "
              "bytes, and the two-copy path (store into the object, then load from it)",
              table(HEADERS, [r.cells() for r in found]),
