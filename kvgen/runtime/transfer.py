@@ -43,7 +43,7 @@ _BINDINGS_KEPT = 8
 
 
 @dataclass(frozen=True)
-class Call:
+class TransferCall:
     """What one transfer works with, fixed when it starts."""
 
     src: Any  # the frozen source tree
@@ -139,7 +139,7 @@ class TransferBase:
             backend.wait_stream(backend.current_stream(), stream)
         yield
 
-    def _compiled(self, call: Call, *, layerwise: bool) -> native_transfer.Description | None:
+    def _compiled(self, call: TransferCall, *, layerwise: bool) -> native_transfer.Description | None:
         """The compiled kernel's description of this call, or None for the torch copies (a
         device other than the CPU, a cache the kernel cannot describe, copy_backend='torch')."""
         if self.copy_backend == "torch":
@@ -165,7 +165,7 @@ class TransferBase:
         return sb.geometry, db.geometry
 
     def _begin(self, src_caches: Any, src_slots: Any, dst_caches: Any, dst_slots: Any, src_heads: Any,
-               dst_heads: Any, scratch: Scratch) -> Call:
+               dst_heads: Any, scratch: Scratch) -> TransferCall:
         sb, src_tree = self._bind("src", src_caches)
         db, dst_tree = self._bind("dst", dst_caches)
         self._check_pair(sb, db)
@@ -181,7 +181,7 @@ class TransferBase:
             raise KVLayoutError(f"{self.name}: {error}") from None
         size = torch.empty(0, dtype=gs.dtype).element_size()
         width = min(sb.width, db.width) if self.widen else size
-        return Call(src_tree, dst_tree, gs, gd, replace(pairs, scratch=scratch), words(width, size, gs.C), (sb, db))
+        return TransferCall(src_tree, dst_tree, gs, gd, replace(pairs, scratch=scratch), words(width, size, gs.C), (sb, db))
 
     def _bind(self, side: str, kvcaches: Any) -> tuple[Binding, Any]:
         """(binding, frozen tree) of one side's cache; any changed leaf makes a new binding."""
