@@ -181,7 +181,8 @@ class TransferBase:
             raise KVLayoutError(f"{self.name}: {error}") from None
         size = torch.empty(0, dtype=gs.dtype).element_size()
         width = min(sb.width, db.width) if self.widen else size
-        return TransferCall(src_tree, dst_tree, gs, gd, replace(pairs, scratch=scratch), words(width, size, gs.C), (sb, db))
+        return TransferCall(src_tree, dst_tree, gs, gd, replace(pairs, scratch=scratch), words(width, size, gs.C),
+                            (sb, db))
 
     def _bind(self, side: str, kvcaches: Any) -> tuple[Binding, Any]:
         """(binding, frozen tree) of one side's cache; any changed leaf makes a new binding."""
