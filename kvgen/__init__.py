@@ -4,6 +4,8 @@ The generator half (spec loading, planning, rendering) never imports torch; the
 generated connectors import only torch and :mod:`kvgen.runtime`.
 """
 
+import importlib
+
 __version__ = "0.1.0"
 
 #: Highest spec format version (`kvgen:` key) this release reads.
@@ -17,7 +19,5 @@ def __getattr__(name: str) -> object:
     lazy = {"detect": "kvgen.integrations.detect", "from_sglang": "kvgen.integrations.sglang",
             "from_vllm": "kvgen.integrations.vllm"}
     if name in lazy:
-        import importlib  # a lazy attribute, not an import of kvgen's root: the root stays torch-free
-
         return getattr(importlib.import_module(lazy[name]), name)
     raise AttributeError(f"module 'kvgen' has no attribute {name!r}")

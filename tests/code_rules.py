@@ -9,8 +9,9 @@
   function it is written in.
 - `parameters`: every parameter, `*args` and `**kwargs` one each, a method's first `self`
   or `cls` not counted.
-- `import_sites`: every import of a kvgen module, at top level or inside a function, with
-  the function it is in.
+- `import_sites`: every import, at top level or inside a function, with the function it is
+  in and whether it lies under `if TYPE_CHECKING:` (then it never runs: it names types for
+  annotations only, and neither loads a module nor closes a cycle).
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ class ImportSite:
     target: str
     function: str | None  # `module:qualname` of the function it is in; None at module level
     commented: bool  # a comment on its line, on another line of its run of imports, or just above the run
+    typing_only: bool = False  # under `if TYPE_CHECKING:`: never runs
 
     @property
     def where(self) -> str:
@@ -140,7 +142,7 @@ def resolve(name: str, attrs: tuple[str, ...] = ()) -> list[str]:
     """The modules an import of `name` (with `from name import attrs`) runs, kvgen's by module name."""
     if not name.startswith("kvgen"):
         return [name.split(".")[0]]
-    found = [f"{name}.{a}" for a in attrs if f"{name}.{a}" in MODULES]
+    found = [f"{name}.{a}" for a in attrs if f"{name}.{a}" in MODULES or f"{name}.{a}" == "kvgen.generated"]
     if len(found) < len(attrs) or not attrs:
         found.append(name)  # the module itself, or a package's __init__ for the names it defines
     return found
@@ -151,21 +153,29 @@ def _comment_lines(path: Path) -> set[int]:
         return {t.start[0] for t in tokenize.tokenize(f.readline) if t.type == tokenize.COMMENT}
 
 
-def _import_runs(body: list[ast.stmt]) -> Iterator[list[ast.Import | ast.ImportFrom]]:
+def _typing_only(stmt: ast.stmt) -> bool:
+    test = getattr(stmt, "test", None) if isinstance(stmt, ast.If) else None
+    return isinstance(test, (ast.Name, ast.Attribute)) and ast.unparse(test).endswith("TYPE_CHECKING")
+
+
+def _import_runs(body: list[ast.stmt], typing_only: bool = False
+                 ) -> Iterator[tuple[list[ast.Import | ast.ImportFrom], bool]]:
+    """Each run of consecutive import statements, and whether it lies under `if TYPE_CHECKING:`."""
     run: list[ast.Import | ast.ImportFrom] = []
     for stmt in body:
         if isinstance(stmt, (ast.Import, ast.ImportFrom)):
             run.append(stmt)
             continue
         if run:
-            yield run
+            yield run, typing_only
             run = []
-        for field in ("body", "orelse", "finalbody"):
-            yield from _import_runs(getattr(stmt, field, []))
+        yield from _import_runs(getattr(stmt, "body", []), typing_only or _typing_only(stmt))
+        for field in ("orelse", "finalbody"):
+            yield from _import_runs(getattr(stmt, field, []), typing_only)
         for handler in getattr(stmt, "handlers", []):
-            yield from _import_runs(handler.body)
+            yield from _import_runs(handler.body, typing_only)
     if run:
-        yield run
+        yield run, typing_only
 
 
 def _owners(path: Path, tree: ast.Module) -> dict[int, str]:
@@ -181,7 +191,7 @@ def import_sites(path: Path) -> list[ImportSite]:
     tree = ast.parse(path.read_text("utf-8"))
     comments, owner = _comment_lines(path), _owners(path, tree)
     sites = []
-    for run in _import_runs(tree.body):
+    for run, typing_only in _import_runs(tree.body):
         lines = set(range(run[0].lineno - 1, (run[-1].end_lineno or run[-1].lineno) + 1))
         commented = bool(lines & comments)
         for stmt in run:
@@ -191,14 +201,15 @@ def import_sites(path: Path) -> list[ImportSite]:
                 continue  # kvgen writes absolute imports only
             else:
                 targets = resolve(stmt.module, tuple(a.name for a in stmt.names))
-            sites += [ImportSite(path, stmt.lineno, t, owner.get(stmt.lineno), commented) for t in targets]
+            sites += [ImportSite(path, stmt.lineno, t, owner.get(stmt.lineno), commented, typing_only)
+                      for t in targets]
     return sites
 
 
 SITES = [s for p in SOURCES for s in import_sites(p)]
 _TOP_LEVEL: dict[str, list[str]] = {}
 for _site in [*SITES, *import_sites(GENERATED)]:
-    if _site.function is None:
+    if _site.function is None and not _site.typing_only:
         name = "kvgen.generated" if _site.path == GENERATED else module_name(_site.path)
         _TOP_LEVEL.setdefault(name, []).append(_site.target)
 

@@ -43,6 +43,7 @@ def map_leaves(tree: Any, fn: Callable[[Any], Any]) -> Any:
 def read_structure(kvcaches: Any) -> tuple[CacheShape, list[Any]]:
     """A live cache's CacheShape and its tensors; KVLayoutError when the lists are uneven
     or the tensors differ in shape, strides, dtype or device."""
+    # torch on first use: detection's tables and shape parsing stay torch-free
     import torch
 
     lengths: list[int] = []

@@ -51,6 +51,7 @@ from kvgen.oracle.address import ObjectAddresses, plane_address, plane_count
 from kvgen.oracle.agreement import first_difference
 from kvgen.oracle.fact_table import EngineGeometry, Level
 from kvgen.oracle.planes import part_shape
+from kvgen.spec.library import load_library
 from kvgen.spec.model import Spec
 
 #: (container path, index of the storage element holding the value's first byte, byte in it).
@@ -377,8 +378,6 @@ def parts_disagreement(spec: Spec, g: EngineGeometry) -> str | None:
 
 @functools.cache
 def _builtin_caches() -> tuple[Spec, ...]:
-    from kvgen.spec.library import load_library
-
     return tuple(s for s in load_library().paged if s.name in PARTS_FACTS)
 
 

@@ -12,6 +12,7 @@ import torch
 
 from kvgen.notation import format_layout
 from kvgen.runtime.errors import KVLayoutError
+from kvgen.runtime.planes import leaf_word
 
 Dims = tuple[tuple[str, ...], ...]  # per tensor dim: () singleton, (a,) one axis, (a, b) fused
 
@@ -261,8 +262,6 @@ class CacheReader:
     def word(self, part: int, offset: int, nbytes: int, keep_last: bool = False) -> int:
         """The widest word every tensor of a part allows for a plane of `nbytes` per row at
         byte `offset` (kvgen.runtime.planes.leaf_word)."""
-        from kvgen.runtime.planes import leaf_word
-
         return min(leaf_word(t, offset, nbytes, keep_last) for t in self._part_leaves(part))
 
     def _part_leaves(self, part: int) -> list[torch.Tensor]:

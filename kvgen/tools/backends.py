@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
+import shutil
 
 
 def backends() -> dict[str, str]:
@@ -10,10 +13,6 @@ def backends() -> dict[str, str]:
     without importing torch or triton: the generated Triton kernel on GPUs when triton is
     installed, torch ops otherwise; on the CPU the compiled CPU kernel where a C compiler is
     found (kvgen.runtime.native), torch ops otherwise."""
-    import importlib.metadata
-    import importlib.util
-    import shutil
-
     gpu = "torch"
     if importlib.util.find_spec("triton") is not None:
         gpu = f"triton {importlib.metadata.version('triton')}"

@@ -11,9 +11,34 @@ from pathlib import Path
 from typing import Any
 
 from kvgen import __version__
+from kvgen.emit.build import build, check
 from kvgen.errors import KVGenError, SpecError, display_path
+from kvgen.oracle.address import explain_lines, symbolic_address
+from kvgen.plan.kernel import kernel_grid
+from kvgen.plan.package import plan_connectors as plan_library
+from kvgen.spec.library import BUILTIN_SPECS
+from kvgen.spec.model import format2_facts
+from kvgen.spec.models import model_facts
+from kvgen.spec.transfers import load_transfers
 from kvgen.tools.backends import backend_line as _backend_line
 from kvgen.tools.backends import backends as _backends
+from kvgen.tools.bench import add_arguments as add_bench_arguments
+from kvgen.tools.bench import main as bench_main
+from kvgen.tools.detect_view import add_arguments as add_detect_arguments
+from kvgen.tools.detect_view import detect_main
+from kvgen.tools.models_view import explain_model, model_connectors, print_models
+from kvgen.tools.paths import (
+    DefaultOut,
+    default_out,
+    describe_default_out,
+    rebuild_advice,
+    refuse_foreign_out,
+    refuse_package_out,
+    temporary_build,
+)
+from kvgen.tools.specset import load_lenient, twin_warnings, validate
+from kvgen.tools.verify import main as verify_main
+from kvgen.tp import explain
 
 #: Exit statuses: bad input, Ctrl-C (128 + SIGINT), a closed output pipe (128 + SIGPIPE, as a
 #: C tool killed by SIGPIPE shows in the shell), a bug in kvgen.
@@ -34,8 +59,6 @@ def _tp_sizes(text: str) -> tuple[int, int]:
 
 
 def _out_arg(p: argparse.ArgumentParser, what: str) -> None:
-    from kvgen.tools.paths import DefaultOut, default_out, describe_default_out
-
     p.add_argument("--out", type=Path, default=DefaultOut(default_out()), metavar="DIR",
                    help=f"{what} ({describe_default_out()})")
 
@@ -60,26 +83,18 @@ def _require(paths: Sequence[Path], what: str) -> None:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from kvgen.emit.build import build
-    from kvgen.tools.paths import refuse_foreign_out, refuse_package_out
-
     _require(args.specs, "--specs")
     refuse_package_out(args.out)
     refuse_foreign_out(args.out)
     files = build(args.out, args.specs)
     print(f"wrote {len(files)} files to {display_path(args.out)}")
     if args.specs:
-        from kvgen.tools.specset import twin_warnings
-
         for warning in twin_warnings(args.specs):
             print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from kvgen.emit.build import check
-    from kvgen.tools.paths import rebuild_advice
-
     _require(args.specs, "--specs")
     report = check(args.out, args.specs)
     if report.ok:
@@ -93,8 +108,6 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from kvgen.tools.specset import validate
-
     _require(args.paths, "spec")
     result = validate(args.paths)
     if not result.files:
@@ -118,11 +131,6 @@ def _connectors(spec: Any, plans: list[Any]) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from kvgen.plan.package import plan_connectors as plan_library
-    from kvgen.spec.models import model_facts
-    from kvgen.tools.models_view import print_models
-    from kvgen.tools.specset import load_lenient
-
     _require(args.specs, "--specs")
     loaded = load_lenient(args.specs)
     _warn_left_out(loaded)
@@ -141,12 +149,8 @@ def cmd_list(args: argparse.Namespace) -> int:
             else:
                 facts.update(format=s.format, code=s.code, accepts=list(s.accepts))
             if not s.is_simple:
-                from kvgen.spec.model import format2_facts
-
                 facts.update(format2_facts(s))
             layouts[s.name] = facts
-        from kvgen.plan.kernel import kernel_grid
-
         pairs = [{"paged": p.paged.name, "object": p.obj.name, "mode": p.mode, "module": p.module,
                   "strategy": p.strategy, "kernel": kernel_grid(p)} for p in plans]
         json.dump({"kvgen": __version__, "layouts": layouts, "connectors": pairs, "backends": _backends(),
@@ -169,17 +173,11 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from kvgen.oracle.address import explain_lines, symbolic_address
-    from kvgen.plan.package import plan_connectors as plan_library
-    from kvgen.tools.specset import load_lenient
-
     _require(args.specs, "--specs")
     loaded = load_lenient(args.specs)
     _warn_left_out(loaded)
     library = loaded.library
     if any(m.name == args.name.lower() for m in library.models):
-        from kvgen.tools.models_view import explain_model, model_connectors
-
         model = library.model(args.name)
         print("\n".join(explain_model(model, library, model_connectors(model, library))))
         return 0
@@ -211,8 +209,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"  format:   {spec.format} (code {spec.code}), accepts {', '.join(spec.accepts) or '-'}")
     plans = [p for p in plan_library(library) if spec in (p.paged, p.obj)]
     if plans:
-        from kvgen.plan.kernel import kernel_grid
-
         print("  connectors:")
         for p in plans:
             print(f"    {p.module} ({p.mode}): {p.strategy}")
@@ -229,16 +225,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def _spec_file(spec: Any) -> str:
     """Where the spec file is, as the user can open it: a built-in's under the installed (or
     checked-out) kvgen's specs/, a user's as given."""
-    from kvgen.spec.library import BUILTIN_SPECS
-
     source, builtin = Path(spec.source), BUILTIN_SPECS.parent / spec.origin
     return display_path(source if source.is_file() or not builtin.is_file() else builtin)
 
 
 def _explain_transfers(spec: Any, library: Any, args: argparse.Namespace) -> None:
     """The layout's declared transfers."""
-    from kvgen.spec.transfers import load_transfers
-
     if spec.is_paged:
         try:
             moves = [t for t in load_transfers(library, args.specs) if spec in (t.src, t.dst)]
@@ -252,8 +244,6 @@ def _explain_transfers(spec: Any, library: Any, args: argparse.Namespace) -> Non
 
 def _tp_plan(spec: Any, args: argparse.Namespace) -> list[str] | None:
     """With --tp, the resharding plan in words (kvgen.tp); None without it."""
-    from kvgen.tp import explain
-
     if args.tp is None:
         return None
     if not spec.is_paged:
@@ -263,9 +253,6 @@ def _tp_plan(spec: Any, args: argparse.Namespace) -> list[str] | None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from kvgen.tools.paths import DefaultOut, temporary_build
-    from kvgen.tools.verify import main as verify_main
-
     _require(args.specs, "--specs")
     if not args.specs or not isinstance(args.out, DefaultOut):
         return verify_main(args)
@@ -274,14 +261,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_detect(args: argparse.Namespace) -> int:
-    from kvgen.tools.detect_view import detect_main
-
     return detect_main(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvgen.tools.bench import main as bench_main
-
     return bench_main(args)
 
 
@@ -337,16 +320,12 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("detect", help="which layout a cache of this shape is (refuses to guess)")
     _specs_arg(p)
-    from kvgen.tools.detect_view import add_arguments as add_detect_arguments
-
     add_detect_arguments(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=cmd_detect)
 
     p = sub.add_parser("bench", help="measure store/load bandwidth against memcpy and a naive connector")
-    from kvgen.tools.bench import add_arguments
-
-    add_arguments(p)
+    add_bench_arguments(p)
     p.set_defaults(run=cmd_bench)
     return ap
 

@@ -11,6 +11,8 @@ from types import ModuleType
 from kvgen.errors import KVGenError
 from kvgen.integrations.detect import detect, parse_cache_shape
 from kvgen.spec.model import DTYPES
+from kvgen.tools.paths import temporary_build
+from kvgen.tools.verify import import_package
 
 
 def _dtype_name(text: str) -> str:
@@ -29,9 +31,6 @@ def detect_main(args: argparse.Namespace) -> int:
         _dtype_name(args.dtype)
     if not args.specs:
         return _detect(args, None)
-    from kvgen.tools.paths import temporary_build
-    from kvgen.tools.verify import import_package
-
     with temporary_build(args.specs) as out:
         return _detect(args, import_package(out))
 

@@ -22,6 +22,10 @@ import sys
 from collections import Counter
 from typing import Any
 
+from kvgen.plan.package import plan_connectors
+from kvgen.plan.parts import PartsPlan
+from kvgen.spec.library import load_library
+
 #: Small geometry with the shape of a real model's rows (8 heads of 128 bf16 values).
 EXT = {"L": 2, "KV": 2, "H": 8, "C": 128, "N": 16, "B": 12}
 TOKENS = 64
@@ -29,15 +33,13 @@ TOKENS = 64
 
 def captured_launches(module: str) -> list[tuple[str, Any, dict[str, Any]]]:
     """(direction, kernel, arguments) of one store and one load through `module`'s kernel."""
+    # torch, and the generated package and runtime that load it: compiling PTX for a target needs none of them
     import torch
 
     from kvgen import generated
     from kvgen.oracle.planes import make_parts_cache, parts_extents
     from kvgen.oracle.reference import leaf_shape, nest
-    from kvgen.plan.package import plan_connectors
-    from kvgen.plan.parts import PartsPlan
     from kvgen.runtime import MemoryObj, kernels
-    from kvgen.spec.library import load_library
 
     plan = {p.module: p for p in plan_connectors(load_library())}[module]
     ext = {**EXT, "C": 576} if "mla" in module else EXT
@@ -83,6 +85,7 @@ def captured_launches(module: str) -> list[tuple[str, Any, dict[str, Any]]]:
 
 def compile_ptx(fn: Any, args: dict[str, Any], arch: int) -> str:
     """PTX of `fn` specialized for `args` as JITFunction.run would, for sm_<arch>."""
+    # triton: optional (only this command needs it)
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -140,9 +143,6 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("kernel_asm needs triton, which is not installed: pip install 'kvgen[triton]'", file=sys.stderr)
         return 2
-    from kvgen.plan.package import plan_connectors
-    from kvgen.spec.library import load_library
-
     plans = {p.module: p for p in plan_connectors(load_library()) if args.only in p.module}
     failed = 0
     for module, plan in plans.items():

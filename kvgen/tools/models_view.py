@@ -5,6 +5,8 @@ connectors a build generates for the model. Plain text; no torch."""
 from __future__ import annotations
 
 from kvgen.oracle.address import explain_lines
+from kvgen.plan.models import plan_models
+from kvgen.plan.package import plan_connectors
 from kvgen.spec.library import Library
 from kvgen.spec.model import Spec
 from kvgen.spec.models import Group, ModelSpec
@@ -98,9 +100,6 @@ def explain_model(model: ModelSpec, library: Library, connectors: list[tuple[str
 def model_connectors(model: ModelSpec, library: Library) -> list[tuple[str, str]]:
     """(module, what it moves) of each connector a build generates for `model`, and the
     groups objects it leaves out with why."""
-    from kvgen.plan.models import plan_models
-    from kvgen.plan.package import plan_connectors
-
     plans, skipped = plan_models(library, plan_connectors(library))
     out = []
     for p in plans:

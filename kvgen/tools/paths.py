@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import kvgen
+from kvgen.emit.build import build
 from kvgen.errors import BuildError, display_path
 from kvgen.spec import library
 
@@ -96,8 +97,6 @@ def rebuild_command(out: Path, specs: Sequence[Path]) -> str:
 def temporary_build(specs: Sequence[Path]) -> Iterator[Path]:
     """The package of the built-ins plus `specs`, built into a temporary folder for the
     length of the block (verify and detect of a user's specs need no build of their own)."""
-    from kvgen.emit.build import build
-
     with tempfile.TemporaryDirectory(prefix="kvgen-specs-") as tmp:
         out = Path(tmp) / "connectors"
         build(out, specs)

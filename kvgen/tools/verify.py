@@ -17,6 +17,13 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from kvgen.errors import KVGenError, display_path
+from kvgen.oracle.facts_groups import GROUPS_FACTS
+from kvgen.oracle.facts_models import model_disagreement
+from kvgen.plan.models import plan_models
+from kvgen.plan.package import plan_connectors as plan_library
+from kvgen.spec.library import BUILTIN_SPECS, load_library
+from kvgen.spec.transfers import load_transfers
+from kvgen.tools import verify_engines, verify_models, verify_transfers
 from kvgen.tools.paths import rebuild_command
 
 if TYPE_CHECKING:
@@ -83,6 +90,7 @@ def _check(package: ModuleType, plan: Any, device: str, scenarios: list[Scenario
            backend: str | None = None) -> list[tuple[bool, bool]]:
     """(store ok, load ok) per scenario, all through one connector, as an engine keeps one
     for every cache it meets; a scenario whose transfer raises counts as failing both."""
+    # torch: only for a run
     from kvgen.oracle.scenarios import check_pair
 
     connector = package.get(plan.paged.name, plan.obj.name)(device=device, backend=backend)
@@ -100,8 +108,8 @@ def _check(package: ModuleType, plan: Any, device: str, scenarios: list[Scenario
 def _check_facts(library: Any) -> int:
     """Built-in specs against the engines' own facts (kvgen.oracle.facts): a wrong spec
     would otherwise verify, since the reference reads the same spec as the generator."""
+    # torch (through the agreement checks): only once the selection is known good
     from kvgen.oracle.facts import FACTS, EngineGeometry, disagreement
-    from kvgen.oracle.facts_groups import GROUPS_FACTS
     from kvgen.oracle.facts_parts import PACKED_FACTS, PARTS_FACTS
 
     geometry = EngineGeometry(L=3, B=5, N=4, H=6, C=7, T=9)  # no two extents equal
@@ -117,9 +125,6 @@ def _check_facts(library: Any) -> int:
 def _check_model_facts(library: Any) -> int:
     """Built-in model specs against the models' published configs (kvgen.oracle.facts_models);
     a model spec without facts counts as wrong."""
-    from kvgen.oracle.facts_models import model_disagreement
-    from kvgen.spec.library import BUILTIN_SPECS
-
     builtin = BUILTIN_SPECS.resolve()
     models = [m for m in library.models if builtin in Path(m.source).resolve().parents]
     wrong = [(m.name, why) for m in models if (why := model_disagreement(m)) is not None]
@@ -143,12 +148,6 @@ def _prepare_triton(devices: list[str]) -> None:
 
 
 def main(args: Any) -> int:
-    from kvgen.plan.models import plan_models
-    from kvgen.plan.package import plan_connectors as plan_library
-    from kvgen.spec.library import load_library
-    from kvgen.spec.transfers import load_transfers
-    from kvgen.tools import verify_engines, verify_models, verify_transfers
-
     library = load_library(args.specs)
     plans = plan_library(library)
     transfers = load_transfers(library, args.specs)
@@ -166,6 +165,7 @@ def main(args: Any) -> int:
         raise KVGenError(f"--only {args.only!r} matches no connector of the {len(plans)} in "
                          f"{display_path(args.out)} and no transfer (it is a part of a module name such as "
                          f"{plans[0].module} or xfer__SOURCE__DESTINATION; `kvgen list` shows them)")
+    # torch: only once the selection is known good
     from kvgen.runtime import available_devices
 
     present = available_devices()

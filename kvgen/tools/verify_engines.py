@@ -26,7 +26,10 @@ import os
 import sys
 from collections.abc import Callable
 from math import prod
+from types import SimpleNamespace
 from typing import Any
+
+from kvgen.oracle import facts_vllm
 
 SGLANG = "0.5.23"
 WHERE = "`scripts/dev engines` runs them in .venv-sglang"
@@ -45,6 +48,7 @@ def _sglang_modules() -> tuple[Any, Any]:
     if version != SGLANG:
         raise Skipped(f"sglang {version} is installed, these facts describe {SGLANG}")
     try:
+        # sglang: optional; its checks skip without it
         from sglang.srt.mem_cache import memory_pool
         from sglang.srt.mem_cache.pool_host import mha
     except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain means: not here
@@ -60,6 +64,7 @@ class _Layer:
 def sglang_disagreements() -> tuple[list[str], int]:
     """(what disagrees, how many facts were checked) for SGLang's pools; Skipped when SGLang
     cannot run here."""
+    # torch: only where the engine imports
     import torch
 
     from kvgen.oracle.facts import FACTS, EngineGeometry
@@ -148,6 +153,7 @@ def _vllm_modules() -> tuple[Any, Any, Any, Any, Any]:
     if version != VLLM:
         raise Skipped(f"vllm {version} is installed, these facts describe {VLLM}")
     try:
+        # vllm: optional; its checks skip without it
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading import canonical_mapping
         from vllm.v1 import kv_cache_interface, kv_cache_layout
         from vllm.v1.core import kv_cache_planning
@@ -161,11 +167,9 @@ def vllm_disagreements() -> tuple[list[str], int]:
     """(what disagrees, how many facts were checked) for vLLM's caches, every KVCacheLayout with
     and without MLA, and the canonical offload pages (facts_host) against the CopyRuns of vLLM's
     derive_canonical_mappings; Skipped when vLLM cannot run here."""
-    from types import SimpleNamespace
-
+    # torch: only where the engine imports
     import torch
 
-    from kvgen.oracle import facts_vllm
     from kvgen.oracle.facts import FACTS, EngineGeometry
 
     iface, layouts, planning, worker, canonical = _vllm_modules()

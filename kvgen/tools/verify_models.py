@@ -40,6 +40,7 @@ def rank(model: Any) -> int:
 
 
 def _check(package: ModuleType, library: Any, plan: Any, device: str) -> tuple[bool, bool]:
+    # torch: only for a run
     from kvgen.oracle.model_scenarios import SCENARIOS, check_model
 
     tp = rank(plan.model)
@@ -60,6 +61,7 @@ def run(package: ModuleType, library: Any, selected: Sequence[Any], devices: Seq
     """Print one row per model connector and device; (checks, failures)."""
     if not selected:
         return 0, 0
+    # torch: only for a run
     from kvgen.oracle.model_scenarios import SCENARIOS
 
     wide = max([24, *(len(p.model.name) for p in selected)]), max([22, *(len(p.obj.name) for p in selected)])

@@ -33,6 +33,7 @@ def mismatch(package: ModuleType, transfers: Sequence[Any], out: Path, specs: Se
 
 def _check(package: ModuleType, pair: Any, device: str, layerwise: bool) -> bool:
     """Every applicable scenario through one transfer object; a raise counts as a failure."""
+    # torch: only for a run
     from kvgen.oracle.transfer_scenarios import SCENARIOS, applies, check_transfer
 
     transfer = package.transfer(pair.src.name, pair.dst.name)()
@@ -53,6 +54,7 @@ def run(package: ModuleType, selected: Sequence[Any], devices: Sequence[str]) ->
     """Print one row per transfer and device; (checks, failures)."""
     if not selected:
         return 0, 0
+    # torch: only for a run
     from kvgen.oracle.transfer_scenarios import SCENARIOS
 
     wide = max([30, *(len(p.src.name) for p in selected)]), max([34, *(len(p.dst.name) for p in selected)])

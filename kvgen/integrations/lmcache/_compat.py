@@ -7,6 +7,7 @@ works on a CPU-only machine with `lmcache` installed without its dependencies.
 from __future__ import annotations
 
 import abc
+import importlib
 from typing import Any
 
 try:  # pragma: no cover - exercised by whichever environment runs the tests
@@ -29,8 +30,6 @@ def lmcache_module(name: str) -> Any | None:
     """An LMCache module by dotted name, or None when LMCache (or that module) is absent."""
     if not LMCACHE_AVAILABLE:
         return None
-    import importlib
-
     try:
         return importlib.import_module(name)
     except Exception:

@@ -10,6 +10,7 @@ The generated connector is used only through its public methods (`batched_from_g
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import threading
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
@@ -245,8 +246,6 @@ class Adapter(GPUConnectorInterface):
                 found = detect(kvcaches, package=self._package(), **self._hints())
                 package = self._package()
                 if isinstance(package, str):
-                    import importlib
-
                     package = importlib.import_module(package)
                 connector = package.get(found.layout, self._object_name())(self.device, use_gpu=self.use_gpu)
                 if len(self._bindings) >= _BINDINGS:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+import kvgen.generated
 from kvgen.errors import KVLayoutError
 from kvgen.integrations.detect import Detection, detect
 from kvgen.integrations.lmcache._compat import register_virtual_subclass
@@ -64,8 +65,6 @@ class TRTLLMGPUConnector(Adapter):
         found: Detection = detect(view, engine="trtllm", kv_layout="HND", num_layers=self.num_layers,
                                   num_kv_heads=self.num_kv_heads, head_size=self.head_dim,
                                   block_size=tokens_per_block)
-        import kvgen.generated
-
         self._connector = kvgen.generated.get(found.layout, "kv_2ltd")(self.device)
         self.detection = found
         self.tokens_per_block = tokens_per_block
