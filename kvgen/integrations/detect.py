@@ -22,6 +22,7 @@ those that hold the engine's release (`engine_version=`, for vLLM by default the
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -194,62 +195,75 @@ def layout_facts(package: ModuleType | str | None = None) -> tuple[LayoutFacts, 
 
 # -- matching one spec ------------------------------------------------------------------
 
-def _fit(f: LayoutFacts, cache: CacheShape, shape: tuple[int, ...]) -> dict[str, int]:
-    """The extents `f` reads from a cache whose memory-order leaf shape is `shape`."""
+class _Reading(dict[str, int]):
+    """The extents read from a cache so far: an axis read in two places must agree."""
+
+    def assign(self, axis: str, value: int, where: str) -> None:
+        if self.setdefault(axis, value) != value:
+            raise _Mismatch(f"{axis} is {self[axis]} in one place and {value} at {where}")
+
+
+def _read_plain(f: LayoutFacts, cache: CacheShape, shape: tuple[int, ...], ext: _Reading) -> None:
+    """The list levels and the dims of one axis (or a singleton) read from the cache."""
     if len(cache.lists) != len(f.lists):
         levels = " -> ".join(f.lists) or "none"
         raise _Mismatch(f"list levels: the spec has {len(f.lists)} ({levels}), the cache {len(cache.lists)}")
-    ext: dict[str, int] = {}
-
-    def assign(axis: str, value: int, where: str) -> None:
-        if ext.setdefault(axis, value) != value:
-            raise _Mismatch(f"{axis} is {ext[axis]} in one place and {value} at {where}")
-
     for axis, n in zip(f.lists, cache.lists, strict=True):
-        assign(axis, n, f"list level {axis}")
+        ext.assign(axis, n, f"list level {axis}")
     if len(shape) != len(f.dims):
         raise _Mismatch(f"rank: the spec's tensors have {len(f.dims)} dims, the cache's {len(shape)}")
     for i, (axes, n) in enumerate(zip(f.dims, shape, strict=True)):
         if not axes and n != 1:
             raise _Mismatch(f"dim {i} must be 1, it is {n}")
         if len(axes) == 1:
-            assign(axes[0], n, f"dim {i}")
+            ext.assign(axes[0], n, f"dim {i}")
     for axis, value in f.sizes.items():
         if axis in ext and ext[axis] != value:
             raise _Mismatch(f"{axis} must be {value}, it is {ext[axis]}")
         ext.setdefault(axis, value)
+
+
+def _read_fused(axes: tuple[str, ...], n: int, i: int, ext: _Reading) -> None:
+    """A fused dim of extent `n`: the one axis not known yet is what is left of `n`."""
+    product = math.prod(ext[a] for a in axes if a in ext)
+    unknown = [a for a in axes if a not in ext]
+    if not unknown and product != n:
+        raise _Mismatch(f"dim {i} ({' '.join(axes)}) must be {product}, it is {n}")
+    if len(unknown) == 1:
+        if n % product:
+            raise _Mismatch(f"dim {i} ({' '.join(axes)}) = {n} does not split by {product}")
+        ext[unknown[0]] = n // product
+    elif unknown:
+        ext["S"] = n  # a folded slot axis (SGLang's B*N): its parts are not facts
+
+
+def _fit(f: LayoutFacts, cache: CacheShape, shape: tuple[int, ...]) -> dict[str, int]:
+    """The extents `f` reads from a cache whose memory-order leaf shape is `shape`."""
+    ext = _Reading()
+    _read_plain(f, cache, shape, ext)
     for i, (axes, n) in enumerate(zip(f.dims, shape, strict=True)):
-        if len(axes) < 2:
-            continue
-        known = [a for a in axes if a in ext]
-        product = 1
-        for a in known:
-            product *= ext[a]
-        unknown = [a for a in axes if a not in ext]
-        if not unknown and product != n:
-            raise _Mismatch(f"dim {i} ({' '.join(axes)}) must be {product}, it is {n}")
-        if len(unknown) == 1:
-            if n % product:
-                raise _Mismatch(f"dim {i} ({' '.join(axes)}) = {n} does not split by {product}")
-            ext[unknown[0]] = n // product
-        elif unknown:
-            ext["S"] = n  # a folded slot axis (SGLang's B*N): its parts are not facts
+        if len(axes) >= 2:
+            _read_fused(axes, n, i, ext)
     for axis in ("KV", "H"):
         ext.setdefault(axis, 1)
     if "S" not in ext:
         ext["S"] = ext.get("B", 1) * ext.get("N", 1)
     if cache.dtype is not None and cache.dtype not in f.dtypes:
         raise _Mismatch(f"dtype {cache.dtype} is not one of {', '.join(f.dtypes)}")
-    return ext
+    return dict(ext)
 
 
-def _check_hints(f: LayoutFacts, ext: Mapping[str, int], hints: Mapping[str, Any],
-                 perm: tuple[int, ...]) -> None:
+def _check_size_hints(ext: Mapping[str, int], hints: Mapping[str, Any]) -> None:
+    """The extents the engine states (num_kv_heads, block_size, ..., hidden_dim) against those read."""
     for axis, hint in AXIS_HINTS:
         if hints.get(hint) is not None and axis in ext and ext[axis] != hints[hint]:
             raise _Mismatch(f"{hint}={hints[hint]}, but read this way {axis} is {ext[axis]}")
     if hints.get("hidden_dim") is not None and ext["H"] * ext["C"] != hints["hidden_dim"]:
         raise _Mismatch(f"hidden_dim={hints['hidden_dim']}, but read this way H*C is {ext['H']}*{ext['C']}")
+
+
+def _check_kind_hints(f: LayoutFacts, hints: Mapping[str, Any]) -> None:
+    """What the engine says the cache is (planes, engine, backend, NHD or HND) against the spec."""
     if hints.get("planes") is not None and f.planes != hints["planes"]:
         what = "an MLA cache (one plane)" if hints["planes"] == 1 else "separate K and V"
         raise _Mismatch(f"the engine says {what}, the spec has {f.planes} plane(s)")
@@ -263,9 +277,13 @@ def _check_hints(f: LayoutFacts, ext: Mapping[str, int], hints: Mapping[str, Any
     order = sglang_layouts.pool_order(f)  # f.order(), or the order SGLang's word names for its [slots, H, C] rows
     if kv_layout is not None and str(kv_layout).upper() in ORDERS and order != str(kv_layout).upper():
         raise _Mismatch(f"kv_layout={kv_layout!r}, the spec's order is {order or 'neither NHD nor HND'}")
-    given = hints.get("given_order")
+
+
+def _check_given_order(f: LayoutFacts, hints: Mapping[str, Any], perm: tuple[int, ...]) -> None:
+    """The order the engine handed the dims over in (NHD or HND) against the one `perm` reads."""
     if f.given:
         return  # the spec states the order the engine hands its leaves over in
+    given, engine = hints.get("given_order"), hints.get("engine")
     if given is None and engine is not None and family(engine) == "vllm" and perm != tuple(range(len(perm))):
         given = "NHD"  # vLLM permutes a cache only to hand over its logical view: slots (N) before heads (H)
     if given is not None and f.order():
@@ -275,11 +293,31 @@ def _check_hints(f: LayoutFacts, ext: Mapping[str, int], hints: Mapping[str, Any
                             f"they would be in {'NHD' if n < h else 'HND'} order")
 
 
+def _check_hints(f: LayoutFacts, ext: Mapping[str, int], hints: Mapping[str, Any],
+                 perm: tuple[int, ...]) -> None:
+    _check_size_hints(ext, hints)
+    _check_kind_hints(f, hints)
+    _check_given_order(f, hints, perm)
+
+
 # -- detection --------------------------------------------------------------------------
 
-def detect_shape(cache: CacheShape, *, package: ModuleType | str | None = None, **hints: Any) -> Detection:
-    """Detection from a CacheShape (no tensors needed); see `detect`."""
-    hints = normalize_hints(hints)
+@dataclass(frozen=True)
+class _Asked:
+    """What the caller's hints select before any spec is fitted."""
+
+    engine: str | None
+    version: str | None
+    #: The vLLM KVCacheLayout the hints declare (kv_layout=KVCacheLayout.BLHNC, ...), or None.
+    declared: str | None
+    #: A spec the hints name outright (layout=, or a kv_layout that names a spec), or None.
+    named: Any
+    candidates: tuple[LayoutFacts, ...]
+
+
+def _asked(hints: dict[str, Any], package: ModuleType | str | None) -> _Asked:
+    """The candidates the hints leave; the hints that only select (engine_version, layout, a
+    declared KVCacheLayout or spec name) are taken out of `hints`."""
     version = engine_version(hints)
     hints.pop("engine_version", None)
     engine = family(hints["engine"]) if hints.get("engine") is not None else None
@@ -287,9 +325,6 @@ def detect_shape(cache: CacheShape, *, package: ModuleType | str | None = None, 
         raise KVLayoutError(f"engine_version={version!r} needs the engine it is a release of (engine='vllm', ...)")
     everything = layout_facts(package)
     facts = everything if version is None else tuple(f for f in everything if f.describes(engine, version))
-    if hints.get("dtype") is not None:
-        cache = CacheShape(cache.lists, cache.shape, cache.stride, str(hints.pop("dtype")).removeprefix("torch."))
-    sorted_perm = memory_order(cache.shape, cache.stride)
     named = hints.pop("layout", None)
     sglang_layouts.read_word(hints)  # SGLang's kv_cache_layout words name an order, or are refused
     # With a layout named outright, NHD or HND only checks its in-block order (vLLM 0.33 reads
@@ -299,13 +334,22 @@ def detect_shape(cache: CacheShape, *, package: ModuleType | str | None = None, 
     if declared is not None:
         hints.pop("kv_layout")
         facts = _declared(declared, facts, everything, version)
-    elif hints.get("kv_layout") is not None and str(hints["kv_layout"]).upper() not in ORDERS:
+    elif hints.get("kv_layout") is not None and not legacy:
         kv_layout = str(getattr(hints["kv_layout"], "name", hints.pop("kv_layout")))
         named = named or VLLM_LAYOUTS_BEFORE.get(kv_layout.upper(), kv_layout)  # a spec name, alias or format
     if named is not None:
         facts = _named(named, facts, everything, package, engine, version)
+    return _Asked(engine, version, declared, named, facts)
+
+
+Fit = tuple[LayoutFacts, dict[str, int], tuple[int, ...]]
+
+
+def _fits(asked: _Asked, cache: CacheShape, hints: Mapping[str, Any]) -> tuple[list[Fit], dict[str, str]]:
+    """(spec, extents, permutation) of every candidate that reads the cache, and why each other one does not."""
+    sorted_perm = memory_order(cache.shape, cache.stride)
     fits, refused = [], {}
-    for f in facts:
+    for f in asked.candidates:
         perm = f.given_permutation() if f.given else sorted_perm
         try:
             if f.given:
@@ -318,17 +362,25 @@ def detect_shape(cache: CacheShape, *, package: ModuleType | str | None = None, 
         fits.append((f, ext, perm))
     shape = tuple(cache.shape[i] for i in sorted_perm)
     fits += [(g, ext, sorted_perm) for g, ext in sglang_layouts.neighbours(
-        [(f, ext) for f, ext, _ in fits], facts, hints, named is not None,
+        [(f, ext) for f, ext, _ in fits], asked.candidates, hints, asked.named is not None,
         lambda g, rest: _try_fit(g, cache, shape, rest, sorted_perm))]
+    return fits, refused
+
+
+def _refuse_unless_one(fits: list[Fit], refused: dict[str, str], asked: _Asked, cache: CacheShape,
+                       hints: Mapping[str, Any]) -> None:
+    """NoLayout when nothing fits, AmbiguousLayout (with the hints that decide) when more than one does."""
+    sorted_perm = memory_order(cache.shape, cache.stride)
+    shape = tuple(cache.shape[i] for i in sorted_perm)
     where = f"cache {cache.describe()}" + (f" (by stride [{', '.join(map(str, shape))}])"
                                            if sorted_perm != tuple(range(len(sorted_perm))) else "")
-    said = describe_hints({**hints, **({"engine_version": version} if version else {}),
-                           **({"kv_layout": declared} if declared else {})})
+    said = describe_hints({**hints, **({"engine_version": asked.version} if asked.version else {}),
+                           **({"kv_layout": asked.declared} if asked.declared else {})})
     if not fits:
         raise NoLayout(f"no layout fits the {where} with hints {said}; what disagreed:\n  "
                        + "\n  ".join(f"{name}: {why}" for name, why in refused.items()), refused)
     pairs = [(f, ext) for f, ext, _ in fits]
-    if len(fits) > 1 or any(sglang_layouts.needs_word(f, hints, named is not None) for f, _ in pairs):
+    if len(fits) > 1 or any(sglang_layouts.needs_word(f, hints, asked.named is not None) for f, _ in pairs):
         decide = {f.name: deciders(f, ext, pairs) for f, ext in pairs}
         lines = [f"{f.name} {extents(ext)} (pass "
                  f"{', '.join(f'{k}={v!r}' for k, v in decide[f.name].items())})" for f, ext in pairs]
@@ -336,9 +388,19 @@ def detect_shape(cache: CacheShape, *, package: ModuleType | str | None = None, 
             lines.append(f"an SGLang pool says its layout, its shape does not: pass {sglang_layouts.HINT}")
         raise AmbiguousLayout(f"{len(fits)} layouts fit the {where} with hints {said}; kvgen "
                               "does not guess:\n  " + "\n  ".join(lines), decide)
+
+
+def detect_shape(cache: CacheShape, *, package: ModuleType | str | None = None, **hints: Any) -> Detection:
+    """Detection from a CacheShape (no tensors needed); see `detect`."""
+    hints = normalize_hints(hints)
+    if hints.get("dtype") is not None:
+        cache = CacheShape(cache.lists, cache.shape, cache.stride, str(hints.pop("dtype")).removeprefix("torch."))
+    asked = _asked(hints, package)
+    fits, refused = _fits(asked, cache, hints)
+    _refuse_unless_one(fits, refused, asked, cache, hints)
     f, ext, perm = fits[0]
     moved = perm != tuple(range(len(perm)))
-    decided = tuple(sorted(set(hints) | ({"kv_layout"} if declared else set()))) + (
+    decided = tuple(sorted(set(hints) | ({"kv_layout"} if asked.declared else set()))) + (
         ("given",) if f.given else (("strides",) if moved else ()))
     return Detection(f.name, f.lmcache, ext, perm, decided)
 
