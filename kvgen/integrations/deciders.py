@@ -22,20 +22,32 @@ def extents(ext: Mapping[str, int]) -> str:
     return "[" + " ".join(f"{k}={v}" for k, v in ext.items()) + "]"
 
 
-def deciders(f: Any, ext: Mapping[str, int], fits: Sequence[tuple[Any, Mapping[str, int]]]
-              ) -> dict[str, Any]:
-    """Hints that keep `f` and drop at least one other candidate (`layout` always decides)."""
-    out: dict[str, Any] = {}
+Fits = Sequence[tuple[Any, Mapping[str, int]]]
+
+
+def _extent_hints(f: Any, ext: Mapping[str, int], fits: Fits) -> dict[str, Any]:
+    """The extents the candidates read differently (not for an SGLang pool: its word decides)."""
+    if sglang_layouts.word_of(f) is not None:
+        return {}
+    return {hint: ext[axis] for axis, hint in AXIS_HINTS
+            if axis in ext and len({e.get(axis) for _, e in fits}) > 1}
+
+
+def _layout_word(f: Any, fits: Fits) -> str | None:
+    """The kv_layout that names `f`: SGLang's word, vLLM's KVCacheLayout name, or its NHD/HND order."""
     word = sglang_layouts.word_of(f)
-    for axis, hint in AXIS_HINTS:
-        if word is None and axis in ext and len({e.get(axis) for _, e in fits}) > 1:
-            out[hint] = ext[axis]
     if word is not None:
-        out["kv_layout"] = word  # the pool's kv_cache_layout: the only fact that orders SGLang's 4-D buffers
-    elif f.given and f.aliases:
-        out["kv_layout"] = f.aliases[0]  # the engine's own name for the layout (vLLM's KVCacheLayout)
-    elif f.order() and len({g.order() for g, _ in fits}) > 1 and not _names_a_vllm_layout(f):
-        out["kv_layout"] = f.order()
+        return word  # the pool's kv_cache_layout: the only fact that orders SGLang's 4-D buffers
+    if f.given and f.aliases:
+        return f.aliases[0]  # the engine's own name for the layout (vLLM's KVCacheLayout)
+    if f.order() and len({g.order() for g, _ in fits}) > 1 and not _names_a_vllm_layout(f):
+        return f.order()
+    return None
+
+
+def _engine_hints(f: Any, fits: Fits) -> dict[str, Any]:
+    """MLA or not, the engine, its backend and release, where they tell `f` from another candidate."""
+    out: dict[str, Any] = {}
     if len({g.planes for g, _ in fits}) > 1:
         out["use_mla"] = f.planes == 1
     if len({frozenset(g.families()) for g, _ in fits}) > 1 and len(f.families()) == 1:
@@ -49,8 +61,16 @@ def deciders(f: Any, ext: Mapping[str, int], fits: Sequence[tuple[Any, Mapping[s
         if engine in f.versions:
             out.setdefault("engine", engine)
             out["engine_version"] = some_release(f.versions[engine])
-    out["layout"] = f.name
     return out
+
+
+def deciders(f: Any, ext: Mapping[str, int], fits: Fits) -> dict[str, Any]:
+    """Hints that keep `f` and drop at least one other candidate (`layout` always decides)."""
+    out = _extent_hints(f, ext, fits)
+    word = _layout_word(f, fits)
+    if word is not None:
+        out["kv_layout"] = word
+    return {**out, **_engine_hints(f, fits), "layout": f.name}
 
 
 def _names_a_vllm_layout(f: Any) -> bool:

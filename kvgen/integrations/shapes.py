@@ -84,18 +84,20 @@ def memory_order(shape: Sequence[int], stride: Sequence[int] | None) -> tuple[in
     return tuple(perm)
 
 
+def _integers(text: str, sep: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in text.split(sep) if n)
+
+
 def parse_cache_shape(text: str, stride: str | None = None, dtype: str | None = None) -> CacheShape:
     """`32x[2,1000,16,8,128]` (list lengths outermost first, then the leaf shape; `[...]`
     alone for one tensor) and optional comma-separated strides, as the CLI takes them."""
-    body = text.replace(" ", "")
-    head, sep, leaf = body.rpartition("[")
+    head, sep, leaf = text.replace(" ", "").rpartition("[")
     if not leaf.endswith("]") or (head and not head.endswith("x")) or (not sep):
         raise KVLayoutError(f"cache shape {text!r}: write list lengths then the tensor shape, e.g. "
                             "32x[2,1000,16,8,128] or 2x32x[4096,8,128] or [1000,32,2,8,16,128]")
     try:
-        lists = tuple(int(n) for n in head.split("x") if n)
-        shape = tuple(int(n) for n in leaf[:-1].split(",") if n)
-        strides = tuple(int(n) for n in stride.replace(" ", "").split(",") if n) if stride else None
+        lists, shape = _integers(head, "x"), _integers(leaf[:-1], ",")
+        strides = _integers(stride.replace(" ", ""), ",") if stride else None
     except ValueError:
         raise KVLayoutError(f"cache shape {text!r} / strides {stride!r}: every extent must be an integer") from None
     if not shape or (strides is not None and len(strides) != len(shape)):

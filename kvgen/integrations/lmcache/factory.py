@@ -53,6 +53,30 @@ def _engine(engine: Any) -> str:
     return str(getattr(engine, "value", engine)).lower()
 
 
+def _device(metadata: Any) -> torch.device:
+    """The worker's device, made current (LMCache's local_worker_id on the active accelerator)."""
+    kind = device_type()
+    local = int(getattr(metadata, "local_worker_id", 0) or 0)
+    if kind == "cpu":
+        return torch.device("cpu")
+    getattr(torch, kind).set_device(local)
+    return torch.device(kind, local)
+
+
+def _sglang_class(layerwise: bool, xpu: bool) -> Any:
+    if layerwise:
+        return SGLangLayerwiseXPUConnector if xpu else SGLangLayerwiseGPUConnector
+    return SGLangXPUConnector if xpu else SGLangGPUConnector
+
+
+def _vllm_class(config: Any, layerwise: bool, xpu: bool) -> Any:
+    if layerwise:
+        return VLLMPagedMemLayerwiseXPUConnector if xpu else VLLMPagedMemLayerwiseGPUConnector
+    if bool(getattr(config, "use_gpu_connector_v3", False)):
+        return VLLMPagedMemXPUConnectorV3 if xpu else VLLMPagedMemGPUConnectorV3
+    return VLLMPagedMemXPUConnectorV2 if xpu else VLLMPagedMemGPUConnectorV2
+
+
 def create_gpu_connector(config: Any, metadata: Any, engine: Any,
                          layout_hints: Mapping[str, Any] | None = None) -> Any:
     """The kvgen connector LMCache's CreateGPUConnector would pick for `config`, `metadata`
@@ -64,30 +88,18 @@ def create_gpu_connector(config: Any, metadata: Any, engine: Any,
     if not hasattr(metadata, "kv_shape"):
         raise KVLayoutError(f"metadata must be LMCache's LMCacheMetadata (with kv_shape, kv_dtype, use_mla), "
                             f"got {type(metadata).__name__ if metadata is not None else None}")
-    kind = device_type()
-    local = int(getattr(metadata, "local_worker_id", 0) or 0)
-    device = torch.device(kind, local) if kind != "cpu" else torch.device("cpu")
-    if kind != "cpu":
-        getattr(torch, kind).set_device(local)
+    device = _device(metadata)
     use_gpu = not bool(getattr(config, "enable_pd", False))
-    xpu = kind == "xpu"
+    xpu = device.type == "xpu"
     layerwise = bool(getattr(config, "use_layerwise", False))
 
     if name == "sglang":
-        cls: Any = (SGLangLayerwiseXPUConnector if xpu else SGLangLayerwiseGPUConnector) if layerwise \
-            else (SGLangXPUConnector if xpu else SGLangGPUConnector)
-        return cls.from_metadata(metadata, use_gpu, device, layout_hints=layout_hints)
+        return _sglang_class(layerwise, xpu).from_metadata(metadata, use_gpu, device, layout_hints=layout_hints)
     if name == "vllm":
-        _refuse_unsupported(config, kind)
+        _refuse_unsupported(config, device.type)
         if layerwise and bool(getattr(config, "enable_blending", False)):
             return _lmcache_own(config, metadata, engine, layout_hints, "CacheBlend's buffer connector")
-        if layerwise:
-            cls = VLLMPagedMemLayerwiseXPUConnector if xpu else VLLMPagedMemLayerwiseGPUConnector
-        elif bool(getattr(config, "use_gpu_connector_v3", False)):
-            cls = VLLMPagedMemXPUConnectorV3 if xpu else VLLMPagedMemGPUConnectorV3
-        else:
-            cls = VLLMPagedMemXPUConnectorV2 if xpu else VLLMPagedMemGPUConnectorV2
-        return cls.from_metadata(metadata, use_gpu, device, layout_hints=layout_hints)
+        return _vllm_class(config, layerwise, xpu).from_metadata(metadata, use_gpu, device, layout_hints=layout_hints)
     if name == "trtllm":
         return TRTLLMGPUConnector.from_metadata(metadata, device=device)
     if name == "mock":
