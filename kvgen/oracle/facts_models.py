@@ -25,7 +25,7 @@ Sources (projects as named on Hugging Face / GitHub):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,6 +194,48 @@ def _jamba_v01() -> ModelFact:
 _register(_jamba_v01())
 
 
+def _group_disagreement(g: Any, f: GroupFact) -> str | None:
+    """Where one attention group of a spec differs from its facts, or None."""
+    if g.layout != f.layout:
+        return f"group {g.name}: layout {g.layout}, the engine keeps {f.layout}"
+    if tuple(g.layers) != f.layers:
+        return f"group {g.name}: layers {_short(g.layers)}, the facts say {_short(f.layers)}"
+    if dict(g.sizes) != dict(f.sizes):
+        return f"group {g.name}: sizes {dict(g.sizes)}, the facts say {dict(f.sizes)}"
+    if tuple(g.dtypes) != f.dtypes:
+        return f"group {g.name}: dtypes {list(g.dtypes)}, the facts say {list(f.dtypes)}"
+    if g.window != f.window:
+        return f"group {g.name}: window {g.window}, the facts say {f.window}"
+    return None
+
+
+def _state_disagreement(s: Any, f: StateFact) -> str | None:
+    """Where one state group of a spec differs from its facts, or None."""
+    if tuple(s.layers) != f.layers:
+        return f"state {s.name}: layers {_short(s.layers)}, the facts say {_short(f.layers)}"
+    got = [(t.name, tuple(t.shape), tuple(t.dtypes), t.split) for t in s.tensors]
+    want = [(t.name, t.shape, t.dtypes, t.split) for t in f.tensors]
+    return f"state {s.name}: tensors {got}, the facts say {want}" if got != want else None
+
+
+def _listed(what: str, got: Sequence[Any], want: Sequence[Any]) -> str | None:
+    names, expected = [x.name for x in got], [x.name for x in want]
+    return f"{what} are {names}, the facts say {expected}" if names != expected else None
+
+
+def _comparisons(model: Any, fact: ModelFact) -> Iterator[str | None]:
+    """Each comparison in turn (None where it agrees); a later one runs only once every earlier one agreed."""
+    yield f"config is {model.config!r}, the facts come from {fact.config!r}" if model.config != fact.config else None
+    yield (f"layers is {model.layers}, the engine's cache list has {fact.entries} entries"
+           if model.layers != fact.entries else None)
+    yield _listed("groups", model.groups, fact.groups)
+    for g, f in zip(model.groups, fact.groups, strict=True):
+        yield _group_disagreement(g, f)
+    yield _listed("state groups", model.states, fact.states)
+    for s, f in zip(model.states, fact.states, strict=True):
+        yield _state_disagreement(s, f)
+
+
 def model_disagreement(model: Any) -> str | None:
     """Where a loaded model spec (kvgen.spec.models.ModelSpec) differs from its facts, or None.
 
@@ -201,35 +243,7 @@ def model_disagreement(model: Any) -> str | None:
     fact = MODEL_FACTS.get(model.name)
     if fact is None:
         return f"model {model.name} has no facts in kvgen.oracle.facts_models"
-    if model.config != fact.config:
-        return f"config is {model.config!r}, the facts come from {fact.config!r}"
-    if model.layers != fact.entries:
-        return f"layers is {model.layers}, the engine's cache list has {fact.entries} entries"
-    names = [g.name for g in model.groups]
-    if names != [g.name for g in fact.groups]:
-        return f"groups are {names}, the facts say {[g.name for g in fact.groups]}"
-    for g, f in zip(model.groups, fact.groups, strict=True):
-        if g.layout != f.layout:
-            return f"group {g.name}: layout {g.layout}, the engine keeps {f.layout}"
-        if tuple(g.layers) != f.layers:
-            return f"group {g.name}: layers {_short(g.layers)}, the facts say {_short(f.layers)}"
-        if dict(g.sizes) != dict(f.sizes):
-            return f"group {g.name}: sizes {dict(g.sizes)}, the facts say {dict(f.sizes)}"
-        if tuple(g.dtypes) != f.dtypes:
-            return f"group {g.name}: dtypes {list(g.dtypes)}, the facts say {list(f.dtypes)}"
-        if g.window != f.window:
-            return f"group {g.name}: window {g.window}, the facts say {f.window}"
-    states = [s.name for s in model.states]
-    if states != [s.name for s in fact.states]:
-        return f"state groups are {states}, the facts say {[s.name for s in fact.states]}"
-    for s, f in zip(model.states, fact.states, strict=True):
-        if tuple(s.layers) != f.layers:
-            return f"state {s.name}: layers {_short(s.layers)}, the facts say {_short(f.layers)}"
-        got = [(t.name, tuple(t.shape), tuple(t.dtypes), t.split) for t in s.tensors]
-        want = [(t.name, t.shape, t.dtypes, t.split) for t in f.tensors]
-        if got != want:
-            return f"state {s.name}: tensors {got}, the facts say {want}"
-    return None
+    return next((why for why in _comparisons(model, fact) if why), None)
 
 
 def _short(layers: tuple[int, ...]) -> str:
