@@ -334,6 +334,57 @@ def extents(fact: PartsFact, g: EngineGeometry) -> dict[str, int]:
     return out
 
 
+def _part_disagreement(spec: Spec, part: Any, pf: PartFact, ext: Mapping[str, int], g: EngineGeometry) -> str | None:
+    """Where one part of a spec differs from its facts (shape, dtypes), or None."""
+    if part_shape(spec, part, ext) != pf.shape(g):
+        return f"part {part.name}: shape {part_shape(spec, part, ext)} at {g}, the source says {pf.shape(g)}"
+    if pf.dtypes and part.dtypes != pf.dtypes:
+        return f"part {part.name}: dtypes {list(part.dtypes)}, the source stores {list(pf.dtypes)}"
+    return None
+
+
+def _plane_disagreement(spec: Spec, plane: Any, pf: PlaneFact, fact: PartsFact, g: EngineGeometry) -> str | None:
+    """Where one moved plane of a spec differs from its facts (values, axes, every address), or None."""
+    ext = extents(fact, g)
+    if plane.dtype != pf.dtype or plane_count(spec, plane, ext) != pf.count(g):
+        return (f"plane {plane.name}: {plane_count(spec, plane, ext)} x {plane.dtype}, the source has "
+                f"{pf.count(g)} x {pf.dtype}")
+    if (plane.has_slots, "KV" in plane.axes, "H" in plane.axes) != (pf.slots, pf.kv, pf.heads):
+        return f"plane {plane.name}: axes {plane.axes} (slots: {plane.has_slots}), the source differs"
+    item = fact.parts[pf.part].item()
+    found = first_difference(value_sizes(pf, g), functools.partial(pf.address, g),
+                             lambda *e: plane_address(spec, plane, _coords("slot", e), ext, item))
+    if found is None:
+        return None
+    (layer, kv, slot, h, c), want, got = found
+    return (f"plane {plane.name} (l={layer}, kv={kv}, slot={slot}, h={h}, c={c}) at {got}, the source "
+            f"says {want} ({g})")
+
+
+def _named(what: str, got: Sequence[Any], source: Sequence[Any]) -> str | None:
+    names, expected = [x.name for x in got], [x.name for x in source]
+    return f"{what} {names}, the source has {expected}" if names != expected else None
+
+
+def _parts_comparisons(spec: Spec, fact: PartsFact, g: EngineGeometry) -> Iterator[str | None]:
+    """Each comparison in turn (None where it agrees); a later one runs only once every earlier one agreed."""
+    if spec.lmcache_format != fact.lmcache:
+        yield f"LMCache format {spec.lmcache_format}, the source says {fact.lmcache}"
+    if dict(spec.sizes) != dict(fact.fixed):
+        yield f"sizes {dict(spec.sizes)}, the source fixes {dict(fact.fixed)}"
+    levels = tuple(axis for _, axis in fact.container)
+    if spec.lists != levels:
+        yield f"lists {list(spec.lists)}, the source hands over {list(levels)}"
+    yield _named("parts", spec.parts, fact.parts)
+    ext = extents(fact, g)
+    for part, pf in zip(spec.parts, fact.parts, strict=True):
+        yield _part_disagreement(spec, part, pf, ext, g)
+    planes = spec.moved_planes()
+    yield _named("planes", planes, fact.planes)
+    for plane, pf in zip(planes, fact.planes, strict=True):
+        yield _plane_disagreement(spec, plane, pf, fact, g)
+
+
 def parts_disagreement(spec: Spec, g: EngineGeometry) -> str | None:
     """The first way a format-2 spec differs from the facts, or None. A packed object is
     compared through every built-in cache whose planes it holds."""
@@ -342,38 +393,7 @@ def parts_disagreement(spec: Spec, g: EngineGeometry) -> str | None:
     fact = PARTS_FACTS.get(spec.name)
     if fact is None:
         return f"no fact entry for {spec.name}"
-    if spec.lmcache_format != fact.lmcache:
-        return f"LMCache format {spec.lmcache_format}, the source says {fact.lmcache}"
-    if dict(spec.sizes) != dict(fact.fixed):
-        return f"sizes {dict(spec.sizes)}, the source fixes {dict(fact.fixed)}"
-    levels = tuple(axis for _, axis in fact.container)
-    if spec.lists != levels:
-        return f"lists {list(spec.lists)}, the source hands over {list(levels)}"
-    if tuple(p.name for p in spec.parts) != tuple(p.name for p in fact.parts):
-        return f"parts {[p.name for p in spec.parts]}, the source has {[p.name for p in fact.parts]}"
-    ext = extents(fact, g)
-    for part, pf in zip(spec.parts, fact.parts, strict=True):
-        if part_shape(spec, part, ext) != pf.shape(g):
-            return f"part {part.name}: shape {part_shape(spec, part, ext)} at {g}, the source says {pf.shape(g)}"
-        if pf.dtypes and part.dtypes != pf.dtypes:
-            return f"part {part.name}: dtypes {list(part.dtypes)}, the source stores {list(pf.dtypes)}"
-    planes = spec.moved_planes()
-    if tuple(p.name for p in planes) != tuple(p.name for p in fact.planes):
-        return f"planes {[p.name for p in planes]}, the source has {[p.name for p in fact.planes]}"
-    for plane, pf in zip(planes, fact.planes, strict=True):
-        if plane.dtype != pf.dtype or plane_count(spec, plane, ext) != pf.count(g):
-            return (f"plane {plane.name}: {plane_count(spec, plane, ext)} x {plane.dtype}, the source has "
-                    f"{pf.count(g)} x {pf.dtype}")
-        if (plane.has_slots, "KV" in plane.axes, "H" in plane.axes) != (pf.slots, pf.kv, pf.heads):
-            return f"plane {plane.name}: axes {plane.axes} (slots: {plane.has_slots}), the source differs"
-        item = fact.parts[pf.part].item()
-        found = first_difference(value_sizes(pf, g), functools.partial(pf.address, g),
-                                 lambda *e, p=plane, i=item: plane_address(spec, p, _coords("slot", e), ext, i))
-        if found is not None:
-            (layer, kv, slot, h, c), want, got = found
-            return (f"plane {plane.name} (l={layer}, kv={kv}, slot={slot}, h={h}, c={c}) at {got}, the source "
-                    f"says {want} ({g})")
-    return None
+    return next((why for why in _parts_comparisons(spec, fact, g) if why), None)
 
 
 @functools.cache
