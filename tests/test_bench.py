@@ -338,7 +338,7 @@ def test_naive_baseline_matches_every_default_connector(alloc: str) -> None:
         naive = NaiveConnector(paged, library[t.obj], ext)
         for n in (3, 9):  # a partial block, then whole blocks plus a partial one
             mapping = torch.tensor(slot_mapping(n, 6, 4, alloc, rng))
-            xfer = Transfers(connector, naive, cache, mapping, n, "cpu", torch.bfloat16)
+            xfer = Transfers(connector, naive, cache, mapping, n, torch.bfloat16)
             assert xfer.check_store(), (t, n, "store")
             assert xfer.check_load(), (t, n, "load")
 

@@ -60,8 +60,8 @@ def test_builtin_model_connector_matches_reference(model: str, obj: str) -> None
         mine, full = generated.get_model(model, obj), generated.get_model(model, "kv_groups")
         assert mine.groups == full.groups and not mine.states and not full.states
         return
-    assert ms.check_model(generated, LIBRARY, spec, LIBRARY[obj], BUILTIN_SCENARIO, tp=smallest_rank(spec),
-                          blocks=2, requests=2) == (True, True)
+    assert ms.check_model(generated, LIBRARY, spec, LIBRARY[obj], BUILTIN_SCENARIO,
+                          ms.ModelRun(tp=smallest_rank(spec), blocks=2, requests=2)) == (True, True)
 
 
 def test_generated_registry_finds_model_connectors() -> None:
@@ -79,8 +79,8 @@ def test_gpt_oss_every_scenario() -> None:
     spec = LIBRARY.model("gpt_oss_120b")
     connector = generated.get_model("gpt_oss_120b", "kv_groups")(tp=8)
     for name in ("one_group_all_minus1", "sliding_window_chunks"):
-        assert ms.check_model(generated, LIBRARY, spec, LIBRARY["kv_groups"], ms.SCENARIOS[name], tp=8,
-                              connector=connector) == (True, True), name
+        assert ms.check_model(generated, LIBRARY, spec, LIBRARY["kv_groups"], ms.SCENARIOS[name],
+                              ms.ModelRun(tp=8, connector=connector)) == (True, True), name
 
 
 # -- a made-up hybrid model: two attention groups and a state group ---------------------------------
@@ -95,7 +95,7 @@ def test_hybrid_matches_reference(toys: Any, scenario: str, obj: str) -> None:
 def test_hybrid_at_tp2(toys: Any) -> None:
     lib = toys.library
     assert ms.check_model(toys, lib, lib.model("toy_hybrid"), lib["kv_groups"], ms.SCENARIOS["minus1_per_group"],
-                          tp=2) == (True, True)
+                          ms.ModelRun(tp=2)) == (True, True)
 
 
 # -- the mutations the reference must catch ---------------------------------------------------------
@@ -123,7 +123,7 @@ def test_state_in_another_requests_slot_fails(toys: Any, monkeypatch: pytest.Mon
         return [None if s is None else s + 1 for s in honest(*args)]
 
     monkeypatch.setattr(runtime_model, "state_slots", shifted)
-    assert ms.check_model(toys, lib, model, obj, sc, slot=0) == (False, False)
+    assert ms.check_model(toys, lib, model, obj, sc, ms.ModelRun(slot=0)) == (False, False)
 
 
 # -- refusals, before any write ---------------------------------------------------------------------
@@ -133,7 +133,8 @@ class Setup:
 
     def __init__(self, toys: Any, obj: str = "kv_groups"):
         lib = toys.library
-        self.case = oracle.model_case(lib, lib.model("toy_hybrid"), lib[obj], set(toys.CONNECTORS), blocks=8)
+        self.case = oracle.model_case(lib, lib.model("toy_hybrid"), lib[obj], set(toys.CONNECTORS),
+                                      oracle.CaseSizes(blocks=8))
         self.conn = toys.get_model("toy_hybrid", obj)()
         self.kv = ms.make_kvcaches(self.case)
         self.maps = {g: torch.tensor(m) for g, m in ms.group_mappings(self.case, ms.SCENARIOS["minus1_per_group"],
@@ -284,7 +285,8 @@ def test_plain_tensor_and_unaligned_object(toys: Any) -> None:
     s = Setup(toys)
     n = s.obj.tensor.shape[0]
     want = torch.zeros(n, dtype=torch.uint8)
-    oracle.store(s.case, s.kv, want, {g: m.tolist() for g, m in s.maps.items()}, 0, 10, state_slot=2)
+    oracle.store(s.case, s.kv, want, oracle.ModelChunk({g: m.tolist() for g, m in s.maps.items()}, 0, 10,
+                                                       state_slot=2))
     plain = torch.zeros(n, dtype=torch.uint8)
     s.conn.from_gpu(plain, 0, 10, kvcaches=s.kv, slot_mappings=s.maps, state_slot=2)
     odd = torch.zeros(n + 1, dtype=torch.uint8)[1:]
@@ -293,7 +295,8 @@ def test_plain_tensor_and_unaligned_object(toys: Any) -> None:
     fresh = ms.make_kvcaches(s.case)
     expected = ms.clone_tree(fresh)
     s.conn.to_gpu(MemoryObj(odd, s.conn.format), 0, 10, kvcaches=fresh, slot_mappings=s.maps, state_slot=0)
-    oracle.load(s.case, expected, want, {g: m.tolist() for g, m in s.maps.items()}, 0, 10, state_slot=0)
+    oracle.load(s.case, expected, want, oracle.ModelChunk({g: m.tolist() for g, m in s.maps.items()}, 0, 10,
+                                                          state_slot=0))
     assert ms.same_bits(fresh, expected)
 
 

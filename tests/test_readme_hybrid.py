@@ -55,10 +55,10 @@ def test_readme_hybrid_walkthrough(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         model = library.model("my_hybrid")
         package = space["hybrid_connectors"]
         case = oracle.model_case(library, model, library["kv_groups"], set(package.CONNECTORS),  # type: ignore
-                                 blocks=64, block_size=16)
+                                 oracle.CaseSizes(blocks=64, block_size=16))
         want = torch.zeros_like(obj.tensor)  # type: ignore[attr-defined]
-        oracle.store(case, cache, want, {g: m.tolist() for g, m in maps.items()}, 0, 32,  # type: ignore
-                     state_slot=3)
+        oracle.store(case, cache, want, oracle.ModelChunk({g: m.tolist() for g, m in maps.items()}, 0, 32,  # type: ignore
+                                                          state_slot=3))
         assert torch.equal(obj.tensor, want)  # type: ignore[attr-defined]
         assert obj.metadata.fmt.name == "KVGEN_GROUPS"  # type: ignore[attr-defined]
         # the local group's first 8 tokens were out of the window: their bytes stay zero

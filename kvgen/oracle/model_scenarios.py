@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -109,28 +109,38 @@ def pick_dtype(allowed: Sequence[str], prefer: str = "float32") -> torch.dtype:
     return getattr(torch, prefer if prefer in allowed else allowed[0])
 
 
+class _Codes:
+    """Where the next tensor's codes start: past the last tensor's, plus a prime gap."""
+
+    def __init__(self) -> None:
+        self.base = 1
+
+    def fill(self, t: torch.Tensor, words: bool = False) -> None:
+        (fill_words if words else fill_codes)(t, self.base)
+        self.base += t.numel() + 7919
+
+
+def _group_cache(g: models.GroupCase, want: torch.dtype, device: str, codes: _Codes) -> Any:
+    """A cache of the group's layout (L = its layer count), every value coded by place."""
+    if g.paged.is_simple:
+        shape = reference.leaf_shape(g.paged, g.ext)
+        cache = reference.nest(g.paged, g.ext, lambda path: torch.zeros(shape, dtype=want, device=device))
+    else:
+        cache = planes.make_parts_cache(g.paged, g.ext, want, device)
+    for t in leaves(cache):
+        codes.fill(t, words=not g.paged.is_simple)
+    return cache
+
+
 def make_kvcaches(case: models.ModelCase, device: str = "cpu", *, dtype: str = "float32",
                   slots: int = STATE_SLOTS) -> list[Any]:
     """The model's cache list: each carried group's entries from a cache of its layout, each
     carried state layer a tuple of [slots, *shape] tensors; every value coded by place."""
     entries: list[Any] = [None] * case.model.layers
-    base = 1
+    codes = _Codes()
     for g in case.groups:
         group = next(x for x in case.model.groups if x.name == g.name)
-        want = pick_dtype(group.dtypes or g.paged.dtypes, dtype)
-        if g.paged.is_simple:
-            shape = reference.leaf_shape(g.paged, g.ext)
-            cache = reference.nest(g.paged, g.ext,
-                                   lambda path, shape=shape, want=want: torch.zeros(shape, dtype=want,
-                                                                                    device=device))
-            for t in leaves(cache):
-                fill_codes(t, base)
-                base += t.numel() + 7919
-        else:
-            cache = planes.make_parts_cache(g.paged, g.ext, want, device)
-            for t in leaves(cache):
-                fill_words(t, base)
-                base += t.numel() + 7919
+        cache = _group_cache(g, pick_dtype(group.dtypes or g.paged.dtypes, dtype), device, codes)
         for k, layer in enumerate(g.layers):
             entries[layer] = cache[k]
     for s in case.states:
@@ -139,14 +149,11 @@ def make_kvcaches(case: models.ModelCase, device: str = "cpu", *, dtype: str = "
             tensors = []
             for (_, shape), spec in zip(s.tensors, state.tensors, strict=True):
                 t = torch.empty((slots, *shape), dtype=pick_dtype(spec.dtypes, dtype), device=device)
-                fill_codes(t, base)
-                base += t.numel() + 7919
+                codes.fill(t)
                 tensors.append(t)
             entries[layer] = tuple(tensors)
-    for i, e in enumerate(entries):  # entries of groups the object does not carry: left empty
-        if e is None:
-            entries[i] = torch.zeros(0, device=device)
-    return entries
+    # entries of groups the object does not carry: left empty
+    return [torch.zeros(0, device=device) if e is None else e for e in entries]
 
 
 def make_objects(connector: Any, lengths: Sequence[int], kvcaches: Any, salt: str, device: str = "cpu",
@@ -172,38 +179,62 @@ def state_slots(sc: ModelScenario, chunks: int, slot: int) -> list[int | None] |
     return [slot if k == at else None for k in range(chunks)]
 
 
-def check_model(package: Any, library: Library, model: ModelSpec, obj: Spec, sc: ModelScenario, *,
-                device: str = "cpu", tp: int = 1, connector: Any = None, slot: int = 1,
-                block_size: int | None = None, blocks: int = 8, requests: int = STATE_SLOTS) -> tuple[bool, bool]:
-    """(store ok, load ok) of a model connector against the reference for one scenario."""
-    available: Collection[tuple[str, str]] = set(package.CONNECTORS)
-    case = models.model_case(library, model, obj, available, tp=tp, blocks=blocks, block_size=block_size)
-    # A group with small blocks needs more of them to hold the scenario's sequence.
-    need = max((-(-sc.seq_len // g.ext["N"]) for g in case.groups), default=0)
-    if need > blocks:
-        case = models.model_case(library, model, obj, available, tp=tp, blocks=need, block_size=block_size)
-    if connector is None:
-        connector = package.get_model(model.name, obj.name)(device=device, tp=tp)
-    kvcaches = make_kvcaches(case, device, slots=requests)
-    maps = group_mappings(case, sc, f"{model.name}/{obj.name}/{sc.name}")
-    tensors = {g: torch.tensor(m, dtype=torch.long, device=device) for g, m in maps.items()}
-    lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=True)]
-    slots = state_slots(sc, len(lengths), slot) if case.states else None
-    objs = make_objects(connector, lengths, kvcaches, "7", device)
-    want = make_objects(connector, lengths, kvcaches, "7", device)
-    connector.batched_from_gpu(objs, list(sc.starts), list(sc.ends), kvcaches=kvcaches, slot_mappings=tensors,
-                               state_slots=slots, offset=sc.offset)
-    for k, (o, s, e) in enumerate(zip(want, sc.starts, sc.ends, strict=True)):
-        models.store(case, kvcaches, o.tensor, maps, s, e, sc.offset, slots[k] if slots else None)
-    store_ok = same_bits([o.tensor for o in objs], [o.tensor for o in want])
-    # Load into a cache whose every value differs, so a missed or misplaced write shows.
-    fresh = make_kvcaches(case, device, slots=requests)
+@dataclass(frozen=True)
+class ModelRun:
+    """How check_model runs a scenario: the device, the tensor-parallel size, a connector to
+    reuse (None: a fresh one), the request's state slot, the cache's block size and count
+    (more blocks where the scenario's sequence needs them) and the requests a state holds."""
+
+    device: str = "cpu"
+    tp: int = 1
+    connector: Any = None
+    slot: int = 1
+    block_size: int | None = None
+    blocks: int = 8
+    requests: int = STATE_SLOTS
+
+
+def _scrambled(case: models.ModelCase, run: ModelRun) -> Any:
+    """A cache whose every value differs from make_kvcaches', so a missed or misplaced write shows."""
+    fresh = make_kvcaches(case, run.device, slots=run.requests)
     for t in leaves(fresh):
         if t.numel():
             bits(t).view(torch.uint8 if t.element_size() == 1 else bits(t).dtype).bitwise_not_()
+    return fresh
+
+
+def _chunks(sc: ModelScenario, maps: dict[str, list[int]], slots: list[int | None] | None) -> list[models.ModelChunk]:
+    return [models.ModelChunk(maps, s, e, sc.offset, sc.skip, slots[k] if slots else None)
+            for k, (s, e) in enumerate(zip(sc.starts, sc.ends, strict=True))]
+
+
+def check_model(package: Any, library: Library, model: ModelSpec, obj: Spec, sc: ModelScenario,
+                run: ModelRun = ModelRun()) -> tuple[bool, bool]:
+    """(store ok, load ok) of a model connector against the reference for one scenario."""
+    available: Collection[tuple[str, str]] = set(package.CONNECTORS)
+    sizes = models.CaseSizes(run.tp, run.blocks, run.block_size)
+    case = models.model_case(library, model, obj, available, sizes)
+    # A group with small blocks needs more of them to hold the scenario's sequence.
+    need = max((-(-sc.seq_len // g.ext["N"]) for g in case.groups), default=0)
+    if need > run.blocks:
+        case = models.model_case(library, model, obj, available, replace(sizes, blocks=need))
+    connector = run.connector or package.get_model(model.name, obj.name)(device=run.device, tp=run.tp)
+    kvcaches = make_kvcaches(case, run.device, slots=run.requests)
+    maps = group_mappings(case, sc, f"{model.name}/{obj.name}/{sc.name}")
+    tensors = {g: torch.tensor(m, dtype=torch.long, device=run.device) for g, m in maps.items()}
+    lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=True)]
+    slots = state_slots(sc, len(lengths), run.slot) if case.states else None
+    objs = make_objects(connector, lengths, kvcaches, "7", run.device)
+    want = make_objects(connector, lengths, kvcaches, "7", run.device)
+    connector.batched_from_gpu(objs, list(sc.starts), list(sc.ends), kvcaches=kvcaches, slot_mappings=tensors,
+                               state_slots=slots, offset=sc.offset)
+    for o, chunk in zip(want, _chunks(sc, maps, slots), strict=True):
+        models.store(case, kvcaches, o.tensor, chunk)
+    store_ok = same_bits([o.tensor for o in objs], [o.tensor for o in want])
+    fresh = _scrambled(case, run)
     expected = clone_tree(fresh)
     connector.batched_to_gpu(objs, list(sc.starts), list(sc.ends), kvcaches=fresh, slot_mappings=tensors,
                              state_slots=slots, offset=sc.offset, skip_prefix_n_tokens=sc.skip)
-    for k, (o, s, e) in enumerate(zip(objs, sc.starts, sc.ends, strict=True)):
-        models.load(case, expected, o.tensor, maps, s, e, sc.offset, sc.skip, slots[k] if slots else None)
+    for o, chunk in zip(objs, _chunks(sc, maps, slots), strict=True):
+        models.load(case, expected, o.tensor, chunk)
     return store_ok, same_bits(fresh, expected)

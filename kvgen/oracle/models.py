@@ -70,8 +70,28 @@ def _carried(which: Any, names: tuple[str, ...]) -> tuple[str, ...]:
 DEFAULT_EXT = {"KV": 2, "H": 2, "C": 4, "N": 4, "B": 6}
 
 
+@dataclass(frozen=True)
+class CaseSizes:
+    """The extents a reference case takes where the specs leave them open."""
+
+    tp: int = 1  # the tensor-parallel size: each rank holds H / tp heads
+    blocks: int = 6
+    block_size: int | None = None  # N where the layout does not fix it (else DEFAULT_EXT's)
+
+
+def _group_ext(paged: Spec, declared: Sequence[tuple[str, int]], layers: int, sizes: CaseSizes) -> dict[str, int]:
+    """A group's cache extents: the layout's fixed sizes, the model's declared ones (H / tp), the case's sizes."""
+    ext = {**DEFAULT_EXT, "B": sizes.blocks, **dict(paged.sizes)}
+    if sizes.block_size is not None and "N" not in dict(paged.sizes):
+        ext["N"] = sizes.block_size
+    for key, value in declared:
+        ext[key] = value // sizes.tp if key == "H" else value
+    ext["L"] = layers
+    return ext if paged.is_simple else planes.parts_extents(paged, ext)
+
+
 def model_case(library: Library, model: ModelSpec, obj: Spec, available: Collection[tuple[str, str]],
-               tp: int = 1, blocks: int = 6, block_size: int | None = None) -> ModelCase:
+               sizes: CaseSizes = CaseSizes()) -> ModelCase:
     """The reference's view of (model, object): members by the first-member rule, each group's
     extents from the layout's fixed sizes and the model's declared ones (H / tp)."""
     assert obj.carries is not None
@@ -81,20 +101,10 @@ def model_case(library: Library, model: ModelSpec, obj: Spec, available: Collect
             continue
         paged = library[g.layout]
         member = next(library[m] for m in obj.members if (paged.name, library[m].name) in available)
-        ext = {**DEFAULT_EXT, "B": blocks, **dict(paged.sizes)}
-        if block_size is not None and "N" not in dict(paged.sizes):
-            ext["N"] = block_size
-        for key, value in g.sizes:
-            ext[key] = value // tp if key == "H" else value
-        ext["L"] = len(g.layers)
-        if not paged.is_simple:
-            ext = planes.parts_extents(paged, ext)
-        groups.append(GroupCase(g.name, g.layers, paged, member, ext))
-    states = []
-    for s in model.states:
-        if s.name in _carried(obj.carries.state, model.state_names):
-            states.append(StateCase(s.name, s.layers, tuple((t.name, t.rank_shape(tp)) for t in s.tensors)))
-    return ModelCase(model, obj, tuple(groups), tuple(states), tp)
+        groups.append(GroupCase(g.name, g.layers, paged, member, _group_ext(paged, g.sizes, len(g.layers), sizes)))
+    states = [StateCase(s.name, s.layers, tuple((t.name, t.rank_shape(sizes.tp)) for t in s.tensors))
+              for s in model.states if s.name in _carried(obj.carries.state, model.state_names)]
+    return ModelCase(model, obj, tuple(groups), tuple(states), sizes.tp)
 
 
 def group_cache(case: ModelCase, g: GroupCase, kvcaches: Sequence[Any]) -> list[Any]:
@@ -142,54 +152,59 @@ def sections(case: ModelCase, kvcaches: Sequence[Any], num_tokens: int) -> tuple
     return out, at
 
 
-def _move_group(g: GroupCase, cache: list[Any], section: torch.Tensor, mapping: Sequence[int], start: int, end: int,
-                offset: int, skip: int, shape: tuple[int, ...], dtype: torch.dtype, *, to_cache: bool) -> None:
+@dataclass(frozen=True)
+class ModelChunk:
+    """One chunk of a request: tokens [start, end) of the sequence, each group's slots for the
+    tokens from `offset` on, the prefix a load skips, and the request's state slot (None: the
+    chunk carries no state)."""
+
+    mappings: Mapping[str, Sequence[int]]
+    start: int
+    end: int
+    offset: int = 0
+    skip: int = 0
+    state_slot: int | None = None
+
+
+def _move_group(g: GroupCase, cache: list[Any], section: torch.Tensor, chunk: ModelChunk, *, to_cache: bool) -> None:
+    shape, dtype = member_object(g, cache, chunk.end - chunk.start)
     work = section.clone().view(dtype).view(shape)  # a private typed copy of the section's bytes
-    if g.paged.is_simple:
-        move = reference.load if to_cache else reference.store
-        args = (g.paged, g.member, g.ext, cache, work, mapping, start, end, offset)
-    else:
-        move = planes.load if to_cache else planes.store
-        args = (g.paged, g.member, g.ext, cache, work, mapping, start, end, offset)
+    mapping = [int(s) for s in chunk.mappings[g.name]]
+    args = (g.paged, g.member, g.ext, cache, work, mapping, chunk.start, chunk.end, chunk.offset)
     if to_cache:
-        move(*args, skip)  # type: ignore[operator]
+        (reference.load if g.paged.is_simple else planes.load)(*args, chunk.skip)  # type: ignore[operator]
     else:
-        move(*args)  # type: ignore[operator]
+        (reference.store if g.paged.is_simple else planes.store)(*args)  # type: ignore[operator]
         section.copy_(bits(work).reshape(-1).view(torch.uint8))
 
 
-def store(case: ModelCase, kvcaches: Sequence[Any], obj: torch.Tensor, mappings: Mapping[str, Sequence[int]],
-          start: int, end: int, offset: int = 0, state_slot: int | None = None) -> None:
-    """Fill the chunk [start, end)'s object (bytes) from the cache, and the state at `state_slot`."""
-    _run(case, kvcaches, obj, mappings, start, end, offset, 0, state_slot, to_cache=False)
+def store(case: ModelCase, kvcaches: Sequence[Any], obj: torch.Tensor, chunk: ModelChunk) -> None:
+    """Fill the chunk's object (bytes) from the cache, and the state at its state slot."""
+    _run(case, kvcaches, obj, chunk, to_cache=False)
 
 
-def load(case: ModelCase, kvcaches: Sequence[Any], obj: torch.Tensor, mappings: Mapping[str, Sequence[int]],
-         start: int, end: int, offset: int = 0, skip: int = 0, state_slot: int | None = None) -> None:
-    """Write the chunk's object into the cache at each group's slots, and its state into `state_slot`."""
-    _run(case, kvcaches, obj, mappings, start, end, offset, skip, state_slot, to_cache=True)
+def load(case: ModelCase, kvcaches: Sequence[Any], obj: torch.Tensor, chunk: ModelChunk) -> None:
+    """Write the chunk's object into the cache at each group's slots, and its state into its state slot."""
+    _run(case, kvcaches, obj, chunk, to_cache=True)
 
 
-def _run(case: ModelCase, kvcaches: Sequence[Any], obj: torch.Tensor, mappings: Mapping[str, Sequence[int]],
-         start: int, end: int, offset: int, skip: int, state_slot: int | None, *, to_cache: bool) -> None:
-    placed, total = sections(case, kvcaches, end - start)
+def _move_state(row: torch.Tensor, section: torch.Tensor, *, to_cache: bool) -> None:
+    if to_cache:
+        row.copy_(section.clone().view(row.dtype).view(row.shape))
+    else:
+        section.copy_(row.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _run(case: ModelCase, kvcaches: Sequence[Any], obj: torch.Tensor, chunk: ModelChunk, *, to_cache: bool) -> None:
+    placed, total = sections(case, kvcaches, chunk.end - chunk.start)
     assert obj.dtype == torch.uint8 and tuple(obj.shape) == (total,), (tuple(obj.shape), total)
-    where = {name: (at, n) for name, at, n in placed}
+    where = {name: obj[at:at + n] for name, at, n in placed}
     for g in case.groups:
-        at, n = where[g.name]
-        cache = group_cache(case, g, kvcaches)
-        shape, dtype = member_object(g, cache, end - start)
-        _move_group(g, cache, obj[at:at + n], [int(s) for s in mappings[g.name]], start, end, offset, skip,
-                    shape, dtype, to_cache=to_cache)
-    if state_slot is None:
+        _move_group(g, group_cache(case, g, kvcaches), where[g.name], chunk, to_cache=to_cache)
+    if chunk.state_slot is None:
         return
     for s in case.states:
         for layer in s.layers:
             for j, (name, _) in enumerate(s.tensors):
-                at, n = where[f"{s.name}[{layer}].{name}"]
-                row = bits(kvcaches[layer][j][state_slot])
-                if to_cache:
-                    raw = obj[at:at + n].clone()
-                    row.copy_(raw.view(row.dtype).view(row.shape))
-                else:
-                    obj[at:at + n].copy_(row.contiguous().reshape(-1).view(torch.uint8))
+                row = bits(kvcaches[layer][j][chunk.state_slot])
+                _move_state(row, where[f"{s.name}[{layer}].{name}"], to_cache=to_cache)

@@ -41,14 +41,14 @@ def rank(model: Any) -> int:
 
 def _check(package: ModuleType, library: Any, plan: Any, device: str) -> tuple[bool, bool]:
     # torch: only for a run
-    from kvgen.oracle.model_scenarios import SCENARIOS, check_model
+    from kvgen.oracle.model_scenarios import SCENARIOS, ModelRun, check_model
 
     tp = rank(plan.model)
     connector = package.get_model(plan.model.name, plan.obj.name)(device=device, tp=tp)
     store = load = True
     for sc in SCENARIOS.values():
         try:
-            s, ld = check_model(package, library, plan.model, plan.obj, sc, device=device, tp=tp, connector=connector)
+            s, ld = check_model(package, library, plan.model, plan.obj, sc, ModelRun(device, tp, connector))
         except Exception as exc:  # a wrong connector may raise anything; report it and go on
             print(f"kvgen verify: {plan.module} on {device}, scenario {sc.name}: {type(exc).__name__}: {exc}",
                   file=sys.stderr)

@@ -11,9 +11,8 @@ load). Geometry is the model's own (its declared heads, head sizes and layer cou
 
 from __future__ import annotations
 
-import random
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +24,7 @@ from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.runtime import MemoryObj
 from kvgen.tools.bench.baseline import memcpy
 from kvgen.tools.bench.measure import Spread, Timed, paired_ratios, peak_extra_bytes, timed_repeats
-from kvgen.tools.bench.targets import slot_mapping
+from kvgen.tools.bench.targets import BenchContext, slot_mapping
 from kvgen.tools.bench.text_table import table
 
 HEADERS = ("model", "object", "tokens", "dir", "GB/s", "memcpy GB/s", "x memcpy min-med-max", "per-group GB/s",
@@ -75,15 +74,15 @@ def select(text: str, library: Any) -> list[Any]:
 class _Chunk:
     """One chunk [0, T) of one model: its cache list, slot mappings and two objects."""
 
-    def __init__(self, package: Any, library: Any, model: Any, obj: Any, tokens: int, block_size: int,
-                 device: torch.device, dtype: str, rng: random.Random):
+    def __init__(self, ctx: BenchContext, model: Any, obj: Any, tokens: int):
+        package, device, block_size = ctx.package, ctx.device, ctx.args.block_size
         self.conn = package.get_model(model.name, obj.name)(device=device)
         blocks = -(-tokens * 5 // (4 * block_size))
-        self.case = oracle.model_case(library, model, obj, set(package.CONNECTORS), blocks=blocks,
-                                      block_size=block_size)
-        self.cache = make_kvcaches(self.case, str(device), dtype=dtype, slots=STATE_SLOTS)
-        self.maps = {g.name: torch.tensor(slot_mapping(tokens, g.ext["B"], g.ext["N"], "random", rng), device=device)
-                     for g in self.case.groups}
+        self.case = oracle.model_case(ctx.library, model, obj, set(package.CONNECTORS),
+                                      oracle.CaseSizes(blocks=blocks, block_size=block_size))
+        self.cache = make_kvcaches(self.case, str(device), dtype=ctx.args.dtype, slots=STATE_SLOTS)
+        self.maps = {g.name: torch.tensor(slot_mapping(tokens, g.ext["B"], g.ext["N"], "random", ctx.rng),
+                                          device=device) for g in self.case.groups}
         self.T = tokens
         shape = self.conn.get_shape(tokens, self.cache)
         self.obj = MemoryObj(torch.zeros(shape, dtype=torch.uint8, device=device))
@@ -134,16 +133,15 @@ class _Chunk:
                     cache[layer][j][STATE_SLOT].reshape(-1).view(torch.uint8).copy_(self.obj.tensor[where])
 
 
-def rows(selected: Sequence[Any], args: Any, library: Any, package: Any, device: torch.device,
-         sync: Callable[[], None], rng: random.Random, progress: bool) -> list[ModelRow]:
+def rows(selected: Sequence[Any], ctx: BenchContext) -> list[ModelRow]:
     """Store and load rows of every selected model's kv_groups connector at every token count."""
     out: list[ModelRow] = []
-    obj = library["kv_groups"]
+    obj = ctx.library["kv_groups"]
     for model in selected:
-        for tokens in args.tokens:
-            ck = _Chunk(package, library, model, obj, tokens, args.block_size, device, args.dtype, rng)
+        for tokens in ctx.args.tokens:
+            ck = _Chunk(ctx, model, obj, tokens)
             nbytes = ck.obj.tensor.numel()
-            copy = memcpy(nbytes, device)
+            copy = memcpy(nbytes, ctx.device)
             ck.store()
             ck.per_group_store()
             stored = same_bits(ck.obj.tensor, ck.twin)
@@ -154,10 +152,10 @@ def rows(selected: Sequence[Any], args: Any, library: Any, package: Any, device:
             for direction, fns, same in (
                     ("store", {"kvgen": ck.store, "memcpy": copy, "per-group": ck.per_group_store}, stored),
                     ("load", {"kvgen": ck.load, "memcpy": copy, "per-group": ck.per_group_load}, loaded)):
-                seconds = timed_repeats(fns, sync, args.warmup, args.repeats)
-                peak = peak_extra_bytes(fns["kvgen"]) if device.type == "cpu" else None
+                seconds = timed_repeats(fns, ctx.sync, ctx.args.warmup, ctx.args.repeats)
+                peak = peak_extra_bytes(fns["kvgen"]) if ctx.device.type == "cpu" else None
                 out.append(ModelRow(model.name, obj.name, tokens, direction, nbytes, seconds, peak, same))
-                if progress:
+                if ctx.progress:
                     r = out[-1]
                     print(f"[model {len(out)}] {r.model} T={tokens} {direction}: {r.gbps():.2f} GB/s (memcpy "
                           f"{r.gbps('memcpy'):.2f}, per-group {r.gbps('per-group'):.2f}, same bits "

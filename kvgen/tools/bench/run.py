@@ -23,7 +23,14 @@ from kvgen.tools.bench import models as bench_models
 from kvgen.tools.bench import transfers as bench_transfers
 from kvgen.tools.bench.baseline import NaiveConnector, memcpy
 from kvgen.tools.bench.measure import CheckCost, Row, micro, peak_extra_bytes, timed_repeats
-from kvgen.tools.bench.targets import Target, connector_package, extents, select_targets, slot_mapping
+from kvgen.tools.bench.targets import (
+    BenchContext,
+    Target,
+    connector_package,
+    extents,
+    select_targets,
+    slot_mapping,
+)
 
 
 def fill_random(t: torch.Tensor, gen: torch.Generator) -> None:
@@ -59,9 +66,9 @@ class Transfers:
     (None for caches of several planes, which have no naive baseline)."""
 
     def __init__(self, connector: Any, naive: NaiveConnector | None, cache: Any, mapping: torch.Tensor,
-                 num_tokens: int, device: Any, dtype: torch.dtype):
+                 num_tokens: int, dtype: torch.dtype):
         self.c, self.naive, self.cache, self.mapping, self.T = connector, naive, cache, mapping, num_tokens
-        self.cache_device = device
+        self.cache_device = device = mapping.device  # the slot mapping lives with the cache
         shape = connector.get_shape(num_tokens)
         count = connector.geometry.L if connector.layerwise else 1
         if getattr(connector.memory, "pack", None) is not None:
@@ -176,6 +183,32 @@ class Result:
     models: list[Any] = field(default_factory=list)
 
 
+def _layout_rows(ctx: BenchContext, layout: str, targets: list[Target], result: Result,
+                 progress: Callable[[Row, int, int], None] | None) -> None:
+    """Check costs and rows of every selected connector of one layout, on one cache of random values."""
+    args, device, paged = ctx.args, ctx.device, ctx.library[layout]
+    dtype, num_blocks = getattr(torch, args.dtype), result.config["num_blocks"]
+    ext = extents(paged, args.layers, args.heads, args.head_size, args.block_size, num_blocks)
+    cache = make_cache(paged, ext, dtype, device, ctx.values)
+    mappings = {t: torch.tensor(slot_mapping(t, num_blocks, args.block_size, args.alloc, ctx.rng),
+                                dtype=torch.long, device=device) for t in args.tokens}
+    backends = list(getattr(args, "backend", None) or ["auto"])
+    total = len(targets) * len(args.tokens) * 2 * len(backends)
+    for target in (t for t in targets if t.layout == layout):
+        cls = ctx.package.get(target.layout, target.obj)
+        naive = NaiveConnector(paged, ctx.library[target.obj], ext) if paged.is_simple else None
+        result.checks.append(check_cost(target, cls, cache, mappings, device))
+        for name in backends:
+            connector = cls(device=device, backend=None if name == "auto" else name)
+            connector.bind(cache)
+            for t in args.tokens:
+                xfer = Transfers(connector, naive, cache, mappings[t], t, dtype)
+                for row in transfer_rows(target, xfer, ctx.sync, args.warmup, args.repeats):
+                    result.rows.append(row)
+                    if progress:
+                        progress(row, len(result.rows), total)
+
+
 def run(args: argparse.Namespace, progress: Callable[[Row, int, int], None] | None = None) -> Result:
     """Measure everything `args` selects."""
     dtype = getattr(torch, args.dtype, None)
@@ -189,40 +222,18 @@ def run(args: argparse.Namespace, progress: Callable[[Row, int, int], None] | No
 
     specs = list(args.specs)
     library = load_library(specs)
-    tokens = list(args.tokens)
-    num_blocks = -(-max(tokens) * 5 // (4 * args.block_size))  # 25% spare blocks for random allocation
+    num_blocks = -(-max(args.tokens) * 5 // (4 * args.block_size))  # 25% spare blocks for random allocation
     config = {k: ([str(p) for p in v] if k == "specs" else str(v) if isinstance(v, Path) else v)
               for k, v in vars(args).items() if k not in ("run", "command", "json", "plot", "quiet")}
     result = Result({**config, "num_blocks": num_blocks})
-    rng = random.Random(args.seed)
     tgen = torch.Generator().manual_seed(args.seed)
-
     with connector_package(specs) as package:
+        ctx = BenchContext(args, library, package, device, sync, random.Random(args.seed), tgen, progress is not None)
         targets = select_targets(library, package, args.layouts, args.objects)
         moves = bench_transfers.select(args.transfers, library, package)
         chosen = bench_models.select(getattr(args, "models", "none"), library)
-        backends = list(getattr(args, "backend", None) or ["auto"])
-        total = len(targets) * len(tokens) * 2 * len(backends)
         for layout in dict.fromkeys(t.layout for t in targets):
-            paged = library[layout]
-            ext = extents(paged, args.layers, args.heads, args.head_size, args.block_size, num_blocks)
-            cache = make_cache(paged, ext, dtype, device, tgen)
-            mappings = {t: torch.tensor(slot_mapping(t, num_blocks, args.block_size, args.alloc, rng),
-                                        dtype=torch.long, device=device) for t in tokens}
-            for target in (t for t in targets if t.layout == layout):
-                cls = package.get(target.layout, target.obj)
-                naive = NaiveConnector(paged, library[target.obj], ext) if paged.is_simple else None
-                result.checks.append(check_cost(target, cls, cache, mappings, device))
-                for name in backends:
-                    connector = cls(device=device, backend=None if name == "auto" else name)
-                    connector.bind(cache)
-                    for t in tokens:
-                        xfer = Transfers(connector, naive, cache, mappings[t], t, device, dtype)
-                        for row in transfer_rows(target, xfer, sync, args.warmup, args.repeats):
-                            result.rows.append(row)
-                            if progress:
-                                progress(row, len(result.rows), total)
-        result.transfers = bench_transfers.rows(moves, args, library, package, device, dtype, num_blocks, sync, rng,
-                                                lambda t: fill_random(t, tgen), progress is not None)
-        result.models = bench_models.rows(chosen, args, library, package, device, sync, rng, progress is not None)
+            _layout_rows(ctx, layout, targets, result, progress)
+        result.transfers = bench_transfers.rows(moves, ctx, dtype, num_blocks, lambda t: fill_random(t, tgen))
+        result.models = bench_models.rows(chosen, ctx)
     return result

@@ -8,7 +8,7 @@ import importlib
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +23,22 @@ if TYPE_CHECKING:
     import random
 
     from kvgen.spec.model import Spec
+
+@dataclass(frozen=True)
+class BenchContext:
+    """What every row of one bench run shares: its options, specs and connectors, the device
+    and how to wait for it, the random sources of slot mappings and cache values, and whether
+    to print progress."""
+
+    args: Any
+    library: Library
+    package: Any
+    device: Any  # a torch.device (this module imports no torch)
+    sync: Callable[[], None]
+    rng: random.Random  # slot mappings
+    values: Any  # the torch.Generator of cache values, seeded by --seed
+    progress: bool
+
 
 #: Defaults from the issue: every MHA layout against kv_2ltd, the MLA layouts against
 #: kv_mla, and each with its layerwise partner (kv_t2d, kv_mla_layer); one cache of several

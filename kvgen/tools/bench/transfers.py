@@ -12,7 +12,6 @@ with the peak extra memory of one call on the CPU.
 
 from __future__ import annotations
 
-import random
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.runtime import MemoryObj
 from kvgen.tools.bench.baseline import memcpy
 from kvgen.tools.bench.measure import Spread, Timed, paired_ratios, peak_extra_bytes, timed_repeats
-from kvgen.tools.bench.targets import extents, slot_mapping
+from kvgen.tools.bench.targets import BenchContext, extents, slot_mapping
 from kvgen.tools.bench.text_table import table
 
 HEADERS = ("source", "destination", "tokens", "mode", "backend", "GB/s", "memcpy GB/s", "x memcpy min-med-max",
@@ -114,10 +113,10 @@ def select(text: str, library: Any, package: Any) -> list[tuple[Any, Any, type]]
     return out
 
 
-def rows(moves: Sequence[tuple[Any, Any, type]], args: Any, library: Any, package: Any, device: torch.device,
-         dtype: torch.dtype, num_blocks: int, sync: Callable[[], None], rng: random.Random,
-         fill: Callable[[torch.Tensor], None], progress: bool) -> list[TransferRow]:
+def rows(moves: Sequence[tuple[Any, Any, type]], ctx: BenchContext, dtype: torch.dtype, num_blocks: int,
+         fill: Callable[[torch.Tensor], None]) -> list[TransferRow]:
     """Measure every selected transfer at every token count."""
+    args, device = ctx.args, ctx.device
     out: list[TransferRow] = []
     for src, dst, T in moves:
         caches = []
@@ -131,17 +130,18 @@ def rows(moves: Sequence[tuple[Any, Any, type]], args: Any, library: Any, packag
                 return t
 
             caches.append(nest(spec, ext, make))
-        via = _via(package, library, src.name, dst.name)
+        via = _via(ctx.package, ctx.library, src.name, dst.name)
         for tokens in args.tokens:
-            maps = [torch.tensor(slot_mapping(tokens, num_blocks, args.block_size, args.alloc, rng), device=device)
+            maps = [torch.tensor(slot_mapping(tokens, num_blocks, args.block_size, args.alloc, ctx.rng), device=device)
                     for _ in range(2)]
+            sides = ((caches[0], maps[0]), (caches[1], maps[1]))
             for backend in _backends(args, device):
                 for mode in MODES:
                     transfer = T(copy_backend=None if backend == "auto" else backend)
-                    row = _row(transfer, mode, via, caches[0], maps[0], caches[1], maps[1], tokens, device, sync, args)
+                    row = _row(ctx, transfer, mode, via, sides, tokens)
                     out.append(TransferRow(src.name, dst.name, tokens, row[0], via[0] if via else None, row[1],
                                            row[2], mode, backend, row[3]))
-                    if progress:
+                    if ctx.progress:
                         r = out[-1]
                         print(f"[transfer {len(out)}] {r.src} -> {r.dst} T={tokens} {mode} ({backend}): "
                               f"{r.gbps():.2f} GB/s (memcpy {r.gbps('memcpy'):.2f}, two-copy "
@@ -156,9 +156,15 @@ def _backends(args: Any, device: torch.device) -> list[str]:
     return [b for b in asked if b in ("auto", "torch") or (b == "native" and device.type == "cpu")]
 
 
-def _row(transfer: Any, mode: str, via: tuple[str, type, type] | None, src: Any, s: torch.Tensor, dst: Any,
-         d: torch.Tensor, tokens: int, device: torch.device, sync: Callable[[], None],
-         args: Any) -> tuple[int, dict[str, list[float]], bool, int | None]:
+#: A transfer's side: a cache and the slots of the chunk's tokens in it.
+Side = tuple[Any, torch.Tensor]
+
+
+def _row(ctx: BenchContext, transfer: Any, mode: str, via: tuple[str, type, type] | None, sides: tuple[Side, Side],
+         tokens: int) -> tuple[int, dict[str, list[float]], bool, int | None]:
+    """(bytes moved, seconds per contender, whether the direct copy and the two-copy agree, peak bytes)."""
+    (src, s), (dst, d) = sides
+    device = ctx.device
     gs, _ = transfer.check(src, dst)
     size = torch.empty(0, dtype=gs.dtype).element_size()
     nbytes = tokens * gs.L * gs.KV * gs.H * gs.C * size
@@ -185,7 +191,7 @@ def _row(transfer: Any, mode: str, via: tuple[str, type, type] | None, src: Any,
         direct()
         two_copy(twin)
         matches = same_bits(dst, twin)
-    seconds = timed_repeats(fns, sync, args.warmup, args.repeats)
+    seconds = timed_repeats(fns, ctx.sync, ctx.args.warmup, ctx.args.repeats)
     return nbytes, seconds, matches, peak_extra_bytes(direct) if device.type == "cpu" else None
 
 
