@@ -90,26 +90,35 @@ class Converter:
         return (f"return torch.stack({items}, dim={dim}){add_singletons(self)}",)
 
 
-def _plan(src: Spec, dst: Spec) -> Converter | None:
+def _convertible(src: Spec, dst: Spec) -> bool:
+    """Whether a converter between the two objects exists: the same content, at most a layer
+    list on either side (not on neither), and the same packing (a regions object, [L, R] or [R]
+    per layer, only splits and stacks its layers)."""
     if src is dst or _content(src) != _content(dst) or not {src.lists, dst.lists} <= {(), ("L",)}:
-        return None
+        return False
     if src.pack != dst.pack:
-        return None  # format-2 objects convert only to their own kind of packing
+        return False  # format-2 objects convert only to their own kind of packing
     if src.pack == "regions" and atoms(src)[1 if not src.lists else 0:] != atoms(dst)[1 if not dst.lists else 0:]:
-        # A regions object is [L, R] (or [R] per layer): layers split and stack, nothing else.
+        return False
+    return bool(src.lists or dst.lists)  # whole <-> whole of one content would be the same format
+
+
+def _kind(src: Spec, dst: Spec, order: tuple[int, ...]) -> Conversion:
+    """VIEW where a layer of the whole source is contiguous (only singletons stand before L, no permutation)."""
+    if not src.lists and dst.lists and order == tuple(sorted(order)):
+        lead = next(i for i, d in enumerate(src.dims) if d.axes == ("L",))
+        if all(d.is_singleton for d in src.dims[:lead]):
+            return Conversion.VIEW
+    return Conversion.COPY
+
+
+def _plan(src: Spec, dst: Spec) -> Converter | None:
+    if not _convertible(src, dst):
         return None
-    if not src.lists and not dst.lists:
-        return None  # whole <-> whole of one content would be the same format
     src_dims = [d for d in src.dims if not d.is_singleton and d.axes != ("L",)]
     dst_dims = [d for d in dst.dims if not d.is_singleton and d.axes != ("L",)]
     order = tuple(src_dims.index(d) for d in dst_dims)
-    kind = Conversion.COPY
-    if not src.lists and dst.lists and order == tuple(sorted(order)):
-        # a layer of the source is contiguous when only singletons stand before L
-        lead = next(i for i, d in enumerate(src.dims) if d.axes == ("L",))
-        if all(d.is_singleton for d in src.dims[:lead]):
-            kind = Conversion.VIEW
-    return Converter(src, dst, kind, order)
+    return Converter(src, dst, _kind(src, dst, order), order)
 
 
 def plan_converters(library: Library) -> list[Converter]:

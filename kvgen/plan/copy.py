@@ -263,30 +263,35 @@ class Source:
     raw: str = "runtime.bytes_of({})"
 
 
+def _loops(paged: Spec, mode: Mode) -> tuple[Loop, ...]:
+    """The loops over the cache's list levels; per-layer objects loop over the layer first."""
+    if mode == WHOLE:
+        return tuple(Loop(LOOP_VARS[a], a, EXTENT[a]) for a in paged.lists)
+    return (Loop("layer", "L", EXTENT["L"]), *(Loop(LOOP_VARS[a], a, EXTENT[a]) for a in paged.lists if a != "L"))
+
+
+def _views(paged: Spec, obj: Spec, source: Source | None, fixed: dict[str, str]
+           ) -> tuple[bool, dict[str, str], View, View]:
+    """(widen, the extents' expressions, the cache leaf's view with the loop levels fixed, the whole object's view)."""
+    if source is not None:
+        leaf, tensor, widen, extent = source.raw.format(source.leaf), source.tensor, False, source.extent
+    else:
+        widen = ends_in_c(paged) and ends_in_c(obj)
+        extent = {**EXTENT, "C": "w.C"} if widen else EXTENT
+        raw = "{}.view(w.dtype)" if widen else "runtime.bits({})"
+        leaf, tensor = raw.format("kvcaches" + "".join(f"[{LOOP_VARS[a]}]" for a in paged.lists)), raw.format("tensor")
+    return widen, extent, select(canonical(leaf, paged.dims, extent), fixed), canonical(tensor, obj.dims, extent)
+
+
 def make_plan(paged: Spec, obj: Spec, source: Source | None = None) -> CopyPlan:
     """The copy plan of a compatible pair; with `source`, of one plane of a format-2 pair
     (`paged` and `obj` are then the plane's one-tree views, already checked)."""
     if source is None and not compatible(paged, obj):
         raise ValueError(f"{paged.name} and {obj.name} do not hold the same KV content")
     mode = mode_of(obj)
-    if mode == WHOLE:
-        loops = tuple(Loop(LOOP_VARS[a], a, EXTENT[a]) for a in paged.lists)
-    else:  # per-layer objects: the layer is the outer loop, then the other list levels
-        loops = (Loop("layer", "L", EXTENT["L"]),
-                 *(Loop(LOOP_VARS[a], a, EXTENT[a]) for a in paged.lists if a != "L"))
+    loops = _loops(paged, mode)
     fixed = {lp.axis: lp.var for lp in loops}
-
-    if source is None:
-        widen = ends_in_c(paged) and ends_in_c(obj)
-        extent = {**EXTENT, "C": "w.C"} if widen else EXTENT
-        raw = "{}.view(w.dtype)" if widen else "runtime.bits({})"
-        leaf = "kvcaches" + "".join(f"[{LOOP_VARS[a]}]" for a in paged.lists)
-        cache = select(canonical(raw.format(leaf), paged.dims, extent), fixed)
-        whole_obj = canonical(raw.format("tensor"), obj.dims, extent)
-    else:
-        widen, extent = False, source.extent
-        cache = select(canonical(source.raw.format(source.leaf), paged.dims, extent), fixed)
-        whole_obj = canonical(source.tensor, obj.dims, extent)
+    widen, extent, cache, whole_obj = _views(paged, obj, source, fixed)
     part = select(View("o", whole_obj.axes), fixed)
 
     y = _part_name(part)
