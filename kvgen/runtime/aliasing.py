@@ -177,29 +177,35 @@ def check_cache_memory(leaves: Sequence[torch.Tensor], names: Sequence[str]) -> 
         if overlaps_itself(t):
             raise KVLayoutError(f"cache tensor {name} may address one element twice (shape {list(t.shape)}, "
                                 f"strides {list(t.stride())}): distinct slots would share memory")
+    _refuse_shared_leaves(extents, names)
+    return CacheMemory(extents, _union(extents))
+
+
+def _shares(a: Extent, b: Extent, seen: dict[tuple[int, Dims], bool]) -> bool:
+    """Whether two leaves share an element; leaves of equal layout at one distance answer alike (`seen`)."""
+    memo = (b.lo - a.lo, b.dims) if b.dims == a.dims and b.item == a.item else None
+    if memo is None:
+        return share_elements(a, b)
+    if memo not in seen:
+        seen[memo] = share_elements(a, b)
+    return seen[memo]
+
+
+def _refuse_shared_leaves(extents: Sequence[Extent], names: Sequence[str]) -> None:
+    """Two cache leaves with an element in common: a sweep over the leaves by start address."""
     order = sorted(range(len(extents)), key=lambda k: extents[k].lo)
     open_: list[int] = []  # leaves whose range reaches past the current one's start
-    seen: dict[tuple[int, Dims], bool] = {}  # equal layouts at one distance answer alike
+    seen: dict[tuple[int, Dims], bool] = {}
     for k in order:
         e = extents[k]
         open_ = [j for j in open_ if extents[j].hi > e.lo]
         for j in open_:
-            other = extents[j]
-            if not other.meets(e):
-                continue
-            memo = (e.lo - other.lo, e.dims) if e.dims == other.dims and e.item == other.item else None
-            shared = seen.get(memo) if memo else None
-            if shared is None:
-                shared = share_elements(other, e)
-                if memo:
-                    seen[memo] = shared
-            if shared:
+            if extents[j].meets(e) and _shares(extents[j], e, seen):
                 a, b = sorted((j, k))
-                same = "are the same memory" if other == e else "share memory"
+                same = "are the same memory" if extents[j] == e else "share memory"
                 raise KVLayoutError(f"cache tensors {names[a]} and {names[b]} {same}: a write to one would change "
                                     "the other; pass one tensor per cache entry")
         open_.append(k)
-    return CacheMemory(extents, _union(extents))
 
 
 def _union(extents: Sequence[Extent]) -> dict[torch.device, tuple[list[int], list[int]]]:
@@ -224,26 +230,36 @@ def check_objects_apart(tensors: Sequence[torch.Tensor], name: Callable[[int], s
     is called only for a message."""
     ranges = []
     for k, t in enumerate(tensors):
-        if t.is_neg() or t.is_conj() or (t.numel() and t.untyped_storage().nbytes() < storage_reach(t)):
-            check_storage(t, f"memory object {name(k)}")
-            check_plain(t, f"memory object {name(k)}")
-        if t.is_contiguous():  # the usual object: no overlap with itself, one byte range
-            lo = t.data_ptr()
-            hi = lo + t.numel() * t.element_size()
-        elif overlaps_itself(t):
-            raise KVLayoutError(f"memory object {name(k)} may address one element twice (shape {list(t.shape)}, "
-                                f"strides {list(t.stride())}): distinct tokens would share memory; pass a tensor "
-                                "with its own storage")
-        else:
-            lo, hi = _byte_range(t)
+        lo, hi = _object_range(t, k, name)
         for leaf in cache.leaves_meeting(t.device, lo, hi):
             if share_elements(cache.leaves[leaf], extent(t)):
                 raise KVLayoutError(f"memory object {name(k)} shares memory with cache tensor {cache_names[leaf]}: "
                                     "a transfer would overwrite what it reads; copy the object out of the cache")
         if lo < hi:
             ranges.append((lo, hi, t.device, k))
-    if len(ranges) < 2:
-        return
+    if len(ranges) >= 2:
+        _refuse_shared_objects(ranges, tensors, name)
+
+
+def _object_range(t: torch.Tensor, k: int, name: Callable[[int], str]) -> tuple[int, int]:
+    """The byte range of object tensor `k`, refused when its view reaches past its storage, is
+    negated, or overlaps itself."""
+    if t.is_neg() or t.is_conj() or (t.numel() and t.untyped_storage().nbytes() < storage_reach(t)):
+        check_storage(t, f"memory object {name(k)}")
+        check_plain(t, f"memory object {name(k)}")
+    if t.is_contiguous():  # the usual object: no overlap with itself, one byte range
+        lo = t.data_ptr()
+        return lo, lo + t.numel() * t.element_size()
+    if overlaps_itself(t):
+        raise KVLayoutError(f"memory object {name(k)} may address one element twice (shape {list(t.shape)}, "
+                            f"strides {list(t.stride())}): distinct tokens would share memory; pass a tensor "
+                            "with its own storage")
+    return _byte_range(t)
+
+
+def _refuse_shared_objects(ranges: list[tuple[int, int, torch.device, int]], tensors: Sequence[torch.Tensor],
+                           name: Callable[[int], str]) -> None:
+    """Two object tensors with an element in common: a sweep over their byte ranges by start."""
     ranges.sort(key=lambda r: r[0])
     open_: list[tuple[int, int, torch.device, int]] = []
     for r in ranges:

@@ -53,7 +53,8 @@ class LayerwiseConnector(ConnectorBase):
         calls.refuse_unknown("batched_from_gpu", unknown, calls.LAYERWISE_STORE, calls.STORE_PROTOCOL)
         calls.refuse_missing("batched_from_gpu", [n for n, v in (("kvcaches", kvcaches), ("slot_mapping", slot_mapping))
                                                   if v is _MISSING], calls.STORE_PROTOCOL)
-        return self._store_layers(memory_objs, starts, ends, kvcaches, slot_mapping, sync, offset)
+        return self._store_layers(memory_objs, partial(self._begin, kvcaches, slot_mapping, starts, ends, offset, 0),
+                                  sync)
 
     def batched_to_gpu(self, starts: Sequence[int], ends: Sequence[int], *extra: Any, kvcaches: Any = _MISSING,
                        slot_mapping: Any = _MISSING, sync: bool = True, offset: int = 0,
@@ -66,11 +67,11 @@ class LayerwiseConnector(ConnectorBase):
         calls.refuse_unknown("batched_to_gpu", unknown, calls.LAYERWISE_LOAD, calls.LOAD_PROTOCOL)
         calls.refuse_missing("batched_to_gpu", [n for n, v in (("kvcaches", kvcaches), ("slot_mapping", slot_mapping))
                                                 if v is _MISSING], calls.LOAD_PROTOCOL)
-        return self._load_layers(starts, ends, kvcaches, slot_mapping, sync, offset, skip_prefix_n_tokens)
+        begin = partial(self._begin, kvcaches, slot_mapping, starts, ends, offset, skip_prefix_n_tokens)
+        return self._load_layers(begin, starts, sync, offset, skip_prefix_n_tokens)
 
-    def _store_layers(self, memory_objs: Sequence[Sequence[Any]], starts: Sequence[int], ends: Sequence[int],
-                      kvcaches: Any, slot_mapping: Any, sync: bool, offset: int) -> Generator[None, None, None]:
-        call = self._begin(kvcaches, slot_mapping, starts, ends, offset, 0)
+    def _layer_tensors(self, memory_objs: Any, call: Call) -> list[list[torch.Tensor]]:
+        """A store's objects as tensors, [layer][chunk], each checked (shape, dtype, device, memory)."""
         g, chunks = call.g, call.chunks
         if (not isinstance(memory_objs, Sequence) or len(memory_objs) != g.L
                 or any(not isinstance(objs, Sequence) or len(objs) != len(chunks) for objs in memory_objs)):
@@ -85,6 +86,23 @@ class LayerwiseConnector(ConnectorBase):
         self._check_staging(flat)
         per = len(chunks)
         self._check_apart(call, flat, lambda k: f"for layer {k // per}, chunk {k % per}")
+        return tensors
+
+    def _move_layer(self, layer: int, tensors: Sequence[torch.Tensor], call: Call, compiled: LayerMove | None,
+                    store: bool) -> None:
+        """One layer of every chunk: the compiled kernel where it moves them in place, else the generated copy."""
+        staged, move = (self._staged_store, self._store_layer) if store else (self._staged_load, self._load_layer)
+        for tensor, ck in zip(tensors, call.chunks, strict=True):
+            if compiled is not None and tensor.device == call.g.device:
+                compiled(layer, tensor, ck)
+            else:
+                staged(partial(move, layer), tensor, call, ck, "store" if store else "load")
+
+    def _store_layers(self, memory_objs: Sequence[Sequence[Any]], begin: Callable[[], Call],
+                      sync: bool) -> Generator[None, None, None]:
+        call = begin()
+        g = call.g
+        tensors = self._layer_tensors(memory_objs, call)
         backend = self._backend_for(g.device)
         stream = self._stream(g.device, "store")
         cache, per_layer = leaves(call.kvcaches), layer_leaves(call.kvcaches, self.layout.lists, g.L)
@@ -95,11 +113,7 @@ class LayerwiseConnector(ConnectorBase):
                 for chunk, tensor in enumerate(tensors[layer]):
                     check_storage(tensor, f"layer {layer}: memory object for chunk {chunk}", LAYERS_MOVED)
             with on_stream(backend, stream):
-                for tensor, ck in zip(tensors[layer], chunks, strict=True):
-                    if compiled is not None and tensor.device == g.device:
-                        compiled(layer, tensor, ck)
-                    else:
-                        self._staged_store(partial(self._store_layer, layer), tensor, call, ck, "store")
+                self._move_layer(layer, tensors[layer], call, compiled, True)
             yield
         self._finish(backend, stream, sync)
         for objs in memory_objs:
@@ -107,9 +121,9 @@ class LayerwiseConnector(ConnectorBase):
                 obj.metadata.fmt = relabel(obj.metadata.fmt, self.format)
         yield
 
-    def _load_layers(self, starts: Sequence[int], ends: Sequence[int], kvcaches: Any, slot_mapping: Any,
-                     sync: bool, offset: int, skip: int) -> Generator[None, Sequence[Any], None]:
-        call = self._begin(kvcaches, slot_mapping, starts, ends, offset, skip)
+    def _load_layers(self, begin: Callable[[], Call], starts: Sequence[int], sync: bool, offset: int,
+                     skip: int) -> Generator[None, Sequence[Any], None]:
+        call = begin()
         g, chunks = call.g, call.chunks
         self._check_unique_slots(call, _positions("starts", starts), skip, offset)
         backend = self._backend_for(g.device)
@@ -127,11 +141,7 @@ class LayerwiseConnector(ConnectorBase):
             self._check_staging(tensors)
             self._check_apart(call, tensors, partial("for layer {}, chunk {}".format, layer))
             with on_stream(backend, stream):
-                for tensor, ck in zip(tensors, chunks, strict=True):
-                    if compiled is not None and tensor.device == g.device:
-                        compiled(layer, tensor, ck)
-                    else:
-                        self._staged_load(partial(self._load_layer, layer), tensor, call, ck, "load")
+                self._move_layer(layer, tensors, call, compiled, False)
             if sync:
                 backend.wait_stream(backend.current_stream(), stream)
             objs = yield
