@@ -5,6 +5,7 @@ Reading and checking happen once per registered cache, never per token.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -146,6 +147,45 @@ class CacheReader:
         raise KVLayoutError(f"{self.layout.name}: kvcaches must be {expected}: {why} "
                             f"(got {describe(self.kvcaches)})")
 
+    def _lengths(self, axis: str, nodes: Sequence[Any]) -> set[int]:
+        """The lengths of the lists at level `axis`."""
+        for node in nodes:
+            if not isinstance(node, (list, tuple)):
+                self.fail(f"level {axis} must be a list or tuple, got {type(node).__name__}")
+        return {len(node) for node in nodes}
+
+    def _one_length(self, axis: str, found: set[int]) -> int:
+        if len(found) != 1 or 0 in found:
+            self.fail(f"level {axis} must be non-empty and the same length everywhere, got lengths {sorted(found)}")
+        return found.pop()
+
+    def _first_of(self, tensors: Sequence[Any], rank: int, dtypes: Sequence[str] | None, what: str) -> torch.Tensor:
+        """The first of tensors that must all be alike: one shape, dtype and device, `rank` dims,
+        a dtype of `dtypes` (None: any), real storage and no stride-0 dims. `what` names them
+        in a message ("" or "part NAME: ")."""
+        for node in tensors:
+            if not isinstance(node, torch.Tensor):
+                self.fail(f"{what}expected tensors under the list levels, got {type(node).__name__}")
+        first = tensors[0]
+        for leaf in tensors[1:]:
+            if leaf.shape != first.shape or leaf.dtype != first.dtype or leaf.device != first.device:
+                self.fail(f"{what}every tensor must have one shape, dtype and device; found {_placed(first)} and "
+                          f"{_placed(leaf)}")
+        if first.dim() != rank:
+            self.fail(f"{what}tensors must have {rank} dims, got {first.dim()} "
+                      f"(tensor[{', '.join(map(str, first.shape))}])")
+        dtype_name = str(first.dtype).removeprefix("torch.")
+        if dtypes is not None and dtype_name not in dtypes:
+            self.fail(f"{what}dtype {dtype_name} is not one of {', '.join(dtypes)}")
+        if first.device.type == "meta":
+            self.fail(f"{what}cache tensors must have storage, got tensors on the meta device")
+        for leaf in tensors:
+            shared = broadcast_dims(leaf)
+            if shared:
+                self.fail(f"{what}dims {shared} of a cache tensor have stride 0 (an expanded view), so distinct "
+                          "slots would share memory; pass a tensor with its own storage")
+        return first
+
     def leaves(self) -> tuple[tuple[int, ...], torch.Tensor]:
         """The list levels' lengths and the first tensor, after checking that every tensor
         under the levels has one shape, dtype and device, the layout's rank and dtypes,
@@ -153,92 +193,38 @@ class CacheReader:
         lengths: list[int] = []
         level = [self.kvcaches]
         for axis in self.layout.lists:
-            found, nxt = set(), []
-            for node in level:
-                if not isinstance(node, (list, tuple)):
-                    self.fail(f"level {axis} must be a list or tuple, got {type(node).__name__}")
-                found.add(len(node))
-                nxt.extend(node)
-            if len(found) != 1 or 0 in found:
-                self.fail(f"level {axis} must be non-empty and the same length everywhere, got lengths "
-                          f"{sorted(found)}")
-            lengths.append(found.pop())
-            level = nxt
-        for node in level:
-            if not isinstance(node, torch.Tensor):
-                self.fail(f"expected tensors under the list levels, got {type(node).__name__}")
-        first = level[0]
-        for leaf in level[1:]:
-            if leaf.shape != first.shape or leaf.dtype != first.dtype or leaf.device != first.device:
-                self.fail(f"every tensor must have one shape, dtype and device; found {_placed(first)} and "
-                          f"{_placed(leaf)}")
-        if first.dim() != len(self.layout.dims):
-            self.fail(f"tensors must have {len(self.layout.dims)} dims, got {first.dim()} "
-                      f"(tensor[{', '.join(map(str, first.shape))}])")
-        dtype_name = str(first.dtype).removeprefix("torch.")
-        if dtype_name not in self.layout.dtypes:
-            self.fail(f"dtype {dtype_name} is not one of {', '.join(self.layout.dtypes)}")
-        if first.device.type == "meta":
-            self.fail("cache tensors must have storage, got tensors on the meta device")
-        for leaf in level:
-            shared = broadcast_dims(leaf)
-            if shared:
-                self.fail(f"dims {shared} of a cache tensor have stride 0 (an expanded view), so distinct "
-                          "slots would share memory; pass a tensor with its own storage")
-        return tuple(lengths), first
+            lengths.append(self._one_length(axis, self._lengths(axis, level)))
+            level = [child for node in level for child in node]
+        return tuple(lengths), self._first_of(level, len(self.layout.dims), self.layout.dtypes, "")
+
+    def _part_tree(self) -> tuple[list[int], list[tuple[Any, int | None]]]:
+        """The lengths of the list levels other than P, and every tensor with the part it belongs to."""
+        names = [name for name, _, _ in self.layout.parts]
+        lengths: list[int] = []
+        # Without a level P (one part with fields) every tensor belongs to part 0.
+        level: list[tuple[Any, int | None]] = [(self.kvcaches, None if "P" in self.layout.lists else 0)]
+        for axis in self.layout.lists:
+            found = self._lengths(axis, [node for node, _ in level])
+            if axis != "P":
+                lengths.append(self._one_length(axis, found))
+            elif found != {len(names)}:
+                self.fail(f"level P must hold the {len(names)} parts ({', '.join(names)}) everywhere, "
+                          f"got lengths {sorted(found)}")
+            level = [(child, i if axis == "P" else part) for node, part in level for i, child in enumerate(node)]
+        return lengths, level
 
     def parts(self) -> tuple[tuple[int, ...], tuple[torch.Tensor, ...]]:
         """Format 2: the lengths of the list levels other than P, and the first tensor of
         each part, after checking that the level P holds one entry per part everywhere,
         that every tensor of a part has one shape, dtype and device, the part's rank and
         dtypes, and that all parts share one device."""
-        names = [name for name, _, _ in self.layout.parts]
-        lengths: list[int] = []
-        # Without a level P (one part with fields) every tensor belongs to part 0.
-        level: list[tuple[Any, int | None]] = [(self.kvcaches, None if "P" in self.layout.lists else 0)]
-        for axis in self.layout.lists:
-            found, nxt = set(), []
-            for node, part in level:
-                if not isinstance(node, (list, tuple)):
-                    self.fail(f"level {axis} must be a list or tuple, got {type(node).__name__}")
-                found.add(len(node))
-                nxt.extend((child, i if axis == "P" else part) for i, child in enumerate(node))
-            if axis == "P":
-                if found != {len(names)}:
-                    self.fail(f"level P must hold the {len(names)} parts ({', '.join(names)}) everywhere, "
-                              f"got lengths {sorted(found)}")
-            else:
-                if len(found) != 1 or 0 in found:
-                    self.fail(f"level {axis} must be non-empty and the same length everywhere, got lengths "
-                              f"{sorted(found)}")
-                lengths.append(found.pop())
-            level = nxt
+        lengths, level = self._part_tree()
         firsts: list[torch.Tensor] = []
         for index, (name, dims, dtypes) in enumerate(self.layout.parts):
             mine = [node for node, part in level if part == index]
-            for node in mine:
-                if not isinstance(node, torch.Tensor):
-                    self.fail(f"part {name}: expected tensors under the list levels, got {type(node).__name__}")
-            first = mine[0]
-            for leaf in mine[1:]:
-                if leaf.shape != first.shape or leaf.dtype != first.dtype or leaf.device != first.device:
-                    self.fail(f"part {name}: every tensor must have one shape, dtype and device; found "
-                              f"{_placed(first)} and {_placed(leaf)}")
-            if first.dim() != len(dims):
-                self.fail(f"part {name}: tensors must have {len(dims)} dims, got {first.dim()} "
-                          f"(tensor[{', '.join(map(str, first.shape))}])")
-            dtype_name = str(first.dtype).removeprefix("torch.")
-            if dtypes and dtype_name not in dtypes:  # () allows every dtype
-                self.fail(f"part {name}: dtype {dtype_name} is not one of {', '.join(dtypes)}")
-            if first.device.type == "meta":
-                self.fail(f"part {name}: cache tensors must have storage, got tensors on the meta device")
+            first = self._first_of(mine, len(dims), dtypes or None, f"part {name}: ")  # () allows every dtype
             if firsts and first.device != firsts[0].device:
                 self.fail(f"every part must be on one device; found {_placed(firsts[0])} and {_placed(first)}")
-            for leaf in mine:
-                shared = broadcast_dims(leaf)
-                if shared:
-                    self.fail(f"part {name}: dims {shared} of a cache tensor have stride 0 (an expanded view), so "
-                              "distinct slots would share memory; pass a tensor with its own storage")
             firsts.append(first)
         return tuple(lengths), tuple(firsts)
 
