@@ -65,6 +65,26 @@ class ModelBinding:
     device: torch.device | None
 
 
+@dataclass(frozen=True)
+class _Request:
+    """One call's inputs, as the caller passed them: per chunk an object, a start, an end and a
+    state slot (or None); the cache list, each group's slot mapping, the offset of the slot
+    mappings and the prefix a load skips."""
+
+    memory_objs: Sequence[Any]
+    starts: Sequence[int]
+    ends: Sequence[int]
+    kvcaches: Any
+    slot_mappings: Any
+    state_slots: Any
+    offset: int
+    skip: int = 0
+
+
+#: Per chunk: token counts, state slots, objects as bytes, their sections.
+_Chunks = tuple[list[int], list[Any], list[torch.Tensor], list[tuple[Section, ...]]]
+
+
 @dataclass
 class _Piece:
     """One group section of one chunk's object: the member-typed tensor a copy works on, and
@@ -255,21 +275,21 @@ class ModelConnector:
                  state_slot: int | None = None, offset: int = 0, **unknown: Any) -> None:
         """Copy tokens [start, end) of every carried group, and the state at `state_slot`, into `memory_obj`."""
         calls.check_keywords("from_gpu", unknown, STORE, kvcaches=kvcaches, slot_mappings=slot_mappings)
-        self._run([memory_obj], [start], [end], kvcaches, slot_mappings, [state_slot], offset, 0, storing=True)
+        self._run(_Request([memory_obj], [start], [end], kvcaches, slot_mappings, [state_slot], offset), storing=True)
 
     def to_gpu(self, memory_obj: Any, start: int, end: int, *, kvcaches: Any = MISSING, slot_mappings: Any = MISSING,
                state_slot: int | None = None, offset: int = 0, skip_prefix_n_tokens: int = 0, **unknown: Any) -> None:
         """Copy `memory_obj` into every carried group at its slots, and its state into `state_slot`."""
         calls.check_keywords("to_gpu", unknown, LOAD, kvcaches=kvcaches, slot_mappings=slot_mappings)
-        self._run([memory_obj], [start], [end], kvcaches, slot_mappings, [state_slot], offset, skip_prefix_n_tokens,
-                  storing=False)
+        self._run(_Request([memory_obj], [start], [end], kvcaches, slot_mappings, [state_slot], offset,
+                           skip_prefix_n_tokens), storing=False)
 
     def batched_from_gpu(self, memory_objs: Sequence[Any], starts: Sequence[int], ends: Sequence[int], *,
                          kvcaches: Any = MISSING, slot_mappings: Any = MISSING,
                          state_slots: Sequence[int | None] | None = None, offset: int = 0, **unknown: Any) -> None:
         """from_gpu for each chunk; `state_slots`: one request slot (or None) per chunk."""
         calls.check_keywords("batched_from_gpu", unknown, BATCHED_STORE, kvcaches=kvcaches, slot_mappings=slot_mappings)
-        self._run(memory_objs, starts, ends, kvcaches, slot_mappings, state_slots, offset, 0, storing=True)
+        self._run(_Request(memory_objs, starts, ends, kvcaches, slot_mappings, state_slots, offset), storing=True)
 
     def batched_to_gpu(self, memory_objs: Sequence[Any], starts: Sequence[int], ends: Sequence[int], *,
                        kvcaches: Any = MISSING, slot_mappings: Any = MISSING,
@@ -277,68 +297,82 @@ class ModelConnector:
                        **unknown: Any) -> None:
         """to_gpu for each chunk; `state_slots`: one request slot (or None) per chunk."""
         calls.check_keywords("batched_to_gpu", unknown, BATCHED_LOAD, kvcaches=kvcaches, slot_mappings=slot_mappings)
-        self._run(memory_objs, starts, ends, kvcaches, slot_mappings, state_slots, offset, skip_prefix_n_tokens,
-                  storing=False)
+        self._run(_Request(memory_objs, starts, ends, kvcaches, slot_mappings, state_slots, offset,
+                           skip_prefix_n_tokens), storing=False)
 
-    def _run(self, memory_objs: Sequence[Any], starts: Sequence[int], ends: Sequence[int], kvcaches: Any,
-             slot_mappings: Any, given_slots: Any, offset: int, skip: int, *, storing: bool) -> None:
-        # -- every check, for every group and the state, before the first write
-        b = self.bind(kvcaches)
-        items = entries(self.model, self.layers, kvcaches)
-        maps = mappings(self.model, self.group_names, [g.name for g in self.groups], slot_mappings)
-        group_calls: list[Call] = []
+    def _group_calls(self, req: _Request, items: tuple[Any, ...]) -> list[Call]:
+        """Each carried group's call on its member connector: its entries bound, its slots planned."""
+        maps = mappings(self.model, self.group_names, [g.name for g in self.groups], req.slot_mappings)
+        out = []
         for g in self.groups:
             try:
-                group_calls.append(self.members[g.name]._begin(self._group_entries(g, items), maps[g.name], starts,
-                                                               ends, offset, skip))
+                out.append(self.members[g.name]._begin(self._group_entries(g, items), maps[g.name], req.starts,
+                                                       req.ends, req.offset, req.skip))
             except KVLayoutError as error:
                 raise KVLayoutError(f"{self.model}: {group_where(g)}: {error}") from None
-        count = len(_positions("starts", starts))
-        if not isinstance(memory_objs, Sequence) or len(memory_objs) != count:
+        return out
+
+    def _chunks(self, req: _Request, b: ModelBinding, storing: bool) -> _Chunks:
+        """Per chunk: its token count, state slot, object as bytes and sections; the objects
+        apart from each other and from the cache."""
+        count = len(_positions("starts", req.starts))
+        if not isinstance(req.memory_objs, Sequence) or len(req.memory_objs) != count:
             raise KVLayoutError(f"expected a list of {count} memory objects (one per chunk), got "
-                                f"{describe(memory_objs)}")
-        lengths = [e - s for s, e in zip(_positions("starts", starts), _positions("ends", ends), strict=True)]
-        slots = state_slots(self.model, given_slots, count, b.state.slots, bool(self.states), storing)
+                                f"{describe(req.memory_objs)}")
+        lengths = [e - s for s, e in zip(_positions("starts", req.starts), _positions("ends", req.ends), strict=True)]
+        slots = state_slots(self.model, req.state_slots, count, b.state.slots, bool(self.states), storing)
         tensors, layouts = [], []
-        for k, (obj, n) in enumerate(zip(memory_objs, lengths, strict=True)):
+        for k, (obj, n) in enumerate(zip(req.memory_objs, lengths, strict=True)):
             sections, total = self._sections(b, n)
             tensors.append(object_bytes(obj, k, self.memory, total, storing))
             layouts.append(sections)
         check_objects_apart(tensors, lambda k: f"for chunk {k}", b.memory, b.names)
-        pieces = [[self._piece(g, b.geometries[i], t, sections[i], n, storing, k)
-                   for i, g in enumerate(self.groups)]
-                  for k, (t, sections, n) in enumerate(zip(tensors, layouts, lengths, strict=True))]
+        return lengths, slots, tensors, layouts
+
+    def _check_members(self, req: _Request, group_calls: list[Call], pieces: list[list[_Piece]],
+                       storing: bool) -> None:
+        """Each member's own checks of its pieces: staging, and for a load each slot written once."""
         for i, g in enumerate(self.groups):
             member = self.members[g.name]
-            work = [chunk[i].work for chunk in pieces]
             try:
-                member._check_staging(work)
+                member._check_staging([chunk[i].work for chunk in pieces])
                 if not storing:
-                    member._check_unique_slots(group_calls[i], _positions("starts", starts), skip, offset)
+                    member._check_unique_slots(group_calls[i], _positions("starts", req.starts), req.skip, req.offset)
             except KVLayoutError as error:
                 raise KVLayoutError(f"{self.model}: {group_where(g)}: {error}") from None
+
+    def _run(self, req: _Request, *, storing: bool) -> None:
+        # -- every check, for every group and the state, before the first write
+        b = self.bind(req.kvcaches)
+        items = entries(self.model, self.layers, req.kvcaches)
+        group_calls = self._group_calls(req, items)
+        lengths, slots, tensors, layouts = self._chunks(req, b, storing)
+        pieces = [[self._piece(g, b.geometries[i], t[sections[i].offset:sections[i].offset + sections[i].nbytes], n,
+                               storing, k) for i, g in enumerate(self.groups)]
+                  for k, (t, sections, n) in enumerate(zip(tensors, layouts, lengths, strict=True))]
+        self._check_members(req, group_calls, pieces, storing)
         # -- the copies
         for k, tensor in enumerate(tensors):
             for i, g in enumerate(self.groups):
                 self._move_group(g, group_calls[i], group_calls[i].chunks[k], pieces[k][i], storing)
             if slots[k] is not None:
                 self._move_state(items, tensor, layouts[k], slots[k], storing)
-            obj = memory_objs[k]
+            obj = req.memory_objs[k]
             if storing and not isinstance(obj, torch.Tensor):
                 obj.metadata.fmt = relabel(obj.metadata.fmt, self.format)
         for i, g in enumerate(self.groups):
             backend = self.members[g.name]._backend_for(group_calls[i].g.device)
             backend.synchronize(backend.current_stream())
 
-    def _piece(self, g: GroupTable, geometry: Geometry, tensor: torch.Tensor, section: Section, num_tokens: int,
-               storing: bool, k: int) -> _Piece:
-        """The group's section as the member object, checked by the member's own object check."""
+    def _piece(self, g: GroupTable, geometry: Geometry, raw: torch.Tensor, num_tokens: int, storing: bool,
+               k: int) -> _Piece:
+        """The group's section (`raw`, its bytes in chunk k's object) as the member object, checked by
+        the member's own object check."""
         shape, dtype = self._member_shape(g, geometry, num_tokens)
-        raw = tensor[section.offset:section.offset + section.nbytes]
         if raw.storage_offset() % dtype.itemsize == 0:
             piece = _Piece(raw.view(dtype).view(shape))
         else:  # bytes at an offset the dtype cannot view: the copy works on an aligned tensor
-            work = torch.empty(shape, dtype=dtype, device=tensor.device)
+            work = torch.empty(shape, dtype=dtype, device=raw.device)
             if not storing:
                 work.view(torch.uint8).view(-1).copy_(raw)
             piece = _Piece(work, raw)
