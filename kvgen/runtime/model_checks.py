@@ -60,6 +60,37 @@ class StateFacts:
     slots: int | None
 
 
+def _check_state_tensor(t: Any, spec: Any, tp: int, device: torch.device | None, label: str) -> None:
+    """One state tensor: [S, *rank shape] of a declared dtype, with storage, on `device`, not expanded."""
+    _, _, allowed, _ = spec
+    shape = StateTable.rank_shape(spec, tp)
+    want = f"[S, {', '.join(map(str, shape))}] {' or '.join(allowed)}"
+    if not isinstance(t, torch.Tensor) or tuple(t.shape[1:]) != shape or t.dim() != len(shape) + 1:
+        raise KVLayoutError(f"{label} must be {want}" + (f" at tp={tp}" if tp > 1 else "") + f", got {describe(t)}")
+    if dtype_name(t.dtype) not in allowed:
+        raise KVLayoutError(f"{label} must be {want}, got dtype {dtype_name(t.dtype)}")
+    if t.device.type == "meta" or (device is not None and t.device != device):
+        raise KVLayoutError(f"{label} must be on the caches' device {device}, got {t.device}")
+    if broadcast_dims(t):
+        raise KVLayoutError(f"{label} has dims {broadcast_dims(t)} with stride 0 (an expanded view); "
+                            "each request needs its own state")
+
+
+class _StateSlots:
+    """The request slots every state tensor holds: the first tensor's count, which the others must match."""
+
+    def __init__(self) -> None:
+        self.slots: int | None = None
+        self.first = ""
+
+    def check(self, t: torch.Tensor, label: str) -> None:
+        if self.slots is None:
+            self.slots, self.first = t.shape[0], label
+        elif t.shape[0] != self.slots:
+            raise KVLayoutError(f"{label} has {t.shape[0]} request slots, {self.first} has {self.slots}: every "
+                                "state tensor is indexed by the same request slots")
+
+
 def check_states(model: str, states: Sequence[StateTable], items: tuple[Any, ...], tp: int,
                  device: torch.device | None) -> tuple[StateFacts, list[torch.Tensor], list[str]]:
     """Every carried state entry: a tuple of its tensors, each [S, *rank shape] of a declared
@@ -67,8 +98,7 @@ def check_states(model: str, states: Sequence[StateTable], items: tuple[Any, ...
     dtypes: list[tuple[tuple[torch.dtype, ...], ...]] = []
     tensors: list[torch.Tensor] = []
     names: list[str] = []
-    slots: int | None = None
-    first = ""
+    slots = _StateSlots()
     for s in states:
         per_layer = []
         for layer in s.layers:
@@ -77,54 +107,46 @@ def check_states(model: str, states: Sequence[StateTable], items: tuple[Any, ...
             if not isinstance(entry, (list, tuple)) or len(entry) != len(s.tensors):
                 raise KVLayoutError(f"{where} must be a tuple of {len(s.tensors)} state tensors "
                                     f"({', '.join(t[0] for t in s.tensors)}), got {describe(entry)}")
-            kinds = []
             for j, (spec, t) in enumerate(zip(s.tensors, entry, strict=True)):
-                name, _, allowed, _ = spec
-                shape = StateTable.rank_shape(spec, tp)
-                label = f"{where}[{j}] ({name})"
-                want = f"[S, {', '.join(map(str, shape))}] {' or '.join(allowed)}"
-                if not isinstance(t, torch.Tensor) or tuple(t.shape[1:]) != shape or t.dim() != len(shape) + 1:
-                    raise KVLayoutError(f"{label} must be {want}" + (f" at tp={tp}" if tp > 1 else "") +
-                                        f", got {describe(t)}")
-                if dtype_name(t.dtype) not in allowed:
-                    raise KVLayoutError(f"{label} must be {want}, got dtype {dtype_name(t.dtype)}")
-                if t.device.type == "meta" or (device is not None and t.device != device):
-                    raise KVLayoutError(f"{label} must be on the caches' device {device}, got {t.device}")
-                if broadcast_dims(t):
-                    raise KVLayoutError(f"{label} has dims {broadcast_dims(t)} with stride 0 (an expanded view); "
-                                        "each request needs its own state")
-                if slots is None:
-                    slots, first = t.shape[0], label
-                elif t.shape[0] != slots:
-                    raise KVLayoutError(f"{label} has {t.shape[0]} request slots, {first} has {slots}: every "
-                                        "state tensor is indexed by the same request slots")
+                label = f"{where}[{j}] ({spec[0]})"
+                _check_state_tensor(t, spec, tp, device, label)
+                slots.check(t, label)
                 device = t.device if device is None else device
-                kinds.append(t.dtype)
                 tensors.append(t)
                 names.append(f"kvcaches[{layer}][{j}]")
-            per_layer.append(tuple(kinds))
+            per_layer.append(tuple(t.dtype for t in entry))
         dtypes.append(tuple(per_layer))
-    return StateFacts(tuple(dtypes), slots), tensors, names
+    return StateFacts(tuple(dtypes), slots.slots), tensors, names
+
+
+def _by_name(model: str, group_names: Sequence[str], carried: Sequence[str],
+             slot_mappings: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = [k for k in slot_mappings if k not in group_names]
+    if unknown:
+        raise KVLayoutError(f"{model}: slot_mappings names {unknown[0]!r}, not a group of the model "
+                            f"(groups: {', '.join(group_names)})")
+    missing = [g for g in carried if g not in slot_mappings]
+    if missing:
+        raise KVLayoutError(f"{model}: slot_mappings lacks group {missing[0]!r}: give one slot mapping per "
+                            f"group ({', '.join(group_names)}; all -1 moves nothing)")
+    return {g: slot_mappings[g] for g in carried}
+
+
+def _in_model_order(model: str, group_names: Sequence[str], carried: Sequence[str],
+                    slot_mappings: Sequence[Any]) -> dict[str, Any]:
+    if len(slot_mappings) != len(group_names):
+        raise KVLayoutError(f"{model}: slot_mappings must hold {len(group_names)} slot mappings, one per group "
+                            f"in model order ({', '.join(group_names)}), got {len(slot_mappings)}")
+    return {g: slot_mappings[group_names.index(g)] for g in carried}
 
 
 def mappings(model: str, group_names: Sequence[str], carried: Sequence[str], slot_mappings: Any) -> dict[str, Any]:
     """The slot mapping of each carried group: a mapping by group name, or a sequence in the
     model's group order. Lengths are checked with each group's tensor (all the same)."""
     if isinstance(slot_mappings, Mapping):
-        unknown = [k for k in slot_mappings if k not in group_names]
-        if unknown:
-            raise KVLayoutError(f"{model}: slot_mappings names {unknown[0]!r}, not a group of the model "
-                                f"(groups: {', '.join(group_names)})")
-        missing = [g for g in carried if g not in slot_mappings]
-        if missing:
-            raise KVLayoutError(f"{model}: slot_mappings lacks group {missing[0]!r}: give one slot mapping per "
-                                f"group ({', '.join(group_names)}; all -1 moves nothing)")
-        out = {g: slot_mappings[g] for g in carried}
+        out = _by_name(model, group_names, carried, slot_mappings)
     elif isinstance(slot_mappings, (list, tuple)):
-        if len(slot_mappings) != len(group_names):
-            raise KVLayoutError(f"{model}: slot_mappings must hold {len(group_names)} slot mappings, one per group "
-                                f"in model order ({', '.join(group_names)}), got {len(slot_mappings)}")
-        out = {g: slot_mappings[group_names.index(g)] for g in carried}
+        out = _in_model_order(model, group_names, carried, slot_mappings)
     else:
         raise KVLayoutError(f"{model}: slot_mappings must be a dict of group name -> slot mapping, or a list in "
                             f"the model's group order ({', '.join(group_names)}), got {describe(slot_mappings)}")
@@ -167,28 +189,33 @@ def state_slots(model: str, given: Any, chunks: int, slots: int | None, carries_
     return out
 
 
+def _labelled_bytes(obj: Any, k: int, memory: Any, storing: bool) -> Any:
+    """The `.tensor` of a labelled memory object whose label `memory` allows (before a store:
+    its own or one it accepts; for a load: its own)."""
+    tensor = getattr(obj, "tensor", None)
+    metadata = getattr(obj, "metadata", None)
+    if not isinstance(tensor, torch.Tensor) or not hasattr(metadata, "fmt"):
+        raise KVLayoutError(f"memory object for chunk {k} must be a tensor or have .tensor and .metadata.fmt, "
+                            f"got {describe(obj)}")
+    try:
+        current = format_name(metadata.fmt)
+    except TypeError:
+        raise KVLayoutError(f"memory object format label must be None or have a .name (expected "
+                            f"{memory.format}), got {metadata.fmt!r}") from None
+    if storing and current != memory.format and current not in memory.accepts:
+        raise KVLayoutError(f"cannot store {memory.format} into an object labelled {current}; allowed labels "
+                            f"before a store: {', '.join([memory.format, *memory.accepts])}")
+    if storing:
+        check_relabel(metadata, f"memory object for chunk {k}")
+    if not storing and current != memory.format:
+        raise KVLayoutError(f"cannot load an object labelled {current}: this connector reads {memory.format}")
+    return tensor
+
+
 def object_bytes(obj: Any, k: int, memory: Any, nbytes: int, storing: bool) -> torch.Tensor:
     """Chunk k's object: a 1-D uint8 tensor of `nbytes` (plain, or as `.tensor` of a labelled
     memory object whose label `memory` allows)."""
-    tensor = obj
-    if not isinstance(obj, torch.Tensor):
-        tensor = getattr(obj, "tensor", None)
-        metadata = getattr(obj, "metadata", None)
-        if not isinstance(tensor, torch.Tensor) or not hasattr(metadata, "fmt"):
-            raise KVLayoutError(f"memory object for chunk {k} must be a tensor or have .tensor and .metadata.fmt, "
-                                f"got {describe(obj)}")
-        try:
-            current = format_name(metadata.fmt)
-        except TypeError:
-            raise KVLayoutError(f"memory object format label must be None or have a .name (expected "
-                                f"{memory.format}), got {metadata.fmt!r}") from None
-        if storing and current != memory.format and current not in memory.accepts:
-            raise KVLayoutError(f"cannot store {memory.format} into an object labelled {current}; allowed labels "
-                                f"before a store: {', '.join([memory.format, *memory.accepts])}")
-        if storing:
-            check_relabel(metadata, f"memory object for chunk {k}")
-        if not storing and current != memory.format:
-            raise KVLayoutError(f"cannot load an object labelled {current}: this connector reads {memory.format}")
+    tensor = obj if isinstance(obj, torch.Tensor) else _labelled_bytes(obj, k, memory, storing)
     if tensor.dtype != torch.uint8 or tensor.dim() != 1 or tensor.shape[0] != nbytes:
         raise KVLayoutError(f"memory object for chunk {k} must be {memory.name} [{nbytes}] uint8 (bytes), got "
                             f"{describe(tensor)}")
