@@ -265,7 +265,7 @@ class ConnectorBase(KernelCopies):
                                 f"{len(ends)} ends {list(ends)}")
         offset, skip = _integer("offset", offset), _integer("skip_prefix_n_tokens", skip)
         mapping = self._slot_mapping(slot_mapping, g)
-        return mapping, [plan_chunk(mapping, s, e, num_slots=g.S, block_size=g.N, offset=offset, skip=skip)
+        return mapping, [plan_chunk(mapping, s, e, g, offset=offset, skip=skip)
                          for s, e in zip(starts, ends, strict=True)]
 
     # -- moving one object's tensor ---------------------------------------------------

@@ -9,6 +9,7 @@ skip, are in neither and are never touched.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -75,22 +76,9 @@ def _aligned_run(slots: torch.Tensor, lo: int, hi: int, n: int, first_slot: int
     return first, count * n, ids
 
 
-def plan_chunk(
-    slot_mapping: torch.Tensor,
-    start: int,
-    end: int,
-    *,
-    num_slots: int,
-    block_size: int | None,
-    offset: int = 0,
-    skip: int = 0,
-) -> Chunk:
-    """Slots of tokens [start, end) of a sequence; `slot_mapping[i - offset]` holds token i's
-    slot (SGLang passes a partial mapping and its offset); the first `skip` tokens of the
-    chunk are left alone (vLLM's skip_prefix_n_tokens)."""
-    n = end - start
-    lo_map, hi_map = start - offset, end - offset
-    have = slot_mapping.shape[0]
+def _check_window(have: int, start: int, end: int, offset: int, skip: int) -> None:
+    """Tokens [start, end) and their `skip` prefix fit a slot mapping of `have` entries from token `offset` on."""
+    n, lo_map, hi_map = end - start, start - offset, end - offset
     if n < 0:
         raise KVLayoutError(f"a chunk must have start <= end, got start {start} and end {end}")
     if lo_map < 0 or hi_map > have:
@@ -101,7 +89,50 @@ def plan_chunk(
             f"but slot_mapping has {have} entries: {where}")
     if not 0 <= skip <= n:
         raise KVLayoutError(f"skip_prefix_n_tokens must be in [0, {n}] for a chunk of {n} tokens, got {skip}")
-    slots = slot_mapping[lo_map:hi_map].to(torch.int64).contiguous()  # what every kernel indexes with
+
+
+def _moved(slots: torch.Tensor, low: int, skip: int) -> tuple[torch.Tensor | None, int, int, bool]:
+    """(which tokens move, or None for all; how many; the first; whether they are one run)."""
+    n = slots.shape[0]
+    if low >= 0 and not skip:  # the common case: every token moves
+        return None, n, 0, True
+    valid = slots >= 0
+    if skip:
+        valid[:skip] = False
+    count = int(valid.sum())
+    if count == 0:
+        return valid, 0, 0, True
+    lo = int(valid.to(torch.int8).argmax())
+    return valid, count, lo, bool(valid[lo:lo + count].all())
+
+
+def _token_slots(slots: torch.Tensor, token_pos: torch.Tensor | None, valid: torch.Tensor | None,
+                 span: tuple[int, int], block_size: int | None) -> tuple[Any, Any, Any]:
+    """The token path's (slots, blocks, offsets in block): None where no token takes it, a slice
+    for a folded axis's consecutive slots (`span`: the lowest and highest slot)."""
+    low, high = span
+    n = slots.shape[0]
+    if token_pos is not None and token_pos.numel() == 0:
+        return None, None, None
+    if block_size is None and valid is None and high - low == n - 1 and torch.equal(
+            slots, torch.arange(low, high + 1, device=slots.device)):
+        return slice(low, high + 1), None, None
+    tok_slots = slots if token_pos is None else slots[token_pos]
+    if not block_size:
+        return tok_slots, None, None
+    return tok_slots, tok_slots // block_size, tok_slots % block_size
+
+
+def plan_chunk(slot_mapping: torch.Tensor, start: int, end: int, cache: Any, *, offset: int = 0,
+               skip: int = 0) -> Chunk:
+    """Slots of tokens [start, end) of a sequence in a cache of `cache.S` slots and blocks of
+    `cache.N` (None: no blocks); `slot_mapping[i - offset]` holds token i's slot (SGLang passes
+    a partial mapping and its offset); the first `skip` tokens of the chunk are left alone
+    (vLLM's skip_prefix_n_tokens)."""
+    num_slots, block_size = cache.S, cache.N
+    _check_window(slot_mapping.shape[0], start, end, offset, skip)
+    n = end - start
+    slots = slot_mapping[start - offset:end - offset].to(torch.int64).contiguous()  # what every kernel indexes with
     empty = Chunk(n, 0, None, None, None, None, None, 0, 0)
     if n == 0:
         return empty
@@ -109,21 +140,10 @@ def plan_chunk(
     if high >= num_slots:
         raise KVLayoutError(f"slot {high} is outside the cache, which has {num_slots} slots "
                             f"(valid slots: 0..{num_slots - 1}, or < 0 to skip a token)")
-    if low >= 0 and not skip:  # the common case: every token moves
-        valid, count, lo, contiguous = None, n, 0, True
-    else:
-        valid = slots >= 0
-        if skip:
-            valid[:skip] = False
-        count = int(valid.sum())
-        if count == 0:
-            return empty
-        lo = int(valid.to(torch.int8).argmax())
-        contiguous = bool(valid[lo:lo + count].all())
-    run = None
-    if contiguous and block_size:
-        run = _aligned_run(slots, lo, lo + count, block_size, int(slots[lo]))
-
+    valid, count, lo, contiguous = _moved(slots, low, skip)
+    if count == 0:
+        return empty
+    run = _aligned_run(slots, lo, lo + count, block_size, int(slots[lo])) if contiguous and block_size else None
     if run is None:
         token_pos = None if valid is None or count == n else valid.nonzero().squeeze(1)
         block_ids, block_start, block_tokens = None, 0, 0
@@ -132,13 +152,5 @@ def plan_chunk(
         ranges = [(lo, block_start), (block_start + block_tokens, lo + count)]
         parts = [torch.arange(a, b, device=slots.device) for a, b in ranges if b > a]
         token_pos = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=slots.device)
-
-    if token_pos is not None and token_pos.numel() == 0:
-        tok_slots = blk = off = None
-    elif block_size is None and valid is None and high - low == n - 1 and torch.equal(
-            slots, torch.arange(low, high + 1, device=slots.device)):
-        tok_slots, blk, off = slice(low, high + 1), None, None  # a folded axis's consecutive slots
-    else:
-        tok_slots = slots if token_pos is None else slots[token_pos]
-        blk, off = (tok_slots // block_size, tok_slots % block_size) if block_size else (None, None)
+    tok_slots, blk, off = _token_slots(slots, token_pos, valid, (low, high), block_size)
     return Chunk(n, count, token_pos, tok_slots, blk, off, block_ids, block_start, block_tokens)

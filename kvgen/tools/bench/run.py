@@ -161,7 +161,7 @@ def check_cost(target: Target, cls: type, cache: Any, mappings: dict[int, torch.
     }
     binding, _ = warm._bind(cache)
     for t, m in mappings.items():
-        us[f"plan_chunk T={t}"] = micro(lambda m=m, t=t: plan_chunk(m, 0, t, num_slots=g.S, block_size=g.N), 50)
+        us[f"plan_chunk T={t}"] = micro(lambda m=m, t=t: plan_chunk(m, 0, t, g), 50)
         # a chunk's objects apart from each other and from the cache (per layer when layerwise)
         objects = [torch.empty(warm.get_shape(t), dtype=g.dtype, device=device)
                    for _ in range(g.L if warm.layerwise else 1)]
