@@ -130,33 +130,32 @@ def _connectors(spec: Any, plans: list[Any]) -> str:
     return f"{n} layout{'s' if n != 1 else ''}"
 
 
-def cmd_list(args: argparse.Namespace) -> int:
-    _require(args.specs, "--specs")
-    loaded = load_lenient(args.specs)
-    _warn_left_out(loaded)
-    library = loaded.library
-    plans = plan_library(library)
-    if args.json:
-        layouts = {}
-        for s in library.specs:
-            facts = {"kind": s.kind, "summary": s.summary, "lists": list(s.lists),
-                     "dims": [list(d.axes) if d.is_fused else (d.axes[0] if d.axes else 1) for d in s.dims],
-                     "sizes": dict(s.sizes), "arrow": s.arrow(), "aliases": list(s.aliases),
-                     "planes": s.planes, "source": s.origin}
-            if s.is_paged:
-                facts.update(lmcache=s.lmcache_format, engines=list(s.engines), versions=dict(s.versions),
-                             connectors=[p.obj.name for p in plans if p.paged is s])
-            else:
-                facts.update(format=s.format, code=s.code, accepts=list(s.accepts))
-            if not s.is_simple:
-                facts.update(format2_facts(s))
-            layouts[s.name] = facts
-        pairs = [{"paged": p.paged.name, "object": p.obj.name, "mode": p.mode, "module": p.module,
-                  "strategy": p.strategy, "kernel": kernel_grid(p)} for p in plans]
-        json.dump({"kvgen": __version__, "layouts": layouts, "connectors": pairs, "backends": _backends(),
-                   "models": {m.name: model_facts(m) for m in library.models}}, sys.stdout, indent=2)
-        print()
-        return EXIT_FAILED if loaded.left_out else 0
+def _spec_facts(s: Any, plans: list[Any]) -> dict[str, Any]:
+    """One spec's entry in `kvgen list --json`."""
+    facts = {"kind": s.kind, "summary": s.summary, "lists": list(s.lists),
+             "dims": [list(d.axes) if d.is_fused else (d.axes[0] if d.axes else 1) for d in s.dims],
+             "sizes": dict(s.sizes), "arrow": s.arrow(), "aliases": list(s.aliases),
+             "planes": s.planes, "source": s.origin}
+    if s.is_paged:
+        facts.update(lmcache=s.lmcache_format, engines=list(s.engines), versions=dict(s.versions),
+                     connectors=[p.obj.name for p in plans if p.paged is s])
+    else:
+        facts.update(format=s.format, code=s.code, accepts=list(s.accepts))
+    if not s.is_simple:
+        facts.update(format2_facts(s))
+    return facts
+
+
+def _list_json(library: Any, plans: list[Any]) -> None:
+    pairs = [{"paged": p.paged.name, "object": p.obj.name, "mode": p.mode, "module": p.module,
+              "strategy": p.strategy, "kernel": kernel_grid(p)} for p in plans]
+    json.dump({"kvgen": __version__, "layouts": {s.name: _spec_facts(s, plans) for s in library.specs},
+               "connectors": pairs, "backends": _backends(),
+               "models": {m.name: model_facts(m) for m in library.models}}, sys.stdout, indent=2)
+    print()
+
+
+def _list_table(library: Any, plans: list[Any]) -> None:
     header = ("NAME", "KIND", "ALIASES", "LAYOUT", "LMCACHE/FORMAT", "CONNECTORS")
     rows = [(s.name, s.kind, ", ".join(s.aliases) or "-", s.arrow(),
              (s.lmcache_format or "-") if s.is_paged else f"{s.format} ({s.code})", _connectors(s, plans))
@@ -168,8 +167,50 @@ def cmd_list(args: argparse.Namespace) -> int:
     print(f"\n{len(library.paged)} paged layouts, {len(library.objects)} memory objects, {len(library.models)} "
           f"model{'s' if len(library.models) != 1 else ''}, {len(plans)} connectors (module names: LAYOUT__OBJECT)")
     print(_backend_line())
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    _require(args.specs, "--specs")
+    loaded = load_lenient(args.specs)
+    _warn_left_out(loaded)
+    library = loaded.library
+    plans = plan_library(library)
+    (_list_json if args.json else _list_table)(library, plans)
     # Like ls with a missing file: what could be read is listed, the status says it is not all.
     return EXIT_FAILED if loaded.left_out else 0
+
+
+def _explain_header(spec: Any) -> None:
+    """A spec's summary, layout, element address and source."""
+    coord = "(l, kv, slot, h, c)" if spec.is_paged else "(l, kv, t, h, c)"
+    print(f"{spec.name} ({spec.kind}): {spec.summary}")
+    print(f"  layout:   {spec.arrow()}")
+    if spec.given:
+        print(f"  given:    [{' '.join(d.render() for d in spec.given)}] (the order the engine hands leaves over in)")
+    if spec.is_simple:
+        print(f"  element {coord}: {symbolic_address(spec)}")
+    for line in explain_lines(spec):
+        print(line)
+    print(f"  aliases:  {', '.join(spec.aliases) or '-'}")
+    print(f"  source:   {_spec_file(spec)}")
+    if spec.is_paged:
+        print(f"  lmcache:  {spec.lmcache_format or '- (no LMCache connector)'}")
+        print(f"  engines:  {', '.join(spec.engines) or '-'}")
+        if spec.versions:
+            print(f"  versions: {', '.join(f'{family} {span}' for family, span in spec.versions)}")
+    else:
+        print(f"  format:   {spec.format} (code {spec.code}), accepts {', '.join(spec.accepts) or '-'}")
+
+
+def _explain_connectors(spec: Any, library: Any) -> None:
+    plans = [p for p in plan_library(library) if spec in (p.paged, p.obj)]
+    if plans:
+        print("  connectors:")
+        for p in plans:
+            print(f"    {p.module} ({p.mode}): {p.strategy}")
+            grid = kernel_grid(p)
+            print(f"      triton kernel: {grid}")
+        print(f"  {_backend_line(planes=not spec.is_simple if spec.is_paged else spec.pack is not None)}")
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -189,32 +230,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
                              f"{', '.join(loaded.left_out)}") from None
         raise
     tp_lines = _tp_plan(spec, args)  # an impossible --tp fails before anything is printed
-    coord = "(l, kv, slot, h, c)" if spec.is_paged else "(l, kv, t, h, c)"
-    print(f"{spec.name} ({spec.kind}): {spec.summary}")
-    print(f"  layout:   {spec.arrow()}")
-    if spec.given:
-        print(f"  given:    [{' '.join(d.render() for d in spec.given)}] (the order the engine hands leaves over in)")
-    if spec.is_simple:
-        print(f"  element {coord}: {symbolic_address(spec)}")
-    for line in explain_lines(spec):
-        print(line)
-    print(f"  aliases:  {', '.join(spec.aliases) or '-'}")
-    print(f"  source:   {_spec_file(spec)}")
-    if spec.is_paged:
-        print(f"  lmcache:  {spec.lmcache_format or '- (no LMCache connector)'}")
-        print(f"  engines:  {', '.join(spec.engines) or '-'}")
-        if spec.versions:
-            print(f"  versions: {', '.join(f'{family} {span}' for family, span in spec.versions)}")
-    else:
-        print(f"  format:   {spec.format} (code {spec.code}), accepts {', '.join(spec.accepts) or '-'}")
-    plans = [p for p in plan_library(library) if spec in (p.paged, p.obj)]
-    if plans:
-        print("  connectors:")
-        for p in plans:
-            print(f"    {p.module} ({p.mode}): {p.strategy}")
-            grid = kernel_grid(p)
-            print(f"      triton kernel: {grid}")
-        print(f"  {_backend_line(planes=not spec.is_simple if spec.is_paged else spec.pack is not None)}")
+    _explain_header(spec)
+    _explain_connectors(spec, library)
     _explain_transfers(spec, library, args)
     if tp_lines is not None:
         print()
