@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -147,8 +148,17 @@ def _prepare_triton(devices: list[str]) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def main(args: Any) -> int:
-    library = load_library(args.specs)
+@dataclass(frozen=True)
+class _Selection:
+    """What a verify run checks: the connectors, transfers and model connectors --only leaves."""
+
+    connectors: list[Any]
+    transfers: list[Any]
+    models: list[Any]
+
+
+def _select(args: Any, library: Any) -> tuple[ModuleType, _Selection]:
+    """The generated package, refused when it is not what the build's plans generate, and --only's share."""
     plans = plan_library(library)
     transfers = load_transfers(library, args.specs)
     model_plans = plan_models(library, plans)[0]
@@ -158,13 +168,47 @@ def main(args: Any) -> int:
         verify_models.mismatch(package, model_plans, args.out, args.specs)
     if problem:
         raise KVGenError(problem)
-    selected = [p for p in plans if not args.only or args.only in p.module]
-    moves = [t for t in transfers if not args.only or args.only in t.module]
-    model_runs = [p for p in model_plans if not args.only or args.only in p.module]
-    if not selected and not moves and not model_runs:
+    chosen = _Selection(*([p for p in found if not args.only or args.only in p.module]
+                          for found in (plans, transfers, model_plans)))
+    if not chosen.connectors and not chosen.transfers and not chosen.models:
         raise KVGenError(f"--only {args.only!r} matches no connector of the {len(plans)} in "
                          f"{display_path(args.out)} and no transfer (it is a part of a module name such as "
                          f"{plans[0].module} or xfer__SOURCE__DESTINATION; `kvgen list` shows them)")
+    return package, chosen
+
+
+def _connector_rows(package: ModuleType, selected: list[Any], devices: list[str], backend: str | None) -> int:
+    """Every selected connector on every device through every slot scenario, one printed row each; the failures."""
+    # torch: only once the inputs are known good
+    from kvgen.oracle.scenarios import SCENARIOS
+    from kvgen.runtime import kernels
+
+    scenarios = list(SCENARIOS.values())
+    rows = failures = 0
+    wide = max([24, *(len(p.paged.name) for p in selected)]), max([13, *(len(p.obj.name) for p in selected)])
+    print(f"{'layout':<{wide[0]}} {'object':<{wide[1]}} {'mode':<9} {'device':<6} {'store ok':<8} {'load ok':<8}")
+    for device in devices:
+        for plan in selected:
+            launches = kernels.stats["launches"]
+            results = _check(package, plan, device, scenarios, backend)
+            store_ok = all(r[0] for r in results)
+            load_ok = all(r[1] for r in results)
+            if backend == "triton" and kernels.stats["launches"] == launches:
+                print(f"kvgen verify: {plan.module} on {device}: the Triton kernel never ran", file=sys.stderr)
+                store_ok = load_ok = False
+            failures += (not store_ok) + (not load_ok)
+            rows += 1
+            print(f"{plan.paged.name:<{wide[0]}} {plan.obj.name:<{wide[1]}} {plan.mode:<9} {device:<6} "
+                  f"{'yes' if store_ok else 'NO':<8} {'yes' if load_ok else 'NO':<8}", flush=True)
+    print(f"\n{rows} connector runs on {', '.join(devices)} ({len(scenarios)} slot scenarios each"
+          + (f", backend {backend}" if backend else "") + "): "
+          f"{rows * 2 - failures} checks passed, {failures} failed")
+    return failures
+
+
+def main(args: Any) -> int:
+    library = load_library(args.specs)
+    package, chosen = _select(args, library)
     # torch: only once the selection is known good
     from kvgen.runtime import available_devices
 
@@ -177,33 +221,13 @@ def main(args: Any) -> int:
         return 1
     if args.backend == "triton":
         _prepare_triton(devices)
-        if not selected:
+        if not chosen.connectors:
             raise KVGenError("--backend triton: the selected modules are transfers or model connectors, which have "
                              "no Triton kernels of their own")
-        moves = model_runs = []  # transfers have no kernels; model connectors move through their members
-    from kvgen.oracle.scenarios import SCENARIOS  # torch: only once the inputs are known good
-    from kvgen.runtime import kernels
-
-    scenarios = list(SCENARIOS.values())
-    rows, failures = 0, _check_facts(library) + verify_engines.run()
-    wide = max([24, *(len(p.paged.name) for p in selected)]), max([13, *(len(p.obj.name) for p in selected)])
-    print(f"{'layout':<{wide[0]}} {'object':<{wide[1]}} {'mode':<9} {'device':<6} {'store ok':<8} {'load ok':<8}")
-    for device in devices:
-        for plan in selected:
-            launches = kernels.stats["launches"]
-            results = _check(package, plan, device, scenarios, args.backend)
-            store_ok = all(r[0] for r in results)
-            load_ok = all(r[1] for r in results)
-            if args.backend == "triton" and kernels.stats["launches"] == launches:
-                print(f"kvgen verify: {plan.module} on {device}: the Triton kernel never ran", file=sys.stderr)
-                store_ok = load_ok = False
-            failures += (not store_ok) + (not load_ok)
-            rows += 1
-            print(f"{plan.paged.name:<{wide[0]}} {plan.obj.name:<{wide[1]}} {plan.mode:<9} {device:<6} "
-                  f"{'yes' if store_ok else 'NO':<8} {'yes' if load_ok else 'NO':<8}", flush=True)
-    print(f"\n{rows} connector runs on {', '.join(devices)} ({len(scenarios)} slot scenarios each"
-          + (f", backend {args.backend}" if args.backend else "") + "): "
-          f"{rows * 2 - failures} checks passed, {failures} failed")
-    failures += verify_transfers.run(package, moves, devices)[1]
-    failures += verify_models.run(package, library, model_runs, devices)[1]
+        # transfers have no kernels; model connectors move through their members
+        chosen = _Selection(chosen.connectors, [], [])
+    failures = _check_facts(library) + verify_engines.run()
+    failures += _connector_rows(package, chosen.connectors, devices, args.backend)
+    failures += verify_transfers.run(package, chosen.transfers, devices)[1]
+    failures += verify_models.run(package, library, chosen.models, devices)[1]
     return 1 if failures else 0
