@@ -83,22 +83,27 @@ def plan(num_kv_heads: int, src_tp: int, dst_tp: int, *, mla: bool = False) -> t
     src = [rank_heads(num_kv_heads, src_tp, r) for r in range(src_tp)]
     dst = [rank_heads(num_kv_heads, dst_tp, r) for r in range(dst_tp)]
     holders = {h: [r for r, (a, b) in enumerate(src) if a <= h < b] for h in range(num_kv_heads)}
+    return tuple(r for d in range(dst_tp) for r in _routes_to(d, holders, src, dst))
+
+
+def _routes_to(d: int, holders: dict[int, list[int]], src: list[Heads], dst: list[Heads]) -> list[Route]:
+    """Destination rank d's routes: its heads in runs read from one source rank each."""
+    start, stop = dst[d]
+    # Which copy of each head this rank reads: the k-th destination holding a head reads
+    # the (k mod replicas)-th source holding it.
+    replica = sum(1 for r in range(d) if dst[r][0] <= start < dst[r][1])
     routes: list[Route] = []
-    for d, (start, stop) in enumerate(dst):
-        # Which copy of each head this rank reads: the k-th destination holding a head reads
-        # the (k mod replicas)-th source holding it.
-        replica = sum(1 for r in range(d) if dst[r][0] <= start < dst[r][1])
-        run: list[int] = []  # [first head, last head + 1, source rank] of the range being grown
-        for h in range(start, stop):
-            s = holders[h][replica % len(holders[h])]
-            if run and run[2] == s and run[1] == h:
-                run[1] = h + 1
-                continue
-            if run:
-                routes.append(_route(run, d, src, dst))
-            run = [h, h + 1, s]
-        routes.append(_route(run, d, src, dst))
-    return tuple(routes)
+    run: list[int] = []  # [first head, last head + 1, source rank] of the range being grown
+    for h in range(start, stop):
+        s = holders[h][replica % len(holders[h])]
+        if run and run[2] == s and run[1] == h:
+            run[1] = h + 1
+            continue
+        if run:
+            routes.append(_route(run, d, src, dst))
+        run = [h, h + 1, s]
+    routes.append(_route(run, d, src, dst))
+    return routes
 
 
 def explain(num_kv_heads: int, src_tp: int, dst_tp: int, *, mla: bool = False) -> list[str]:

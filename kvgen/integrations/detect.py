@@ -382,12 +382,18 @@ def _refuse_unless_one(fits: list[Fit], refused: dict[str, str], asked: _Asked, 
     pairs = [(f, ext) for f, ext, _ in fits]
     if len(fits) > 1 or any(sglang_layouts.needs_word(f, hints, asked.named is not None) for f, _ in pairs):
         decide = {f.name: deciders(f, ext, pairs) for f, ext in pairs}
-        lines = [f"{f.name} {extents(ext)} (pass "
-                 f"{', '.join(f'{k}={v!r}' for k, v in decide[f.name].items())})" for f, ext in pairs]
-        if any(sglang_layouts.word_of(f) for f, _ in pairs):
-            lines.append(f"an SGLang pool says its layout, its shape does not: pass {sglang_layouts.HINT}")
         raise AmbiguousLayout(f"{len(fits)} layouts fit the {where} with hints {said}; kvgen "
-                              "does not guess:\n  " + "\n  ".join(lines), decide)
+                              "does not guess:\n  " + "\n  ".join(_candidate_lines(pairs, decide)), decide)
+
+
+def _candidate_lines(pairs: list[tuple[LayoutFacts, dict[str, int]]], decide: Mapping[str, Mapping[str, Any]]
+                     ) -> list[str]:
+    """Each candidate with its extents and the hints that pick it."""
+    lines = [f"{f.name} {extents(ext)} (pass "
+             f"{', '.join(f'{k}={v!r}' for k, v in decide[f.name].items())})" for f, ext in pairs]
+    if any(sglang_layouts.word_of(f) for f, _ in pairs):
+        lines.append(f"an SGLang pool says its layout, its shape does not: pass {sglang_layouts.HINT}")
+    return lines
 
 
 def detect_shape(cache: CacheShape, *, package: ModuleType | str | None = None, **hints: Any) -> Detection:
