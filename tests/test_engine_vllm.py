@@ -254,8 +254,8 @@ def test_a_spec_mutated_to_the_neighbouring_layout_fails(layout: str) -> None:
     for candidate, right in ((spec, True), (dataclasses.replace(spec, given=_swap(spec.given, "H", "N")), False)):
         perm = [next(i for i, g in enumerate(candidate.given) if g == d) for d in candidate.dims]
         obj = torch.zeros(2, L, len(SLOTS), heads * C)
-        reference.store(candidate, LIBRARY["kv_2ltd"], ext, [kv[n].permute(*perm) for n in names], obj, SLOTS, 0,
-                        len(SLOTS))
+        reference.store(candidate, LIBRARY["kv_2ltd"], ext, [kv[n].permute(*perm) for n in names], obj,
+                        reference.Span(SLOTS, 0, len(SLOTS)))
         assert torch.equal(obj, expected(kv, names, SLOTS, 2)) is right
     neighbour = {"LBHNC": "LBNHC", "LBNHC": "LBHNC", "BLHNC": "BLNHC", "BLNHC": "BLHNC",
                  "LHBNC": "LBHNC", "BHLNC": "BLNHC"}[layout]

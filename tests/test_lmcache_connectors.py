@@ -144,7 +144,7 @@ def test_store_and_load_match_reference(layout: str, layerwise: bool, use_gpu: b
             per_chunk = [o.tensor for o in objs]
             want_chunks = want
         for chunk, s, e in zip(want_chunks, STARTS, ENDS, strict=True):
-            reference.store(spec, obj_spec, EXT, cache, chunk, mapping_list, s, e)
+            reference.store(spec, obj_spec, EXT, cache, chunk, reference.Span(mapping_list, s, e))
         assert same_bits(per_chunk, want_chunks), f"{layout}: stored objects differ from the reference"
         assert {o.metadata.fmt for o in flat} == {fmt}
         assert conn.detection is not None and conn.detection.layout == layout
@@ -172,8 +172,8 @@ def test_store_and_load_match_reference(layout: str, layerwise: bool, use_gpu: b
         else:
             conn.batched_to_gpu(objs, STARTS, ENDS, **kwargs)
         for chunk, s, e, skip in zip(per_chunk, STARTS, ENDS, skips, strict=True):
-            reference.load(spec, obj_spec, EXT, expected, chunk, mapping_list, s, e, 0,
-                           skip)
+            reference.load(spec, obj_spec, EXT, expected, chunk, reference.Span(mapping_list, s, e, 0,
+                           skip))
         assert same_bits(target, expected), f"{layout}: loaded cache differs from the reference"
         assert not same_bits(target, cache), "the load wrote nothing"
     finally:
@@ -212,7 +212,7 @@ def test_trtllm_pool_by_block_ids(alloc: Any) -> None:
         slots = [b * EXT["N"] + i for b in block_ids for i in range(EXT["N"])]
         for k, obj in enumerate(objs[:2]):
             want = torch.zeros_like(obj.tensor)
-            reference.store(spec, LIBRARY["kv_2ltd"], EXT, pool6, want, slots, k * n, (k + 1) * n)
+            reference.store(spec, LIBRARY["kv_2ltd"], EXT, pool6, want, reference.Span(slots, k * n, (k + 1) * n))
             assert same_bits(obj.tensor, want)
         assert same_bits(objs[2].tensor, untouched), "a chunk without all its blocks must be left alone"
 
@@ -220,7 +220,7 @@ def test_trtllm_pool_by_block_ids(alloc: Any) -> None:
         conn.register_kv_caches(target)
         expected = torch.zeros_like(pool6)
         conn.to_gpu(objs[1], n, 2 * n, block_ids=block_ids)
-        reference.load(spec, LIBRARY["kv_2ltd"], EXT, expected, objs[1].tensor, slots, n, 2 * n)
+        reference.load(spec, LIBRARY["kv_2ltd"], EXT, expected, objs[1].tensor, reference.Span(slots, n, 2 * n))
         assert same_bits(target, expected.flatten(3))
     finally:
         for o in objs:
@@ -270,7 +270,7 @@ def test_trtllm_block_ids_as_a_tensor() -> None:
     conn.from_gpu(obj, 0, n, block_ids=torch.tensor([5, 1]))
     want = torch.zeros_like(obj.tensor)
     slots = [b * EXT["N"] + i for b in (5, 1) for i in range(EXT["N"])]
-    reference.store(spec, LIBRARY["kv_2ltd"], EXT, pool6, want, slots, 0, n)
+    reference.store(spec, LIBRARY["kv_2ltd"], EXT, pool6, want, reference.Span(slots, 0, n))
     assert same_bits(obj.tensor, want)
     with pytest.raises(KVLayoutError, match="block_ids must be a list of integers"):
         conn.from_gpu(obj, 0, n, block_ids=torch.tensor([5.0, 1.0]))

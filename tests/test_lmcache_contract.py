@@ -115,7 +115,7 @@ def test_kvgen_memory_objects_and_lmcache_labels_by_name() -> None:
         assert all(o.metadata.fmt.name == "KV_2LTD" for o in ours)
         assert all(o.metadata.fmt is MemoryFormat.KV_2LTD for o in theirs)  # LMCache's own enum member
         want = torch.zeros(conn.get_shape(6))
-        reference.store(NHD, LIBRARY["kv_2ltd"], EXT, cache, want, mapping_list, 8, 14)
+        reference.store(NHD, LIBRARY["kv_2ltd"], EXT, cache, want, reference.Span(mapping_list, 8, 14))
         assert same_bits(theirs[1].tensor, want)
 
         theirs[0].metadata.fmt = MemoryFormat.KV_T2D
@@ -191,7 +191,7 @@ def test_v3_and_layer_groups() -> None:
     obj = MemoryObj(torch.zeros(conn.get_shape(9)))
     conn.from_gpu(obj, 0, 9, kvcaches=cache, slot_mapping=torch.tensor(mapping_list))
     want = torch.zeros(conn.get_shape(9))
-    reference.store(NHD, LIBRARY["kv_2ltd"], EXT, cache, want, mapping_list, 0, 9)
+    reference.store(NHD, LIBRARY["kv_2ltd"], EXT, cache, want, reference.Span(mapping_list, 0, 9))
     assert conn.init is True and same_bits(obj.tensor, want)
 
     class Groups:
@@ -225,7 +225,7 @@ def test_mla_layerwise_without_staging_and_tuples_with_it() -> None:
             obj = MemoryObj(torch.zeros(conn.get_shape(7)))
             conn.from_gpu(obj, 0, 7, kvcaches=cache, slot_mapping=mapping)
             got, want, obj_spec = obj.tensor, torch.zeros(conn.get_shape(7)), LIBRARY["kv_2ltd"]
-        reference.store(spec, obj_spec, EXT, cache, want, mapping_list, 0, 7)
+        reference.store(spec, obj_spec, EXT, cache, want, reference.Span(mapping_list, 0, 7))
         assert same_bits(got, want), layout
 
 
@@ -248,7 +248,7 @@ def test_mla_stores_relabel_lmcache_s_default_allocation_label() -> None:
         assert all(o.metadata.fmt is MemoryFormat.KV_MLA_FMT for o in objs)
         for obj, (start, end) in zip(objs, [(0, 6), (8, 14)], strict=True):
             want = torch.zeros(conn.get_shape(6))
-            reference.store(MLA, LIBRARY["kv_mla"], EXT, cache, want, mapping_list, start, end)
+            reference.store(MLA, LIBRARY["kv_mla"], EXT, cache, want, reference.Span(mapping_list, start, end))
             assert same_bits(obj.tensor, want)
         before = wrong.tensor.clone()
         with pytest.raises(KVLayoutError, match="memory object"):

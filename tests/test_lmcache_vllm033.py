@@ -54,7 +54,7 @@ def test_cpu_attention_cache_with_heads_equal_to_block_size_and_no_hint_is_refus
         _store({"engine_version": "0.32.0"}, cache, heads=N)
     got = _store({"engine_version": "0.32.0", "kv_layout": "HND"}, cache, heads=N)
     want = torch.zeros_like(got)
-    reference.store(spec, LIBRARY["kv_2ltd"], ext, cache, want, SLOTS, 0, len(SLOTS))
+    reference.store(spec, LIBRARY["kv_2ltd"], ext, cache, want, reference.Span(SLOTS, 0, len(SLOTS)))
     assert torch.equal(got, want)
 
 

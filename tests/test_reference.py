@@ -27,7 +27,7 @@ def _store(paged: str, obj: str) -> tuple[object, torch.Tensor | list[torch.Tens
     o = LIB[obj]
     shape = reference.leaf_shape(o, {**EXT, "T": len(SLOTS)})
     out = [torch.zeros(shape) for _ in range(EXT["L"])] if o.lists else torch.zeros(shape)
-    reference.store(spec, o, EXT, cache, out, SLOTS, 0, len(SLOTS))
+    reference.store(spec, o, EXT, cache, out, reference.Span(SLOTS, 0, len(SLOTS)))
     return cache, out
 
 
@@ -145,14 +145,14 @@ def test_reference_moves_each_element_where_element_address_says(pair: tuple[str
     slots = [13, -1, 2, 40, 7]
     got, want = _objects(obj, len(slots), 3), _objects(obj, len(slots), 3)
     cache = make_cache(paged, torch.float32, "cpu")
-    reference.store(paged, obj, EXT, cache, got, slots, 0, len(slots))
+    reference.store(paged, obj, EXT, cache, got, reference.Span(slots, 0, len(slots)))
     _one_by_one(paged, obj, cache, want, slots, to_cache=False)
     assert same_bits(got, want)
 
     twice = [13, -1, 2, 13, 7]
     objects = _objects(obj, len(twice), 900)
     loaded, expected = make_cache(paged, torch.float32, "cpu"), make_cache(paged, torch.float32, "cpu")
-    reference.load(paged, obj, EXT, loaded, objects, twice, 0, len(twice))
+    reference.load(paged, obj, EXT, loaded, objects, reference.Span(twice, 0, len(twice)))
     _one_by_one(paged, obj, expected, objects, twice, to_cache=True)
     assert same_bits(loaded, expected)
     assert not same_bits(loaded, make_cache(paged, torch.float32, "cpu"))

@@ -530,7 +530,7 @@ def test_positions_may_be_integer_scalars(case: Case, direction: str) -> None:
     mapping = case.mapping.tolist()
     for i, (start, end) in enumerate(zip(STARTS, ENDS, strict=True)):
         move = reference.store if direction == "store" else reference.load
-        move(paged, obj, EXT, want_cache, want_chunks[i], mapping, start, end)
+        move(paged, obj, EXT, want_cache, want_chunks[i], reference.Span(mapping, start, end))
     assert same_bits((chunks, case.cache), (want_chunks, want_cache)), "data differ from the reference"
     assert not same_bits((chunks, case.cache), before), "nothing moved"
 

@@ -120,13 +120,13 @@ def run_load(conn: Any, objs: list[Any], kvcaches: Any, mapping: torch.Tensor,
 def ref_store(obj: str, ext: dict[str, int], kvcaches: Any, objs: list[Any], mapping: list[int],
               starts: Any = STARTS, ends: Any = ENDS) -> None:
     for t, s, e in zip(tensors(objs), starts, ends, strict=True):
-        reference.store(LIB[NHD], LIB[obj], ext, kvcaches, t, mapping, s, e)
+        reference.store(LIB[NHD], LIB[obj], ext, kvcaches, t, reference.Span(mapping, s, e))
 
 
 def ref_load(obj: str, ext: dict[str, int], kvcaches: Any, objs: list[Any], mapping: list[int],
              starts: Any = STARTS, ends: Any = ENDS, skip: int = 0) -> None:
     for t, s, e in zip(tensors(objs), starts, ends, strict=True):
-        reference.load(LIB[NHD], LIB[obj], ext, kvcaches, t, mapping, s, e, 0, skip)
+        reference.load(LIB[NHD], LIB[obj], ext, kvcaches, t, reference.Span(mapping, s, e, 0, skip))
 
 
 def check_store(conn: Any, obj: str, ext: dict[str, int], kvcaches: Any, seed: int = 1) -> None:

@@ -170,11 +170,15 @@ def _move_group(g: GroupCase, cache: list[Any], section: torch.Tensor, chunk: Mo
     shape, dtype = member_object(g, cache, chunk.end - chunk.start)
     work = section.clone().view(dtype).view(shape)  # a private typed copy of the section's bytes
     mapping = [int(s) for s in chunk.mappings[g.name]]
-    args = (g.paged, g.member, g.ext, cache, work, mapping, chunk.start, chunk.end, chunk.offset)
-    if to_cache:
-        (reference.load if g.paged.is_simple else planes.load)(*args, chunk.skip)  # type: ignore[operator]
+    span = reference.Span(mapping, chunk.start, chunk.end, chunk.offset, chunk.skip)
+    pair = (g.paged, g.member, g.ext, cache, work)
+    if g.paged.is_simple:
+        (reference.load if to_cache else reference.store)(*pair, span)
+    elif to_cache:
+        planes.load(*pair, mapping, chunk.start, chunk.end, chunk.offset, chunk.skip)
     else:
-        (reference.store if g.paged.is_simple else planes.store)(*args)  # type: ignore[operator]
+        planes.store(*pair, mapping, chunk.start, chunk.end, chunk.offset)
+    if not to_cache:
         section.copy_(bits(work).reshape(-1).view(torch.uint8))
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
@@ -135,26 +136,38 @@ def tokens(slot_mapping: Sequence[int], start: int, end: int, offset: int = 0,
             yield i - start, slot
 
 
-def store(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, slot_mapping: Sequence[int],
-          start: int, end: int, offset: int = 0) -> None:
-    """Copy tokens [start, end) from the cache into `objects` (one tensor, or a per-layer list)."""
-    _move(paged, obj, ext, kvcaches, objects, slot_mapping, start, end, offset, 0, to_cache=False)
+@dataclass(frozen=True)
+class Span:
+    """The tokens one chunk moves: [start, end) of the sequence, token i's slot at
+    `slot_mapping[i - offset]` (< 0: not moved), the first `skip` tokens of the chunk left alone
+    (a load's skip_prefix_n_tokens)."""
+
+    slot_mapping: Sequence[int]
+    start: int
+    end: int
+    offset: int = 0
+    skip: int = 0
 
 
-def load(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, slot_mapping: Sequence[int],
-         start: int, end: int, offset: int = 0, skip: int = 0) -> None:
-    """Copy `objects` into the cache at the chunk's slots."""
-    _move(paged, obj, ext, kvcaches, objects, slot_mapping, start, end, offset, skip, to_cache=True)
+@dataclass(frozen=True)
+class _Matched:
+    """The cache's and the objects' values as flat bits, and the positions of the moved elements in each."""
+
+    cache_vals: torch.Tensor
+    cache_paths: list[tuple[int, ...]]
+    here: torch.Tensor
+    obj_vals: torch.Tensor
+    obj_paths: list[tuple[int, ...]]
+    there: torch.Tensor
 
 
-@one_thread
-def _move(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, slot_mapping: Sequence[int],
-          start: int, end: int, offset: int, skip: int, *, to_cache: bool) -> None:
-    mapping = [int(s) for s in slot_mapping]
-    obj_ext = {**ext, "T": end - start}
-    moved = list(tokens(mapping, start, end, offset, skip))
+def _matched(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, span: Span) -> _Matched | None:
+    """Where each moved element lives in the cache and in the objects; None when no token moves."""
+    mapping = [int(s) for s in span.slot_mapping]
+    obj_ext = {**ext, "T": span.end - span.start}
+    moved = list(tokens(mapping, span.start, span.end, span.offset, span.skip))
     if not moved:
-        return
+        return None
     cache_paths, obj_paths = leaf_paths(paged, ext), leaf_paths(obj, obj_ext)
     cache_vals, cache_shape = flat_bits(kvcaches, cache_paths)
     obj_vals, obj_shape = flat_bits(objects, obj_paths)
@@ -163,12 +176,25 @@ def _move(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, slo
     here = element_positions(paged, {**coords, "slot": slot}, ext, cache_shape)
     there = element_positions(obj, {**coords, "t": t}, obj_ext, obj_shape)
     here, there = torch.broadcast_tensors(here, there)
-    if to_cache:
-        put_last(cache_vals, here, obj_vals[there])
-        write_back(kvcaches, cache_paths, cache_vals)
-    else:
-        put_last(obj_vals, there, cache_vals[here])
-        write_back(objects, obj_paths, obj_vals)
+    return _Matched(cache_vals, cache_paths, here, obj_vals, obj_paths, there)
+
+
+@one_thread
+def store(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, span: Span) -> None:
+    """Copy the span's tokens from the cache into `objects` (one tensor, or a per-layer list)."""
+    m = _matched(paged, obj, ext, kvcaches, objects, replace(span, skip=0))
+    if m is not None:
+        put_last(m.obj_vals, m.there, m.cache_vals[m.here])
+        write_back(objects, m.obj_paths, m.obj_vals)
+
+
+@one_thread
+def load(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, span: Span) -> None:
+    """Copy `objects` into the cache at the span's slots (its first `skip` tokens left alone)."""
+    m = _matched(paged, obj, ext, kvcaches, objects, span)
+    if m is not None:
+        put_last(m.cache_vals, m.here, m.obj_vals[m.there])
+        write_back(kvcaches, m.cache_paths, m.cache_vals)
 
 
 # -- coordinate-encoding test data ----------------------------------------------------

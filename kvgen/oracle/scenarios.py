@@ -254,7 +254,7 @@ def reference_store(paged: Spec, obj: Spec, cache: Any, objs: list[Any], sc: Sce
                     mapping: Sequence[int]) -> None:
     for o, s, e in zip(objs, sc.starts, sc.ends, strict=False):
         if paged.is_simple:
-            reference.store(paged, obj, EXT, cache, obj_tensors(o), mapping, s, e, sc.offset)
+            reference.store(paged, obj, EXT, cache, obj_tensors(o), reference.Span(mapping, s, e, sc.offset))
         else:
             planes.store(paged, obj, planes.parts_extents(paged, EXT), cache, obj_tensors(o), mapping, s, e,
                          sc.offset)
@@ -264,7 +264,7 @@ def reference_load(paged: Spec, obj: Spec, cache: Any, objs: list[Any], sc: Scen
                    mapping: Sequence[int], skip: int = 0) -> None:
     for o, s, e in zip(objs, sc.starts, sc.ends, strict=False):
         if paged.is_simple:
-            reference.load(paged, obj, EXT, cache, obj_tensors(o), mapping, s, e, sc.offset, skip)
+            reference.load(paged, obj, EXT, cache, obj_tensors(o), reference.Span(mapping, s, e, sc.offset, skip))
         else:
             planes.load(paged, obj, planes.parts_extents(paged, EXT), cache, obj_tensors(o), mapping, s, e,
                         sc.offset, skip)
