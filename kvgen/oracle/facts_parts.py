@@ -235,7 +235,8 @@ class PackedFact:
     code: int
     layerwise: bool
     shape: Callable[[EngineGeometry, PartsFact], tuple[int, ...]]
-    address: Callable[[EngineGeometry, PartsFact, PlaneFact, int, int, int, int, int], ByteAddress]
+    #: address(g, cache, plane, l, kv, t, h, c): the element's coordinates follow the plane.
+    address: Callable[..., ByteAddress]
     #: Whether the object can hold this cache's planes.
     fits: Callable[[PartsFact], bool]
 
@@ -259,8 +260,8 @@ def _rows(layerwise: bool) -> PackedFact:
         w = _row_bytes(cache, g) // cache.parts[0].item()
         return (g.T, w) if layerwise else (1, g.L, g.T, w)
 
-    def where(g: EngineGeometry, cache: PartsFact, plane: PlaneFact, layer: int, kv: int, t: int, h: int,
-              c: int) -> ByteAddress:
+    def where(g: EngineGeometry, cache: PartsFact, plane: PlaneFact, *element: int) -> ByteAddress:
+        layer, _, t, _, c = element
         item = cache.parts[0].item()
         byte = _row_bytes(cache, g, cache.planes.index(plane)) + c * cache.value_bytes(plane)
         return ((layer,), (t, byte // item), byte % item) if layerwise else ((), (0, layer, t, byte // item),
@@ -295,8 +296,8 @@ def _planes(layerwise: bool) -> PackedFact:
         layer = _regions(g, cache)[1]
         return (layer,) if layerwise else (g.L, layer)
 
-    def where(g: EngineGeometry, cache: PartsFact, plane: PlaneFact, layer: int, kv: int, t: int, h: int,
-              c: int) -> ByteAddress:
+    def where(g: EngineGeometry, cache: PartsFact, plane: PlaneFact, *element: int) -> ByteAddress:
+        layer, kv, t, h, c = element
         index = [i for i, here in ((kv, plane.kv), (t, plane.slots), (h, plane.heads), (c, True)) if here]
         start = _regions(g, cache)[0][cache.planes.index(plane)]
         byte = start + _elements(_region_extents(g, cache, plane), index) * cache.value_bytes(plane)
