@@ -42,6 +42,10 @@ LAYER_KEYWORDS = (*COPY_KEYWORDS, "sync")
 _BINDINGS_KEPT = 8
 
 
+#: One side of a transfer as the caller gives it: (caches, slots, heads or None).
+Side = tuple[Any, Any, Any]
+
+
 @dataclass(frozen=True)
 class TransferCall:
     """What one transfer works with, fixed when it starts."""
@@ -93,7 +97,7 @@ class TransferBase:
         """Copy every layer of the given slots; returns once the copy is done."""
         calls.refuse_unknown("copy", unknown, COPY_KEYWORDS)
         scratch = self._local.__dict__.setdefault("scratch", Scratch())  # a whole copy ends before the next
-        call = self._begin(src_caches, src_slots, dst_caches, dst_slots, src_heads, dst_heads, scratch)
+        call = self._begin((src_caches, src_slots, src_heads), (dst_caches, dst_slots, dst_heads), scratch)
         if call.pairs.moved:
             compiled = self._compiled(call, layerwise=False)
             if compiled is not None:
@@ -112,12 +116,11 @@ class TransferBase:
         yields), so a caller can overlap the transfer with the forward pass. `sync=True`
         synchronizes at the end; False makes the current stream wait for the copies."""
         calls.refuse_unknown("copy_layers", unknown, LAYER_KEYWORDS)
-        return self._layers(src_caches, src_slots, dst_caches, dst_slots, src_heads, dst_heads, sync)
+        return self._layers((src_caches, src_slots, src_heads), (dst_caches, dst_slots, dst_heads), sync)
 
-    def _layers(self, src_caches: Any, src_slots: Any, dst_caches: Any, dst_slots: Any, src_heads: Any,
-                dst_heads: Any, sync: bool) -> Generator[None, None, None]:
+    def _layers(self, src: Side, dst: Side, sync: bool) -> Generator[None, None, None]:
         # A generator's own scratch: two generators stepped in turn may run on streams at once.
-        call = self._begin(src_caches, src_slots, dst_caches, dst_slots, src_heads, dst_heads, Scratch())
+        call = self._begin(src, dst, Scratch())
         device = call.gs.device if call.gs.device.type != "cpu" else call.gd.device
         backend = self._backend_for(device)
         stream = self._stream(device, backend)
@@ -164,8 +167,8 @@ class TransferBase:
         self._check_pair(sb, db)
         return sb.geometry, db.geometry
 
-    def _begin(self, src_caches: Any, src_slots: Any, dst_caches: Any, dst_slots: Any, src_heads: Any,
-               dst_heads: Any, scratch: Scratch) -> TransferCall:
+    def _begin(self, src: Side, dst: Side, scratch: Scratch) -> TransferCall:
+        (src_caches, src_slots, src_heads), (dst_caches, dst_slots, dst_heads) = src, dst
         sb, src_tree = self._bind("src", src_caches)
         db, dst_tree = self._bind("dst", dst_caches)
         self._check_pair(sb, db)
