@@ -193,20 +193,21 @@ class Adapter(GPUConnectorInterface):
     ENGINE: ClassVar[str]
     LAYERWISE: ClassVar[bool] = False
 
-    def _setup(self, *, hidden_dim_size: int, num_layers: int, use_gpu: bool, chunk_size: int | None,
-               dtype: torch.dtype | None, device: Any, use_mla: bool, layout_hints: Mapping[str, Any] | None,
-               hints: Mapping[str, Any] | None = None) -> None:
+    def _setup(self, hidden_dim_size: int, num_layers: int, use_gpu: bool, options: Mapping[str, Any]) -> None:
+        """`options`: the keywords LMCache's connectors take (chunk_size, dtype, device, use_mla,
+        layout_hints) and kvgen's own kvgen_hints (more hints for detection)."""
         self.hidden_dim_size = int(hidden_dim_size)
         self.num_layers = int(num_layers)
         self.use_gpu = bool(use_gpu)
-        self.chunk_size = chunk_size
-        self.dtype = dtype
+        self.chunk_size = options.get("chunk_size")
+        self.dtype = options.get("dtype")
+        device = options.get("device")
         self.device = torch.device(device) if device is not None else None
-        self.use_mla = bool(use_mla)
-        self.layout_hints: dict[str, Any] = dict(layout_hints or {})
+        self.use_mla = bool(options.get("use_mla", False))
+        self.layout_hints: dict[str, Any] = dict(options.get("layout_hints") or {})
         self.kvcaches: Any = None
         self.detection: Detection | None = None
-        self._extra_hints = dict(hints or {})
+        self._extra_hints = dict(options.get("kvgen_hints") or {})
         self._given: Any = None
         self._bindings: dict[tuple[Any, ...], tuple[Detection, Any]] = {}
         self._lock = threading.Lock()

@@ -43,10 +43,7 @@ class SGLangGPUConnector(_SGLang, WholeAdapter):
     """SGLang's token pools <-> whole-chunk objects (KV_2LTD, or KV_MLA_FMT with use_mla)."""
 
     def __init__(self, hidden_dim_size: int, num_layers: int, use_gpu: bool = False, **kwargs: Any):
-        self._setup(hidden_dim_size=hidden_dim_size, num_layers=num_layers, use_gpu=use_gpu,
-                    chunk_size=kwargs.get("chunk_size"), dtype=kwargs.get("dtype"), device=kwargs.get("device"),
-                    use_mla=bool(kwargs.get("use_mla", False)), layout_hints=kwargs.get("layout_hints"),
-                    hints=kwargs.get("kvgen_hints"))
+        self._setup(hidden_dim_size, num_layers, use_gpu, kwargs)
         self.num_kv_cache = num_layers if self.use_mla else num_layers * 2
         self.page_buffer_size = 0
         self.gpu_buffer: torch.Tensor | None = None
@@ -62,10 +59,7 @@ class SGLangLayerwiseGPUConnector(_SGLang, LayerwiseAdapter):
     """SGLang's token pools <-> per-layer objects (KV_T2D), layer by layer."""
 
     def __init__(self, hidden_dim_size: int, num_layers: int, use_gpu: bool = False, **kwargs: Any):
-        self._setup(hidden_dim_size=hidden_dim_size, num_layers=num_layers, use_gpu=use_gpu,
-                    chunk_size=kwargs.get("chunk_size"), dtype=kwargs.get("dtype"), device=kwargs.get("device"),
-                    use_mla=bool(kwargs.get("use_mla", False)), layout_hints=kwargs.get("layout_hints"),
-                    hints=kwargs.get("kvgen_hints"))
+        self._setup(hidden_dim_size, num_layers, use_gpu, kwargs)
         self.num_kv_cache = num_layers if self.use_mla else num_layers * 2
         self.page_buffer_size = 0
         self.gpu_buffer: torch.Tensor | None = None

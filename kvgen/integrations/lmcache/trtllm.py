@@ -29,9 +29,9 @@ class TRTLLMGPUConnector(Adapter):
 
     def __init__(self, num_kv_heads: int, head_dim: int, hidden_dim_size: int, num_layers: int, chunk_size: int,
                  dtype: torch.dtype, device: Any):
-        self._setup(hidden_dim_size=hidden_dim_size, num_layers=num_layers, use_gpu=False, chunk_size=chunk_size,
-                    dtype=dtype, device=device, use_mla=False, layout_hints=None,
-                    hints={"num_kv_heads": num_kv_heads, "head_size": head_dim})
+        self._setup(hidden_dim_size, num_layers, False,
+                    {"chunk_size": chunk_size, "dtype": dtype, "device": device,
+                     "kvgen_hints": {"num_kv_heads": num_kv_heads, "head_size": head_dim}})
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)
         self.kv_cache_tensor: torch.Tensor | None = None

@@ -78,10 +78,7 @@ class VLLMPagedMemGPUConnectorV2(_VLLM, WholeAdapter):
     KV_MLA_FMT with use_mla), any layout kvgen describes."""
 
     def __init__(self, hidden_dim_size: int, num_layers: int, use_gpu: bool = False, **kwargs: Any):
-        self._setup(hidden_dim_size=hidden_dim_size, num_layers=num_layers, use_gpu=use_gpu,
-                    chunk_size=kwargs.get("chunk_size"), dtype=kwargs.get("dtype"), device=kwargs.get("device"),
-                    use_mla=bool(kwargs.get("use_mla", False)), layout_hints=kwargs.get("layout_hints"),
-                    hints=kwargs.get("kvgen_hints"))
+        self._setup(hidden_dim_size, num_layers, use_gpu, kwargs)
         #: LMCache's intermediate device buffer; kvgen stages through its own (use_gpu).
         self.gpu_buffer: torch.Tensor | None = None
 
@@ -106,10 +103,10 @@ class VLLMPagedMemGPUConnectorV3(_VLLM, WholeAdapter):
         if groups is not None and len(groups) > 1:
             raise KVLayoutError(f"{type(self).__name__}: the cache has {len(groups)} layer groups; kvgen's "
                                 "LMCache connectors move caches whose layers share one geometry")
-        self._setup(hidden_dim_size=num_kv_heads * head_size, num_layers=num_layers, use_gpu=use_gpu,
-                    chunk_size=getattr(metadata, "chunk_size", None), dtype=metadata.kv_dtype, device=device,
-                    use_mla=metadata.use_mla, layout_hints=layout_hints,
-                    hints={"num_kv_heads": num_kv_heads, "head_size": head_size})
+        self._setup(num_kv_heads * head_size, num_layers, use_gpu,
+                    {"chunk_size": getattr(metadata, "chunk_size", None), "dtype": metadata.kv_dtype, "device": device,
+                     "use_mla": metadata.use_mla, "layout_hints": layout_hints,
+                     "kvgen_hints": {"num_kv_heads": num_kv_heads, "head_size": head_size}})
         self.metadata = metadata
         self.init = False
         self.group_kv_cache_pointers_on_gpu: list[torch.Tensor] | None = None
@@ -131,10 +128,7 @@ class VLLMPagedMemLayerwiseGPUConnector(_VLLM, LayerwiseAdapter):
     layer by layer through generators."""
 
     def __init__(self, hidden_dim_size: int, num_layers: int, use_gpu: bool = False, **kwargs: Any):
-        self._setup(hidden_dim_size=hidden_dim_size, num_layers=num_layers, use_gpu=use_gpu,
-                    chunk_size=kwargs.get("chunk_size"), dtype=kwargs.get("dtype"), device=kwargs.get("device"),
-                    use_mla=bool(kwargs.get("use_mla", False)), layout_hints=kwargs.get("layout_hints"),
-                    hints=kwargs.get("kvgen_hints"))
+        self._setup(hidden_dim_size, num_layers, use_gpu, kwargs)
         #: None until the first transfer with use_gpu (LMCache's semantics).
         self.gpu_buffer_allocator: Any = None
         self.element_size = torch.empty((), dtype=self.dtype).element_size() if self.dtype is not None else None
