@@ -190,7 +190,8 @@ def test_transfer_reference_moves_each_element_where_element_address_says(heads)
         source = transfer_cache(src, SRC_EXT, torch.float32, "cpu")
         got = transfer_cache(dst, DST_EXT, torch.float32, "cpu", 50_000)
         want = clone_tree(got)
-        transfer_reference.transfer(src, SRC_EXT, source, src_slots, dst, DST_EXT, got, dst_slots, sh, dh)
+        transfer_reference.transfer(transfer_reference.TransferSide(src, SRC_EXT, source, src_slots, sh),
+            transfer_reference.TransferSide(dst, DST_EXT, got, dst_slots, dh))
         _transfer_one_by_one(src, SRC_EXT, source, src_slots, dst, DST_EXT, want, dst_slots, sh, dh)
         assert same_bits(got, want), (a, b)
 

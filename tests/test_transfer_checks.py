@@ -111,7 +111,8 @@ def test_a_repeated_destination_slot_whose_source_is_skipped_moves_once() -> Non
     want = clone_tree(dst)
     s, d = [0, -1, 2], [5, 5, 7]
     T().copy(src, torch.tensor(s), dst, torch.tensor(d))
-    transfer_reference.transfer(HND, SRC_EXT, src, s, NHD, DST_EXT, want, d)
+    transfer_reference.transfer(transfer_reference.TransferSide(HND, SRC_EXT, src, s),
+        transfer_reference.TransferSide(NHD, DST_EXT, want, d))
     assert same_bits(dst, want)
 
 
@@ -141,7 +142,8 @@ def test_a_layout_without_heads_takes_only_the_whole_latent() -> None:
         t.copy(src, SLOTS, dst, SLOTS, src_heads=(0, 2), dst_heads=(0, 2))
     want = clone_tree(dst)
     t.copy(src, SLOTS, dst, SLOTS, src_heads=(0, 1), dst_heads=(0, 1))
-    transfer_reference.transfer(mla, SRC_EXT, src, SLOTS.tolist(), host, DST_EXT, want, SLOTS.tolist())
+    transfer_reference.transfer(transfer_reference.TransferSide(mla, SRC_EXT, src, SLOTS.tolist()),
+        transfer_reference.TransferSide(host, DST_EXT, want, SLOTS.tolist()))
     assert same_bits(dst, want)
 
 
@@ -209,7 +211,8 @@ def test_one_transfer_shared_by_four_threads() -> None:
                         pass
                 else:
                     t.copy(src, s, dst, d)
-                transfer_reference.transfer(HND, SRC_EXT, src, s.tolist(), NHD, DST_EXT, want, d.tolist())
+                transfer_reference.transfer(transfer_reference.TransferSide(HND, SRC_EXT, src, s.tolist()),
+                    transfer_reference.TransferSide(NHD, DST_EXT, want, d.tolist()))
                 results.append(same_bits(dst, want))
         except BaseException as exc:  # reported below
             errors.append(exc)
@@ -240,7 +243,8 @@ def test_between_a_gpu_cache_and_a_host_pool(where: str) -> None:
     t = generated.transfer(pair[0].name, pair[1].name)()
     t.copy(src, torch.tensor(s), dst, torch.tensor(d, device=dst_dev))
     host_src = [x.cpu() for x in src] if isinstance(src, list) else src.cpu()
-    transfer_reference.transfer(pair[0], SRC_EXT, host_src, s, pair[1], DST_EXT, want, d)
+    transfer_reference.transfer(transfer_reference.TransferSide(pair[0], SRC_EXT, host_src, s),
+        transfer_reference.TransferSide(pair[1], DST_EXT, want, d))
     got = [x.cpu() for x in dst] if isinstance(dst, list) else dst.cpu()
     assert same_bits(got, want)
 

@@ -59,7 +59,7 @@ def cases(draw: st.DrawFn) -> dict:
 
 def _cache(spec, ext, case, side: int, salt: int = 0):  # noqa: ANN001, ANN202
     storage = case["storage"][side]
-    return make_cache(spec, ext, case["dtype"], "cpu", salt, strided=storage == "strided", odd_offset=storage == "odd")
+    return make_cache(spec, ext, case["dtype"], "cpu", salt, storage=storage)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -68,13 +68,15 @@ def test_compiled_and_torch_transfers_agree_with_the_reference(case: dict) -> No
     pair, src, dst = case["pair"], case["src"], case["dst"]
     source = _cache(pair.src, src, case, 0)
     want = clone_tree(_cache(pair.dst, dst, case, 1, 10000))
-    transfer_reference.transfer(pair.src, src, source, case["s"], pair.dst, dst, want, case["d"],
-                                case["heads"].get("src_heads"), case["heads"].get("dst_heads"))
+    transfer_reference.transfer(
+        transfer_reference.TransferSide(pair.src, src, source, case["s"], case["heads"].get("src_heads")),
+        transfer_reference.TransferSide(pair.dst, dst, want, case["d"], case["heads"].get("dst_heads")))
     for backend in ("native", "torch"):
         out = _cache(pair.dst, dst, case, 1, 10000)  # fresh, in the case's storage
         calls = native.stats["calls"]
-        run_transfer(generated.transfer(pair.src.name, pair.dst.name)(copy_backend=backend), source,
-                     torch.tensor(case["s"], dtype=torch.long), out, torch.tensor(case["d"], dtype=torch.long),
+        run_transfer(generated.transfer(pair.src.name, pair.dst.name)(copy_backend=backend),
+                     (source, torch.tensor(case["s"], dtype=torch.long)),
+                     (out, torch.tensor(case["d"], dtype=torch.long)),
                      layerwise=case["layerwise"], **case["heads"])
         moved = any(a >= 0 and b >= 0 for a, b in zip(case["s"], case["d"], strict=True))
         assert (native.stats["calls"] > calls) == (backend == "native" and moved)

@@ -36,7 +36,8 @@ def _caches(mixed: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]
 
 def _want(src: list[torch.Tensor], dst: list[torch.Tensor]) -> list[torch.Tensor]:
     want = clone_tree(dst)
-    transfer_reference.transfer(HND, SRC_EXT, src, S.tolist(), NHD, DST_EXT, want, D.tolist())
+    transfer_reference.transfer(transfer_reference.TransferSide(HND, SRC_EXT, src, S.tolist()),
+        transfer_reference.TransferSide(NHD, DST_EXT, want, D.tolist()))
     return want
 
 

@@ -16,6 +16,7 @@ from kvgen import generated
 from kvgen.oracle.transfer_scenarios import (
     SCENARIOS,
     SRC_EXT,
+    TransferRun,
     applies,
     check_transfer,
     make_cache,
@@ -91,7 +92,7 @@ def test_builtin_transfer_matches_reference(module: str, device: str, copy_backe
     src, dst = MODULES[module]
     transfer = _transfer(src, dst, device, copy_backend)  # one object meets every cache in turn
     failed = [name for name in CORE if applies(src, dst, SCENARIOS[name])
-              and not check_transfer(generated, src, dst, device, SCENARIOS[name], transfer=transfer)]
+              and not check_transfer(generated, src, dst, device, SCENARIOS[name], TransferRun(transfer=transfer))]
     assert failed == [], f"{module} differs from the reference in {failed}"
 
 
@@ -99,7 +100,8 @@ def test_builtin_transfer_matches_reference(module: str, device: str, copy_backe
 def test_builtin_transfer_layer_by_layer(module: str, device: str, copy_backend: str) -> None:
     src, dst = MODULES[module]
     transfer = _transfer(src, dst, device, copy_backend)
-    assert check_transfer(generated, src, dst, device, SCENARIOS["misaligned"], transfer=transfer, layerwise=True)
+    assert check_transfer(generated, src, dst, device, SCENARIOS["misaligned"],
+                          TransferRun(transfer=transfer, layerwise=True))
 
 
 @pytest.mark.parametrize("module,layerwise", [(m, False) for m in REPRESENTATIVE] + [(m, True) for m in LAYERWISE])
@@ -107,7 +109,8 @@ def test_every_scenario(module: str, layerwise: bool, device: str, copy_backend:
     src, dst = MODULES[module]
     transfer = _transfer(src, dst, device, copy_backend)
     failed = [sc.name for sc in SCENARIOS.values() if applies(src, dst, sc)
-              and not check_transfer(generated, src, dst, device, sc, transfer=transfer, layerwise=layerwise)]
+              and not check_transfer(generated, src, dst, device, sc,
+                                     TransferRun(transfer=transfer, layerwise=layerwise))]
     assert failed == []
 
 
@@ -117,7 +120,7 @@ def test_dtypes(module: str, dtype: torch.dtype, device: str, copy_backend: str)
     src, dst = MODULES[module]
     transfer = _transfer(src, dst, device, copy_backend)
     for name in ("partial_ends", "strided_src_odd_dst", "odd_src_strided_dst"):
-        assert check_transfer(generated, src, dst, device, SCENARIOS[name], dtype=dtype, transfer=transfer)
+        assert check_transfer(generated, src, dst, device, SCENARIOS[name], TransferRun(dtype, transfer))
 
 
 def test_layerwise_yields_once_per_layer_then_once_more() -> None:
@@ -126,7 +129,7 @@ def test_layerwise_yields_once_per_layer_then_once_more() -> None:
     b = make_cache(dst, SRC_EXT, torch.float32, "cpu", 10000)
     t = generated.transfer(src.name, dst.name)()
     slots = torch.arange(16)
-    assert run_transfer(t, a, slots, b, slots, layerwise=True) == SRC_EXT["L"] + 1
+    assert run_transfer(t, (a, slots), (b, slots), layerwise=True) == SRC_EXT["L"] + 1
     # Each step has moved exactly its layer when it yields.
     fresh = make_cache(dst, SRC_EXT, torch.float32, "cpu", 10000)
     gen = t.copy_layers(a, slots, fresh, slots)

@@ -11,6 +11,7 @@ element at once and the elements move as one gather and scatter of the caches' b
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,12 +28,24 @@ def heads_of(spec: Spec, ext: Extents, heads: Heads | None) -> Heads:
     return heads if heads is not None else (0, ext["H"] if spec.has("H") else 1)
 
 
+@dataclass(frozen=True)
+class TransferSide:
+    """One side of a reference transfer: its spec at extents `ext`, its caches, each token's slot
+    (< 0: the token is not moved) and its head range (None: every head)."""
+
+    spec: Spec
+    ext: Extents
+    caches: Any
+    slots: Sequence[int]
+    heads: Heads | None = None
+
+
 @one_thread
-def transfer(src: Spec, src_ext: Extents, src_caches: Any, src_slots: Sequence[int],
-             dst: Spec, dst_ext: Extents, dst_caches: Any, dst_slots: Sequence[int],
-             src_heads: Heads | None = None, dst_heads: Heads | None = None) -> None:
+def transfer(source_side: TransferSide, target_side: TransferSide) -> None:
     """Copy the KV of each token from its source slot to its destination slot, in place."""
-    sh, dh = heads_of(src, src_ext, src_heads), heads_of(dst, dst_ext, dst_heads)
+    src, src_ext, src_caches, src_slots = source_side.spec, source_side.ext, source_side.caches, source_side.slots
+    dst, dst_ext, dst_caches, dst_slots = target_side.spec, target_side.ext, target_side.caches, target_side.slots
+    sh, dh = heads_of(src, src_ext, source_side.heads), heads_of(dst, dst_ext, target_side.heads)
     if sh[1] - sh[0] != dh[1] - dh[0]:
         raise ValueError(f"head ranges {sh} and {dh} differ in length")
     moved = [(int(s), int(d)) for s, d in zip(src_slots, dst_slots, strict=True) if int(s) >= 0 and int(d) >= 0]

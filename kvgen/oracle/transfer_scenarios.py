@@ -157,13 +157,15 @@ def _template(spec: Spec, ext: tuple[tuple[str, int], ...], dtype: torch.dtype, 
 
 
 def make_cache(spec: Spec, ext: Mapping[str, int], dtype: torch.dtype, device: str, salt: int = 0, *,
-               strided: bool = False, odd_offset: bool = False) -> Any:
-    """Fresh leaves holding the coded template of `spec` at extents `ext`."""
+               storage: str = "plain") -> Any:
+    """Fresh leaves holding the coded template of `spec` at extents `ext`; `storage` "strided"
+    (permuted views into a larger buffer) or "odd" (one element into their storage) as a
+    scenario names it."""
     template = _template(spec, tuple(sorted(ext.items())), dtype, salt)
     shape = reference.leaf_shape(spec, ext)
 
     def make(path: tuple[int, ...]) -> torch.Tensor:
-        t = allocate(shape, dtype, device, strided, odd_offset)
+        t = allocate(shape, dtype, device, storage == "strided", storage == "odd")
         bits(t).copy_(bits(reference.leaf(template, path)))
         return t
 
@@ -175,31 +177,40 @@ def applies(src: Spec, dst: Spec, scenario: TransferScenario) -> bool:
     return not scenario.needs_heads or (src.has("H") and dst.has("H"))
 
 
-def run_transfer(transfer: Any, src_cache: Any, src_slots: torch.Tensor, dst_cache: Any, dst_slots: torch.Tensor,
-                 *, layerwise: bool = False, **heads: Any) -> int:
-    """One call, whole or layer by layer; the number of generator steps (0 when whole)."""
+def run_transfer(transfer: Any, src: tuple[Any, torch.Tensor], dst: tuple[Any, torch.Tensor], *,
+                 layerwise: bool = False, **heads: Any) -> int:
+    """One call from src (cache, slots) to dst (cache, slots), whole or layer by layer; the
+    number of generator steps (0 when whole)."""
     if not layerwise:
-        transfer.copy(src_cache, src_slots, dst_cache, dst_slots, **heads)
+        transfer.copy(*src, *dst, **heads)
         return 0
-    return sum(1 for _ in transfer.copy_layers(src_cache, src_slots, dst_cache, dst_slots, **heads))
+    return sum(1 for _ in transfer.copy_layers(*src, *dst, **heads))
+
+
+@dataclass(frozen=True)
+class TransferRun:
+    """How check_transfer runs a scenario: the caches' dtype, a transfer object to reuse (None:
+    a fresh one) and whether it copies layer by layer."""
+
+    dtype: torch.dtype = torch.float32
+    transfer: Any = None
+    layerwise: bool = False
 
 
 def check_transfer(package: Any, src: Spec, dst: Spec, device: str, scenario: TransferScenario,
-                   dtype: torch.dtype = torch.float32, transfer: Any = None, layerwise: bool = False) -> bool:
+                   run: TransferRun = TransferRun()) -> bool:
     """Whether one generated transfer leaves the destination exactly as the reference does and
-    the source untouched; a fresh transfer object unless one is given."""
+    the source untouched."""
     rng = random.Random(f"{src.name}/{dst.name}/{scenario.name}")
     src_map, dst_map = scenario.mapping(rng, scenario.src_ext, scenario.dst_ext)
-    if transfer is None:
-        transfer = package.transfer(src.name, dst.name)()
-    src_cache = make_cache(src, scenario.src_ext, dtype, device, strided=scenario.src_storage == "strided",
-                           odd_offset=scenario.src_storage == "odd")
-    dst_cache = make_cache(dst, scenario.dst_ext, dtype, device, DST_SALT, strided=scenario.dst_storage == "strided",
-                           odd_offset=scenario.dst_storage == "odd")
+    transfer = run.transfer if run.transfer is not None else package.transfer(src.name, dst.name)()
+    src_cache = make_cache(src, scenario.src_ext, run.dtype, device, storage=scenario.src_storage)
+    dst_cache = make_cache(dst, scenario.dst_ext, run.dtype, device, DST_SALT, storage=scenario.dst_storage)
     src_before, want = clone_tree(src_cache), clone_tree(dst_cache)
     heads = {k: v for k, v in (("src_heads", scenario.src_heads), ("dst_heads", scenario.dst_heads)) if v}
-    run_transfer(transfer, src_cache, torch.tensor(src_map, device=device), dst_cache,
-                 torch.tensor(dst_map, device=device), layerwise=layerwise, **heads)
-    transfer_reference.transfer(src, scenario.src_ext, src_before, src_map, dst, scenario.dst_ext, want, dst_map,
-                                scenario.src_heads, scenario.dst_heads)
+    run_transfer(transfer, (src_cache, torch.tensor(src_map, device=device)),
+                 (dst_cache, torch.tensor(dst_map, device=device)), layerwise=run.layerwise, **heads)
+    transfer_reference.transfer(
+        transfer_reference.TransferSide(src, scenario.src_ext, src_before, src_map, scenario.src_heads),
+        transfer_reference.TransferSide(dst, scenario.dst_ext, want, dst_map, scenario.dst_heads))
     return same_bits(dst_cache, want) and same_bits(src_cache, src_before)

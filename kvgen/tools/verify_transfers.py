@@ -34,7 +34,7 @@ def mismatch(package: ModuleType, transfers: Sequence[Any], out: Path, specs: Se
 def _check(package: ModuleType, pair: Any, device: str, layerwise: bool) -> bool:
     """Every applicable scenario through one transfer object; a raise counts as a failure."""
     # torch: only for a run
-    from kvgen.oracle.transfer_scenarios import SCENARIOS, applies, check_transfer
+    from kvgen.oracle.transfer_scenarios import SCENARIOS, TransferRun, applies, check_transfer
 
     transfer = package.transfer(pair.src.name, pair.dst.name)()
     ok = True
@@ -42,7 +42,8 @@ def _check(package: ModuleType, pair: Any, device: str, layerwise: bool) -> bool
         if not applies(pair.src, pair.dst, sc):
             continue
         try:
-            ok &= check_transfer(package, pair.src, pair.dst, device, sc, transfer=transfer, layerwise=layerwise)
+            ok &= check_transfer(package, pair.src, pair.dst, device, sc,
+                                 TransferRun(transfer=transfer, layerwise=layerwise))
         except Exception as exc:  # a wrong transfer may raise anything; report it and go on
             print(f"kvgen verify: {pair.module} on {device}, scenario {sc.name}: {type(exc).__name__}: {exc}",
                   file=sys.stderr)
