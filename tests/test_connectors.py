@@ -12,6 +12,7 @@ GPUs without Triton and CPUs without a compiler use.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -182,12 +183,12 @@ def test_skip_prefix_and_offset(module: str, device: str) -> None:
     objs = make_objects(connector, connector.layerwise, [8, 8], torch.float32, device, salt=9,
                         fmt=connector.format)
     expected = clone_tree(cache)
-    connector_load(connector, objs, sc, cache, partial, skip=3)
-    reference_load(plan.paged, plan.obj, expected, objs, sc, full[offset:], skip=3)
+    connector_load(connector, objs, replace(sc, skip=3), cache, partial)
+    reference_load(plan.paged, plan.obj, expected, objs, replace(sc, skip=3), full[offset:])
     assert same_bits(cache, expected)
     # skipping changes what is written: without it the reference writes more
     unskipped = make_cache(plan.paged, torch.float32, device)
-    reference_load(plan.paged, plan.obj, unskipped, objs, sc, full[offset:], skip=0)
+    reference_load(plan.paged, plan.obj, unskipped, objs, replace(sc, skip=0), full[offset:])
     assert not same_bits(unskipped, expected)
 
     stored = make_objects(connector, connector.layerwise, [8, 8], torch.float32, device, salt=11)

@@ -14,6 +14,7 @@ import os
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -133,8 +134,8 @@ def test_kernel_skips_prefix_with_offset(device: str) -> None:
     objs = make_objects(connector, True, [13], torch.float32, device, salt=5, fmt=connector.format)
     expected = clone_tree(cache)
     mapping = torch.tensor(mapping_list, device=device)
-    connector_load(connector, objs, sc, cache, mapping, skip=6)
-    reference_load(plan.paged, plan.obj, expected, objs, sc, mapping_list, skip=6)
+    connector_load(connector, objs, replace(sc, skip=6), cache, mapping)
+    reference_load(plan.paged, plan.obj, expected, objs, replace(sc, skip=6), mapping_list)
     assert same_bits(cache, expected)
 
 

@@ -18,6 +18,7 @@ import stat
 import subprocess
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -277,7 +278,7 @@ def test_skip_prefix_with_native(monkeypatch: pytest.MonkeyPatch) -> None:
     c.bind(cache)
     objs = make_objects(c, False, [16], torch.float32, "cpu", salt=9, fmt=c.format)
     want = clone_tree(cache)
-    connector_load(c, objs, sc, cache, mapping, skip=5)
+    connector_load(c, objs, replace(sc, skip=5), cache, mapping)
     t = objs[0].tensor  # [KV L T (H C)]
     for layer in range(len(want)):
         for kv in range(2):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import types
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -65,7 +66,8 @@ FREE = [m for m, p in PLANS.items() if any(len(part.dtypes) > 1 for part in p.pa
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
 def test_parts_of_other_dtypes(module: str, dtype: torch.dtype) -> None:
     plan = PLANS[module]
-    assert check_pair(generated, plan.paged, plan.obj, "cpu", SCENARIOS["partial_blocks"], dtype) == (True, True)
+    assert check_pair(generated.get(plan.paged.name, plan.obj.name)(device="cpu"), plan.paged, plan.obj,
+                      SCENARIOS["partial_blocks"], dtype) == (True, True)
 
 
 def _setup(module: str, scenario: Scenario, device: str) -> tuple[Any, ...]:
@@ -106,8 +108,8 @@ def test_skip_prefix_and_offset(module: str) -> None:
     partial = torch.tensor(full[offset:])
     objs = make_objects(connector, connector.layerwise, [8, 8], torch.float32, "cpu", salt=9, fmt=connector.format)
     expected = clone_tree(cache)
-    connector_load(connector, objs, sc, cache, partial, skip=3)
-    reference_load(plan.paged, plan.obj, expected, objs, sc, full[offset:], skip=3)
+    connector_load(connector, objs, replace(sc, skip=3), cache, partial)
+    reference_load(plan.paged, plan.obj, expected, objs, replace(sc, skip=3), full[offset:])
     assert same_bits(cache, expected)
 
     stored = make_objects(connector, connector.layerwise, [8, 8], torch.float32, "cpu", salt=11)
@@ -205,5 +207,7 @@ def test_a_misplaced_scale_fails_the_comparison(module: str, plane: str, old: st
     plan = PLANS[module]
     wrong = _tampered(module, plane, old, new)
     package = types.SimpleNamespace(get=lambda layout, obj: wrong)
-    assert check_pair(generated, plan.paged, plan.obj, "cpu", SCENARIOS[scenario]) == (True, True)
-    assert check_pair(package, plan.paged, plan.obj, "cpu", SCENARIOS[scenario]) != (True, True)
+    assert check_pair(generated.get(plan.paged.name, plan.obj.name)(device="cpu"), plan.paged, plan.obj,
+                      SCENARIOS[scenario]) == (True, True)
+    assert check_pair(package.get(plan.paged.name, plan.obj.name)(device="cpu"), plan.paged, plan.obj,
+                      SCENARIOS[scenario]) != (True, True)

@@ -55,6 +55,8 @@ class Scenario:
     #: Cache leaves / memory objects start one element into their storage.
     odd_cache: bool = False
     odd_objects: bool = False
+    #: The prefix of each chunk a load leaves alone (skip_prefix_n_tokens).
+    skip: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -233,14 +235,15 @@ def connector_store(connector: Any, objs: list[Any], sc: Scenario, cache: Any, m
     return sum(1 for _ in gen)
 
 
-def connector_load(connector: Any, objs: list[Any], sc: Scenario, cache: Any, mapping: torch.Tensor,
-                   *, skip: int = 0, sync: bool = True) -> int:
+def connector_load(connector: Any, objs: list[Any], sc: Scenario, cache: Any, mapping: torch.Tensor) -> int:
+    """Load through the connector, leaving each chunk's first sc.skip tokens alone; the number of
+    generator steps (0 when whole)."""
     if not connector.layerwise:
         connector.batched_to_gpu(objs, sc.starts, sc.ends, kvcaches=cache, slot_mapping=mapping,
-                                 offset=sc.offset, skip_prefix_n_tokens=skip)
+                                 offset=sc.offset, skip_prefix_n_tokens=sc.skip)
         return 0
-    gen = connector.batched_to_gpu(sc.starts, sc.ends, kvcaches=cache, slot_mapping=mapping, sync=sync,
-                                   offset=sc.offset, skip_prefix_n_tokens=skip)
+    gen = connector.batched_to_gpu(sc.starts, sc.ends, kvcaches=cache, slot_mapping=mapping,
+                                   offset=sc.offset, skip_prefix_n_tokens=sc.skip)
     yields = 1
     next(gen)
     for layer in range(connector.geometry.L):
@@ -261,24 +264,23 @@ def reference_store(paged: Spec, obj: Spec, cache: Any, objs: list[Any], sc: Sce
 
 
 def reference_load(paged: Spec, obj: Spec, cache: Any, objs: list[Any], sc: Scenario,
-                   mapping: Sequence[int], skip: int = 0) -> None:
+                   mapping: Sequence[int]) -> None:
     for o, s, e in zip(objs, sc.starts, sc.ends, strict=False):
         if paged.is_simple:
-            reference.load(paged, obj, EXT, cache, obj_tensors(o), reference.Span(mapping, s, e, sc.offset, skip))
+            reference.load(paged, obj, EXT, cache, obj_tensors(o), reference.Span(mapping, s, e, sc.offset, sc.skip))
         else:
             planes.load(paged, obj, planes.parts_extents(paged, EXT), cache, obj_tensors(o), mapping, s, e,
-                        sc.offset, skip)
+                        sc.offset, sc.skip)
 
 
-def check_pair(package: Any, paged: Spec, obj: Spec, device: str, scenario: Scenario,
-               dtype: torch.dtype = torch.float32, connector: Any = None) -> tuple[bool, bool]:
-    """(store ok, load ok) of one generated connector against the reference; a fresh
-    connector unless one is given."""
+def check_pair(connector: Any, paged: Spec, obj: Spec, scenario: Scenario,
+               dtype: torch.dtype = torch.float32) -> tuple[bool, bool]:
+    """(store ok, load ok) of one generated connector of (paged, obj), made for a device,
+    against the reference."""
+    device = str(connector.device)
     rng = random.Random(f"{paged.name}/{obj.name}/{scenario.name}")
     mapping_list = scenario.mapping(rng, EXT)
     mapping = torch.tensor(mapping_list, dtype=torch.long, device=device)
-    if connector is None:
-        connector = package.get(paged.name, obj.name)(device=device)
     lengths = [e - s for s, e in zip(scenario.starts, scenario.ends, strict=False)]
 
     cache = make_cache(paged, dtype, device, scenario.strided, scenario.odd_cache)
@@ -300,9 +302,9 @@ def check_pair(package: Any, paged: Spec, obj: Spec, device: str, scenario: Scen
 
 
 def check_connector(package: Any, paged: Spec, obj: Spec, device: str, scenarios: Sequence[Scenario],
-                    dtype: torch.dtype = torch.float32, **options: Any) -> list[tuple[bool, bool]]:
+                    **options: Any) -> list[tuple[bool, bool]]:
     """check_pair for each scenario in turn through one connector (built with `options`),
     as an engine keeps one: each new cache (other strides, other storage offsets) must be
     met afresh, never with what the connector worked out for an earlier one."""
     connector = package.get(paged.name, obj.name)(device=device, **options)
-    return [check_pair(package, paged, obj, device, sc, dtype, connector) for sc in scenarios]
+    return [check_pair(connector, paged, obj, sc) for sc in scenarios]

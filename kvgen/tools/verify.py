@@ -98,7 +98,7 @@ def _check(package: ModuleType, plan: Any, device: str, scenarios: list[Scenario
     results = []
     for scenario in scenarios:
         try:
-            results.append(check_pair(package, plan.paged, plan.obj, device, scenario, connector=connector))
+            results.append(check_pair(connector, plan.paged, plan.obj, scenario))
         except Exception as exc:  # a wrong connector may raise anything; report it and go on
             print(f"kvgen verify: {plan.module} on {device}, scenario {scenario.name}: "
                   f"{type(exc).__name__}: {exc}", file=sys.stderr)
