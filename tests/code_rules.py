@@ -235,3 +235,32 @@ def loads_at_import(module: str) -> set[str]:
 
 def third_party(names: set[str]) -> set[str]:
     return {n for n in names if not n.startswith("kvgen") and n not in sys.stdlib_module_names}
+
+
+def cycles(graph: dict[str, list[ImportSite]]) -> list[list[str]]:
+    """The strongly connected components of more than one module, or of one importing itself (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for site in graph[m]:
+            if site.target not in index:
+                visit(site.target)
+                low[m] = min(low[m], low[site.target])
+            elif site.target in stack:
+                low[m] = min(low[m], index[site.target])
+        if low[m] == index[m]:
+            part = []
+            while not part or part[-1] != m:
+                part.append(stack.pop())
+            if len(part) > 1 or any(s.target == m for s in graph[m]):
+                found.append(sorted(part))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    return found

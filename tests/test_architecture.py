@@ -27,6 +27,7 @@ from code_rules import (
     ImportSite,
     classes,
     complexity,
+    cycles,
     functions,
     loads_at_import,
     module_name,
@@ -239,42 +240,13 @@ def _cycle_graph(left_out: Collection[str] = PENDING_IMPORTS.keys()) -> dict[str
     return graph
 
 
-def _cycles(graph: dict[str, list[ImportSite]]) -> list[list[str]]:
-    """The strongly connected components of more than one module, or of one importing itself (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found: list[list[str]] = []
-
-    def visit(m: str) -> None:
-        index[m] = low[m] = len(index)
-        stack.append(m)
-        for site in graph[m]:
-            if site.target not in index:
-                visit(site.target)
-                low[m] = min(low[m], low[site.target])
-            elif site.target in stack:
-                low[m] = min(low[m], index[site.target])
-        if low[m] == index[m]:
-            part = []
-            while not part or part[-1] != m:
-                part.append(stack.pop())
-            if len(part) > 1 or any(s.target == m for s in graph[m]):
-                found.append(sorted(part))
-
-    for m in sorted(graph):
-        if m not in index:
-            visit(m)
-    return found
-
-
-def test_no_import_cycles() -> None:
+def test_no_importcycles() -> None:
     """No module imports, directly or through others, a module that imports it back; an import
     inside a function is an import like any other here (one under `if TYPE_CHECKING:`, which
     never runs, is not)."""
     graph = _cycle_graph()
     found = []
-    for part in _cycles(graph):
+    for part in cycles(graph):
         edges = [f"{module_name(s.path)} -> {s.target} ({s.where})" for m in part for s in graph[m] if s.target in part]
         found.append("cycle of " + ", ".join(part) + ": " + "; ".join(edges))
     assert not found, "\n".join(found)
@@ -340,10 +312,10 @@ def test_pending_entries_are_still_offenders() -> None:
     stale = [k for k in PENDING_COMPLEXITY if k not in by_key or complexity(by_key[k].node) <= MAX_COMPLEXITY]
     stale += [k for k in [*PENDING_PARAMETERS, *ENGINE_SIGNATURES]
               if k not in by_key or parameters(by_key[k]) <= MAX_PARAMETERS]
-    cycles = len(_cycles(_cycle_graph()))
+    closed = len(cycles(_cycle_graph()))
     stale += [k for k in PENDING_IMPORTS
               if not any(s.function == k and _deferral_problem(s) for s in SITES)
-              and len(_cycles(_cycle_graph(PENDING_IMPORTS.keys() - {k}))) == cycles]
+              and len(cycles(_cycle_graph(PENDING_IMPORTS.keys() - {k}))) == closed]
     class_keys = {f"{module_name(PACKAGE.parent / at.split(':')[0])}:{n}" for n, at in classes()}
     stale += [k for k in PENDING_CLASSES if k not in class_keys]
     assert not stale, f"no longer offending (remove them): {stale}"
