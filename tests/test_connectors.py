@@ -74,8 +74,8 @@ def _setup(module: str, scenario: str, dtype: torch.dtype, device: str, backend:
 def test_store_matches_reference(case: tuple, backend: str, device: str) -> None:
     plan, sc, mapping_list, mapping, connector, cache = _setup(*case, device, BACKENDS[backend])
     lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=False)]
-    objs = make_objects(connector, connector.layerwise, lengths, case[2], device, salt=7, odd_offset=sc.odd_objects)
-    expected = make_objects(connector, connector.layerwise, lengths, case[2], device, salt=7)
+    objs = make_objects(connector, lengths, case[2], device, salt=7, odd_offset=sc.odd_objects)
+    expected = make_objects(connector, lengths, case[2], device, salt=7)
     before = clone_tree(cache)
 
     yields = connector_store(connector, objs, sc, cache, mapping)
@@ -95,7 +95,7 @@ def test_store_matches_reference(case: tuple, backend: str, device: str) -> None
 def test_load_matches_reference(case: tuple, backend: str, device: str) -> None:
     plan, sc, mapping_list, mapping, connector, cache = _setup(*case, device, BACKENDS[backend])
     lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=False)]
-    objs = make_objects(connector, connector.layerwise, lengths, case[2], device, salt=500, fmt=connector.format,
+    objs = make_objects(connector, lengths, case[2], device, salt=500, fmt=connector.format,
                         odd_offset=sc.odd_objects)
     expected = clone_tree(cache)
 
@@ -153,7 +153,7 @@ def test_one_connector_meets_caches_of_other_strides(module: str, device: str) -
 def test_round_trip_into_zeroed_cache(module: str, device: str) -> None:
     plan, sc, mapping_list, mapping, connector, cache = _setup(module, "partial_blocks", torch.float32, device)
     lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=False)]
-    objs = make_objects(connector, connector.layerwise, lengths, torch.float32, device, salt=3)
+    objs = make_objects(connector, lengths, torch.float32, device, salt=3)
     connector_store(connector, objs, sc, cache, mapping)
 
     target = clone_tree(cache)
@@ -180,7 +180,7 @@ def test_skip_prefix_and_offset(module: str, device: str) -> None:
     connector = generated.get(plan.paged.name, plan.obj.name)(device=device)
     cache = make_cache(plan.paged, torch.float32, device)
     connector.bind(cache)
-    objs = make_objects(connector, connector.layerwise, [8, 8], torch.float32, device, salt=9,
+    objs = make_objects(connector, [8, 8], torch.float32, device, salt=9,
                         fmt=connector.format)
     expected = clone_tree(cache)
     connector_load(connector, objs, replace(sc, skip=3), cache, partial)
@@ -191,8 +191,8 @@ def test_skip_prefix_and_offset(module: str, device: str) -> None:
     reference_load(plan.paged, plan.obj, unskipped, objs, replace(sc, skip=0), full[offset:])
     assert not same_bits(unskipped, expected)
 
-    stored = make_objects(connector, connector.layerwise, [8, 8], torch.float32, device, salt=11)
-    want = make_objects(connector, connector.layerwise, [8, 8], torch.float32, device, salt=11)
+    stored = make_objects(connector, [8, 8], torch.float32, device, salt=11)
+    want = make_objects(connector, [8, 8], torch.float32, device, salt=11)
     connector_store(connector, stored, sc, cache, partial)
     reference_store(plan.paged, plan.obj, cache, want, sc, full[offset:])
     assert same_bits([obj_tensors(o) for o in stored], [obj_tensors(o) for o in want])
@@ -208,7 +208,7 @@ def test_empty_work_keeps_yield_counts(module: str, device: str) -> None:
     before = clone_tree(cache)
     mapping = torch.full((4,), -1, device=device)
     sc = Scenario("empty", (0, 4), (4, 4), lambda r, e: [-1] * 4)
-    objs = make_objects(connector, True, [4, 0], torch.float32, device, salt=2, fmt=connector.format)
+    objs = make_objects(connector, [4, 0], torch.float32, device, salt=2, fmt=connector.format)
     assert connector_store(connector, objs, sc, cache, mapping) == EXT["L"] + 1
     assert connector_load(connector, objs, sc, cache, mapping) == EXT["L"] + 2
     assert same_bits(cache, before)
@@ -227,7 +227,7 @@ def test_store_refuses_foreign_format_label(device: str) -> None:
     connector = generated.get("vllm_flash_attn_nhd", "kv_2ltd")(device=device)
     cache = make_cache(LIBRARY["vllm_flash_attn_nhd"], torch.float32, device)
     connector.bind(cache)
-    obj = make_objects(connector, False, [4], torch.float32, device, salt=1, fmt=connector.format)[0]
+    obj = make_objects(connector, [4], torch.float32, device, salt=1, fmt=connector.format)[0]
     mla = type(connector.format)("KV_MLA_FMT", 6)
     obj.metadata.fmt = mla
     with pytest.raises(KVLayoutError, match="cannot store KV_2LTD into an object labelled KV_MLA_FMT"):

@@ -78,7 +78,7 @@ def _layerwise(backend: RecordingBackend, use_gpu: bool = True) -> tuple[Any, An
 def test_layerwise_store_stream_order(sync: bool) -> None:
     backend = RecordingBackend()
     conn, cache, mapping = _layerwise(backend)
-    objs = make_objects(conn, True, [16], torch.float32, "cpu", salt=1)
+    objs = make_objects(conn, [16], torch.float32, "cpu", salt=1)
     per_layer = [[chunk[layer] for chunk in objs] for layer in range(EXT["L"])]
     gen = conn.batched_from_gpu(per_layer, [0], [16], kvcaches=cache, slot_mapping=mapping, sync=sync)
     for _layer in range(EXT["L"]):
@@ -95,7 +95,7 @@ def test_layerwise_store_stream_order(sync: bool) -> None:
 def test_layerwise_load_stream_order(sync: bool) -> None:
     backend = RecordingBackend()
     conn, cache, mapping = _layerwise(backend)
-    objs = make_objects(conn, True, [16], torch.float32, "cpu", salt=1, fmt=conn.format)
+    objs = make_objects(conn, [16], torch.float32, "cpu", salt=1, fmt=conn.format)
     gen = conn.batched_to_gpu([0], [16], kvcaches=cache, slot_mapping=mapping, sync=sync)
     next(gen)
     assert backend.events == []  # priming moves nothing
@@ -114,7 +114,7 @@ def test_whole_connector_synchronizes_current_stream() -> None:
     conn = generated.get("vllm_flash_attn_nhd", "kv_2ltd")(backend=backend)
     cache = make_cache(LIB["vllm_flash_attn_nhd"], torch.float32, "cpu")
     conn.bind(cache)
-    obj = make_objects(conn, False, [8], torch.float32, "cpu", salt=2)[0]
+    obj = make_objects(conn, [8], torch.float32, "cpu", salt=2)[0]
     conn.from_gpu(obj, 0, 8, kvcaches=cache, slot_mapping=torch.arange(8))
     assert backend.events == [("sync", "main")]
 
@@ -130,9 +130,9 @@ def test_interleaved_store_and_load_generators(sync: bool) -> None:
     src, dst = make_cache(paged, torch.float32, "cpu"), make_cache(paged, torch.float32, "cpu")
     conn.bind(src)
     lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=True)]
-    stored = make_objects(conn, True, lengths, torch.float32, "cpu", salt=4)
-    want_stored = make_objects(conn, True, lengths, torch.float32, "cpu", salt=4)
-    loaded = make_objects(conn, True, lengths, torch.float32, "cpu", salt=900, fmt=conn.format)
+    stored = make_objects(conn, lengths, torch.float32, "cpu", salt=4)
+    want_stored = make_objects(conn, lengths, torch.float32, "cpu", salt=4)
+    loaded = make_objects(conn, lengths, torch.float32, "cpu", salt=900, fmt=conn.format)
     want_dst = clone_tree(dst)
 
     store = conn.batched_from_gpu([[c[layer] for c in stored] for layer in range(EXT["L"])], sc.starts, sc.ends,
@@ -163,7 +163,7 @@ def test_staging_buffer_matches_direct_copy(module: str) -> None:
         conn = generated.get(paged, obj)(use_gpu=use_gpu)
         cache = make_cache(LIB[paged], torch.float32, "cpu")
         conn.bind(cache)
-        objs = make_objects(conn, conn.layerwise, [16], torch.float32, "cpu", salt=6)
+        objs = make_objects(conn, [16], torch.float32, "cpu", salt=6)
         connector_store(conn, objs, sc, cache, mapping)
         results.append(objs)
     tensors = [[o.tensor for o in (c if isinstance(c, list) else [c])] for r in results for c in r]
@@ -174,7 +174,7 @@ def test_staging_cap_refuses_before_writing() -> None:
     conn = generated.get("vllm_flash_attn_nhd", "kv_2ltd")(use_gpu=True, staging_bytes=1024)
     cache = make_cache(LIB["vllm_flash_attn_nhd"], torch.float32, "cpu")
     conn.bind(cache)
-    obj = make_objects(conn, False, [16], torch.float32, "cpu", salt=8)[0]
+    obj = make_objects(conn, [16], torch.float32, "cpu", salt=8)[0]
     before_obj, before_cache = obj.tensor.clone(), clone_tree(cache)
     need = obj.tensor.numel() * 4
     with pytest.raises(KVLayoutError, match=f"a chunk needs {need} bytes, 1024 bytes are available"):
@@ -204,13 +204,13 @@ def test_recording_backend_with_a_device_and_threads() -> None:
     cache = make_cache(paged, torch.float32, "cpu")
     lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=True)]
     conn.bind(cache)
-    want = make_objects(conn, False, lengths, torch.float32, "cpu", salt=12)
+    want = make_objects(conn, lengths, torch.float32, "cpu", salt=12)
     reference_store(paged, obj, cache, want, sc, mapping_list)
     results: list[bool] = []
 
     def work() -> None:
         for _ in range(20):
-            got = make_objects(conn, False, lengths, torch.float32, "cpu", salt=12)
+            got = make_objects(conn, lengths, torch.float32, "cpu", salt=12)
             connector_store(conn, got, sc, cache, torch.tensor(mapping_list))
             results.append(same_bits([o.tensor for o in got], [o.tensor for o in want]))
 

@@ -208,8 +208,8 @@ def import_and_run(files: dict[str, str], library: Library, tmp_path: Path,
             connector.bind(cache_)
             mapping = random.Random(plan.module).sample(range(48), sc.seq_len)
             lengths = [sc.ends[0] - sc.starts[0]]
-            objs = make_objects(connector, connector.layerwise, lengths, torch.float32, "cpu", 7, connector.format)
-            expected = make_objects(connector, connector.layerwise, lengths, torch.float32, "cpu", 7)
+            objs = make_objects(connector, lengths, torch.float32, "cpu", 7, connector.format)
+            expected = make_objects(connector, lengths, torch.float32, "cpu", 7)
             connector_store(connector, objs, sc, cache_, torch.tensor(mapping))
             reference_store(plan.paged, plan.obj, cache_, expected, sc, mapping)
             got = [o.tensor for c in objs for o in (c if isinstance(c, list) else [c])]

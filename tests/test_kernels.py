@@ -131,7 +131,7 @@ def test_kernel_skips_prefix_with_offset(device: str) -> None:
     connector = generated.get(plan.paged.name, plan.obj.name)(device=device, backend="triton")
     cache = make_cache(plan.paged, torch.float32, device)
     connector.bind(cache)
-    objs = make_objects(connector, True, [13], torch.float32, device, salt=5, fmt=connector.format)
+    objs = make_objects(connector, [13], torch.float32, device, salt=5, fmt=connector.format)
     expected = clone_tree(cache)
     mapping = torch.tensor(mapping_list, device=device)
     connector_load(connector, objs, replace(sc, skip=6), cache, mapping)
@@ -196,7 +196,7 @@ def test_caches_the_kernel_cannot_address(device: str) -> None:
     mapping = torch.tensor(sc.mapping(random.Random(0), EXT), device=device)
     forced = generated.get(plan.paged.name, plan.obj.name)(device=device, backend="triton")
     forced.bind(cache)
-    objs = make_objects(forced, False, [13], torch.float32, device, salt=3, fmt=forced.format)
+    objs = make_objects(forced, [13], torch.float32, device, salt=3, fmt=forced.format)
     untouched = clone_tree(cache)
     with pytest.raises(KVLayoutError, match="cache tensors differ in strides"):
         connector_load(forced, objs, sc, cache, mapping)
@@ -210,7 +210,7 @@ def test_caches_the_kernel_cannot_address(device: str) -> None:
     assert kernels.stats["launches"] == before
     reference = generated.get(plan.paged.name, plan.obj.name)(device=device, backend="torch")
     reference.bind(untouched)
-    twin = make_objects(reference, False, [13], torch.float32, device, salt=3, fmt=reference.format)
+    twin = make_objects(reference, [13], torch.float32, device, salt=3, fmt=reference.format)
     connector_store(reference, twin, sc, untouched, mapping)
     assert same_bits([o.tensor for o in objs], [o.tensor for o in twin])
 

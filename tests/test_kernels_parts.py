@@ -146,7 +146,7 @@ def test_a_plane_that_cannot_launch_leaves_everything_untouched(device: str, mon
     mapping = torch.tensor(sc.mapping(random.Random(0), EXT), device=device)
     forced = connector(device=device, backend="triton")
     forced.bind(cache)
-    objs = make_objects(forced, False, [13], torch.float32, device, salt=3, fmt=forced.format)
+    objs = make_objects(forced, [13], torch.float32, device, salt=3, fmt=forced.format)
     untouched = clone_tree(cache)
     before = kernels.stats["launches"]
     with pytest.raises(KVLayoutError, match="this plane cannot be addressed"):
@@ -159,7 +159,7 @@ def test_a_plane_that_cannot_launch_leaves_everything_untouched(device: str, mon
     assert kernels.stats["launches"] == before
     reference = connector(device=device, backend="torch")
     reference.bind(untouched)
-    twin = make_objects(reference, False, [13], torch.float32, device, salt=3, fmt=reference.format)
+    twin = make_objects(reference, [13], torch.float32, device, salt=3, fmt=reference.format)
     connector_store(reference, twin, sc, untouched, mapping)
     assert same_bits([o.tensor for o in objs], [o.tensor for o in twin])
 

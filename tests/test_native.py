@@ -165,7 +165,7 @@ def test_leaves_with_different_strides_fall_back_to_torch() -> None:
     for backend in (None, "torch"):
         c = generated.get(paged.name, obj.name)(device="cpu", backend=backend)
         c.bind(cache)
-        objs = make_objects(c, False, lengths, torch.float32, "cpu", salt=3)
+        objs = make_objects(c, lengths, torch.float32, "cpu", salt=3)
         fallbacks = native.stats["fallbacks"]
         connector_store(c, objs, sc, cache, mapping)
         got[backend] = [o.tensor.clone() for o in objs]
@@ -174,7 +174,7 @@ def test_leaves_with_different_strides_fall_back_to_torch() -> None:
     assert all(torch.equal(a, b) for a, b in zip(got[None], got["torch"], strict=True))
     forced = generated.get(paged.name, obj.name)(device="cpu", backend="native")
     forced.bind(cache)
-    objs = make_objects(forced, False, lengths, torch.float32, "cpu", salt=3)
+    objs = make_objects(forced, lengths, torch.float32, "cpu", salt=3)
     before = [o.tensor.clone() for o in objs]
     with pytest.raises(KVLayoutError, match="backend='native' cannot move this cache: .*strides"):
         connector_store(forced, objs, sc, cache, mapping)
@@ -276,7 +276,7 @@ def test_skip_prefix_with_native(monkeypatch: pytest.MonkeyPatch) -> None:
     c = generated.get(paged.name, obj.name)(device="cpu", backend="native")
     cache = make_cache(paged, torch.float32, "cpu")
     c.bind(cache)
-    objs = make_objects(c, False, [16], torch.float32, "cpu", salt=9, fmt=c.format)
+    objs = make_objects(c, [16], torch.float32, "cpu", salt=9, fmt=c.format)
     want = clone_tree(cache)
     connector_load(c, objs, replace(sc, skip=5), cache, mapping)
     t = objs[0].tensor  # [KV L T (H C)]
@@ -423,8 +423,8 @@ def test_a_strided_slot_mapping_moves_on_the_compiled_path(module: str, dtype: t
         c = generated.get(plan.paged.name, plan.obj.name)(device="cpu", backend=backend)
         cache = make_cache(plan.paged, torch.float32, "cpu")
         c.bind(cache)
-        got = make_objects(c, c.layerwise, lengths, torch.float32, "cpu", salt=5)
-        want = make_objects(c, c.layerwise, lengths, torch.float32, "cpu", salt=5)
+        got = make_objects(c, lengths, torch.float32, "cpu", salt=5)
+        want = make_objects(c, lengths, torch.float32, "cpu", salt=5)
         calls, fallbacks = native.stats["calls"], native.stats["fallbacks"]
         connector_store(c, got, sc, cache, strided_mapping(values, dtype))
         reference_store(plan.paged, plan.obj, cache, want, sc, values)

@@ -32,7 +32,7 @@ def _setup(backend: str | None, mixed: bool = False):  # noqa: ANN202
     lengths = [e - s for s, e in zip(SC.starts, SC.ends, strict=True)]
     c = generated.get(NHD.name, KV_2TD.name)(device="cpu", backend=backend)
     c.bind(cache)
-    return c, cache, mapping, make_objects(c, True, lengths, torch.float32, "cpu", salt=3)
+    return c, cache, mapping, make_objects(c, lengths, torch.float32, "cpu", salt=3)
 
 
 @pytest.mark.parametrize("direction", ["store", "load"])

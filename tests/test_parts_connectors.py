@@ -84,7 +84,7 @@ def test_round_trip_into_zeroed_cache(module: str) -> None:
     plan, connector, cache = _setup(module, sc, "cpu")
     mapping_list = sc.mapping(random.Random(module), EXT)
     mapping = torch.tensor(mapping_list)
-    objs = make_objects(connector, connector.layerwise, [sc.ends[0] - sc.starts[0]], torch.float32, "cpu", salt=3)
+    objs = make_objects(connector, [sc.ends[0] - sc.starts[0]], torch.float32, "cpu", salt=3)
     connector_store(connector, objs, sc, cache, mapping)
 
     target = clone_tree(cache)
@@ -106,14 +106,14 @@ def test_skip_prefix_and_offset(module: str) -> None:
     offset = 8
     sc = Scenario("offset", (8, 16), (16, 24), lambda r, e: full[offset:], offset=offset)
     partial = torch.tensor(full[offset:])
-    objs = make_objects(connector, connector.layerwise, [8, 8], torch.float32, "cpu", salt=9, fmt=connector.format)
+    objs = make_objects(connector, [8, 8], torch.float32, "cpu", salt=9, fmt=connector.format)
     expected = clone_tree(cache)
     connector_load(connector, objs, replace(sc, skip=3), cache, partial)
     reference_load(plan.paged, plan.obj, expected, objs, replace(sc, skip=3), full[offset:])
     assert same_bits(cache, expected)
 
-    stored = make_objects(connector, connector.layerwise, [8, 8], torch.float32, "cpu", salt=11)
-    want = make_objects(connector, connector.layerwise, [8, 8], torch.float32, "cpu", salt=11)
+    stored = make_objects(connector, [8, 8], torch.float32, "cpu", salt=11)
+    want = make_objects(connector, [8, 8], torch.float32, "cpu", salt=11)
     connector_store(connector, stored, sc, cache, partial)
     reference_store(plan.paged, plan.obj, cache, want, sc, full[offset:])
     assert same_bits([obj_tensors(o) for o in stored], [obj_tensors(o) for o in want])
@@ -124,7 +124,7 @@ def test_layerwise_yield_counts_with_nothing_to_move(module: str) -> None:
     plan, connector, cache = _setup(module, SCENARIOS["minus1_all"], "cpu")
     before = clone_tree(cache)
     sc = Scenario("empty", (0, 4), (4, 4), lambda r, e: [-1] * 4)
-    objs = make_objects(connector, True, [4, 0], torch.float32, "cpu", salt=2, fmt=connector.format)
+    objs = make_objects(connector, [4, 0], torch.float32, "cpu", salt=2, fmt=connector.format)
     assert connector_store(connector, objs, sc, cache, torch.full((4,), -1)) == EXT["L"] + 1
     assert connector_load(connector, objs, sc, cache, torch.full((4,), -1)) == EXT["L"] + 2
     assert same_bits(cache, before)
@@ -137,7 +137,7 @@ def test_per_layer_scales_travel_with_chunks_that_move_a_token() -> None:
     cache = make_cache(LIBRARY["vllm_fp8_tensor_scales"], torch.float32, "cpu")
     connector.bind(cache)
     scales = [(layer[1], layer[2]) for layer in cache]
-    objs = make_objects(connector, False, [4, 4], torch.float32, "cpu", salt=1, fmt=connector.format)
+    objs = make_objects(connector, [4, 4], torch.float32, "cpu", salt=1, fmt=connector.format)
     before = [(k.clone(), v.clone()) for k, v in scales]
     connector.batched_to_gpu(objs, [0, 4], [4, 8], kvcaches=cache, slot_mapping=torch.full((8,), -1))
     assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(scales, before, strict=True))

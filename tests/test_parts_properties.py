@@ -144,13 +144,13 @@ def test_random_parts_layouts_match_the_reference(spec: dict[str, Any], obj_name
     except KVLayoutError as exc:  # LMCache's rows are counted in the first part's dtype: refused
         assert obj.pack == "rows" and "not a whole number" in str(exc)
         return
-    objs = make_objects(connector, connector.layerwise, lengths, dtype, "cpu", salt=5)
-    want = make_objects(connector, connector.layerwise, lengths, dtype, "cpu", salt=5)
+    objs = make_objects(connector, lengths, dtype, "cpu", salt=5)
+    want = make_objects(connector, lengths, dtype, "cpu", salt=5)
     _store(connector, objs, sc, cache, mapping)
     reference_store(paged, obj, cache, want, sc, mapping_list)
     assert same_bits(_tensors(objs), _tensors(want)), f"store differs for {paged.arrow()}"
 
-    loaded = make_objects(connector, connector.layerwise, lengths, dtype, "cpu", salt=900, fmt=connector.format)
+    loaded = make_objects(connector, lengths, dtype, "cpu", salt=900, fmt=connector.format)
     expected = clone_tree(cache)
     _load(connector, loaded, sc, cache, mapping)
     reference_load(paged, obj, expected, loaded, sc, mapping_list)

@@ -117,13 +117,13 @@ def test_random_layouts_match_the_reference(spec: dict[str, Any], obj_name: str,
 
     cache = make_cache(paged, dtype, "cpu", sc.strided)
     connector.bind(cache)
-    objs = make_objects(connector, connector.layerwise, lengths, dtype, "cpu", salt=5)
-    expected = make_objects(connector, connector.layerwise, lengths, dtype, "cpu", salt=5)
+    objs = make_objects(connector, lengths, dtype, "cpu", salt=5)
+    expected = make_objects(connector, lengths, dtype, "cpu", salt=5)
     _store(connector, objs, sc, cache, mapping)
     reference_store(paged, obj, cache, expected, sc, mapping_list)
     assert same_bits(_tensors(objs), _tensors(expected)), f"store differs for {plan.paged.arrow()}"
 
-    loaded = make_objects(connector, connector.layerwise, lengths, dtype, "cpu", salt=900, fmt=connector.format)
+    loaded = make_objects(connector, lengths, dtype, "cpu", salt=900, fmt=connector.format)
     want = clone_tree(cache)
     _load(connector, loaded, sc, cache, mapping)
     reference_load(paged, obj, want, loaded, sc, mapping_list)

@@ -84,7 +84,7 @@ class Case:
         (layerwise store); the list sent for each layer (layerwise load)."""
         fmt = self.conn.format if direction == "load" else None
         lengths = [e - s for s, e in zip(STARTS, ENDS, strict=True)]
-        per_chunk = make_objects(self.conn, self.layerwise, lengths, torch.float32, "cpu", salt, fmt)
+        per_chunk = make_objects(self.conn, lengths, torch.float32, "cpu", salt, fmt)
         if not self.layerwise:
             return per_chunk
         return [[chunk[layer] for chunk in per_chunk] for layer in range(EXT["L"])]

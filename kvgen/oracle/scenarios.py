@@ -188,11 +188,12 @@ def same_bits(a: Any, b: Any) -> bool:
     return all(torch.equal(bits(x).cpu(), bits(y).cpu()) for x, y in zip(tensors_of(a), tensors_of(b), strict=True))
 
 
-def make_objects(connector: Any, layerwise: bool, lengths: Sequence[int], dtype: torch.dtype,
-                 device: str, salt: int, fmt: Any = None, *, odd_offset: bool = False) -> list[Any]:
-    """Objects per chunk, filled with codes distinct from the cache's: one tensor per
-    chunk, or (layerwise) a list of per-layer tensors per chunk; with odd_offset each
-    tensor starts one element into its storage."""
+def make_objects(connector: Any, lengths: Sequence[int], dtype: torch.dtype, device: str, salt: int,
+                 fmt: Any = None, *, odd_offset: bool = False) -> list[Any]:
+    """Objects per chunk in the connector's form, filled with codes distinct from the cache's:
+    one tensor per chunk, or (a layerwise connector) a list of per-layer tensors per chunk;
+    with odd_offset each tensor starts one element into its storage."""
+    layerwise = connector.layerwise
     out = []
     packed = getattr(connector.memory, "pack", None) is not None
     if packed:  # format-2 objects: their own dtype (bytes for regions), every byte coded
@@ -285,9 +286,9 @@ def check_pair(connector: Any, paged: Spec, obj: Spec, scenario: Scenario,
 
     cache = make_cache(paged, dtype, device, scenario.strided, scenario.odd_cache)
     connector.bind(cache)
-    objs = make_objects(connector, connector.layerwise, lengths, dtype, device, salt=7,
+    objs = make_objects(connector, lengths, dtype, device, salt=7,
                         odd_offset=scenario.odd_objects)
-    want = make_objects(connector, connector.layerwise, lengths, dtype, device, salt=7)
+    want = make_objects(connector, lengths, dtype, device, salt=7)
     connector_store(connector, objs, scenario, cache, mapping)
     reference_store(paged, obj, cache, want, scenario, mapping_list)
     store_ok = same_bits([obj_tensors(o) for o in objs], [obj_tensors(o) for o in want])
