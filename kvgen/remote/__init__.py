@@ -12,8 +12,8 @@ plan and the strategies.
 """
 
 from kvgen.remote.cost import Costs, costs
-from kvgen.remote.describe import Description, check_pair, describe, digest, layout_of
+from kvgen.remote.describe import Description, check_pair, describe, digest, empty, layout_of
 from kvgen.remote.plan import STRATEGIES, Plan, Read, Staging, plan
 
 __all__ = ["STRATEGIES", "Costs", "Description", "Plan", "Read", "Staging", "check_pair", "costs", "describe",
-           "digest", "layout_of", "plan"]
+           "digest", "empty", "layout_of", "plan"]

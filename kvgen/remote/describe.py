@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 from functools import cache
 from typing import Any
@@ -124,6 +125,20 @@ def digest(layout: PagedLayout) -> str:
     return hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
 
 
+def empty(layout: str, ext: dict[str, int], dtype: torch.dtype) -> Any:
+    """An uninitialized cache of `layout` with extents `ext` (L, KV, H, C, and B and N, or S for
+    a folded slot axis), as the engine would hand it over."""
+    paged, _ = layout_of(layout)
+    shape = [ext["S"] if dim == ("B", "N") else math.prod(ext[a] for a in dim) for dim in paged.dims]
+
+    def level(k: int) -> Any:
+        if k == len(paged.lists):
+            return torch.empty(shape, dtype=dtype)
+        return [level(k + 1) for _ in range(ext[paged.lists[k]])]
+
+    return level(0)
+
+
 def _span(t: torch.Tensor) -> int:
     return (sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
 
@@ -180,4 +195,4 @@ def check_pair(src: Description, dst: Description) -> None:
                             f"destination {dst}")
 
 
-__all__ = ["Description", "check_pair", "describe", "digest", "layout_of"]
+__all__ = ["Description", "check_pair", "describe", "digest", "empty", "layout_of"]

@@ -13,7 +13,6 @@ A cost model (kvgen.remote.cost) picks the cheaper; `strategy=` forces one.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,7 @@ import torch
 
 from kvgen import generated, tp
 from kvgen.remote.cost import Costs, costs
-from kvgen.remote.describe import Description, check_pair, describe, layout_of
+from kvgen.remote.describe import Description, check_pair, describe, empty
 from kvgen.remote.runs import Heads, Layout, descriptors, layout
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.errors import KVLayoutError
@@ -144,18 +143,6 @@ def _sources(src: Description | Sequence[Description], dst: Description) -> dict
     return by_rank
 
 
-def _empty(paged: Any, ext: dict[str, int], dtype: torch.dtype) -> Any:
-    """A cache of `paged` with extents `ext` (a folded (B N) slot dim takes S)."""
-    shape = [ext["S"] if dim == ("B", "N") else math.prod(ext[a] for a in dim) for dim in paged.dims]
-
-    def level(k: int) -> Any:
-        if k == len(paged.lists):
-            return torch.empty(shape, dtype=dtype)
-        return [level(k + 1) for _ in range(ext[paged.lists[k]])]
-
-    return level(0)
-
-
 def _staged(s: Description, dst: Description, pairs: tuple[torch.Tensor, torch.Tensor],
             route: tp.Route) -> tuple[Layout, Staging]:
     """The whole source blocks of the route's tokens into a staging cache, then the permute."""
@@ -164,10 +151,9 @@ def _staged(s: Description, dst: Description, pairs: tuple[torch.Tensor, torch.T
     blocks = torch.unique(s_slots // n)
     staged = torch.searchsorted(blocks, s_slots // n) * n + s_slots % n
     read_src = (blocks[:, None] * n + torch.arange(n)).flatten()
-    paged, _ = layout_of(s.spec)
     ext = {a: s.extent(a) for a in ("L", "KV", "H", "C")}
     ext.update({"B": blocks.numel(), "N": n, "S": blocks.numel() * n} if s.block else {"S": blocks.numel()})
-    caches = _empty(paged, ext, getattr(torch, s.dtype))
+    caches = empty(s.spec, ext, getattr(torch, s.dtype))
     here = describe(caches, s.spec, tp_rank=s.tp_rank, tp_size=s.tp_size, num_kv_heads=s.num_kv_heads,
                     device_id=dst.device_id)
     every = (0, s.extent("H"))
