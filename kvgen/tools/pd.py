@@ -105,10 +105,14 @@ def _prefill(conn: Any, req: Request) -> None:
     from kvgen.integrations import nixl
 
     workers = []
-    for rank in range(req.src.tp):
-        tree = caches(req, req.src, rank, True)
-        d = remote.describe(tree, req.src.layout, tp_rank=rank, tp_size=req.src.tp, num_kv_heads=req.heads)
-        workers.append(nixl.Worker(f"prefill-{rank}", tree, d))
+    try:
+        for rank in range(req.src.tp):
+            tree = caches(req, req.src, rank, True)
+            d = remote.describe(tree, req.src.layout, tp_rank=rank, tp_size=req.src.tp, num_kv_heads=req.heads)
+            workers.append(nixl.Worker(f"prefill-{rank}", tree, d))
+    except KVGenError as why:
+        conn.send(str(why))
+        return
     conn.send([w.handshake() for w in workers])
     conn.recv()  # the decode side is done reading
     for w in workers:
@@ -219,6 +223,8 @@ def loaded(data: bytes) -> Any:
 
 def _decode(conn: Any, req: Request) -> None:
     handshakes = conn.recv()
+    if not handshakes:  # the prefill side failed
+        return
     sources = [caches(req, req.src, r, True) for r in range(req.src.tp)]
     try:
         conn.send([_decode_rank(req, r, handshakes, sources) for r in range(req.dst.tp)])
@@ -227,7 +233,11 @@ def _decode(conn: Any, req: Request) -> None:
 
 
 def _relay(prefill: Any, decode: Any) -> Any:
-    decode.send(prefill.recv())  # the prefill ranks' handshakes
+    handshakes = prefill.recv()
+    if isinstance(handshakes, str):
+        decode.send([])
+        return handshakes
+    decode.send(handshakes)
     return decode.recv()
 
 
@@ -265,15 +275,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed reads per rank, the best kept (default: 3)")
 
 
-def main(args: argparse.Namespace) -> int:
+def check(req: Request) -> Request:
+    """The request with its layouts' spec names, or KVGenError (before any process starts)."""
+    from kvgen import generated, tp
     from kvgen.integrations import nixl
 
     why = nixl.unavailable()
     if why:
         raise KVGenError(why)
-    req = Request(args.src, args.dst, args.tokens, args.layers, args.heads, args.head_size, args.dtype,
-                  strategy=args.strategy, repeats=args.repeats)
-    rows = run(replace(req))
+    for what, value in (("--tokens", req.tokens), ("--layers", req.layers), ("--heads", req.heads),
+                        ("--head-size", req.head_size), ("--repeats", req.repeats)):
+        if value <= 0:
+            raise KVGenError(f"{what} must be positive, got {value}")
+    src, dst = replace(req.src, layout=generated.resolve(req.src.layout)), \
+        replace(req.dst, layout=generated.resolve(req.dst.layout))
+    generated.transfer(src.layout, dst.layout)  # the check's expected caches need it; names the partners
+    tp.plan(req.heads, src.tp, dst.tp)
+    return replace(req, src=src, dst=dst)
+
+
+def main(args: argparse.Namespace) -> int:
+    req = check(Request(args.src, args.dst, args.tokens, args.layers, args.heads, args.head_size, args.dtype,
+                        strategy=args.strategy, repeats=args.repeats))
+    rows = run(req)
     total = sum(r["elements"] for r in rows)
     wrong = sum(r["wrong"] for r in rows)
     seconds, plain = sum(r["seconds"] for r in rows), sum(r["plain"] for r in rows)
@@ -290,4 +314,4 @@ def main(args: argparse.Namespace) -> int:
     return 0 if wrong == 0 else 1
 
 
-__all__ = ["Request", "Side", "add_arguments", "caches", "loaded", "main", "run", "side", "slots"]
+__all__ = ["Request", "Side", "add_arguments", "caches", "check", "loaded", "main", "run", "side", "slots"]
