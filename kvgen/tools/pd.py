@@ -119,7 +119,7 @@ def _prefill(conn: Any, req: Request) -> None:
         w.close()
 
 
-def _expected(req: Request, rank: int, sources: list[Any]) -> Any:
+def expected(req: Request, rank: int, sources: list[Any]) -> Any:
     from kvgen import generated, remote, tp
 
     want = caches(req, req.dst, rank, False)
@@ -132,7 +132,7 @@ def _expected(req: Request, rank: int, sources: list[Any]) -> Any:
     return want
 
 
-def _right(got: Any, want: Any) -> int:
+def wrong_elements(got: Any, want: Any) -> int:
     """Elements of `got` whose bits differ from `want`'s."""
     import torch
 
@@ -142,7 +142,7 @@ def _right(got: Any, want: Any) -> int:
     return sum(int(torch.count_nonzero(bits(a) != bits(b))) for a, b in zip(leaves(got), leaves(want), strict=True))
 
 
-def _plain(worker: Any, peer: Any, nbytes: int, repeats: int) -> float:
+def plain_read(worker: Any, peer: Any, nbytes: int, repeats: int) -> float:
     """Best seconds NIXL takes to read `nbytes` of the peer's cache in PLAIN-byte descriptors
     into a local buffer (request made and posted each time, as a pull does)."""
     import torch
@@ -193,8 +193,8 @@ def _decode_rank(req: Request, rank: int, handshakes: list[bytes], sources: list
     moved = int(((s >= 0) & (t >= 0)).sum()) * d.extent("L") * d.extent("KV") * d.extent("H") * d.extent("C")
     nbytes = moved * d.itemsize
     first = w.peers[min(w.peers)]
-    plain = _plain(w, first, nbytes, req.repeats)
-    wrong = _right(tree, _expected(req, rank, sources))
+    plain = plain_read(w, first, nbytes, req.repeats)
+    wrong = wrong_elements(tree, expected(req, rank, sources))
     w.close()
     kept = {"caches": _saved(tree)} if req.keep else {}
     return {**kept, "rank": rank, "elements": moved, "wrong": wrong, "bytes": nbytes, "seconds": min(runs),
@@ -314,4 +314,5 @@ def main(args: argparse.Namespace) -> int:
     return 0 if wrong == 0 else 1
 
 
-__all__ = ["Request", "Side", "add_arguments", "caches", "check", "loaded", "main", "run", "side", "slots"]
+__all__ = ["PLAIN", "Request", "Side", "add_arguments", "caches", "check", "expected", "loaded", "main", "plain_read",
+           "run", "side", "slots", "wrong_elements"]
