@@ -129,8 +129,8 @@ class Worker:
             self.agent.deregister_memory(reg)
 
     def _post(self, rank: int, src_descs: Any, dst_descs: Any) -> Any:
-        local = self.agent.get_xfer_descs(dst_descs.numpy(), "DRAM")
-        far = self.agent.get_xfer_descs(src_descs.numpy(), "DRAM")
+        local = self.agent.get_xfer_descs(dst_descs, "DRAM")
+        far = self.agent.get_xfer_descs(src_descs, "DRAM")
         handle = self.agent.initialize_xfer("READ", local, far, self.peers[rank].agent)
         if self.agent.transfer(handle) == "ERR":
             raise TransportError(f"{self.name}: NIXL refused the READ from {self.peers[rank].agent}")

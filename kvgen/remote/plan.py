@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvgen import generated, tp
@@ -34,8 +35,8 @@ class Read:
     """One read from one source rank: row i of src_descs lands at row i of dst_descs."""
 
     src_rank: int
-    src_descs: torch.Tensor  # int64 [n, 3]: address, bytes, device id
-    dst_descs: torch.Tensor
+    src_descs: np.ndarray  # int64 [n, 3]: address, bytes, device id (NIXL's get_xfer_descs takes it)
+    dst_descs: np.ndarray
 
     @property
     def bytes(self) -> int:
@@ -64,12 +65,12 @@ class Plan:
     staging: tuple[Staging, ...] = ()
 
     @property
-    def src_descs(self) -> torch.Tensor:
-        return torch.cat([r.src_descs for r in self.reads]) if self.reads else torch.empty(0, 3, dtype=torch.long)
+    def src_descs(self) -> np.ndarray:
+        return np.concatenate([r.src_descs for r in self.reads]) if self.reads else np.empty((0, 3), dtype=np.int64)
 
     @property
-    def dst_descs(self) -> torch.Tensor:
-        return torch.cat([r.dst_descs for r in self.reads]) if self.reads else torch.empty(0, 3, dtype=torch.long)
+    def dst_descs(self) -> np.ndarray:
+        return np.concatenate([r.dst_descs for r in self.reads]) if self.reads else np.empty((0, 3), dtype=np.int64)
 
     @property
     def bytes(self) -> int:
@@ -102,26 +103,26 @@ def _transfer(pair: tuple[str, str]) -> Any:
     return found
 
 
-def _slots(what: str, slots: Any) -> torch.Tensor:
+def _slots(what: str, slots: Any) -> np.ndarray:
     t = torch.as_tensor(slots)
     if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise KVLayoutError(f"{what} must be a 1-D tensor of signed integers, got {tuple(t.shape)} {t.dtype}")
-    return t.cpu().long()
+    return t.cpu().long().numpy()
 
 
-def _pairs(src_slots: Any, dst_slots: Any, src_s: int, dst: Description) -> tuple[torch.Tensor, torch.Tensor]:
+def _pairs(src_slots: Any, dst_slots: Any, src_s: int, dst: Description) -> tuple[np.ndarray, np.ndarray]:
     """The moving (source slot, destination slot) pairs, by destination slot; refusals name the slot."""
     s, d = _slots("src_slots", src_slots), _slots("dst_slots", dst_slots)
-    if s.numel() != d.numel():
-        raise KVLayoutError(f"src_slots and dst_slots must have one slot per token: {s.numel()} and {d.numel()}")
+    if s.size != d.size:
+        raise KVLayoutError(f"src_slots and dst_slots must have one slot per token: {s.size} and {d.size}")
     for what, v, high in (("src_slots", s, src_s), ("dst_slots", d, dst.extent("S"))):
-        if v.numel() and int(v.max()) >= high:
+        if v.size and int(v.max()) >= high:
             raise KVLayoutError(f"{what}: slot {int(v.max())} is outside its cache, which has {high} slots "
                                 f"(valid: 0..{high - 1}, or < 0 to skip a token)")
     keep = (s >= 0) & (d >= 0)
     s, d = s[keep], d[keep]
-    d, order = torch.sort(d)
-    s = s[order]
+    order = np.argsort(d, kind="stable")
+    s, d = s[order], d[order]
     twice = d[1:] == d[:-1]
     if bool(twice.any()):
         raise KVLayoutError(f"dst_slots: slot {int(d[1:][twice][0])} is written by more than one token")
@@ -143,22 +144,23 @@ def _sources(src: Description | Sequence[Description], dst: Description) -> dict
     return by_rank
 
 
-def _staged(s: Description, dst: Description, pairs: tuple[torch.Tensor, torch.Tensor],
+def _staged(s: Description, dst: Description, pairs: tuple[np.ndarray, np.ndarray],
             route: tp.Route) -> tuple[Layout, Staging]:
     """The whole source blocks of the route's tokens into a staging cache, then the permute."""
     s_slots, d_slots = pairs
     n = s.block or 1
-    blocks = torch.unique(s_slots // n)
-    staged = torch.searchsorted(blocks, s_slots // n) * n + s_slots % n
-    read_src = (blocks[:, None] * n + torch.arange(n)).flatten()
+    blocks, where = np.unique(s_slots // n, return_inverse=True)
+    staged = where.reshape(-1) * n + s_slots % n
+    read_src = (blocks[:, None] * n + np.arange(n)).reshape(-1)
     ext = {a: s.extent(a) for a in ("L", "KV", "H", "C")}
-    ext.update({"B": blocks.numel(), "N": n, "S": blocks.numel() * n} if s.block else {"S": blocks.numel()})
+    ext.update({"B": blocks.size, "N": n, "S": blocks.size * n} if s.block else {"S": blocks.size})
     caches = empty(s.spec, ext, getattr(torch, s.dtype))
     here = describe(caches, s.spec, tp_rank=s.tp_rank, tp_size=s.tp_size, num_kv_heads=s.num_kv_heads,
                     device_id=dst.device_id)
     every = (0, s.extent("H"))
-    cut = layout(s, here, (read_src, torch.arange(read_src.numel())), (every, every))
-    return cut, Staging((s.spec, dst.spec), caches, staged, d_slots, route.src_heads, route.dst_heads)
+    cut = layout(s, here, (read_src, np.arange(read_src.size)), (every, every))
+    return cut, Staging((s.spec, dst.spec), caches, torch.from_numpy(staged), torch.from_numpy(d_slots),
+                        route.src_heads, route.dst_heads)
 
 
 def _routes(sources: dict[int, Description], dst: Description) -> list[tp.Route]:
@@ -198,14 +200,14 @@ def plan(src: Description | Sequence[Description], dst: Description, src_slots: 
     c = cost or costs()
     direct = [layout(sources[r.src_rank], dst, pairs, (r.src_heads, r.dst_heads)) for r in routes] \
         if strategy != "staged" else []
-    if strategy == "direct" or not stageable or not pairs[0].numel():
+    if strategy == "direct" or not stageable or not pairs[0].size:
         why = "forced" if strategy == "direct" else \
             f"no generated transfer {pair[0]} -> {pair[1]} to stage through" if not stageable else "nothing moves"
         return _made("direct", why, dst, direct)
     made = [_staged(sources[r.src_rank], dst, pairs, r) for r in routes]
     cuts = [m[0] for m in made]
     t_staged = c.read(sum(x.count for x in cuts), sum(x.bytes for x in cuts)) \
-        + c.permute(len(made), _moved_bytes(dst, pairs[0].numel(), routes))
+        + c.permute(len(made), _moved_bytes(dst, pairs[0].size, routes))
     if not direct:
         return _made("staged", f"forced; estimated {t_staged * 1e3:.3f} ms", dst, cuts, tuple(m[1] for m in made))
     t_direct = c.read(sum(x.count for x in direct), sum(x.bytes for x in direct))

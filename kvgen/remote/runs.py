@@ -8,13 +8,16 @@ tokens are one more dim, placed among the others by the destination's within-blo
 Every other dim, and the tokens, become descriptors on an index grid worked out at once;
 neighbours that continue each other on both sides then merge (consecutive tokens of a block,
 consecutive blocks, planes that follow each other).
+
+The arithmetic is numpy's: one thread, so a plan of a few hundred thousand runs takes
+milliseconds even on a host whose cores are busy (torch's small ops wait for a thread team).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from kvgen.remote.describe import Description
 
@@ -33,7 +36,7 @@ def _axis(d: Description, axis: str) -> tuple[int, int]:
     return dict(d.steps).get(axis, 0), dict(d.strides).get(axis, 0)
 
 
-def _token_offsets(d: Description, slots: torch.Tensor) -> torch.Tensor:
+def _token_offsets(d: Description, slots: np.ndarray) -> np.ndarray:
     """Bytes from a leaf's start to each slot's first element."""
     strides = dict(d.strides)
     if d.block is None:
@@ -64,18 +67,18 @@ def _head_shift(d: Description, start: int) -> tuple[int, int]:
     return start * ls, start * bs
 
 
-def _segments(d: Description, s_desc: Description, pairs: tuple[torch.Tensor, torch.Tensor]
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _segments(d: Description, s_desc: Description, pairs: tuple[np.ndarray, np.ndarray]
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(source start slots, destination start slots, lengths) of the runs of pairs that step
     by one slot on both sides without crossing a block boundary on either."""
     s, t = pairs
-    cut = torch.ones(s.numel(), dtype=torch.bool)
+    cut = np.ones(s.size, dtype=bool)
     cut[1:] = (s[1:] != s[:-1] + 1) | (t[1:] != t[:-1] + 1)
     for slots, desc in ((s, s_desc), (t, d)):
         if desc.block is not None:
             cut |= slots % desc.block == 0
-    first = cut.nonzero().flatten()
-    return s[first], t[first], torch.diff(first, append=torch.tensor([s.numel()]))
+    first = np.flatnonzero(cut)
+    return s[first], t[first], np.diff(first, append=s.size)
 
 
 @dataclass(frozen=True)
@@ -90,12 +93,12 @@ class Layout:
     run: int
     outer: tuple[Dim, ...]
     at: int
-    tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # source slots, destination slots, lengths
+    tokens: tuple[np.ndarray, np.ndarray, np.ndarray]  # source slots, destination slots, lengths
 
     @property
     def count(self) -> int:
         """Descriptors before neighbours merge (an upper bound of the plan's count)."""
-        n = self.tokens[0].numel()
+        n = self.tokens[0].size
         for d in self.outer:
             n *= d.n
         return n
@@ -108,7 +111,7 @@ class Layout:
         return n
 
 
-def layout(src: Description, dst: Description, pairs: tuple[torch.Tensor, torch.Tensor],
+def layout(src: Description, dst: Description, pairs: tuple[np.ndarray, np.ndarray],
            heads: tuple[Heads, Heads]) -> Layout:
     """The cut of a read moving source slot pairs[0][i] to destination slot pairs[1][i] (valid
     slots, sorted by destination slot), source heads heads[0] onto destination heads heads[1]."""
@@ -119,51 +122,51 @@ def layout(src: Description, dst: Description, pairs: tuple[torch.Tensor, torch.
     if tok == [run, run]:  # consecutive slots continue each other: a run of them is one descriptor
         run_of = _segments(dst, src, pairs)
     else:
-        run_of = (pairs[0], pairs[1], torch.ones_like(pairs[0]))
+        run_of = (pairs[0], pairs[1], np.ones_like(pairs[0]))
     return Layout(src, dst, heads, run, tuple(outer), at, run_of)
 
 
-def descriptors(cut: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+def descriptors(cut: Layout) -> tuple[np.ndarray, np.ndarray]:
     """(src_descs, dst_descs): int64 [n, 3] tensors of (address, bytes, device id), matching
     row by row, of the read `cut` describes."""
     outer, at = cut.outer, cut.at
     s_slots, d_slots, lengths = cut.tokens
     shape = [d.n for d in outer]
-    shape.insert(at, s_slots.numel())
+    shape.insert(at, s_slots.size)
     view = [1] * len(shape)
     view[at] = -1
     addrs = []
     for k, (desc, slots, h0) in enumerate(((cut.src, s_slots, cut.heads[0][0]), (cut.dst, d_slots, cut.heads[1][0]))):
         leaf_shift, byte_shift = _head_shift(desc, h0)
-        leaf = torch.full([1] * len(shape), leaf_shift, dtype=torch.long)
-        off = torch.full([1] * len(shape), byte_shift, dtype=torch.long)
+        leaf = np.full([1] * len(shape), leaf_shift, dtype=np.int64)
+        off = np.full([1] * len(shape), byte_shift, dtype=np.int64)
         for j, d in enumerate(outer):
             grid = [1] * len(shape)
             grid[j if j < at else j + 1] = d.n
-            idx = torch.arange(d.n).view(grid)
+            idx = np.arange(d.n, dtype=np.int64).reshape(grid)
             ls, bs = d.src if k == 0 else d.dst
             leaf, off = leaf + idx * ls, off + idx * bs
-        base = torch.tensor(desc.leaves, dtype=torch.long)[leaf]
-        addrs.append((base + off + _token_offsets(desc, slots).view(view)).expand(shape).reshape(-1))
-    sizes = (lengths * cut.run).view(view).expand(shape).reshape(-1)
+        base = np.asarray(desc.leaves, dtype=np.int64)[leaf]
+        addrs.append(np.broadcast_to(base + off + _token_offsets(desc, slots).reshape(view), shape).reshape(-1))
+    sizes = np.broadcast_to((lengths * cut.run).reshape(view), shape).reshape(-1)
     return _merge(addrs[0], addrs[1], sizes, (cut.src.device_id, cut.dst.device_id))
 
 
-def _merge(a: torch.Tensor, b: torch.Tensor, sizes: torch.Tensor, devices: tuple[int, int]
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge(a: np.ndarray, b: np.ndarray, sizes: np.ndarray, devices: tuple[int, int]
+           ) -> tuple[np.ndarray, np.ndarray]:
     """Neighbouring runs that continue each other on both sides, as one descriptor."""
-    if a.numel() == 0:
-        empty = torch.empty(0, 3, dtype=torch.long)
+    if a.size == 0:
+        empty = np.empty((0, 3), dtype=np.int64)
         return empty, empty
-    starts = torch.ones(a.numel(), dtype=torch.bool)
+    starts = np.ones(a.size, dtype=bool)
     starts[1:] = (a[1:] != a[:-1] + sizes[:-1]) | (b[1:] != b[:-1] + sizes[:-1])
-    first = starts.nonzero().flatten()
-    ends = torch.cumsum(sizes, 0)
-    last = torch.cat([first[1:] - 1, torch.tensor([a.numel() - 1])])
+    first = np.flatnonzero(starts)
+    ends = np.cumsum(sizes)
+    last = np.append(first[1:] - 1, a.size - 1)
     lengths = ends[last] - ends[first] + sizes[first]
     out = []
     for side, device in zip((a, b), devices, strict=True):
-        out.append(torch.stack([side[first], lengths, torch.full_like(lengths, device)], dim=1))
+        out.append(np.stack([side[first], lengths, np.full_like(lengths, device)], axis=1))
     return out[0], out[1]
 
 
