@@ -118,11 +118,17 @@ def layout(src: Description, dst: Description, pairs: tuple[np.ndarray, np.ndarr
     count = heads[0][1] - heads[0][0]
     run, outer = _split(_dims(src, dst, count), src.itemsize)
     tok = [dict(x.strides).get("N" if x.block else "S", 0) for x in (src, dst)]
-    at = next((k for k, d in enumerate(outer) if d.dst[0] == 0 and d.dst[1] < tok[1]), len(outer))
     if tok == [run, run]:  # consecutive slots continue each other: a run of them is one descriptor
         run_of = _segments(dst, src, pairs)
     else:
         run_of = (pairs[0], pairs[1], np.ones_like(pairs[0]))
+    # The tokens go outside every dim the destination steps over in less than one of them: a
+    # token, or a whole destination block where every run of tokens is one (then the dims
+    # inside a block, such as HND's heads, follow each other and merge).
+    step = tok[1]
+    if dst.block and run_of[2].size and bool((run_of[2] == dst.block).all() and (run_of[1] % dst.block == 0).all()):
+        step = dict(dst.strides)["B"]
+    at = next((k for k, d in enumerate(outer) if d.dst[0] == 0 and d.dst[1] < step), len(outer))
     return Layout(src, dst, heads, run, tuple(outer), at, run_of)
 
 
