@@ -144,23 +144,36 @@ def _sources(src: Description | Sequence[Description], dst: Description) -> dict
     return by_rank
 
 
-def _staged(s: Description, dst: Description, pairs: tuple[np.ndarray, np.ndarray],
-            route: tp.Route) -> tuple[Layout, Staging]:
-    """The whole source blocks of the route's tokens into a staging cache, then the permute."""
+def _staged(s: Description, dst: Description, pairs: tuple[np.ndarray, np.ndarray], route: tp.Route,
+            narrow: bool) -> tuple[Layout, Staging]:
+    """The whole source blocks of the route's tokens into a staging cache, then the permute:
+    with every head of the source rank, or (`narrow`) only the route's heads."""
     s_slots, d_slots = pairs
     n = s.block or 1
     blocks, where = np.unique(s_slots // n, return_inverse=True)
     staged = where.reshape(-1) * n + s_slots % n
     read_src = (blocks[:, None] * n + np.arange(n)).reshape(-1)
-    ext = {a: s.extent(a) for a in ("L", "KV", "H", "C")}
+    heads = route.count if narrow else s.extent("H")
+    ext = {"L": s.extent("L"), "KV": s.extent("KV"), "H": heads, "C": s.extent("C")}
     ext.update({"B": blocks.size, "N": n, "S": blocks.size * n} if s.block else {"S": blocks.size})
     caches = empty(s.spec, ext, getattr(torch, s.dtype))
     here = describe(caches, s.spec, tp_rank=s.tp_rank, tp_size=s.tp_size, num_kv_heads=s.num_kv_heads,
                     device_id=dst.device_id)
-    every = (0, s.extent("H"))
-    cut = layout(s, here, (read_src, np.arange(read_src.size)), (every, every))
+    read = (route.src_heads, (0, heads)) if narrow else ((0, heads), (0, heads))
+    cut = layout(s, here, (read_src, np.arange(read_src.size)), read)
     return cut, Staging((s.spec, dst.spec), caches, torch.from_numpy(staged), torch.from_numpy(d_slots),
-                        route.src_heads, route.dst_heads)
+                        (0, heads) if narrow else route.src_heads, route.dst_heads)
+
+
+def _cheaper_staging(s: Description, dst: Description, pairs: tuple[np.ndarray, np.ndarray], route: tp.Route,
+                     c: Costs) -> tuple[Layout, Staging]:
+    """Staging every head of the source rank (whole blocks: the longest runs) or only the
+    route's (fewer bytes; runs as long where the heads are outside the tokens, as in HND)."""
+    whole = _staged(s, dst, pairs, route, False)
+    if s.mla or route.count == s.extent("H"):
+        return whole
+    narrow = _staged(s, dst, pairs, route, True)
+    return min((whole, narrow), key=lambda m: c.read(m[0].count, m[0].bytes))
 
 
 def _routes(sources: dict[int, Description], dst: Description) -> list[tp.Route]:
@@ -204,7 +217,7 @@ def plan(src: Description | Sequence[Description], dst: Description, src_slots: 
         why = "forced" if strategy == "direct" else \
             f"no generated transfer {pair[0]} -> {pair[1]} to stage through" if not stageable else "nothing moves"
         return _made("direct", why, dst, direct)
-    made = [_staged(sources[r.src_rank], dst, pairs, r) for r in routes]
+    made = [_cheaper_staging(sources[r.src_rank], dst, pairs, r, c) for r in routes]
     cuts = [m[0] for m in made]
     t_staged = c.read(sum(x.count for x in cuts), sum(x.bytes for x in cuts)) \
         + c.permute(len(made), _moved_bytes(dst, pairs[0].size, routes))
