@@ -93,6 +93,9 @@ class Worker:
         except (ValueError, KeyError, TypeError) as why:
             raise KVLayoutError(f"not a kvgen NIXL handshake: {why}") from why
         check_pair(description, self.description)
+        # Replace what this agent knew of the peer whole: registrations the peer made or dropped
+        # since an earlier handshake (another cache on a shared agent) must not linger.
+        self.agent.remove_remote_agent(agent)
         self.agent.add_remote_agent(metadata)
         self.peers[description.tp_rank] = Peer(agent, description)
         return description

@@ -171,6 +171,17 @@ def plain_read(worker: Any, peer: Any, nbytes: int, repeats: int) -> float:
     return best
 
 
+def planned_best(worker: Any, src_slots: Any, dst_slots: Any, req: Request) -> tuple[Any, float]:
+    """The plan, and the best seconds of planning it again (the first call also imports and
+    fills caches of the layouts' facts)."""
+    p, best = worker.plan(src_slots, dst_slots, strategy=req.strategy), math.inf
+    for _ in range(req.repeats):
+        start = time.perf_counter()
+        p = worker.plan(src_slots, dst_slots, strategy=req.strategy)
+        best = min(best, time.perf_counter() - start)
+    return p, best
+
+
 def _decode_rank(req: Request, rank: int, handshakes: list[bytes], sources: list[Any]) -> dict[str, Any]:
     from kvgen import remote
     from kvgen.integrations import nixl
@@ -181,9 +192,7 @@ def _decode_rank(req: Request, rank: int, handshakes: list[bytes], sources: list
     for h in handshakes:
         w.connect(h)
     s, t = slots(req, req.src, 1), slots(req, req.dst, 2)
-    start = time.perf_counter()
-    p = w.plan(s, t, strategy=req.strategy)
-    planned = time.perf_counter() - start
+    p, planned = planned_best(w, s, t, req)
     w.run(p)  # the first read also connects
     runs = []
     for _ in range(req.repeats):
@@ -315,4 +324,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 __all__ = ["PLAIN", "Request", "Side", "add_arguments", "caches", "check", "expected", "loaded", "main", "plain_read",
-           "run", "side", "slots", "wrong_elements"]
+           "planned_best", "run", "side", "slots", "wrong_elements"]

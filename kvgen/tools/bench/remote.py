@@ -78,9 +78,7 @@ def _rank(req: pd.Request, rank: int, agent: Any, prefill: list[nixl.Worker]) ->
     for p in prefill:
         w.connect(p.handshake())
     s, t = pd.slots(req, req.src, 1), pd.slots(req, req.dst, 2)
-    start = time.perf_counter()
-    plan = w.plan(s, t, strategy=req.strategy)
-    planned = time.perf_counter() - start
+    plan, planned = pd.planned_best(w, s, t, req)
     w.run(plan)
     best = math.inf
     for _ in range(req.repeats):
