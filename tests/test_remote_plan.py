@@ -170,16 +170,16 @@ def test_a_2048_token_request_of_32_layers_plans_every_byte() -> None:
 
 
 def test_staging_takes_every_source_head_or_only_the_routes_as_the_cost_model_says() -> None:
-    """A destination rank that needs half of a source rank's 4 heads stages only those 2 unless
-    that costs more descriptors than it saves bytes: in HND a block's heads are runs of their
-    own (the 2 heads always win); in NHD they interleave per token, so where descriptors are
-    dear every head is staged (whole blocks: the longest runs)."""
+    """A destination rank that needs half of a source rank's 4 heads: where bytes are dear it
+    stages only those 2, where descriptors are dear every head (whole blocks, which merge
+    across consecutive blocks; 2 of 4 heads break the run at every block in HND, at every
+    token in NHD)."""
     bytes_dear = remote.Costs(per_descriptor=1e-9, wire=1e6, local=1e12, per_permute=0.0)
     descriptors_dear = remote.Costs(per_descriptor=1.0, wire=1e12, local=1e12, per_permute=0.0)
     n, blocks = SRC_EXT["N"], 3
     slots = torch.arange(blocks * n)
     hnd, nhd = "vllm_flash_attn_hnd", "vllm_flash_attn_nhd"
-    for layout, cost, staged_heads in ((hnd, bytes_dear, 2), (hnd, descriptors_dear, 2), (nhd, bytes_dear, 2),
+    for layout, cost, staged_heads in ((hnd, bytes_dear, 2), (hnd, descriptors_dear, 4), (nhd, bytes_dear, 2),
                                        (nhd, descriptors_dear, 4)):
         case = Case(layout, "vllm_flash_attn_nhd", dict(SRC_EXT), dict(SRC_EXT), 1, 2, 1, 4)
         srcs, dst = case.caches()

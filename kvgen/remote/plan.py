@@ -23,7 +23,7 @@ import torch
 from kvgen import generated, tp
 from kvgen.remote.cost import Costs, costs
 from kvgen.remote.describe import Description, check_pair, describe, empty
-from kvgen.remote.runs import Heads, Layout, descriptors, layout
+from kvgen.remote.runs import EXACT, Heads, Layout, layout
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.errors import KVLayoutError
 
@@ -173,7 +173,7 @@ def _cheaper_staging(s: Description, dst: Description, pairs: tuple[np.ndarray, 
     if s.mla or route.count == s.extent("H"):
         return whole
     narrow = _staged(s, dst, pairs, route, True)
-    return min((whole, narrow), key=lambda m: c.read(m[0].count, m[0].bytes))
+    return min((whole, narrow), key=lambda m: c.read(m[0].merged, m[0].bytes))
 
 
 def _routes(sources: dict[int, Description], dst: Description) -> list[tp.Route]:
@@ -219,25 +219,26 @@ def plan(src: Description | Sequence[Description], dst: Description, src_slots: 
         return _made("direct", why, dst, direct)
     made = [_cheaper_staging(sources[r.src_rank], dst, pairs, r, c) for r in routes]
     cuts = [m[0] for m in made]
-    t_staged = c.read(sum(x.count for x in cuts), sum(x.bytes for x in cuts)) \
+    t_staged = c.read(sum(x.merged for x in cuts), sum(x.bytes for x in cuts)) \
         + c.permute(len(made), _moved_bytes(dst, pairs[0].size, routes))
     if not direct:
         return _made("staged", f"forced; estimated {t_staged * 1e3:.3f} ms", dst, cuts, tuple(m[1] for m in made))
-    t_direct = c.read(sum(x.count for x in direct), sum(x.bytes for x in direct))
+    t_direct = c.read(sum(x.merged for x in direct), sum(x.bytes for x in direct))
     words = f"direct {_words(direct)}, est. {t_direct * 1e3:.3f} ms; staged {_words(cuts)} + {len(made)} local " \
-        f"permutes, est. {t_staged * 1e3:.3f} ms (descriptors before neighbours merge)"
+        f"permutes, est. {t_staged * 1e3:.3f} ms"
     if t_direct <= t_staged:
         return _made("direct", words, dst, direct)
     return _made("staged", words, dst, cuts, tuple(m[1] for m in made))
 
 
 def _words(cuts: list[Layout]) -> str:
-    count, nbytes = sum(x.count for x in cuts), sum(x.bytes for x in cuts)
-    return f"{count} descriptors of {nbytes / max(count, 1):.0f} B mean"
+    count, nbytes = sum(x.merged for x in cuts), sum(x.bytes for x in cuts)
+    exact = all(x.count <= EXACT for x in cuts)
+    return f"{'' if exact else 'up to '}{count} descriptors of {nbytes / max(count, 1):.0f} B mean"
 
 
 def _made(strategy: str, why: str, dst: Description, cuts: list[Layout], staging: tuple[Staging, ...] = ()) -> Plan:
-    reads = tuple(Read(cut.src.tp_rank, *descriptors(cut)) for cut in cuts)
+    reads = tuple(Read(cut.src.tp_rank, *cut.descs) for cut in cuts)
     return Plan(strategy, why, dst, reads, staging)
 
 

@@ -16,6 +16,7 @@ milliseconds even on a host whose cores are busy (torch's small ops wait for a t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -23,6 +24,9 @@ from kvgen.remote.describe import Description
 
 #: A head range (start, stop) in a rank's local heads.
 Heads = tuple[int, int]
+#: Reads of up to this many descriptors before merging are cut for real to be costed (cheap);
+#: larger ones are costed by that count, an upper bound.
+EXACT = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,16 @@ class Layout:
         for d in self.outer:
             n *= d.n
         return n
+
+    @cached_property
+    def descs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(src_descs, dst_descs), worked out once."""
+        return descriptors(self)
+
+    @property
+    def merged(self) -> int:
+        """Descriptors after neighbours merge where that is cheap to know (see EXACT), else `count`."""
+        return len(self.descs[0]) if self.count <= EXACT else self.count
 
 
 def layout(src: Description, dst: Description, pairs: tuple[np.ndarray, np.ndarray],

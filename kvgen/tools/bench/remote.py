@@ -21,7 +21,7 @@ import torch
 
 from kvgen import remote
 from kvgen.integrations import nixl
-from kvgen.tools import pd
+from kvgen.tools import pd, pd_run
 
 HEADERS = ("source", "destination", "tp", "N", "strategy", "descriptors", "mean B", "plan ms", "GB/s",
            "x NIXL 4 MiB", "x memcpy", "right")
@@ -72,13 +72,13 @@ def _memcpy(nbytes: int, repeats: int) -> float:
 
 
 def _rank(req: pd.Request, rank: int, agent: Any, prefill: list[nixl.Worker]) -> dict[str, Any]:
-    tree = pd.caches(req, req.dst, rank, False)
+    tree = pd_run.caches(req, req.dst, rank, False)
     d = remote.describe(tree, req.dst.layout, tp_rank=rank, tp_size=req.dst.tp, num_kv_heads=req.heads)
     w = nixl.Worker("decode", tree, d, agent=agent)
     for p in prefill:
         w.connect(p.handshake())
-    s, t = pd.slots(req, req.src, 1), pd.slots(req, req.dst, 2)
-    plan, planned = pd.planned_best(w, s, t, req)
+    s, t = pd_run.slots(req, req.src, 1), pd_run.slots(req, req.dst, 2)
+    plan, planned = pd_run.planned_best(w, s, t, req)
     w.run(plan)
     best = math.inf
     for _ in range(req.repeats):
@@ -86,8 +86,8 @@ def _rank(req: pd.Request, rank: int, agent: Any, prefill: list[nixl.Worker]) ->
         w.run(plan)
         best = min(best, time.perf_counter() - start)
     nbytes = len(s) * d.extent("L") * d.extent("KV") * d.extent("H") * d.extent("C") * d.itemsize
-    plain = pd.plain_read(w, w.peers[min(w.peers)], nbytes, req.repeats)
-    wrong = pd.wrong_elements(tree, pd.expected(req, rank, [p.caches for p in prefill]))
+    plain = pd_run.plain_read(w, w.peers[min(w.peers)], nbytes, req.repeats)
+    wrong = pd_run.wrong_elements(tree, pd_run.expected(req, rank, [p.caches for p in prefill]))
     w.close()
     return {"strategy": plan.strategy, "count": plan.count, "bytes": nbytes, "plan": planned, "seconds": best,
             "plain": plain, "wrong": wrong, "elements": nbytes // d.itemsize}
@@ -96,7 +96,7 @@ def _rank(req: pd.Request, rank: int, agent: Any, prefill: list[nixl.Worker]) ->
 def row(req: pd.Request, agents: tuple[Any, Any]) -> RemoteRow:
     prefill = []
     for rank in range(req.src.tp):
-        tree = pd.caches(req, req.src, rank, True)
+        tree = pd_run.caches(req, req.src, rank, True)
         d = remote.describe(tree, req.src.layout, tp_rank=rank, tp_size=req.src.tp, num_kv_heads=req.heads)
         prefill.append(nixl.Worker("prefill", tree, d, agent=agents[0]))
     ranks = [_rank(req, r, agents[1], prefill) for r in range(req.dst.tp)]
@@ -144,9 +144,9 @@ def _local(repeats: int) -> tuple[float, float]:
     from kvgen import generated
 
     req = pd.Request(pd.Side("vllm_flash_attn_nhd", 1, 16), pd.Side("vllm_flash_attn_hnd", 1, 16), 2048)
-    a, b = pd.caches(req, req.src, 0, True), pd.caches(req, req.dst, 0, False)
+    a, b = pd_run.caches(req, req.src, 0, True), pd_run.caches(req, req.dst, 0, False)
     move = generated.transfer(req.src.layout, req.dst.layout)()
-    s, t = pd.slots(req, req.src, 1), pd.slots(req, req.dst, 2)
+    s, t = pd_run.slots(req, req.src, 1), pd_run.slots(req, req.dst, 2)
     timed = {}
     for n in (len(s), 1):
         best = math.inf
@@ -174,7 +174,7 @@ def main(args: argparse.Namespace) -> int:
         for s_tp, d_tp, s_n, d_n in args.remote_shapes:
             req = pd.Request(pd.Side(src, s_tp, s_n), pd.Side(dst, d_tp, d_n), max(args.tokens), args.layers,
                              args.heads, args.head_size, args.dtype, repeats=args.repeats)
-            rows.append(row(pd.check(req), agents))
+            rows.append(row(pd_run.check(req), agents))
     if rows:
         table = [HEADERS, *(r.cells() for r in rows)]
         widths = [max(len(line[k]) for line in table) for k in range(len(HEADERS))]
