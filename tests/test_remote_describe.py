@@ -47,8 +47,9 @@ def test_garbage_and_other_versions_are_refused() -> None:
 
 
 def test_the_fingerprint_names_the_layout_not_the_allocation() -> None:
-    a = remote.describe(_nhd(2), "vllm_flash_attn_nhd", tp_rank=0, tp_size=1)
-    b = remote.describe(_nhd(2), "vllm_flash_attn_nhd", tp_rank=0, tp_size=1)
+    first, second = _nhd(2), _nhd(2)  # both alive: their tensors are at different addresses
+    a = remote.describe(first, "vllm_flash_attn_nhd", tp_rank=0, tp_size=1)
+    b = remote.describe(second, "vllm_flash_attn_nhd", tp_rank=0, tp_size=1)
     assert a.leaves != b.leaves and a.fingerprint == b.fingerprint
     others = [remote.describe(_nhd(2, heads=4), "vllm_flash_attn_nhd", tp_rank=0, tp_size=2),
               remote.describe(_nhd(2, dtype=torch.float16), "vllm_flash_attn_nhd", tp_rank=0, tp_size=1),
@@ -98,3 +99,18 @@ def test_mla_and_per_head_caches_are_refused() -> None:
     msd, _ = mla.describe(srcs, dst)
     with pytest.raises(KVLayoutError, match="MLA True vs False"):
         remote.plan(msd, dd, torch.arange(4), torch.arange(4))
+
+
+@pytest.mark.parametrize("side", ["src", "dst"])
+def test_a_description_claiming_more_than_its_leaves_is_refused(side: str) -> None:
+    """Strides that do not fit the leaves (a corrupt handshake) never become descriptors that
+    read or write outside the tensors."""
+    sd, dd, _, _ = _pair()
+    victim = sd[0] if side == "src" else dd
+    bad = dataclasses.replace(victim, strides=tuple((a, 4 * v if a == "B" else v) for a, v in victim.strides))
+    last = victim.extent("S") - 1
+    with pytest.raises(KVLayoutError, match="outside the tensors of"):
+        if side == "src":
+            remote.plan(bad, dd, torch.tensor([last]), torch.tensor([0]), strategy="direct")
+        else:
+            remote.plan(sd, bad, torch.tensor([0]), torch.tensor([last]), strategy="direct")

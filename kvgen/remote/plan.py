@@ -23,7 +23,7 @@ import torch
 from kvgen import generated, tp
 from kvgen.remote.cost import Costs, costs
 from kvgen.remote.describe import Description, check_pair, describe, empty
-from kvgen.remote.runs import EXACT, Heads, Layout, layout
+from kvgen.remote.runs import EXACT, Heads, Layout, layout, outside
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.errors import KVLayoutError
 
@@ -238,6 +238,13 @@ def _words(cuts: list[Layout]) -> str:
 
 
 def _made(strategy: str, why: str, dst: Description, cuts: list[Layout], staging: tuple[Staging, ...] = ()) -> Plan:
+    for cut in cuts:
+        # A description whose strides or extents claim more than its leaves span (a corrupt or
+        # hostile handshake) must not turn into a read or a write outside them.
+        for descs, side in zip(cut.descs, (cut.src, cut.dst), strict=True):
+            if outside(descs, side):
+                raise KVLayoutError(f"{outside(descs, side)} descriptors would fall outside the tensors of {side} "
+                                    f"(its strides and extents do not fit its leaves of {side.span} bytes)")
     reads = tuple(Read(cut.src.tp_rank, *cut.descs) for cut in cuts)
     return Plan(strategy, why, dst, reads, staging)
 

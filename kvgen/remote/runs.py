@@ -172,6 +172,16 @@ def descriptors(cut: Layout) -> tuple[np.ndarray, np.ndarray]:
     return _merge(addrs[0], addrs[1], sizes, (cut.src.device_id, cut.dst.device_id))
 
 
+def outside(descs: np.ndarray, d: Description) -> int:
+    """How many descriptors of `descs` are not inside one leaf of `d` (leaf address, + span)."""
+    if not len(descs):
+        return 0
+    bases = np.sort(np.asarray(d.leaves, dtype=np.int64))
+    at = np.searchsorted(bases, descs[:, 0], side="right") - 1
+    ok = (at >= 0) & (descs[:, 0] + descs[:, 1] <= bases[np.maximum(at, 0)] + d.span)
+    return int((~ok).sum())
+
+
 def _merge(a: np.ndarray, b: np.ndarray, sizes: np.ndarray, devices: tuple[int, int]
            ) -> tuple[np.ndarray, np.ndarray]:
     """Neighbouring runs that continue each other on both sides, as one descriptor."""
@@ -190,4 +200,4 @@ def _merge(a: np.ndarray, b: np.ndarray, sizes: np.ndarray, devices: tuple[int, 
     return out[0], out[1]
 
 
-__all__ = ["Heads", "Layout", "descriptors", "layout"]
+__all__ = ["EXACT", "Heads", "Layout", "descriptors", "layout", "outside"]
