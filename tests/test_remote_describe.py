@@ -114,3 +114,19 @@ def test_a_description_claiming_more_than_its_leaves_is_refused(side: str) -> No
             remote.plan(bad, dd, torch.tensor([last]), torch.tensor([0]), strategy="direct")
         else:
             remote.plan(sd, bad, torch.tensor([0]), torch.tensor([last]), strategy="direct")
+
+
+def test_a_stamped_object_loads_only_into_a_cache_of_its_fingerprint() -> None:
+    from kvgen.runtime import MemoryObj
+
+    here = remote.describe(_nhd(2), "vllm_flash_attn_nhd", tp_rank=0, tp_size=1)
+    obj = MemoryObj(torch.zeros(4))
+    remote.check_stamp(obj, here)  # nothing recorded: nothing to refuse
+    remote.stamp(obj, here)
+    assert obj.metadata.fingerprint == here.fingerprint
+    remote.check_stamp(obj, remote.describe(_nhd(2), "vllm_flash_attn_nhd", tp_rank=0, tp_size=1))
+    other_tp = remote.describe(_nhd(2, heads=4), "vllm_flash_attn_nhd", tp_rank=1, tp_size=2)
+    with pytest.raises(KVLayoutError, match=f"fingerprint {here.fingerprint}, this cache's is {other_tp.fingerprint}"):
+        remote.check_stamp(obj, other_tp)
+    with pytest.raises(KVLayoutError, match="cannot stamp a Tensor"):
+        remote.stamp(torch.zeros(1), here)
