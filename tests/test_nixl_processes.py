@@ -35,3 +35,18 @@ def test_two_processes_move_a_request_between_layouts_tp_and_block_sizes() -> No
         assert same_bits(got, want), row["rank"]
         assert row["wrong"] == 0 and row["elements"] == 37 * 2 * 2 * 1 * 8
         assert not torch.equal(got[0], torch.zeros_like(got[0]))
+
+
+def test_the_pd_command_prints_elements_right_strategy_and_throughput(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvgen.tools.cli import main
+
+    status = main(["pd", "--src", "NHD:tp=2:N=4", "--dst", "HND:tp=4:N=8", "--tokens", "21", "-L", "2", "--heads",
+                   "4", "--head-size", "8", "--dtype", "float32", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    lines = out.splitlines()
+    assert lines[0].startswith("vllm_flash_attn_nhd tp=2 N=4 -> vllm_flash_attn_hnd tp=4 N=8, 21 tokens")
+    assert sum(1 for line in lines if line.startswith("  decode rank ")) == 4
+    total = 21 * 2 * 2 * 4 * 8
+    assert f"{total}/{total} elements right" in lines
+    assert lines[-1].startswith("throughput ") and "4 MiB-descriptor copy" in lines[-1]
