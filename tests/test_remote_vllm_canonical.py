@@ -2,7 +2,7 @@
 CopyRun / CanonicalPageMapping, derived by vLLM's derive_canonical_mappings): a TP rank's
 worker pages read into the parallelism-free canonical page. kvgen's direct plan for the same
 move must write the same bytes as vLLM's runs and take no more contiguous pieces than vLLM's
-fragments."""
+fragments (at TP 1, one whole page per layer and block, as vLLM's single run)."""
 
 from __future__ import annotations
 
@@ -32,21 +32,21 @@ from tests.test_engine_vllm_offload import (  # noqa: E402
     vllm_rows,
 )
 
-TP, HEADS = 2, 4  # two heads per rank
+HEADS = 4
 
 
-def _rank(layout: str, rank: int) -> tuple[list[torch.Tensor], remote.Description, dict, list[str], dict]:
-    kv, config, names = engine_cache(layout, full(heads=HEADS // TP))
-    fill(kv, names, first_head=rank * HEADS // TP, heads_total=HEADS)
+def _rank(layout: str, tp: int, rank: int) -> tuple[list[torch.Tensor], remote.Description, dict, list[str], dict]:
+    kv, config, names = engine_cache(layout, full(heads=HEADS // tp))
+    fill(kv, names, first_head=rank * HEADS // tp, heads_total=HEADS)
     cache = memory_order(kv, names, layout, False)
-    d = remote.describe(cache, facts_vllm.SPEC_OF[layout], tp_rank=rank, tp_size=TP, num_kv_heads=HEADS)
-    return cache, d, kv, names, mappings(kv, config, HEADS, TP, rank)
+    d = remote.describe(cache, facts_vllm.SPEC_OF[layout], tp_rank=rank, tp_size=tp, num_kv_heads=HEADS)
+    return cache, d, kv, names, mappings(kv, config, HEADS, tp, rank)
 
 
-@pytest.mark.parametrize("rank", range(TP))
+@pytest.mark.parametrize("tp, rank", [(1, 0), (2, 0), (2, 1)])
 @pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
-def test_a_tp_rank_reads_into_the_canonical_page_as_vllm_maps_it(layout: str, rank: int) -> None:
-    ranks = [_rank(layout, r) for r in range(TP)]
+def test_a_tp_rank_reads_into_the_canonical_page_as_vllm_maps_it(layout: str, tp: int, rank: int) -> None:
+    ranks = [_rank(layout, tp, r) for r in range(tp)]
     _, _, kv, names, maps = ranks[rank]
     page = maps[names[0]].canonical_page_size_bytes
     want = torch.zeros(len(BLOCKS), L * page, dtype=torch.int8)
