@@ -21,10 +21,14 @@ from kvgen.runtime.ops import bits
 from kvgen.tools.pd import PLAIN, Request, Side
 
 
+def _mla(layout: str) -> bool:
+    return not remote.layout_of(layout)[0].has("H")
+
+
 def extents(req: Request, s: Side) -> dict[str, int]:
     blocks = math.ceil(req.tokens / s.N) * 5 // 4 + 1  # room, so a block table is scattered
-    return {"L": req.layers, "KV": 2, "H": tp.local_heads(req.heads, s.tp), "C": req.head_size, "N": s.N,
-            "B": blocks, "S": blocks * s.N}
+    heads = 1 if _mla(s.layout) else tp.local_heads(req.heads, s.tp)
+    return {"L": req.layers, "KV": 2, "H": heads, "C": req.head_size, "N": s.N, "B": blocks, "S": blocks * s.N}
 
 
 def caches(req: Request, s: Side, rank: int, fill: bool) -> Any:
@@ -66,7 +70,7 @@ def _prefill(conn: Any, req: Request) -> None:
 
 def expected(req: Request, rank: int, sources: list[Any]) -> Any:
     want = caches(req, req.dst, rank, False)
-    mla = not remote.layout_of(req.src.layout)[0].has("H")
+    mla = _mla(req.src.layout)
     move = generated.transfer(req.src.layout, req.dst.layout)()
     for r in tp.plan(req.heads, req.src.tp, req.dst.tp, mla=mla):
         if r.dst_rank == rank:
@@ -208,7 +212,7 @@ def check(req: Request) -> Request:
     src, dst = replace(req.src, layout=generated.resolve(req.src.layout)), \
         replace(req.dst, layout=generated.resolve(req.dst.layout))
     generated.transfer(src.layout, dst.layout)  # the check's expected caches need it; names the partners
-    tp.plan(req.heads, src.tp, dst.tp)
+    tp.plan(req.heads, src.tp, dst.tp, mla=_mla(src.layout))
     return replace(req, src=src, dst=dst)
 
 
