@@ -45,10 +45,12 @@ ALLOWED = {
     "runtime": set(),
     # The oracle reads specs and runs connectors, but never sees how they were planned.
     "oracle": {"spec", "runtime"},
-    "tools": {"spec", "plan", "emit", "runtime", "oracle", "generated", "integrations"},
+    "tools": {"spec", "plan", "emit", "runtime", "oracle", "generated", "integrations", "remote"},
     # Other systems' contracts (LMCache) on top of the generated connectors; detection reads
     # the generated package's facts.
-    "integrations": {"runtime", "generated"},
+    "integrations": {"runtime", "generated", "remote"},
+    # P/D transfers: a cache's description and the wire plan, from the runtime's layout facts.
+    "remote": {"runtime", "generated"},
     "core": set(),
 }
 TORCH_FREE = {"spec", "plan", "emit", "core"}

@@ -69,6 +69,9 @@ BAD = [
     ["verify", "--out", "{tmp}", "--only", "x"],
     ["verify", "--specs", "{tmp}/nonexist"],
     ["bench", "--tokens", "abc"],
+    ["pd", "--src", "no_such_layout", "--dst", "nhd"],
+    ["pd", "--src", "nhd:tp=3", "--dst", "hnd"],
+    ["pd", "--src", "nhd:tp=x", "--dst", "hnd"],
     ["no_such_command"],
 ]
 

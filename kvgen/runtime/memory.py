@@ -66,6 +66,9 @@ def check_relabel(metadata: Any, what: str) -> None:
 @dataclass
 class Metadata:
     fmt: Any = None
+    #: The layout fingerprint of the cache the object was stored from (kvgen.remote's
+    #: Description.fingerprint), when the storing side sets it; None: not recorded.
+    fingerprint: str | None = None
 
 
 @dataclass

@@ -341,6 +341,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=cmd_detect)
 
+    p = sub.add_parser("pd", help="move a request between prefill and decode processes through NIXL, and check it")
+    from kvgen.tools import pd
+
+    pd.add_arguments(p)
+    p.set_defaults(run=pd.main)
+
     p = sub.add_parser("bench", help="measure store/load bandwidth against memcpy and a naive connector")
     add_bench_arguments(p)
     p.set_defaults(run=cmd_bench)

@@ -119,6 +119,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure every built-in (and --specs) layout with each object it has a connector for, every "
                         "declared transfer and every model, instead of the short default set (overrides --layouts, "
                         "--objects, --transfers and --models)")
+    p.add_argument("--remote", type=_csv, default=None, metavar="SRC:DST,...",
+                   help="measure P/D transfers through NIXL instead (kvgen.remote plans between two agents, beside "
+                        "NIXL's 4 MiB-descriptor copy and memcpy of the same bytes) for these layout pairs, at the "
+                        "largest --tokens and each --remote-shapes")
+    p.add_argument("--remote-shapes", default="1:1:16:16,2:4:16:32,4:2:16:16", metavar="TP:TP:N:N,...",
+                   help="source TP, destination TP, source and destination block sizes of each --remote row "
+                        "(default: 1:1:16:16,2:4:16:32,4:2:16:16)")
+    p.add_argument("--costs", action="store_true",
+                   help="measure kvgen.remote's cost model constants on this machine and print them as "
+                        "KVGEN_REMOTE_COSTS (with or without --remote)")
     p.add_argument("--busy", action="store_true",
                    help="measure with a neighbour process keeping every core busy with torch work (as a "
                         "co-located inference engine would); it starts before the first row and is stopped after")
@@ -155,6 +165,11 @@ def _write(args: argparse.Namespace, data: dict[str, Any], plot: Callable[[dict[
 def main(args: argparse.Namespace) -> int:
     """Exit status: 0, 1 when the naive baseline disagreed with a connector, 2 for a
     selection or option that cannot run (the message names the valid choices)."""
+    if getattr(args, "remote", None) or getattr(args, "costs", False):
+        from kvgen.tools.bench import remote  # torch and nixl: the command line above stays torch-free
+
+        args.remote_shapes = remote.shapes(args.remote_shapes)
+        return remote.main(args)
     # torch: the command line above stays torch-free, as `kvgen build` loads it
     from kvgen.runtime import available_devices
     from kvgen.tools.bench import report

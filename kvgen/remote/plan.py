@@ -1,0 +1,252 @@
+"""`plan`: the wire transfer that fills one destination rank's slots from the source ranks.
+
+The routes come from kvgen.tp.plan (which source rank's heads land in which of this rank's
+heads; MLA: one source per destination). Each route becomes one read of descriptors:
+
+* direct: the destination's own bytes, read run by run from the source (kvgen.remote.runs);
+* staged: the whole source blocks holding the tokens, read into a staging cache of the
+  source's layout (long runs), then permuted locally into the destination by kvgen's
+  generated transfer between the two layouts (the compiled kernel on a CPU).
+
+A cost model (kvgen.remote.cost) picks the cheaper; `strategy=` forces one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvgen import generated, tp
+from kvgen.remote.cost import Costs, costs
+from kvgen.remote.describe import Description, check_pair, describe, empty
+from kvgen.remote.runs import EXACT, Heads, Layout, layout, outside
+from kvgen.runtime.binding import leaves
+from kvgen.runtime.errors import KVLayoutError
+
+STRATEGIES = ("direct", "staged")
+
+
+@dataclass(frozen=True)
+class Read:
+    """One read from one source rank: row i of src_descs lands at row i of dst_descs."""
+
+    src_rank: int
+    src_descs: np.ndarray  # int64 [n, 3]: address, bytes, device id (NIXL's get_xfer_descs takes it)
+    dst_descs: np.ndarray
+
+    @property
+    def bytes(self) -> int:
+        return int(self.dst_descs[:, 1].sum()) if len(self.dst_descs) else 0
+
+
+@dataclass(frozen=True)
+class Staging:
+    """A local permute after the reads: `caches` (the source's layout, filled by the reads) into
+    the destination cache, by kvgen's generated transfer `pair`."""
+
+    pair: tuple[str, str]
+    caches: Any
+    src_slots: torch.Tensor
+    dst_slots: torch.Tensor
+    src_heads: Heads
+    dst_heads: Heads
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: str
+    why: str
+    dst: Description
+    reads: tuple[Read, ...]
+    staging: tuple[Staging, ...] = ()
+
+    @property
+    def src_descs(self) -> np.ndarray:
+        return np.concatenate([r.src_descs for r in self.reads]) if self.reads else np.empty((0, 3), dtype=np.int64)
+
+    @property
+    def dst_descs(self) -> np.ndarray:
+        return np.concatenate([r.dst_descs for r in self.reads]) if self.reads else np.empty((0, 3), dtype=np.int64)
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.bytes for r in self.reads)
+
+    @property
+    def count(self) -> int:
+        return sum(len(r.dst_descs) for r in self.reads)
+
+    def finish(self, dst_caches: Any) -> None:
+        """Run the staging permutes into `dst_caches` (the cache `dst` describes), after the reads."""
+        if not self.staging:
+            return
+        found = tuple(t.data_ptr() for t in leaves(dst_caches))
+        if found != self.dst.leaves:
+            raise KVLayoutError(f"dst_caches are not the cache this plan was made for ({self.dst}): its tensors "
+                                "start at other addresses")
+        for st in self.staging:
+            _transfer(st.pair).copy(st.caches, st.src_slots, dst_caches, st.dst_slots, src_heads=st.src_heads,
+                                    dst_heads=st.dst_heads)
+
+
+_transfers: dict[tuple[str, str], Any] = {}
+
+
+def _transfer(pair: tuple[str, str]) -> Any:
+    found = _transfers.get(pair)
+    if found is None:
+        found = _transfers[pair] = generated.transfer(*pair)()
+    return found
+
+
+def _slots(what: str, slots: Any) -> np.ndarray:
+    t = torch.as_tensor(slots)
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise KVLayoutError(f"{what} must be a 1-D tensor of signed integers, got {tuple(t.shape)} {t.dtype}")
+    return t.cpu().long().numpy()
+
+
+def _pairs(src_slots: Any, dst_slots: Any, src_s: int, dst: Description) -> tuple[np.ndarray, np.ndarray]:
+    """The moving (source slot, destination slot) pairs, by destination slot; refusals name the slot."""
+    s, d = _slots("src_slots", src_slots), _slots("dst_slots", dst_slots)
+    if s.size != d.size:
+        raise KVLayoutError(f"src_slots and dst_slots must have one slot per token: {s.size} and {d.size}")
+    for what, v, high in (("src_slots", s, src_s), ("dst_slots", d, dst.extent("S"))):
+        if v.size and int(v.max()) >= high:
+            raise KVLayoutError(f"{what}: slot {int(v.max())} is outside its cache, which has {high} slots "
+                                f"(valid: 0..{high - 1}, or < 0 to skip a token)")
+    keep = (s >= 0) & (d >= 0)
+    s, d = s[keep], d[keep]
+    order = np.argsort(d, kind="stable")
+    s, d = s[order], d[order]
+    twice = d[1:] == d[:-1]
+    if bool(twice.any()):
+        raise KVLayoutError(f"dst_slots: slot {int(d[1:][twice][0])} is written by more than one token")
+    return s, d
+
+
+def _sources(src: Description | Sequence[Description], dst: Description) -> dict[int, Description]:
+    given = [src] if isinstance(src, Description) else list(src)
+    if not given:
+        raise KVLayoutError("plan needs at least one source description")
+    by_rank: dict[int, Description] = {}
+    for d in given:
+        if not isinstance(d, Description):
+            raise KVLayoutError(f"sources must be kvgen.remote.Description objects, got {type(d).__name__}")
+        check_pair(d, dst)
+        if d.tp_size != given[0].tp_size or d.spec != given[0].spec:
+            raise KVLayoutError(f"every source must share one layout and TP size: {given[0]} and {d}")
+        by_rank[d.tp_rank] = d
+    return by_rank
+
+
+def _staged(s: Description, dst: Description, pairs: tuple[np.ndarray, np.ndarray], route: tp.Route,
+            narrow: bool) -> tuple[Layout, Staging]:
+    """The whole source blocks of the route's tokens into a staging cache, then the permute:
+    with every head of the source rank, or (`narrow`) only the route's heads."""
+    s_slots, d_slots = pairs
+    n = s.block or 1
+    blocks, where = np.unique(s_slots // n, return_inverse=True)
+    staged = where.reshape(-1) * n + s_slots % n
+    read_src = (blocks[:, None] * n + np.arange(n)).reshape(-1)
+    heads = route.count if narrow else s.extent("H")
+    ext = {"L": s.extent("L"), "KV": s.extent("KV"), "H": heads, "C": s.extent("C")}
+    ext.update({"B": blocks.size, "N": n, "S": blocks.size * n} if s.block else {"S": blocks.size})
+    caches = empty(s.spec, ext, getattr(torch, s.dtype))
+    here = describe(caches, s.spec, tp_rank=s.tp_rank, tp_size=s.tp_size, num_kv_heads=s.num_kv_heads,
+                    device_id=dst.device_id)
+    read = (route.src_heads, (0, heads)) if narrow else ((0, heads), (0, heads))
+    cut = layout(s, here, (read_src, np.arange(read_src.size)), read)
+    return cut, Staging((s.spec, dst.spec), caches, torch.from_numpy(staged), torch.from_numpy(d_slots),
+                        (0, heads) if narrow else route.src_heads, route.dst_heads)
+
+
+def _cheaper_staging(s: Description, dst: Description, pairs: tuple[np.ndarray, np.ndarray], route: tp.Route,
+                     c: Costs) -> tuple[Layout, Staging]:
+    """Staging every head of the source rank (whole blocks: the longest runs) or only the
+    route's (fewer bytes; runs as long where the heads are outside the tokens, as in HND)."""
+    whole = _staged(s, dst, pairs, route, False)
+    if s.mla or route.count == s.extent("H"):
+        return whole
+    narrow = _staged(s, dst, pairs, route, True)
+    return min((whole, narrow), key=lambda m: c.read(m[0].merged, m[0].bytes))
+
+
+def _routes(sources: dict[int, Description], dst: Description) -> list[tp.Route]:
+    first = next(iter(sources.values()))
+    routes = [r for r in tp.plan(dst.num_kv_heads, first.tp_size, dst.tp_size, mla=dst.mla)
+              if r.dst_rank == dst.tp_rank]
+    missing = sorted({r.src_rank for r in routes} - set(sources))
+    if missing:
+        raise KVLayoutError(f"destination rank {dst.tp_rank} of {dst.tp_size} reads from source ranks "
+                            f"{sorted({r.src_rank for r in routes})} of {first.tp_size}; no description of "
+                            f"rank(s) {missing} was given")
+    return routes
+
+
+def _moved_bytes(dst: Description, tokens: int, routes: list[tp.Route]) -> int:
+    per_head = dst.extent("L") * dst.extent("KV") * dst.extent("C") * dst.itemsize
+    return tokens * per_head * sum(r.count for r in routes)
+
+
+def plan(src: Description | Sequence[Description], dst: Description, src_slots: Any, dst_slots: Any, *,
+         strategy: str | None = None, cost: Costs | None = None) -> Plan:
+    """The reads (and staging permutes) that move token i from source slot src_slots[i] to
+    destination slot dst_slots[i] on destination rank `dst`, from the source ranks `src` (one
+    description, or one per rank; every rank the TP routes need). Slots < 0 skip a token.
+    `strategy`: "direct", "staged" or None (the cost model's choice). KVLayoutError, before
+    anything is allocated for the plan, for mismatched descriptions, slots or strategies."""
+    if strategy is not None and strategy not in STRATEGIES:
+        raise KVLayoutError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))} or None, got {strategy!r}")
+    sources = _sources(src, dst)
+    routes = _routes(sources, dst)
+    pairs = _pairs(src_slots, dst_slots, min(sources[r.src_rank].extent("S") for r in routes), dst)
+    pair = (next(iter(sources.values())).spec, dst.spec)
+    stageable = pair in generated.TRANSFERS  # keyed by spec names, as descriptions carry them
+    if strategy == "staged" and not stageable:
+        raise KVLayoutError(f"strategy 'staged' needs a generated transfer {pair[0]} -> {pair[1]} for the local "
+                            "permute; declare it in a transfers.yaml and build, or use strategy='direct'")
+    c = cost or costs()
+    direct = [layout(sources[r.src_rank], dst, pairs, (r.src_heads, r.dst_heads)) for r in routes] \
+        if strategy != "staged" else []
+    if strategy == "direct" or not stageable or not pairs[0].size:
+        why = "forced" if strategy == "direct" else \
+            f"no generated transfer {pair[0]} -> {pair[1]} to stage through" if not stageable else "nothing moves"
+        return _made("direct", why, dst, direct)
+    made = [_cheaper_staging(sources[r.src_rank], dst, pairs, r, c) for r in routes]
+    cuts = [m[0] for m in made]
+    t_staged = c.read(sum(x.merged for x in cuts), sum(x.bytes for x in cuts)) \
+        + c.permute(len(made), _moved_bytes(dst, pairs[0].size, routes))
+    if not direct:
+        return _made("staged", f"forced; estimated {t_staged * 1e3:.3f} ms", dst, cuts, tuple(m[1] for m in made))
+    t_direct = c.read(sum(x.merged for x in direct), sum(x.bytes for x in direct))
+    words = f"direct {_words(direct)}, est. {t_direct * 1e3:.3f} ms; staged {_words(cuts)} + {len(made)} local " \
+        f"permutes, est. {t_staged * 1e3:.3f} ms"
+    if t_direct <= t_staged:
+        return _made("direct", words, dst, direct)
+    return _made("staged", words, dst, cuts, tuple(m[1] for m in made))
+
+
+def _words(cuts: list[Layout]) -> str:
+    count, nbytes = sum(x.merged for x in cuts), sum(x.bytes for x in cuts)
+    exact = all(x.count <= EXACT for x in cuts)
+    return f"{'' if exact else 'up to '}{count} descriptors of {nbytes / max(count, 1):.0f} B mean"
+
+
+def _made(strategy: str, why: str, dst: Description, cuts: list[Layout], staging: tuple[Staging, ...] = ()) -> Plan:
+    for cut in cuts:
+        # A description whose strides or extents claim more than its leaves span (a corrupt or
+        # hostile handshake) must not turn into a read or a write outside them.
+        for descs, side in zip(cut.descs, (cut.src, cut.dst), strict=True):
+            if outside(descs, side):
+                raise KVLayoutError(f"{outside(descs, side)} descriptors would fall outside the tensors of {side} "
+                                    f"(its strides and extents do not fit its leaves of {side.span} bytes)")
+    reads = tuple(Read(cut.src.tp_rank, *cut.descs) for cut in cuts)
+    return Plan(strategy, why, dst, reads, staging)
+
+
+__all__ = ["STRATEGIES", "Plan", "Read", "Staging", "plan"]

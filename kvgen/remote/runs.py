@@ -1,0 +1,203 @@
+"""Descriptors of one read: the byte runs that move given token pairs and heads from one
+described cache into another, coalesced across every axis contiguous on both sides.
+
+Each element axis the two caches share (L, KV, H narrowed to a head range, C) is a dim with
+both sides' leaf step (list levels) and byte stride; the innermost dims both sides keep
+contiguous merge into one run (as kvgen.runtime.native_transfer orders a kernel call). The
+tokens are one more dim, placed among the others by the destination's within-block stride.
+Every other dim, and the tokens, become descriptors on an index grid worked out at once;
+neighbours that continue each other on both sides then merge (consecutive tokens of a block,
+consecutive blocks, planes that follow each other).
+
+The arithmetic is numpy's: one thread, so a plan of a few hundred thousand runs takes
+milliseconds even on a host whose cores are busy (torch's small ops wait for a thread team).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from kvgen.remote.describe import Description
+
+#: A head range (start, stop) in a rank's local heads.
+Heads = tuple[int, int]
+#: Reads of up to this many descriptors before merging are cut for real to be costed (cheap);
+#: larger ones are costed by that count, an upper bound.
+EXACT = 1 << 16
+
+
+@dataclass(frozen=True)
+class Dim:
+    n: int
+    src: tuple[int, int]  # (leaf step, byte stride)
+    dst: tuple[int, int]
+
+
+def _axis(d: Description, axis: str) -> tuple[int, int]:
+    return dict(d.steps).get(axis, 0), dict(d.strides).get(axis, 0)
+
+
+def _token_offsets(d: Description, slots: np.ndarray) -> np.ndarray:
+    """Bytes from a leaf's start to each slot's first element."""
+    strides = dict(d.strides)
+    if d.block is None:
+        return slots * strides["S"]
+    return (slots // d.block) * strides["B"] + (slots % d.block) * strides["N"]
+
+
+def _dims(src: Description, dst: Description, count: int) -> list[Dim]:
+    out = []
+    for axis in ("L", "KV", "H", "C"):
+        n = count if axis == "H" else src.extent(axis)
+        if n > 1:
+            out.append(Dim(n, _axis(src, axis), _axis(dst, axis)))
+    return out
+
+
+def _split(dims: list[Dim], item: int) -> tuple[int, list[Dim]]:
+    """(run bytes, the dims left outside it, outermost first in the destination's order)."""
+    dims = sorted(dims, key=lambda d: (-d.dst[0], -d.dst[1]))
+    run = item
+    while dims and all(side == (0, run) for side in (dims[-1].src, dims[-1].dst)):
+        run *= dims.pop().n
+    return run, dims
+
+
+def _head_shift(d: Description, start: int) -> tuple[int, int]:
+    ls, bs = _axis(d, "H")
+    return start * ls, start * bs
+
+
+def _segments(d: Description, s_desc: Description, pairs: tuple[np.ndarray, np.ndarray]
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(source start slots, destination start slots, lengths) of the runs of pairs that step
+    by one slot on both sides without crossing a block boundary on either."""
+    s, t = pairs
+    cut = np.ones(s.size, dtype=bool)
+    cut[1:] = (s[1:] != s[:-1] + 1) | (t[1:] != t[:-1] + 1)
+    for slots, desc in ((s, s_desc), (t, d)):
+        if desc.block is not None:
+            cut |= slots % desc.block == 0
+    first = np.flatnonzero(cut)
+    return s[first], t[first], np.diff(first, append=s.size)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one read is cut: the run both sides keep contiguous, the dims outside it (with
+    the tokens at `at`), and the token runs (one per token, or per run of consecutive slots
+    where a token's stride is the run on both sides)."""
+
+    src: Description
+    dst: Description
+    heads: tuple[Heads, Heads]
+    run: int
+    outer: tuple[Dim, ...]
+    at: int
+    tokens: tuple[np.ndarray, np.ndarray, np.ndarray]  # source slots, destination slots, lengths
+
+    @property
+    def count(self) -> int:
+        """Descriptors before neighbours merge (an upper bound of the plan's count)."""
+        n = self.tokens[0].size
+        for d in self.outer:
+            n *= d.n
+        return n
+
+    @property
+    def bytes(self) -> int:
+        n = int(self.tokens[2].sum()) * self.run
+        for d in self.outer:
+            n *= d.n
+        return n
+
+    @cached_property
+    def descs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(src_descs, dst_descs), worked out once."""
+        return descriptors(self)
+
+    @property
+    def merged(self) -> int:
+        """Descriptors after neighbours merge where that is cheap to know (see EXACT), else `count`."""
+        return len(self.descs[0]) if self.count <= EXACT else self.count
+
+
+def layout(src: Description, dst: Description, pairs: tuple[np.ndarray, np.ndarray],
+           heads: tuple[Heads, Heads]) -> Layout:
+    """The cut of a read moving source slot pairs[0][i] to destination slot pairs[1][i] (valid
+    slots, sorted by destination slot), source heads heads[0] onto destination heads heads[1]."""
+    count = heads[0][1] - heads[0][0]
+    run, outer = _split(_dims(src, dst, count), src.itemsize)
+    tok = [dict(x.strides).get("N" if x.block else "S", 0) for x in (src, dst)]
+    if tok == [run, run]:  # consecutive slots continue each other: a run of them is one descriptor
+        run_of = _segments(dst, src, pairs)
+    else:
+        run_of = (pairs[0], pairs[1], np.ones_like(pairs[0]))
+    # The tokens go outside every dim the destination steps over in less than one of them: a
+    # token, or a whole destination block where every run of tokens is one (then the dims
+    # inside a block, such as HND's heads, follow each other and merge).
+    step = tok[1]
+    if dst.block and run_of[2].size and bool((run_of[2] == dst.block).all() and (run_of[1] % dst.block == 0).all()):
+        step = dict(dst.strides)["B"]
+    at = next((k for k, d in enumerate(outer) if d.dst[0] == 0 and d.dst[1] < step), len(outer))
+    return Layout(src, dst, heads, run, tuple(outer), at, run_of)
+
+
+def descriptors(cut: Layout) -> tuple[np.ndarray, np.ndarray]:
+    """(src_descs, dst_descs): int64 [n, 3] tensors of (address, bytes, device id), matching
+    row by row, of the read `cut` describes."""
+    outer, at = cut.outer, cut.at
+    s_slots, d_slots, lengths = cut.tokens
+    shape = [d.n for d in outer]
+    shape.insert(at, s_slots.size)
+    view = [1] * len(shape)
+    view[at] = -1
+    addrs = []
+    for k, (desc, slots, h0) in enumerate(((cut.src, s_slots, cut.heads[0][0]), (cut.dst, d_slots, cut.heads[1][0]))):
+        leaf_shift, byte_shift = _head_shift(desc, h0)
+        leaf = np.full([1] * len(shape), leaf_shift, dtype=np.int64)
+        off = np.full([1] * len(shape), byte_shift, dtype=np.int64)
+        for j, d in enumerate(outer):
+            grid = [1] * len(shape)
+            grid[j if j < at else j + 1] = d.n
+            idx = np.arange(d.n, dtype=np.int64).reshape(grid)
+            ls, bs = d.src if k == 0 else d.dst
+            leaf, off = leaf + idx * ls, off + idx * bs
+        base = np.asarray(desc.leaves, dtype=np.int64)[leaf]
+        addrs.append(np.broadcast_to(base + off + _token_offsets(desc, slots).reshape(view), shape).reshape(-1))
+    sizes = np.broadcast_to((lengths * cut.run).reshape(view), shape).reshape(-1)
+    return _merge(addrs[0], addrs[1], sizes, (cut.src.device_id, cut.dst.device_id))
+
+
+def outside(descs: np.ndarray, d: Description) -> int:
+    """How many descriptors of `descs` are not inside one leaf of `d` (leaf address, + span)."""
+    if not len(descs):
+        return 0
+    bases = np.sort(np.asarray(d.leaves, dtype=np.int64))
+    at = np.searchsorted(bases, descs[:, 0], side="right") - 1
+    ok = (at >= 0) & (descs[:, 0] + descs[:, 1] <= bases[np.maximum(at, 0)] + d.span)
+    return int((~ok).sum())
+
+
+def _merge(a: np.ndarray, b: np.ndarray, sizes: np.ndarray, devices: tuple[int, int]
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Neighbouring runs that continue each other on both sides, as one descriptor."""
+    if a.size == 0:
+        empty = np.empty((0, 3), dtype=np.int64)
+        return empty, empty
+    starts = np.ones(a.size, dtype=bool)
+    starts[1:] = (a[1:] != a[:-1] + sizes[:-1]) | (b[1:] != b[:-1] + sizes[:-1])
+    first = np.flatnonzero(starts)
+    ends = np.cumsum(sizes)
+    last = np.append(first[1:] - 1, a.size - 1)
+    lengths = ends[last] - ends[first] + sizes[first]
+    out = []
+    for side, device in zip((a, b), devices, strict=True):
+        out.append(np.stack([side[first], lengths, np.full_like(lengths, device)], axis=1))
+    return out[0], out[1]
+
+
+__all__ = ["EXACT", "Heads", "Layout", "descriptors", "layout", "outside"]

@@ -1,0 +1,191 @@
+"""kvgen.remote.plan, carried out by plain memmove (no transport): element by element against
+the independent transfer reference, on coordinate-coded caches of every rank."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvgen import generated, remote
+from kvgen.oracle.scenarios import same_bits
+from kvgen.oracle.transfer_scenarios import SCENARIOS, SRC_EXT
+from kvgen.runtime.errors import KVLayoutError
+from tests.remote_harness import Case, moved_right, run_by_memmove
+
+PAIRS = sorted(generated.TRANSFERS)
+#: Partial blocks at both ends with -1 on either side; a larger destination block size; a
+#: smaller one; random slots.
+MAPPINGS = ("partial_minus1", "larger_dst_blocks", "smaller_dst_blocks", "random_slots")
+
+
+def _case(src: str, dst: str, scenario: str, src_tp: int = 1, dst_tp: int = 1, rank: int = 0,
+          heads: int = 2) -> tuple[Case, list[int], list[int]]:
+    sc = SCENARIOS[scenario]
+    case = Case(src, dst, dict(sc.src_ext), dict(sc.dst_ext), src_tp, dst_tp, rank, heads)
+    s, d = sc.mapping(random.Random(f"{src}/{dst}/{scenario}/{rank}"), sc.src_ext, sc.dst_ext)
+    return case, s, d
+
+
+@pytest.mark.parametrize("strategy", ["direct", "staged"])
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}->{p[1]}")
+def test_every_builtin_pair_moves_like_the_reference(pair: tuple[str, str], strategy: str) -> None:
+    wrong = []
+    for scenario in MAPPINGS[:2]:
+        ok, used = moved_right(*_case(*pair, scenario), strategy)
+        assert used == strategy
+        if not ok:
+            wrong.append(scenario)
+    assert wrong == []
+
+
+@pytest.mark.parametrize("scenario", MAPPINGS)
+@pytest.mark.parametrize("strategy", ["direct", "staged", None])
+def test_block_sizes_and_slots(scenario: str, strategy: str | None) -> None:
+    for pair in (("vllm_flash_attn_hnd", "vllm_flash_attn_nhd"), ("sglang_mha", "vllm_flash_attn_nhd"),
+                 ("vllm_flash_attn_nhd", "hicache_page_first")):
+        assert moved_right(*_case(*pair, scenario), strategy)[0], pair
+
+
+#: (source TP, destination TP) with 4 KV heads: split, merged, replicated on either side.
+TP_SIZES = [(1, 2), (2, 4), (4, 2), (2, 1), (2, 8), (8, 2), (4, 4)]
+#: Per-layer NHD into HND, (K, V) tuples into a page-first host pool, MLA (one source each).
+TP_PAIRS = [("vllm_flash_attn_nhd", "vllm_flash_attn_hnd"), ("vllm_kv_tuple", "hicache_page_first"),
+            ("sglang_mla", "vllm_mla")]
+
+
+@pytest.mark.parametrize("sizes", TP_SIZES, ids=lambda s: f"tp{s[0]}->tp{s[1]}")
+@pytest.mark.parametrize("pair", TP_PAIRS, ids=lambda p: f"{p[0]}->{p[1]}")
+def test_every_destination_rank_reads_its_heads_from_their_owners(pair: tuple[str, str],
+                                                                  sizes: tuple[int, int]) -> None:
+    for rank in range(sizes[1]):
+        for strategy in ("direct", "staged"):
+            case, s, d = _case(*pair, "partial_minus1", *sizes, rank, heads=4)
+            assert moved_right(case, s, d, strategy)[0], (rank, strategy)
+
+
+def _nhd_ranks(blocks: int = 16) -> tuple[Case, list, object]:
+    case = Case("vllm_flash_attn_nhd", "vllm_flash_attn_nhd", {**SRC_EXT, "B": blocks}, {**SRC_EXT, "B": blocks},
+                1, 1, 0, 2)
+    return case, *case.caches()
+
+
+def test_whole_consecutive_blocks_are_one_descriptor_per_layer_and_plane() -> None:
+    case, srcs, dst = _nhd_ranks()
+    sd, dd = case.describe(srcs, dst)
+    n = SRC_EXT["N"]
+    p = remote.plan(sd, dd, torch.arange(2 * n, 6 * n), torch.arange(8 * n, 12 * n), strategy="direct")
+    # L leaves x K/V, each a run of 4 whole blocks: coalesced over N, H, C and the blocks.
+    assert p.count == SRC_EXT["L"] * 2
+    assert set(p.dst_descs[:, 1].tolist()) == {4 * n * SRC_EXT["H"] * SRC_EXT["C"] * 4}
+    assert p.bytes == 4 * n * SRC_EXT["L"] * 2 * SRC_EXT["H"] * SRC_EXT["C"] * 4
+
+
+def test_the_cost_model_stages_short_runs_and_reads_long_ones_directly() -> None:
+    slow_descriptors = remote.Costs(per_descriptor=1e-3, wire=1e9, local=1e12, per_permute=0.0)
+    case = Case("vllm_flash_attn_hnd", "vllm_flash_attn_nhd", dict(SRC_EXT), dict(SRC_EXT), 1, 1, 0, 2)
+    srcs, dst = case.caches()
+    sd, dd = case.describe(srcs, dst)
+    slots = torch.arange(0, 16)
+    staged = remote.plan(sd, dd, slots, slots, cost=slow_descriptors)
+    assert staged.strategy == "staged" and staged.staging and "direct" in staged.why and "staged" in staged.why
+    slow_permute = remote.Costs(per_descriptor=0.0, wire=1e9, local=1.0, per_permute=1.0)
+    direct = remote.plan(sd, dd, slots, slots, cost=slow_permute)
+    assert direct.strategy == "direct" and not direct.staging
+    forced = remote.plan(sd, dd, slots, slots, strategy="direct", cost=slow_descriptors)
+    assert forced.strategy == "direct" and forced.why == "forced" and not forced.staging
+
+
+def test_costs_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGEN_REMOTE_COSTS", '{"per_descriptor": 1e-5}')
+    assert remote.costs() == remote.Costs(per_descriptor=1e-5)
+    monkeypatch.setenv("KVGEN_REMOTE_COSTS", '{"per_desc": 1}')
+    with pytest.raises(KVLayoutError, match="per_desc"):
+        remote.costs()
+
+
+def test_skipped_tokens_plan_nothing() -> None:
+    case, srcs, dst = _nhd_ranks()
+    sd, dd = case.describe(srcs, dst)
+    p = remote.plan(sd, dd, torch.tensor([-1, 3]), torch.tensor([5, -1]))
+    assert p.count == 0 and p.bytes == 0 and not p.staging
+    run_by_memmove(p, dst)
+
+
+def test_bad_slots_and_strategies_are_refused_naming_them() -> None:
+    case, srcs, dst = _nhd_ranks()
+    sd, dd = case.describe(srcs, dst)
+    s_all = sd[0].extent("S")
+    for src_slots, dst_slots, words in (
+            (torch.tensor([s_all]), torch.tensor([0]), f"slot {s_all} is outside"),
+            (torch.tensor([0, 1]), torch.tensor([4, 4]), "slot 4 is written by more than one token"),
+            (torch.tensor([0, 1]), torch.tensor([4]), "one slot per token"),
+            (torch.tensor([0.0]), torch.tensor([4]), "signed integers")):
+        with pytest.raises(KVLayoutError, match=words):
+            remote.plan(sd, dd, src_slots, dst_slots)
+    with pytest.raises(KVLayoutError, match="strategy must be one of"):
+        remote.plan(sd, dd, torch.tensor([0]), torch.tensor([0]), strategy="fast")
+
+
+def test_a_missing_source_rank_is_named() -> None:
+    case = Case("vllm_flash_attn_nhd", "vllm_flash_attn_hnd", dict(SRC_EXT), dict(SRC_EXT), 2, 1, 0, 4)
+    srcs, dst = case.caches()
+    sd, dd = case.describe(srcs, dst)
+    with pytest.raises(KVLayoutError, match=r"no description of rank\(s\) \[1\]"):
+        remote.plan(sd[0], dd, torch.tensor([0]), torch.tensor([0]))
+
+
+def test_staging_without_a_generated_transfer_is_refused() -> None:
+    case = Case("vllm_flashinfer_nhd", "vllm_flashinfer_nhd", dict(SRC_EXT), dict(SRC_EXT), 1, 1, 0, 2)
+    assert ("vllm_flashinfer_nhd", "vllm_flashinfer_nhd") not in generated.TRANSFERS
+    srcs, dst = case.caches()
+    sd, dd = case.describe(srcs, dst)
+    with pytest.raises(KVLayoutError, match="needs a generated transfer"):
+        remote.plan(sd, dd, torch.tensor([0]), torch.tensor([0]), strategy="staged")
+    p = remote.plan(sd, dd, torch.tensor([0]), torch.tensor([0]))
+    assert p.strategy == "direct" and "no generated transfer" in p.why
+
+
+def test_finish_refuses_another_cache() -> None:
+    case, srcs, dst = _nhd_ranks()
+    sd, dd = case.describe(srcs, dst)
+    p = remote.plan(sd, dd, torch.arange(4), torch.arange(4), strategy="staged")
+    other = case.caches()[1]
+    with pytest.raises(KVLayoutError, match="not the cache this plan was made for"):
+        p.finish(other)
+
+
+def test_a_2048_token_request_of_32_layers_plans_every_byte() -> None:
+    """(The planner's speed is measured by `kvgen bench --remote`, not here.)"""
+    L, H, C, N = 32, 8, 128, 16
+    blocks = 2048 // N
+    src = [torch.empty(2, blocks, N, H, C, dtype=torch.bfloat16) for _ in range(L)]
+    dst = [torch.empty(2, blocks, H, N, C, dtype=torch.bfloat16) for _ in range(L)]
+    sd = remote.describe(src, "vllm_flash_attn_nhd", tp_rank=0, tp_size=1)
+    dd = remote.describe(dst, "vllm_flash_attn_hnd", tp_rank=0, tp_size=1)
+    slots = torch.randperm(blocks)[:, None] * N + torch.arange(N)
+    p = remote.plan(sd, dd, slots.flatten(), torch.arange(2048), strategy="direct")
+    assert p.bytes == 2048 * L * 2 * H * C * 2
+
+
+def test_staging_takes_every_source_head_or_only_the_routes_as_the_cost_model_says() -> None:
+    """A destination rank that needs half of a source rank's 4 heads: where bytes are dear it
+    stages only those 2, where descriptors are dear every head (whole blocks, which merge
+    across consecutive blocks; 2 of 4 heads break the run at every block in HND, at every
+    token in NHD)."""
+    bytes_dear = remote.Costs(per_descriptor=1e-9, wire=1e6, local=1e12, per_permute=0.0)
+    descriptors_dear = remote.Costs(per_descriptor=1.0, wire=1e12, local=1e12, per_permute=0.0)
+    n, blocks = SRC_EXT["N"], 3
+    slots = torch.arange(blocks * n)
+    hnd, nhd = "vllm_flash_attn_hnd", "vllm_flash_attn_nhd"
+    for layout, cost, staged_heads in ((hnd, bytes_dear, 2), (hnd, descriptors_dear, 4), (nhd, bytes_dear, 2),
+                                       (nhd, descriptors_dear, 4)):
+        case = Case(layout, "vllm_flash_attn_nhd", dict(SRC_EXT), dict(SRC_EXT), 1, 2, 1, 4)
+        srcs, dst = case.caches()
+        sd, dd = case.describe(srcs, dst)
+        want = case.expected(srcs, dst, slots.tolist(), slots.tolist())
+        p = remote.plan(sd, dd, slots, slots, strategy="staged", cost=cost)
+        assert p.bytes == blocks * n * SRC_EXT["L"] * 2 * staged_heads * SRC_EXT["C"] * 4, (layout, cost)
+        run_by_memmove(p, dst)
+        assert same_bits(dst, want)
