@@ -33,6 +33,12 @@ def _tp_sizes(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return int(text)
+
+
 def _out_arg(p: argparse.ArgumentParser, what: str) -> None:
     from kvgen.tools.paths import DefaultOut, default_out, describe_default_out
 
@@ -333,6 +339,8 @@ def parser() -> argparse.ArgumentParser:
                    help="force how connectors move data: the generated Triton kernels (on the CPU through "
                         "Triton's interpreter, TRITON_INTERPRET=1, set here) or the torch ops (default: each "
                         "connector's own choice)")
+    p.add_argument("--jobs", type=_positive_int, default=None, metavar="N",
+                   help="check rows in N worker processes (default: one per core, at most 4; 1: in this process)")
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser("detect", help="which layout a cache of this shape is (refuses to guess)")

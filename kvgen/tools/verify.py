@@ -97,6 +97,16 @@ def _check(package: ModuleType, plan: Any, device: str, scenarios: list[Scenario
     return results
 
 
+def check_row(package: ModuleType, plan: Any, device: str, backend: str | None) -> tuple[bool, bool, bool]:
+    """(store ok, load ok, a Triton kernel launched) of one connector over every slot scenario."""
+    from kvgen.oracle.scenarios import SCENARIOS
+    from kvgen.runtime import kernels
+
+    launches = kernels.stats["launches"]
+    results = _check(package, plan, device, list(SCENARIOS.values()), backend)
+    return all(r[0] for r in results), all(r[1] for r in results), kernels.stats["launches"] > launches
+
+
 def _check_facts(library: Any) -> int:
     """Built-in specs against the engines' own facts (kvgen.oracle.facts): a wrong spec
     would otherwise verify, since the reference reads the same spec as the generator."""
@@ -143,17 +153,10 @@ def _prepare_triton(devices: list[str]) -> None:
 
 
 def main(args: Any) -> int:
-    from kvgen.plan.models import plan_models
-    from kvgen.plan.package import plan_connectors as plan_library
-    from kvgen.spec.library import load_library
-    from kvgen.spec.transfers import load_transfers
-    from kvgen.tools import verify_engines, verify_models, verify_transfers
+    from kvgen.tools import verify_engines, verify_models, verify_pool, verify_transfers
 
-    library = load_library(args.specs)
-    plans = plan_library(library)
-    transfers = load_transfers(library, args.specs)
-    model_plans = plan_models(library, plans)[0]
-    package = import_package(args.out)
+    ctx = verify_pool.load(verify_pool.Inputs(args.out, tuple(args.specs), args.backend))
+    library, plans, transfers, model_plans, package = ctx.library, ctx.plans, ctx.transfers, ctx.models, ctx.package
     problem = _mismatch(package, library, plans, args.out, args.specs) or \
         verify_transfers.mismatch(package, transfers, args.out, args.specs) or \
         verify_models.mismatch(package, model_plans, args.out, args.specs)
@@ -182,28 +185,33 @@ def main(args: Any) -> int:
                              "no Triton kernels of their own")
         moves = model_runs = []  # transfers have no kernels; model connectors move through their members
     from kvgen.oracle.scenarios import SCENARIOS  # torch: only once the inputs are known good
-    from kvgen.runtime import kernels
 
-    scenarios = list(SCENARIOS.values())
-    rows, failures = 0, _check_facts(library) + verify_engines.run()
+    failures = _check_facts(library) + verify_engines.run()
+    jobs = args.jobs if args.jobs is not None else verify_pool.default_jobs()
+    with verify_pool.Rows(ctx, jobs) as rows:
+        failures += _connector_rows(rows, selected, plans, devices, args.backend, len(SCENARIOS))
+        failures += verify_transfers.run(rows, moves, transfers, devices)[1]
+        failures += verify_models.run(rows, model_runs, model_plans, devices)[1]
+    return 1 if failures else 0
+
+
+def _connector_rows(rows: Any, selected: list[Any], plans: list[Any], devices: list[str], backend: str | None,
+                    scenarios: int) -> int:
+    """Print one row per connector and device; the number of failed checks."""
+    from kvgen.tools.verify_pool import each
+
+    count, failures = 0, 0
     wide = max([24, *(len(p.paged.name) for p in selected)]), max([13, *(len(p.obj.name) for p in selected)])
     print(f"{'layout':<{wide[0]}} {'object':<{wide[1]}} {'mode':<9} {'device':<6} {'store ok':<8} {'load ok':<8}")
-    for device in devices:
-        for plan in selected:
-            launches = kernels.stats["launches"]
-            results = _check(package, plan, device, scenarios, args.backend)
-            store_ok = all(r[0] for r in results)
-            load_ok = all(r[1] for r in results)
-            if args.backend == "triton" and kernels.stats["launches"] == launches:
-                print(f"kvgen verify: {plan.module} on {device}: the Triton kernel never ran", file=sys.stderr)
-                store_ok = load_ok = False
-            failures += (not store_ok) + (not load_ok)
-            rows += 1
-            print(f"{plan.paged.name:<{wide[0]}} {plan.obj.name:<{wide[1]}} {plan.mode:<9} {device:<6} "
-                  f"{'yes' if store_ok else 'NO':<8} {'yes' if load_ok else 'NO':<8}", flush=True)
-    print(f"\n{rows} connector runs on {', '.join(devices)} ({len(scenarios)} slot scenarios each"
-          + (f", backend {args.backend}" if args.backend else "") + "): "
-          f"{rows * 2 - failures} checks passed, {failures} failed")
-    failures += verify_transfers.run(package, moves, devices)[1]
-    failures += verify_models.run(package, library, model_runs, devices)[1]
-    return 1 if failures else 0
+    for plan, device, (store_ok, load_ok, launched) in each(rows, "connector", selected, plans, devices):
+        if backend == "triton" and not launched:
+            print(f"kvgen verify: {plan.module} on {device}: the Triton kernel never ran", file=sys.stderr)
+            store_ok = load_ok = False
+        failures += (not store_ok) + (not load_ok)
+        count += 1
+        print(f"{plan.paged.name:<{wide[0]}} {plan.obj.name:<{wide[1]}} {plan.mode:<9} {device:<6} "
+              f"{'yes' if store_ok else 'NO':<8} {'yes' if load_ok else 'NO':<8}", flush=True)
+    print(f"\n{count} connector runs on {', '.join(devices)} ({scenarios} slot scenarios each"
+          + (f", backend {backend}" if backend else "") + "): "
+          f"{count * 2 - failures} checks passed, {failures} failed")
+    return failures
