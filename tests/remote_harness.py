@@ -58,9 +58,11 @@ class Case:
         s_ext, d_ext = self.local(self.src_ext, self.src_tp), self.local(self.dst_ext, self.dst_tp)
         for r in tp.plan(self.num_kv_heads, self.src_tp, self.dst_tp, mla=mla):
             if r.dst_rank == self.dst_rank:
-                transfer_reference.transfer(LIBRARY[self.src], s_ext, srcs[r.src_rank], src_slots,
-                                            LIBRARY[self.dst], d_ext, want, dst_slots,
-                                            None if mla else r.src_heads, None if mla else r.dst_heads)
+                transfer_reference.transfer(
+                    transfer_reference.TransferSide(LIBRARY[self.src], s_ext, srcs[r.src_rank], src_slots,
+                                                    None if mla else r.src_heads),
+                    transfer_reference.TransferSide(LIBRARY[self.dst], d_ext, want, dst_slots,
+                                                    None if mla else r.dst_heads))
         return want
 
 

@@ -133,6 +133,25 @@ def test_verify_finds_a_wrong_connector(built: tuple[Path, Path], tmp_path: Path
     assert "0 checks passed, 2 failed" in text, text
 
 
+def test_verify_in_worker_processes_prints_the_rows_of_one_process(built: tuple[Path, Path], tmp_path: Path,
+                                                                   capsys) -> None:
+    """--jobs 2 checks rows in spawned workers, which load the package themselves: the same rows
+    in the same order as --jobs 1, and a wrong connector still fails."""
+    specs, out = built
+    copy = tmp_path / "tampered-jobs"
+    shutil.copytree(out, copy)
+    module = copy / "my_engine_hkv__kv_2ltd.py"
+    module.write_text(module.read_text() + TAMPER)
+    argv = ["verify", "--out", str(copy), "--specs", str(specs), "--only", "my_engine_hkv", "--device", "cpu"]
+    assert main([*argv, "--jobs", "1"]) == 1
+    alone = _rows(capsys.readouterr().out)
+    assert main([*argv, "--jobs", "2"]) == 1
+    pooled = _rows(capsys.readouterr().out)
+    assert len(alone) == 3 and pooled == alone, (alone, pooled)
+    assert [r.split()[:2] + r.split()[-2:] for r in pooled if "kv_2ltd" in r] == \
+        [["my_engine_hkv", "kv_2ltd", "NO", "NO"]]
+
+
 def test_verify_counts_a_raising_connector_as_failed(built: tuple[Path, Path], tmp_path: Path, capsys) -> None:
     specs, out = built
     copy = tmp_path / "raising"

@@ -71,3 +71,25 @@ def test_a_failing_pass_fails_test_and_the_other_pass_still_runs(tmp_path: Path,
 def test_a_pass_that_selects_no_test_fails_only_when_both_do(tmp_path: Path, empty: str, code: int) -> None:
     done = _run(tmp_path, empty, "test", code=5)
     assert done.returncode == code, done.stderr
+
+
+def test_a_whole_test_run_sets_up_sglang_meanwhile_and_fails_when_that_set_up_fails(tmp_path: Path) -> None:
+    """The SGLang venv is set up in the background while the suite runs; a set-up that fails
+    fails the run with its output, after both passes of the suite ran."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    vpy = venv / "bin" / "python"
+    vpy.write_text('#!/bin/sh\ncase "$*" in *"pip install"*) echo "no wheel for sglang here" >&2; exit 1;; esac\n'
+                   'exit 1\n')
+    vpy.chmod(0o755)
+    fake = tmp_path / "python"
+    log = tmp_path / "calls"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexit 0\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "KVGEN_NO_ENGINES"}
+    done = subprocess.run([str(ROOT / "scripts" / "dev"), "test"], capture_output=True, text=True, timeout=60,
+                          env={**env, "PYTHON": str(fake), "KVGEN_TEST_WORKERS": "2",
+                               "KVGEN_SGLANG_VENV": str(venv)})
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "setting up" in done.stderr and "no wheel for sglang here" in done.stderr, done.stderr
+    assert len(_pytest_calls(tmp_path)) == 2

@@ -35,15 +35,15 @@ def test_the_wire_form_is_small_json_and_reads_back_equal() -> None:
     d = remote.describe(_nhd(), "vllm_flash_attn_nhd", tp_rank=0, tp_size=1)
     wire = d.to_bytes()
     assert wire.startswith(b"{") and len(wire) < 1024  # 32 leaf addresses and the facts
-    assert remote.Description.from_bytes(wire) == d
+    assert remote.CacheDescription.from_bytes(wire) == d
 
 
 def test_garbage_and_other_versions_are_refused() -> None:
     with pytest.raises(KVLayoutError, match="not a kvgen cache description"):
-        remote.Description.from_bytes(b"hello")
+        remote.CacheDescription.from_bytes(b"hello")
     d = remote.describe(_nhd(2), "vllm_flash_attn_nhd", tp_rank=0, tp_size=1)
     with pytest.raises(KVLayoutError, match="version 99"):
-        remote.Description.from_bytes(dataclasses.replace(d, version=99).to_bytes())
+        remote.CacheDescription.from_bytes(dataclasses.replace(d, version=99).to_bytes())
 
 
 def test_the_fingerprint_names_the_layout_not_the_allocation() -> None:
@@ -67,7 +67,7 @@ def test_a_cache_that_is_not_the_layout_is_refused() -> None:
             remote.describe(_nhd(2), "vllm_flash_attn_nhd", **kwargs)
 
 
-def _pair() -> tuple[list[remote.Description], remote.Description, list, object]:
+def _pair() -> tuple[list[remote.CacheDescription], remote.CacheDescription, list, object]:
     case = Case("vllm_flash_attn_nhd", "vllm_flash_attn_hnd", dict(SRC_EXT), dict(SRC_EXT), 1, 1, 0, 2)
     srcs, dst = case.caches()
     sd, dd = case.describe(srcs, dst)

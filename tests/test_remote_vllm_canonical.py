@@ -35,7 +35,7 @@ from tests.test_engine_vllm_offload import (  # noqa: E402
 HEADS = 4
 
 
-def _rank(layout: str, tp: int, rank: int) -> tuple[list[torch.Tensor], remote.Description, dict, list[str], dict]:
+def _rank(layout: str, tp: int, rank: int) -> tuple[list[torch.Tensor], remote.CacheDescription, dict, list[str], dict]:
     kv, config, names = engine_cache(layout, full(heads=HEADS // tp))
     fill(kv, names, first_head=rank * HEADS // tp, heads_total=HEADS)
     cache = memory_order(kv, names, layout, False)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgen.errors import KVGenError
-from kvgen.remote import Costs, Description, Plan, check_pair, plan
+from kvgen.remote import CacheDescription, Costs, Plan, check_pair, plan
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.errors import KVLayoutError
 
@@ -56,14 +56,14 @@ def unavailable() -> str | None:
 @dataclass(frozen=True)
 class Peer:
     agent: str
-    description: Description
+    description: CacheDescription
 
 
 class Worker:
     """One rank's cache registered with a NIXL agent: its own (named `name`), or `agent`, one
     the caller made and keeps (several caches may share one: an agent costs ~0.5 s to start)."""
 
-    def __init__(self, name: str, caches: Any, description: Description, agent: Any = None):
+    def __init__(self, name: str, caches: Any, description: CacheDescription, agent: Any = None):
         found = tuple(t.data_ptr() for t in leaves(caches))
         if found != description.leaves:
             raise KVLayoutError(f"{name}: the description is not of these caches ({description})")
@@ -83,13 +83,13 @@ class Worker:
         return json.dumps({"agent": self.name, "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
                            "description": self.description.to_bytes().decode()}).encode()
 
-    def connect(self, handshake: bytes) -> Description:
+    def connect(self, handshake: bytes) -> CacheDescription:
         """Accept a source rank's handshake (refused, naming both caches, when its cache cannot
         move into this one); returns its description."""
         try:
             raw = json.loads(handshake)
             agent, metadata = raw["agent"], base64.b64decode(raw["metadata"])
-            description = Description.from_bytes(raw["description"].encode())
+            description = CacheDescription.from_bytes(raw["description"].encode())
         except (ValueError, KeyError, TypeError) as why:
             raise KVLayoutError(f"not a kvgen NIXL handshake: {why}") from why
         check_pair(description, self.description)

@@ -3,7 +3,7 @@
     from kvgen import remote
     mine = remote.describe(caches, "vllm_flash_attn_nhd", tp_rank=1, tp_size=4)
     wire = mine.to_bytes()                       # a few hundred bytes for the handshake
-    theirs = remote.Description.from_bytes(data)
+    theirs = remote.CacheDescription.from_bytes(data)
     p = remote.plan([theirs, ...], mine, src_slots, dst_slots)   # reads + local permutes
     ...  # post p.reads (src_descs -> dst_descs) on a transport, wait, then p.finish(caches)
 
@@ -12,9 +12,9 @@ plan and the strategies.
 """
 
 from kvgen.remote.cost import Costs, costs
-from kvgen.remote.describe import Description, check_pair, describe, digest, empty, layout_of
+from kvgen.remote.describe import CacheDescription, check_pair, describe, digest, empty, layout_of
 from kvgen.remote.plan import STRATEGIES, Plan, Read, Staging, plan
 from kvgen.remote.stamps import check_stamp, stamp
 
-__all__ = ["STRATEGIES", "Costs", "Description", "Plan", "Read", "Staging", "check_pair", "check_stamp", "costs",
+__all__ = ["STRATEGIES", "Costs", "CacheDescription", "Plan", "Read", "Staging", "check_pair", "check_stamp", "costs",
            "describe", "digest", "empty", "layout_of", "plan", "stamp"]

@@ -1,4 +1,4 @@
-"""What one worker tells another about its cache in a P/D handshake: a `Description`.
+"""What one worker tells another about its cache in a P/D handshake: a `CacheDescription`.
 
 A description names the layout (its spec and a digest of the layout facts its addresses come
 from), the extents, the dtype, every leaf tensor's base address, each axis's byte stride (or,
@@ -32,7 +32,7 @@ VERSION = 1
 
 
 @dataclass(frozen=True)
-class Description:
+class CacheDescription:
     """One worker's cache, as the other side of a transfer sees it (frozen, JSON-serializable)."""
 
     spec: str
@@ -90,7 +90,7 @@ class Description:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Description:
+    def from_bytes(cls, data: bytes) -> CacheDescription:
         try:
             raw = json.loads(data)
             raw = {**raw, **{k: tuple(tuple(p) for p in raw[k]) for k in ("extents", "strides", "steps")},
@@ -143,8 +143,26 @@ def _span(t: torch.Tensor) -> int:
     return (sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
 
 
+def _check_ranks(tp_rank: int, tp_size: int, device_id: int) -> None:
+    for what, value in (("tp_size", tp_size), ("tp_rank", tp_rank), ("device_id", device_id)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if what == "tp_size" else 0):
+            raise KVLayoutError(f"{what} must be a {'positive' if what == 'tp_size' else 'non-negative'} "
+                                f"integer, got {value!r}")
+    if tp_rank >= tp_size:
+        raise KVLayoutError(f"tp_rank {tp_rank} is not one of the {tp_size} ranks (0..{tp_size - 1})")
+
+
+def _list_steps(paged: PagedLayout, ext: dict[str, int]) -> dict[str, int]:
+    """Leaves per step of each list level (the innermost level steps by one leaf)."""
+    steps, step = {}, 1
+    for a in reversed(paged.lists):
+        steps[a] = step
+        step *= ext[a]
+    return steps
+
+
 def describe(caches: Any, layout: str, *, tp_rank: int, tp_size: int, device_id: int = 0,
-             num_kv_heads: int | None = None) -> Description:
+             num_kv_heads: int | None = None) -> CacheDescription:
     """Describe `caches` (as the engine hands them over) of `layout` for TP rank `tp_rank` of
     `tp_size`. `num_kv_heads`: the model's KV heads over all ranks; by default this rank's
     heads times tp_size (pass it when heads are replicated, tp_size > num_kv_heads).
@@ -152,12 +170,7 @@ def describe(caches: Any, layout: str, *, tp_rank: int, tp_size: int, device_id:
     paged, read_geometry = layout_of(layout)
     if paged.parts:
         raise KVLayoutError(f"{paged.name} has several parts; remote transfers move single-part layouts")
-    for what, value in (("tp_size", tp_size), ("tp_rank", tp_rank), ("device_id", device_id)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if what == "tp_size" else 0):
-            raise KVLayoutError(f"{what} must be a {'positive' if what == 'tp_size' else 'non-negative'} "
-                                f"integer, got {value!r}")
-    if tp_rank >= tp_size:
-        raise KVLayoutError(f"tp_rank {tp_rank} is not one of the {tp_size} ranks (0..{tp_size - 1})")
+    _check_ranks(tp_rank, tp_size, device_id)
     g: Geometry = read_geometry(caches)
     tensors = leaves(caches)
     first = tensors[0]
@@ -165,20 +178,16 @@ def describe(caches: Any, layout: str, *, tp_rank: int, tp_size: int, device_id:
         raise KVLayoutError(f"{paged.name}: every cache tensor must have the same strides to be described")
     ext = g.extents()
     strides = native._strides(paged.dims, first, ext, g.N is None)
-    steps, step = {}, 1
-    for a in reversed(paged.lists):
-        steps[a] = step
-        step *= ext[a]
     mla = not paged.has("H")
     heads = 1 if mla else (num_kv_heads if num_kv_heads is not None else g.H * tp_size)
     extents = (("L", g.L), ("KV", g.KV), ("H", g.H), ("C", g.C), ("S", g.S), ("N", g.N or 0))
-    return Description(paged.name, digest(paged), str(g.dtype).removeprefix("torch."), extents,
-                       tuple(t.data_ptr() for t in tensors), _span(first),
-                       tuple(sorted(strides.items())), tuple(sorted(steps.items())),
-                       tp_rank, tp_size, heads, device_id)
+    return CacheDescription(paged.name, digest(paged), str(g.dtype).removeprefix("torch."), extents,
+                            tuple(t.data_ptr() for t in tensors), _span(first),
+                            tuple(sorted(strides.items())), tuple(sorted(_list_steps(paged, ext).items())),
+                            tp_rank, tp_size, heads, device_id)
 
 
-def check_pair(src: Description, dst: Description) -> None:
+def check_pair(src: CacheDescription, dst: CacheDescription) -> None:
     """Refuse two descriptions whose content cannot move one onto the other, naming both; and a
     description whose digest differs from this side's spec of the same name (another version)."""
     for d in (src, dst):
@@ -195,4 +204,4 @@ def check_pair(src: Description, dst: Description) -> None:
                             f"destination {dst}")
 
 
-__all__ = ["Description", "check_pair", "describe", "digest", "empty", "layout_of"]
+__all__ = ["CacheDescription", "check_pair", "describe", "digest", "empty", "layout_of"]

@@ -22,7 +22,7 @@ import torch
 
 from kvgen import generated, tp
 from kvgen.remote.cost import Costs, costs
-from kvgen.remote.describe import Description, check_pair, describe, empty
+from kvgen.remote.describe import CacheDescription, check_pair, describe, empty
 from kvgen.remote.runs import EXACT, Heads, Layout, layout, outside
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.errors import KVLayoutError
@@ -60,7 +60,7 @@ class Staging:
 class Plan:
     strategy: str
     why: str
-    dst: Description
+    dst: CacheDescription
     reads: tuple[Read, ...]
     staging: tuple[Staging, ...] = ()
 
@@ -110,7 +110,7 @@ def _slots(what: str, slots: Any) -> np.ndarray:
     return t.cpu().long().numpy()
 
 
-def _pairs(src_slots: Any, dst_slots: Any, src_s: int, dst: Description) -> tuple[np.ndarray, np.ndarray]:
+def _pairs(src_slots: Any, dst_slots: Any, src_s: int, dst: CacheDescription) -> tuple[np.ndarray, np.ndarray]:
     """The moving (source slot, destination slot) pairs, by destination slot; refusals name the slot."""
     s, d = _slots("src_slots", src_slots), _slots("dst_slots", dst_slots)
     if s.size != d.size:
@@ -129,14 +129,14 @@ def _pairs(src_slots: Any, dst_slots: Any, src_s: int, dst: Description) -> tupl
     return s, d
 
 
-def _sources(src: Description | Sequence[Description], dst: Description) -> dict[int, Description]:
-    given = [src] if isinstance(src, Description) else list(src)
+def _sources(src: CacheDescription | Sequence[CacheDescription], dst: CacheDescription) -> dict[int, CacheDescription]:
+    given = [src] if isinstance(src, CacheDescription) else list(src)
     if not given:
         raise KVLayoutError("plan needs at least one source description")
-    by_rank: dict[int, Description] = {}
+    by_rank: dict[int, CacheDescription] = {}
     for d in given:
-        if not isinstance(d, Description):
-            raise KVLayoutError(f"sources must be kvgen.remote.Description objects, got {type(d).__name__}")
+        if not isinstance(d, CacheDescription):
+            raise KVLayoutError(f"sources must be kvgen.remote.CacheDescription objects, got {type(d).__name__}")
         check_pair(d, dst)
         if d.tp_size != given[0].tp_size or d.spec != given[0].spec:
             raise KVLayoutError(f"every source must share one layout and TP size: {given[0]} and {d}")
@@ -144,7 +144,7 @@ def _sources(src: Description | Sequence[Description], dst: Description) -> dict
     return by_rank
 
 
-def _staged(s: Description, dst: Description, pairs: tuple[np.ndarray, np.ndarray], route: tp.Route,
+def _staged(s: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray, np.ndarray], route: tp.Route,
             narrow: bool) -> tuple[Layout, Staging]:
     """The whole source blocks of the route's tokens into a staging cache, then the permute:
     with every head of the source rank, or (`narrow`) only the route's heads."""
@@ -165,7 +165,7 @@ def _staged(s: Description, dst: Description, pairs: tuple[np.ndarray, np.ndarra
                         (0, heads) if narrow else route.src_heads, route.dst_heads)
 
 
-def _cheaper_staging(s: Description, dst: Description, pairs: tuple[np.ndarray, np.ndarray], route: tp.Route,
+def _cheaper_staging(s: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray, np.ndarray], route: tp.Route,
                      c: Costs) -> tuple[Layout, Staging]:
     """Staging every head of the source rank (whole blocks: the longest runs) or only the
     route's (fewer bytes; runs as long where the heads are outside the tokens, as in HND)."""
@@ -176,7 +176,7 @@ def _cheaper_staging(s: Description, dst: Description, pairs: tuple[np.ndarray, 
     return min((whole, narrow), key=lambda m: c.read(m[0].merged, m[0].bytes))
 
 
-def _routes(sources: dict[int, Description], dst: Description) -> list[tp.Route]:
+def _routes(sources: dict[int, CacheDescription], dst: CacheDescription) -> list[tp.Route]:
     first = next(iter(sources.values()))
     routes = [r for r in tp.plan(dst.num_kv_heads, first.tp_size, dst.tp_size, mla=dst.mla)
               if r.dst_rank == dst.tp_rank]
@@ -188,12 +188,12 @@ def _routes(sources: dict[int, Description], dst: Description) -> list[tp.Route]
     return routes
 
 
-def _moved_bytes(dst: Description, tokens: int, routes: list[tp.Route]) -> int:
+def _moved_bytes(dst: CacheDescription, tokens: int, routes: list[tp.Route]) -> int:
     per_head = dst.extent("L") * dst.extent("KV") * dst.extent("C") * dst.itemsize
     return tokens * per_head * sum(r.count for r in routes)
 
 
-def plan(src: Description | Sequence[Description], dst: Description, src_slots: Any, dst_slots: Any, *,
+def plan(src: CacheDescription | Sequence[CacheDescription], dst: CacheDescription, src_slots: Any, dst_slots: Any, *,
          strategy: str | None = None, cost: Costs | None = None) -> Plan:
     """The reads (and staging permutes) that move token i from source slot src_slots[i] to
     destination slot dst_slots[i] on destination rank `dst`, from the source ranks `src` (one
@@ -217,10 +217,16 @@ def plan(src: Description | Sequence[Description], dst: Description, src_slots: 
         why = "forced" if strategy == "direct" else \
             f"no generated transfer {pair[0]} -> {pair[1]} to stage through" if not stageable else "nothing moves"
         return _made("direct", why, dst, direct)
-    made = [_cheaper_staging(sources[r.src_rank], dst, pairs, r, c) for r in routes]
+    return _choose(direct, [_cheaper_staging(sources[r.src_rank], dst, pairs, r, c) for r in routes],
+                   dst, c, _moved_bytes(dst, pairs[0].size, routes))
+
+
+def _choose(direct: list[Layout], made: list[tuple[Layout, Staging]], dst: CacheDescription, c: Costs,
+            moved: int) -> Plan:
+    """The cheaper of the direct reads and the staged ones (staged alone when direct is empty:
+    forced), by the cost model, with both estimates in the plan's why."""
     cuts = [m[0] for m in made]
-    t_staged = c.read(sum(x.merged for x in cuts), sum(x.bytes for x in cuts)) \
-        + c.permute(len(made), _moved_bytes(dst, pairs[0].size, routes))
+    t_staged = c.read(sum(x.merged for x in cuts), sum(x.bytes for x in cuts)) + c.permute(len(made), moved)
     if not direct:
         return _made("staged", f"forced; estimated {t_staged * 1e3:.3f} ms", dst, cuts, tuple(m[1] for m in made))
     t_direct = c.read(sum(x.merged for x in direct), sum(x.bytes for x in direct))
@@ -237,7 +243,8 @@ def _words(cuts: list[Layout]) -> str:
     return f"{'' if exact else 'up to '}{count} descriptors of {nbytes / max(count, 1):.0f} B mean"
 
 
-def _made(strategy: str, why: str, dst: Description, cuts: list[Layout], staging: tuple[Staging, ...] = ()) -> Plan:
+def _made(strategy: str, why: str, dst: CacheDescription, cuts: list[Layout],
+          staging: tuple[Staging, ...] = ()) -> Plan:
     for cut in cuts:
         # A description whose strides or extents claim more than its leaves span (a corrupt or
         # hostile handshake) must not turn into a read or a write outside them.

@@ -20,7 +20,7 @@ from functools import cached_property
 
 import numpy as np
 
-from kvgen.remote.describe import Description
+from kvgen.remote.describe import CacheDescription
 
 #: A head range (start, stop) in a rank's local heads.
 Heads = tuple[int, int]
@@ -30,17 +30,17 @@ EXACT = 1 << 16
 
 
 @dataclass(frozen=True)
-class Dim:
+class RunDim:
     n: int
     src: tuple[int, int]  # (leaf step, byte stride)
     dst: tuple[int, int]
 
 
-def _axis(d: Description, axis: str) -> tuple[int, int]:
+def _axis(d: CacheDescription, axis: str) -> tuple[int, int]:
     return dict(d.steps).get(axis, 0), dict(d.strides).get(axis, 0)
 
 
-def _token_offsets(d: Description, slots: np.ndarray) -> np.ndarray:
+def _token_offsets(d: CacheDescription, slots: np.ndarray) -> np.ndarray:
     """Bytes from a leaf's start to each slot's first element."""
     strides = dict(d.strides)
     if d.block is None:
@@ -48,16 +48,16 @@ def _token_offsets(d: Description, slots: np.ndarray) -> np.ndarray:
     return (slots // d.block) * strides["B"] + (slots % d.block) * strides["N"]
 
 
-def _dims(src: Description, dst: Description, count: int) -> list[Dim]:
+def _dims(src: CacheDescription, dst: CacheDescription, count: int) -> list[RunDim]:
     out = []
     for axis in ("L", "KV", "H", "C"):
         n = count if axis == "H" else src.extent(axis)
         if n > 1:
-            out.append(Dim(n, _axis(src, axis), _axis(dst, axis)))
+            out.append(RunDim(n, _axis(src, axis), _axis(dst, axis)))
     return out
 
 
-def _split(dims: list[Dim], item: int) -> tuple[int, list[Dim]]:
+def _split(dims: list[RunDim], item: int) -> tuple[int, list[RunDim]]:
     """(run bytes, the dims left outside it, outermost first in the destination's order)."""
     dims = sorted(dims, key=lambda d: (-d.dst[0], -d.dst[1]))
     run = item
@@ -66,12 +66,12 @@ def _split(dims: list[Dim], item: int) -> tuple[int, list[Dim]]:
     return run, dims
 
 
-def _head_shift(d: Description, start: int) -> tuple[int, int]:
+def _head_shift(d: CacheDescription, start: int) -> tuple[int, int]:
     ls, bs = _axis(d, "H")
     return start * ls, start * bs
 
 
-def _segments(d: Description, s_desc: Description, pairs: tuple[np.ndarray, np.ndarray]
+def _segments(d: CacheDescription, s_desc: CacheDescription, pairs: tuple[np.ndarray, np.ndarray]
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(source start slots, destination start slots, lengths) of the runs of pairs that step
     by one slot on both sides without crossing a block boundary on either."""
@@ -91,11 +91,11 @@ class Layout:
     the tokens at `at`), and the token runs (one per token, or per run of consecutive slots
     where a token's stride is the run on both sides)."""
 
-    src: Description
-    dst: Description
+    src: CacheDescription
+    dst: CacheDescription
     heads: tuple[Heads, Heads]
     run: int
-    outer: tuple[Dim, ...]
+    outer: tuple[RunDim, ...]
     at: int
     tokens: tuple[np.ndarray, np.ndarray, np.ndarray]  # source slots, destination slots, lengths
 
@@ -125,7 +125,7 @@ class Layout:
         return len(self.descs[0]) if self.count <= EXACT else self.count
 
 
-def layout(src: Description, dst: Description, pairs: tuple[np.ndarray, np.ndarray],
+def layout(src: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray, np.ndarray],
            heads: tuple[Heads, Heads]) -> Layout:
     """The cut of a read moving source slot pairs[0][i] to destination slot pairs[1][i] (valid
     slots, sorted by destination slot), source heads heads[0] onto destination heads heads[1]."""
@@ -172,7 +172,7 @@ def descriptors(cut: Layout) -> tuple[np.ndarray, np.ndarray]:
     return _merge(addrs[0], addrs[1], sizes, (cut.src.device_id, cut.dst.device_id))
 
 
-def outside(descs: np.ndarray, d: Description) -> int:
+def outside(descs: np.ndarray, d: CacheDescription) -> int:
     """How many descriptors of `descs` are not inside one leaf of `d` (leaf address, + span)."""
     if not len(descs):
         return 0

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgen.remote.describe import Description
+from kvgen.remote.describe import CacheDescription
 from kvgen.runtime.errors import KVLayoutError
 
 
-def stamp(obj: Any, d: Description) -> None:
+def stamp(obj: Any, d: CacheDescription) -> None:
     """Record on `obj` that it holds KV of the cache `d` describes."""
     try:
         obj.metadata.fingerprint = d.fingerprint
@@ -27,7 +27,7 @@ def stamp(obj: Any, d: Description) -> None:
             from None
 
 
-def check_stamp(obj: Any, d: Description) -> None:
+def check_stamp(obj: Any, d: CacheDescription) -> None:
     """KVLayoutError when `obj` was stamped from a cache of another fingerprint than `d`'s."""
     found = getattr(getattr(obj, "metadata", None), "fingerprint", None)
     if found is not None and found != d.fingerprint:

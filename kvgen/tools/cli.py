@@ -20,6 +20,7 @@ from kvgen.spec.library import BUILTIN_SPECS
 from kvgen.spec.model import format2_facts
 from kvgen.spec.models import model_facts
 from kvgen.spec.transfers import load_transfers
+from kvgen.tools import pd
 from kvgen.tools.backends import backend_line as _backend_line
 from kvgen.tools.backends import backends as _backends
 from kvgen.tools.bench import add_arguments as add_bench_arguments
@@ -56,6 +57,12 @@ def _tp_sizes(text: str) -> tuple[int, int]:
     if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
         raise argparse.ArgumentTypeError(f"--tp takes SRC:DST, two positive TP sizes such as 2:8, got {text!r}")
     return int(parts[0]), int(parts[1])
+
+
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return int(text)
 
 
 def _out_arg(p: argparse.ArgumentParser, what: str) -> None:
@@ -333,6 +340,8 @@ def parser() -> argparse.ArgumentParser:
                    help="force how connectors move data: the generated Triton kernels (on the CPU through "
                         "Triton's interpreter, TRITON_INTERPRET=1, set here) or the torch ops (default: each "
                         "connector's own choice)")
+    p.add_argument("--jobs", type=_positive_int, default=None, metavar="N",
+                   help="check rows in N worker processes (default: one per core, at most 4; 1: in this process)")
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser("detect", help="which layout a cache of this shape is (refuses to guess)")
@@ -342,8 +351,6 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_detect)
 
     p = sub.add_parser("pd", help="move a request between prefill and decode processes through NIXL, and check it")
-    from kvgen.tools import pd
-
     pd.add_arguments(p)
     p.set_defaults(run=pd.main)
 

@@ -11,8 +11,8 @@ from types import ModuleType
 from kvgen.errors import KVGenError
 from kvgen.integrations.detect import detect, parse_cache_shape
 from kvgen.spec.model import DTYPES
+from kvgen.tools.packages import import_package
 from kvgen.tools.paths import temporary_build
-from kvgen.tools.verify import import_package
 
 
 def _dtype_name(text: str) -> str:

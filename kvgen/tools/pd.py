@@ -15,36 +15,11 @@ throughput next to NIXL's own copy of the same bytes in 4 MiB descriptors.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 
-#: Descriptor size of the plain NIXL copy the transfer is measured against.
-PLAIN = 4 << 20
+from kvgen.tools.pd_request import Request, WorkerSide
 
 
-@dataclass(frozen=True)
-class Side:
-    layout: str
-    tp: int
-    N: int
-
-
-@dataclass(frozen=True)
-class Request:
-    src: Side
-    dst: Side
-    tokens: int
-    layers: int = 32
-    heads: int = 8
-    head_size: int = 128
-    dtype: str = "bfloat16"
-    seed: int = 0
-    strategy: str | None = None
-    repeats: int = 3
-    #: Send each decode rank's cache back with its result (small requests: tests check them).
-    keep: bool = False
-
-
-def side(text: str) -> Side:
+def side(text: str) -> WorkerSide:
     """`LAYOUT:tp=2:N=16` (tp and N optional: 1 and 16)."""
     layout, *rest = text.split(":")
     values = {"tp": 1, "N": 16}
@@ -55,7 +30,7 @@ def side(text: str) -> Side:
         values[key] = int(value)
     if not layout:
         raise argparse.ArgumentTypeError(f"expected LAYOUT:tp=T:N=B, got {text!r}")
-    return Side(layout, values["tp"], values["N"])
+    return WorkerSide(layout, values["tp"], values["N"])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -93,4 +68,4 @@ def main(args: argparse.Namespace) -> int:
     return 0 if wrong == 0 else 1
 
 
-__all__ = ["PLAIN", "Request", "Side", "add_arguments", "main", "side"]
+__all__ = ["Request", "WorkerSide", "add_arguments", "main", "side"]

@@ -18,20 +18,20 @@ from kvgen.errors import KVGenError
 from kvgen.integrations import nixl
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.ops import bits
-from kvgen.tools.pd import PLAIN, Request, Side
+from kvgen.tools.pd_request import PLAIN, Request, WorkerSide
 
 
 def _mla(layout: str) -> bool:
     return not remote.layout_of(layout)[0].has("H")
 
 
-def extents(req: Request, s: Side) -> dict[str, int]:
+def extents(req: Request, s: WorkerSide) -> dict[str, int]:
     blocks = math.ceil(req.tokens / s.N) * 5 // 4 + 1  # room, so a block table is scattered
     heads = 1 if _mla(s.layout) else tp.local_heads(req.heads, s.tp)
     return {"L": req.layers, "KV": 2, "H": heads, "C": req.head_size, "N": s.N, "B": blocks, "S": blocks * s.N}
 
 
-def caches(req: Request, s: Side, rank: int, fill: bool) -> Any:
+def caches(req: Request, s: WorkerSide, rank: int, fill: bool) -> Any:
     """A rank's cache: random bits from (seed, rank) for a source, zeros for a destination."""
     tree = remote.empty(s.layout, extents(req, s), getattr(torch, req.dtype))
     g = torch.Generator().manual_seed(req.seed * 1000 + rank)
@@ -44,7 +44,7 @@ def caches(req: Request, s: Side, rank: int, fill: bool) -> Any:
     return tree
 
 
-def slots(req: Request, s: Side, salt: int) -> Any:
+def slots(req: Request, s: WorkerSide, salt: int) -> Any:
     """The request's tokens on one side: a block table of random blocks."""
     g = torch.Generator().manual_seed(req.seed * 7 + salt)
     ext = extents(req, s)

@@ -8,59 +8,21 @@ user's layouts are never silently left unchecked.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvgen.errors import KVGenError, display_path
 from kvgen.oracle.facts_groups import GROUPS_FACTS
 from kvgen.oracle.facts_models import model_disagreement
-from kvgen.plan.models import plan_models
-from kvgen.plan.package import plan_connectors as plan_library
-from kvgen.spec.library import BUILTIN_SPECS, load_library
-from kvgen.spec.transfers import load_transfers
-from kvgen.tools import verify_engines, verify_models, verify_transfers
+from kvgen.spec.library import BUILTIN_SPECS
+from kvgen.tools import verify_connectors, verify_engines, verify_models, verify_transfers
 from kvgen.tools.paths import rebuild_command
-
-if TYPE_CHECKING:
-    from kvgen.oracle.scenarios import Scenario
-
-_PREFIX = "_kvgen_verified_"
-
-
-def import_package(out: Path) -> ModuleType:
-    """The package at `out`, imported under a name of its own: the folder's name need not be
-    an identifier, and two packages with the same folder name never shadow each other."""
-    shown = display_path(out)
-    if not out.exists():
-        raise KVGenError(f"--out {shown} does not exist; write a package there with `kvgen build --out {shown}`")
-    if not out.is_dir():
-        raise KVGenError(f"--out {shown} is not a folder; give the folder `kvgen build --out` wrote")
-    init = out / "__init__.py"
-    if not init.is_file():
-        raise KVGenError(f"--out {shown} is not a Python package (no __init__.py); "
-                         "give the folder `kvgen build --out` wrote")
-    out = out.resolve()
-    name = _PREFIX + hashlib.sha256(str(out).encode()).hexdigest()[:16]
-    for stale in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
-        del sys.modules[stale]  # a package rebuilt since it was last verified in this process
-    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(out)])
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise KVGenError(f"cannot import the package at {shown}: {type(exc).__name__}: {exc}") from None
-    if not isinstance(getattr(module, "CONNECTORS", None), dict) or not callable(getattr(module, "get", None)):
-        raise KVGenError(f"--out {shown} is not a package written by kvgen build (it has no CONNECTORS table)")
-    return module
+from kvgen.tools.verify_pool import Context, Inputs, Rows, Task, default_jobs, load
 
 
 def _mismatch(package: ModuleType, library: Any, plans: list[Any], out: Path, specs: list[Path]) -> str | None:
@@ -85,25 +47,6 @@ def _mismatch(package: ModuleType, library: Any, plans: list[Any], out: Path, sp
         return (f"the package at {shown} was built from other specs for {', '.join(changed)} "
                 f"(the layout differs); rebuild it with {rebuild}")
     return None
-
-
-def _check(package: ModuleType, plan: Any, device: str, scenarios: list[Scenario],
-           backend: str | None = None) -> list[tuple[bool, bool]]:
-    """(store ok, load ok) per scenario, all through one connector, as an engine keeps one
-    for every cache it meets; a scenario whose transfer raises counts as failing both."""
-    # torch: only for a run
-    from kvgen.oracle.scenarios import check_pair
-
-    connector = package.get(plan.paged.name, plan.obj.name)(device=device, backend=backend)
-    results = []
-    for scenario in scenarios:
-        try:
-            results.append(check_pair(connector, plan.paged, plan.obj, scenario))
-        except Exception as exc:  # a wrong connector may raise anything; report it and go on
-            print(f"kvgen verify: {plan.module} on {device}, scenario {scenario.name}: "
-                  f"{type(exc).__name__}: {exc}", file=sys.stderr)
-            results.append((False, False))
-    return results
 
 
 def _check_facts(library: Any) -> int:
@@ -157,12 +100,9 @@ class _Selection:
     models: list[Any]
 
 
-def _select(args: Any, library: Any) -> tuple[ModuleType, _Selection]:
-    """The generated package, refused when it is not what the build's plans generate, and --only's share."""
-    plans = plan_library(library)
-    transfers = load_transfers(library, args.specs)
-    model_plans = plan_models(library, plans)[0]
-    package = import_package(args.out)
+def _select(args: Any, ctx: Context) -> _Selection:
+    """--only's share of the build's plans; refused when the package is not what they generate."""
+    library, plans, transfers, model_plans, package = ctx.library, ctx.plans, ctx.transfers, ctx.models, ctx.package
     problem = _mismatch(package, library, plans, args.out, args.specs) or \
         verify_transfers.mismatch(package, transfers, args.out, args.specs) or \
         verify_models.mismatch(package, model_plans, args.out, args.specs)
@@ -174,41 +114,25 @@ def _select(args: Any, library: Any) -> tuple[ModuleType, _Selection]:
         raise KVGenError(f"--only {args.only!r} matches no connector of the {len(plans)} in "
                          f"{display_path(args.out)} and no transfer (it is a part of a module name such as "
                          f"{plans[0].module} or xfer__SOURCE__DESTINATION; `kvgen list` shows them)")
-    return package, chosen
+    return chosen
 
 
-def _connector_rows(package: ModuleType, selected: list[Any], devices: list[str], backend: str | None) -> int:
-    """Every selected connector on every device through every slot scenario, one printed row each; the failures."""
-    # torch: only once the inputs are known good
-    from kvgen.oracle.scenarios import SCENARIOS
-    from kvgen.runtime import kernels
-
-    scenarios = list(SCENARIOS.values())
-    rows = failures = 0
-    wide = max([24, *(len(p.paged.name) for p in selected)]), max([13, *(len(p.obj.name) for p in selected)])
-    print(f"{'layout':<{wide[0]}} {'object':<{wide[1]}} {'mode':<9} {'device':<6} {'store ok':<8} {'load ok':<8}")
-    for device in devices:
-        for plan in selected:
-            launches = kernels.stats["launches"]
-            results = _check(package, plan, device, scenarios, backend)
-            store_ok = all(r[0] for r in results)
-            load_ok = all(r[1] for r in results)
-            if backend == "triton" and kernels.stats["launches"] == launches:
-                print(f"kvgen verify: {plan.module} on {device}: the Triton kernel never ran", file=sys.stderr)
-                store_ok = load_ok = False
-            failures += (not store_ok) + (not load_ok)
-            rows += 1
-            print(f"{plan.paged.name:<{wide[0]}} {plan.obj.name:<{wide[1]}} {plan.mode:<9} {device:<6} "
-                  f"{'yes' if store_ok else 'NO':<8} {'yes' if load_ok else 'NO':<8}", flush=True)
-    print(f"\n{rows} connector runs on {', '.join(devices)} ({len(scenarios)} slot scenarios each"
-          + (f", backend {backend}" if backend else "") + "): "
-          f"{rows * 2 - failures} checks passed, {failures} failed")
-    return failures
+def check_row(ctx: Context, task: Task) -> tuple[bool, ...]:
+    """One row of verify, by its kind: (store ok, load ok, a Triton kernel launched) for a
+    connector, (whole ok, per layer ok) for a transfer, (store ok, load ok) for a model connector."""
+    kind, index, device = task
+    if kind == "connector":
+        return verify_connectors.check(ctx.package, ctx.plans[index], device, ctx.inputs.backend)
+    if kind == "transfer":
+        pair = ctx.transfers[index]
+        return (verify_transfers.check(ctx.package, pair, device, False),
+                verify_transfers.check(ctx.package, pair, device, True))
+    return verify_models.check(ctx.package, ctx.library, ctx.models[index], device)
 
 
 def main(args: Any) -> int:
-    library = load_library(args.specs)
-    package, chosen = _select(args, library)
+    ctx = load(Inputs(args.out, tuple(args.specs), args.backend))
+    chosen = _select(args, ctx)
     # torch: only once the selection is known good
     from kvgen.runtime import available_devices
 
@@ -226,8 +150,9 @@ def main(args: Any) -> int:
                              "no Triton kernels of their own")
         # transfers have no kernels; model connectors move through their members
         chosen = _Selection(chosen.connectors, [], [])
-    failures = _check_facts(library) + verify_engines.run()
-    failures += _connector_rows(package, chosen.connectors, devices, args.backend)
-    failures += verify_transfers.run(package, chosen.transfers, devices)[1]
-    failures += verify_models.run(package, library, chosen.models, devices)[1]
+    failures = _check_facts(ctx.library) + verify_engines.run()
+    with Rows(ctx, args.jobs if args.jobs is not None else default_jobs(), check_row) as rows:
+        failures += verify_connectors.run(rows, chosen.connectors, ctx.plans, devices, args.backend)
+        failures += verify_transfers.run(rows, chosen.transfers, ctx.transfers, devices)[1]
+        failures += verify_models.run(rows, chosen.models, ctx.models, devices)[1]
     return 1 if failures else 0

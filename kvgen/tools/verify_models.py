@@ -13,6 +13,7 @@ from typing import Any
 
 from kvgen.errors import display_path
 from kvgen.tools.paths import rebuild_command
+from kvgen.tools.verify_pool import Rows, each
 
 
 def mismatch(package: ModuleType, plans: Sequence[Any], out: Path, specs: Sequence[Path]) -> str | None:
@@ -39,7 +40,7 @@ def rank(model: Any) -> int:
     return math.gcd(*values) if values else 1
 
 
-def _check(package: ModuleType, library: Any, plan: Any, device: str) -> tuple[bool, bool]:
+def check(package: ModuleType, library: Any, plan: Any, device: str) -> tuple[bool, bool]:
     # torch: only for a run
     from kvgen.oracle.model_scenarios import SCENARIOS, ModelRun, check_model
 
@@ -57,8 +58,8 @@ def _check(package: ModuleType, library: Any, plan: Any, device: str) -> tuple[b
     return store, load
 
 
-def run(package: ModuleType, library: Any, selected: Sequence[Any], devices: Sequence[str]) -> tuple[int, int]:
-    """Print one row per model connector and device; (checks, failures)."""
+def run(rows: Rows, selected: Sequence[Any], everything: Sequence[Any], devices: Sequence[str]) -> tuple[int, int]:
+    """Print one row per model connector and device (checked by `rows`); (checks, failures)."""
     if not selected:
         return 0, 0
     # torch: only for a run
@@ -67,12 +68,10 @@ def run(package: ModuleType, library: Any, selected: Sequence[Any], devices: Seq
     wide = max([24, *(len(p.model.name) for p in selected)]), max([22, *(len(p.obj.name) for p in selected)])
     print(f"\n{'model':<{wide[0]}} {'object':<{wide[1]}} {'device':<6} {'store ok':<8} load ok")
     failures = 0
-    for device in devices:
-        for plan in selected:
-            store, load = _check(package, library, plan, device)
-            failures += (not store) + (not load)
-            print(f"{plan.model.name:<{wide[0]}} {plan.obj.name:<{wide[1]}} {device:<6} {'yes' if store else 'NO':<8} "
-                  f"{'yes' if load else 'NO'}", flush=True)
+    for plan, device, (store, load) in each(rows, "model", selected, everything, devices):
+        failures += (not store) + (not load)
+        print(f"{plan.model.name:<{wide[0]}} {plan.obj.name:<{wide[1]}} {device:<6} {'yes' if store else 'NO':<8} "
+              f"{'yes' if load else 'NO'}", flush=True)
     checks = 2 * len(selected) * len(devices)
     print(f"\n{len(selected) * len(devices)} model connector runs ({len(SCENARIOS)} scenarios each, groups and "
           f"state): {checks - failures} checks passed, {failures} failed")

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvgen.errors import display_path
 from kvgen.tools.paths import rebuild_command
+from kvgen.tools.verify_pool import Rows, each
 
 
 def mismatch(package: ModuleType, transfers: Sequence[Any], out: Path, specs: Sequence[Path]) -> str | None:
@@ -31,7 +32,7 @@ def mismatch(package: ModuleType, transfers: Sequence[Any], out: Path, specs: Se
     return None
 
 
-def _check(package: ModuleType, pair: Any, device: str, layerwise: bool) -> bool:
+def check(package: ModuleType, pair: Any, device: str, layerwise: bool) -> bool:
     """Every applicable scenario through one transfer object; a raise counts as a failure."""
     # torch: only for a run
     from kvgen.oracle.transfer_scenarios import SCENARIOS, TransferRun, applies, check_transfer
@@ -51,8 +52,8 @@ def _check(package: ModuleType, pair: Any, device: str, layerwise: bool) -> bool
     return ok
 
 
-def run(package: ModuleType, selected: Sequence[Any], devices: Sequence[str]) -> tuple[int, int]:
-    """Print one row per transfer and device; (checks, failures)."""
+def run(rows: Rows, selected: Sequence[Any], everything: Sequence[Any], devices: Sequence[str]) -> tuple[int, int]:
+    """Print one row per transfer and device (checked by `rows`); (checks, failures)."""
     if not selected:
         return 0, 0
     # torch: only for a run
@@ -61,12 +62,10 @@ def run(package: ModuleType, selected: Sequence[Any], devices: Sequence[str]) ->
     wide = max([30, *(len(p.src.name) for p in selected)]), max([34, *(len(p.dst.name) for p in selected)])
     print(f"\n{'source':<{wide[0]}} {'destination':<{wide[1]}} {'device':<6} {'whole ok':<8} per layer ok")
     failures = 0
-    for device in devices:
-        for pair in selected:
-            whole, layers = _check(package, pair, device, False), _check(package, pair, device, True)
-            failures += (not whole) + (not layers)
-            print(f"{pair.src.name:<{wide[0]}} {pair.dst.name:<{wide[1]}} {device:<6} {'yes' if whole else 'NO':<8} "
-                  f"{'yes' if layers else 'NO'}", flush=True)
+    for pair, device, (whole, layers) in each(rows, "transfer", selected, everything, devices):
+        failures += (not whole) + (not layers)
+        print(f"{pair.src.name:<{wide[0]}} {pair.dst.name:<{wide[1]}} {device:<6} {'yes' if whole else 'NO':<8} "
+              f"{'yes' if layers else 'NO'}", flush=True)
     checks = 2 * len(selected) * len(devices)
     print(f"\n{len(selected) * len(devices)} transfer runs ({len(SCENARIOS)} scenarios each, whole and per layer): "
           f"{checks - failures} checks passed, {failures} failed")

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvgen import remote
+from kvgen import generated, remote
 from kvgen.integrations import nixl
 from kvgen.tools import pd, pd_run
 
@@ -141,9 +141,8 @@ def costs(agents: tuple[Any, Any], repeats: int) -> remote.Costs:
 
 
 def _local(repeats: int) -> tuple[float, float]:
-    from kvgen import generated
 
-    req = pd.Request(pd.Side("vllm_flash_attn_nhd", 1, 16), pd.Side("vllm_flash_attn_hnd", 1, 16), 2048)
+    req = pd.Request(pd.WorkerSide("vllm_flash_attn_nhd", 1, 16), pd.WorkerSide("vllm_flash_attn_hnd", 1, 16), 2048)
     a, b = pd_run.caches(req, req.src, 0, True), pd_run.caches(req, req.dst, 0, False)
     move = generated.transfer(req.src.layout, req.dst.layout)()
     s, t = pd_run.slots(req, req.src, 1), pd_run.slots(req, req.dst, 2)
@@ -172,8 +171,8 @@ def main(args: argparse.Namespace) -> int:
     for pair in args.remote or []:
         src, _, dst = pair.partition(":")
         for s_tp, d_tp, s_n, d_n in args.remote_shapes:
-            req = pd.Request(pd.Side(src, s_tp, s_n), pd.Side(dst, d_tp, d_n), max(args.tokens), args.layers,
-                             args.heads, args.head_size, args.dtype, repeats=args.repeats)
+            req = pd.Request(pd.WorkerSide(src, s_tp, s_n), pd.WorkerSide(dst, d_tp, d_n), max(args.tokens),
+                             args.layers, args.heads, args.head_size, args.dtype, repeats=args.repeats)
             rows.append(row(pd_run.check(req), agents))
     if rows:
         table = [HEADERS, *(r.cells() for r in rows)]

@@ -1,0 +1,56 @@
+"""`kvgen verify` for connectors: each one, store and load, through one connector object over
+every slot scenario, against the element-by-element reference (kvgen.oracle.scenarios)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+from kvgen.tools.verify_pool import Rows, each
+
+
+def check(package: ModuleType, plan: Any, device: str, backend: str | None) -> tuple[bool, bool, bool]:
+    """(store ok, load ok, a Triton kernel launched) of one connector over every slot scenario,
+    all through one connector, as an engine keeps one for every cache it meets; a scenario
+    whose copy raises counts as failing both."""
+    # torch: only for a run
+    from kvgen.oracle.scenarios import SCENARIOS, check_pair
+    from kvgen.runtime import kernels
+
+    launches = kernels.stats["launches"]
+    connector = package.get(plan.paged.name, plan.obj.name)(device=device, backend=backend)
+    store = load = True
+    for scenario in SCENARIOS.values():
+        try:
+            s, ld = check_pair(connector, plan.paged, plan.obj, scenario)
+        except Exception as exc:  # a wrong connector may raise anything; report it and go on
+            print(f"kvgen verify: {plan.module} on {device}, scenario {scenario.name}: "
+                  f"{type(exc).__name__}: {exc}", file=sys.stderr)
+            s = ld = False
+        store, load = store and s, load and ld
+    return store, load, kernels.stats["launches"] > launches
+
+
+def run(rows: Rows, selected: Sequence[Any], everything: Sequence[Any], devices: Sequence[str],
+        backend: str | None) -> int:
+    """Print one row per connector and device (checked by `rows`); the number of failed checks."""
+    # torch: only for a run
+    from kvgen.oracle.scenarios import SCENARIOS
+
+    count = failures = 0
+    wide = max([24, *(len(p.paged.name) for p in selected)]), max([13, *(len(p.obj.name) for p in selected)])
+    print(f"{'layout':<{wide[0]}} {'object':<{wide[1]}} {'mode':<9} {'device':<6} {'store ok':<8} {'load ok':<8}")
+    for plan, device, (store_ok, load_ok, launched) in each(rows, "connector", selected, everything, devices):
+        if backend == "triton" and not launched:
+            print(f"kvgen verify: {plan.module} on {device}: the Triton kernel never ran", file=sys.stderr)
+            store_ok = load_ok = False
+        failures += (not store_ok) + (not load_ok)
+        count += 1
+        print(f"{plan.paged.name:<{wide[0]}} {plan.obj.name:<{wide[1]}} {plan.mode:<9} {device:<6} "
+              f"{'yes' if store_ok else 'NO':<8} {'yes' if load_ok else 'NO':<8}", flush=True)
+    print(f"\n{count} connector runs on {', '.join(devices)} ({len(SCENARIOS)} slot scenarios each"
+          + (f", backend {backend}" if backend else "") + "): "
+          f"{count * 2 - failures} checks passed, {failures} failed")
+    return failures

@@ -1,0 +1,126 @@
+"""`kvgen verify --jobs N`: the rows of verify (one connector, transfer or model connector on
+one device) checked by N worker processes, printed in the same order as one process prints
+them.
+
+Why processes: the reference and the connectors' torch paths run mostly in Python, so one
+process keeps one core busy; the rows are independent. Workers are spawned, not forked: a
+forked child of a process whose torch started its OpenMP team hangs in its first parallel
+region. Each worker loads the library and the package itself, once, and gets rows by index
+into the same planned lists (planning is deterministic), so nothing but indices and results
+crosses the process boundary.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvgen.plan.models import plan_models
+from kvgen.plan.package import plan_connectors
+from kvgen.spec.library import load_library
+from kvgen.spec.transfers import load_transfers
+from kvgen.tools.packages import import_package
+
+#: Rows of each kind, as `(kind, index into the planned list, device)`.
+Task = tuple[str, int, str]
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a worker needs to rebuild the lists the rows index: the package's folder, the spec
+    folders and the copy backend (None: each connector's own choice)."""
+
+    out: Path
+    specs: tuple[Path, ...]
+    backend: str | None
+
+
+@dataclass
+class Context:
+    """One process's library, plans and package (made once per worker, or by main for --jobs 1)."""
+
+    inputs: Inputs
+    library: Any
+    plans: list[Any]
+    transfers: list[Any]
+    models: list[Any]
+    package: Any
+
+
+def load(inputs: Inputs) -> Context:
+    """The library of `inputs`, its plans and the package (refused when it does not import)."""
+    library = load_library(list(inputs.specs))
+    plans = plan_connectors(library)
+    return Context(inputs, library, plans, load_transfers(library, list(inputs.specs)),
+                   plan_models(library, plans)[0], import_package(inputs.out))
+
+
+#: How a row is checked: (context, task) -> its result; a module-level function, which a
+#: spawned worker imports by name.
+Check = Callable[[Context, Task], tuple[bool, ...]]
+
+_worker: dict[str, Any] = {}
+
+
+def _start(inputs: Inputs, check: Check, threads: int) -> None:
+    import torch  # torch: only in a worker, which checks rows
+
+    torch.set_num_threads(threads)  # N workers share the cores instead of each taking all of them
+    _worker["ctx"], _worker["check"] = load(inputs), check
+
+
+def _run(task: Task) -> tuple[bool, ...]:
+    return _worker["check"](_worker["ctx"], task)
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def default_jobs() -> int:
+    """One worker per core, at most 4 (each worker imports torch and the package)."""
+    return max(1, min(4, cores()))
+
+
+class Rows:
+    """Checks rows with `check` in this process (jobs 1) or in a pool of spawned workers, in order."""
+
+    def __init__(self, ctx: Context, jobs: int, check: Check):
+        self.ctx, self.jobs, self.check = ctx, jobs, check
+        self._pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> Rows:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+    def map(self, tasks: Sequence[Task]) -> Iterator[tuple[bool, ...]]:
+        """The results of `tasks`, in their order, each as soon as it and those before it are done."""
+        if self.jobs <= 1 or len(tasks) <= 1:
+            return (self.check(self.ctx, t) for t in tasks)
+        if self._pool is None:
+            threads = max(1, cores() // self.jobs)
+            self._pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_start, initargs=(self.ctx.inputs, self.check, threads))
+        return self._pool.map(_run, tasks)
+
+
+def each(rows: Rows, kind: str, items: Sequence[Any], everything: Sequence[Any],
+         devices: Sequence[str]) -> Iterator[tuple[Any, str, tuple[bool, ...]]]:
+    """(item, device, result) for every selected item on every device, devices outermost."""
+    where: Callable[[Any], int] = {id(x): i for i, x in enumerate(everything)}.__getitem__
+    tasks = [(kind, where(id(item)), device) for device in devices for item in items]
+    pairs = [(item, device) for device in devices for item in items]
+    for (item, device), result in zip(pairs, rows.map(tasks), strict=True):
+        yield item, device, result
