@@ -18,6 +18,7 @@ from kvgen.plan.geometry import geometry_body, parts_geometry_body
 from kvgen.plan.kernel import KernelPlan, make_kernel_plan
 from kvgen.plan.kernel_parts import PartsKernelPlan, make_parts_kernel_plan
 from kvgen.plan.parts import PartsPlan, compatible_parts, plan_parts
+from kvgen.plan.program import ProgramPlan, program_plan
 from kvgen.spec.library import UNDEFINED, Library
 from kvgen.spec.model import DTYPES, Spec
 
@@ -82,6 +83,8 @@ class ConnectorPlan:
     geometry: tuple[str, ...]
     shape: str
     methods: tuple[Method, ...]
+    #: The copy description movers execute (kvgen.plan.program), rendered as PROGRAM.
+    program: ProgramPlan
     #: Fields of the PAGED constant written one item per line (a format-2 cache's parts).
     wide_fields: tuple[str, ...] = ()
 
@@ -122,9 +125,9 @@ def connector_plan(plan: CopyPlan | PartsPlan) -> ConnectorPlan:
     if isinstance(plan, PartsPlan):
         return ConnectorPlan(plan, base, layout_fields(plan.paged), layout_fields(plan.obj),
                              parts_geometry_body(plan.paged), parts_shape_body(plan), parts_methods(plan),
-                             ("parts",))
+                             program_plan(plan), ("parts",))
     return ConnectorPlan(plan, base, layout_fields(plan.paged), layout_fields(plan.obj),
-                         geometry_body(plan.paged), shape_body(plan), copy_methods(plan))
+                         geometry_body(plan.paged), shape_body(plan), copy_methods(plan), program_plan(plan))
 
 
 def plan_connectors(library: Library) -> list[CopyPlan | PartsPlan]:

@@ -28,6 +28,8 @@ import torch
 
 from kvgen.runtime import host, native
 from kvgen.runtime.layout import Geometry, PagedLayout
+from kvgen.runtime.movers.native import address, leaf_set
+from kvgen.runtime.movers.program import Place
 from kvgen.runtime.pairs import Index, Pairs
 from kvgen.runtime.threads import PARALLEL_BYTES, TEAM_PARALLEL_BYTES, cpu_threads
 
@@ -37,11 +39,16 @@ _TOKEN_AXES = {"B", "N", "S"}
 BACKENDS = ("torch", "native")
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """What native._cache_of reads of a connector's layout map: the paged layout."""
-
-    paged: PagedLayout
+def _places(layout: PagedLayout) -> tuple[Place, ...]:
+    """Where each axis of a cache leaf lives (the movers' Place), read from its layout: transfers
+    are not yet planned at build time (connectors are: kvgen.plan.program)."""
+    out: list[Place] = []
+    for i, axes in enumerate(layout.dims):
+        if axes == ("B", "N"):
+            out.append(("S", i, ()))
+            continue
+        out.extend((a, i, axes[k + 1:]) for k, a in enumerate(axes))
+    return tuple(out)
 
 
 @dataclass
@@ -87,7 +94,7 @@ def _index(ids: Index | None, what: str) -> tuple[int, int]:
         return 0, ids.start
     if not isinstance(ids, torch.Tensor) or ids.device.type != "cpu":
         raise native.Unsupported(f"{what}: CPU index tensors only")
-    return native._address(ids), 0
+    return address(ids), 0
 
 
 def describe(src_layout: PagedLayout, dst_layout: PagedLayout, src_tree: Any, dst_tree: Any, gs: Geometry,
@@ -99,8 +106,8 @@ def describe(src_layout: PagedLayout, dst_layout: PagedLayout, src_tree: Any, ds
     if src_layout.parts or dst_layout.parts:
         raise native.Unsupported("caches of several planes move by torch ops")
     es, ed = gs.extents(), gd.extents()
-    cs = native._cache_of(bindings[0], src_tree, _Layout(src_layout), gs, es)
-    cd = native._cache_of(bindings[1], dst_tree, _Layout(dst_layout), gd, ed)
+    cs = leaf_set(bindings[0], src_tree, _places(src_layout), src_layout.lists, es)
+    cd = leaf_set(bindings[1], dst_tree, _places(dst_layout), dst_layout.lists, ed)
     item = gs.dtype.itemsize
     heads = {"H": (p.src_h, p.dst_h, p.heads)}
     axes = ({a for d in src_layout.dims for a in d} | set(src_layout.lists)

@@ -28,7 +28,7 @@ import torch
 from kvgen.runtime import calls, native, native_transfer
 from kvgen.runtime.aliasing import CacheMemory, share_elements
 from kvgen.runtime.binding import Binding, check_layer_leaves, layer_leaves, leaf_names, leaves, new_binding, snapshot
-from kvgen.runtime.connector import MAX_WORD
+from kvgen.runtime.connector import max_word
 from kvgen.runtime.devices import Backend, backend_for, on_stream
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, PagedLayout, describe
@@ -201,7 +201,7 @@ class TransferBase:
         if key is None:
             raise KVLayoutError(f"{side}_caches: {layout.name} caches are lists or tuples of tensors, got "
                                 f"{describe(kvcaches)}")
-        limit = MAX_WORD.get(geometry.device.type, 8) if self.widen else None
+        limit = max_word(geometry.device) if self.widen else None
         binding = new_binding(kvcaches, tree, key, geometry, tuple(leaf_names(tree, f"{side}_caches")),
                               word_limit=limit, owner=layout.name, argument=f"{side}_caches")
         with self._lock:
