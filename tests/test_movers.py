@@ -1,0 +1,127 @@
+"""The movers execute the planner's description: PROGRAM in the generated module decides what
+the compiled CPU kernel moves, and whether it moves a connector at all. A copy of a generated
+module with PROGRAM altered (and nothing else) makes the native mover move other bytes, in
+the way the alteration says; so no mover re-plans from the layout facts at run time.
+
+Every cache value is its own flat position in the cache, so a K/V or layer swap, a transposition
+or a lost token shows."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvgen import generated
+from kvgen.errors import KVLayoutError
+from kvgen.runtime import MemoryObj, native
+from kvgen.runtime.movers import native as native_mover
+
+pytestmark = pytest.mark.skipif(bool(native.unavailable()), reason=f"no compiled kernel: {native.unavailable()}")
+
+MODULE = "vllm_flash_attn_nhd__kv_2ltd"  # cache L x [KV B N H C], object [KV L T (H C)]
+#: Two layers and K/V, so that swapping the object's KV and L places keeps every address inside it.
+L, KV, B, N, H, C = 2, 2, 6, 4, 2, 3
+#: Tokens 0-9 at slots 2..11: a partial block (the token path), then blocks 1 and 2 whole (the block path).
+MAPPING = torch.arange(2, 12)
+
+
+def _altered(tmp_path: Path, old: str, new: str) -> Any:
+    """The Connector of a copy of MODULE whose text has `old` (found once) replaced by `new`."""
+    text = (Path(generated.__file__).parent / f"{MODULE}.py").read_text()
+    assert text.count(old) == 1, old
+    path = tmp_path / f"altered_{MODULE}.py"
+    path.write_text(text.replace(old, new))
+    spec = importlib.util.spec_from_file_location(f"altered_{MODULE}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Connector
+
+
+def _cache() -> list[torch.Tensor]:
+    per = KV * B * N * H * C
+    return [(torch.arange(per, dtype=torch.float32) + layer * per).view(KV, B, N, H, C) for layer in range(L)]
+
+
+def _store(cls: Any, backend: str | None) -> torch.Tensor:
+    c = cls(device="cpu", backend=backend)
+    cache = _cache()
+    o = torch.full(tuple(c.get_shape(len(MAPPING), cache)), -1.0)
+    c.from_gpu(MemoryObj(o), 0, len(MAPPING), kvcaches=cache, slot_mapping=MAPPING)
+    return o
+
+
+SWAP_OLD = "    object_places=(\n        ('KV', 0, ()),\n        ('L', 1, ()),\n"
+SWAP_NEW = "    object_places=(\n        ('KV', 1, ()),\n        ('L', 0, ()),\n"
+
+
+def test_the_object_places_of_program_decide_where_the_native_mover_writes(tmp_path: Path) -> None:
+    """PROGRAM with the object's KV and L places swapped: the native mover writes layer l's K or
+    V where the object's [kv=l, layer=kv] entry is, which is the reference object transposed."""
+    reference = _store(generated.get("vllm_flash_attn_nhd", "kv_2ltd"), "torch")
+    assert torch.equal(_store(generated.get("vllm_flash_attn_nhd", "kv_2ltd"), "native"), reference)
+    altered = _store(_altered(tmp_path, SWAP_OLD, SWAP_NEW), "native")
+    assert not torch.equal(altered, reference)
+    assert torch.equal(altered, reference.transpose(0, 1))
+
+
+def test_loading_through_an_altered_program_reads_the_places_it_names(tmp_path: Path) -> None:
+    """The load direction follows the same places: the transposed object loaded through the
+    swapped PROGRAM puts every moved slot back as it was in the cache."""
+    reference = _store(generated.get("vllm_flash_attn_nhd", "kv_2ltd"), "torch")
+    cls = _altered(tmp_path, SWAP_OLD, SWAP_NEW)
+    c = cls(device="cpu", backend="native")
+    target = [torch.zeros(KV, B, N, H, C) for _ in range(L)]
+    c.to_gpu(MemoryObj(reference.transpose(0, 1).contiguous(), c.format), 0, len(MAPPING), kvcaches=target,
+             slot_mapping=MAPPING)
+    moved = torch.zeros(B * N, dtype=torch.bool)
+    moved[MAPPING] = True
+    for layer, (got, want) in enumerate(zip(target, _cache(), strict=True)):
+        got, want = got.view(KV, B * N, H, C), want.view(KV, B * N, H, C)
+        assert torch.equal(got[:, moved], want[:, moved]), layer
+        assert not got[:, ~moved].any(), layer
+
+
+def test_the_run_merge_is_the_plans(tmp_path: Path) -> None:
+    """The plan lets N, H and C of an NHD block merge into one run (the block's tokens are
+    adjacent on both sides); a PROGRAM that lets nothing merge makes the kernel copy one
+    element per run, with the same bytes moved."""
+    plain = generated.get("vllm_flash_attn_nhd", "kv_2ltd")
+    blocks = plain.program.path("blocks")
+    assert blocks is not None and blocks.store_run == ("N", "H", "C")
+    old = "            store_run=('N', 'H', 'C'),\n"
+    cls = _altered(tmp_path, old, "            store_run=(),\n")
+    runs: dict[str, list[int]] = {}
+    real = native_mover.describe
+
+    def spy(program: Any, store: bool, *args: Any) -> Any:
+        found = real(program, store, *args)
+        runs.setdefault("altered" if program is cls.program else "plain", []).extend(c.run for c in found.calls)
+        return found
+
+    native_mover.describe, saved = spy, native_mover.describe
+    try:
+        assert torch.equal(_store(cls, "native"), _store(plain, "native"))
+    finally:
+        native_mover.describe = saved
+    item = torch.float32.itemsize
+    assert runs["plain"][0] == N * H * C * item  # a whole block per run
+    assert runs["altered"][0] == item
+
+
+def test_a_reason_in_program_keeps_the_connector_on_torch(tmp_path: Path) -> None:
+    """Whether the compiled kernel moves a connector is PROGRAM's `compiled`: with a reason
+    written there, auto moves it with the torch ops and backend='native' is refused with it."""
+    cls = _altered(tmp_path, "    compiled=None,\n", "    compiled='kept on torch for this test',\n")
+    assert cls(device="cpu").copy_backend_for("cpu") == "torch"
+    with pytest.raises(KVLayoutError, match="backend='native' cannot run on cpu: kept on torch for this test"):
+        cls(device="cpu", backend="native").copy_backend_for("cpu")
+    reference = _store(generated.get("vllm_flash_attn_nhd", "kv_2ltd"), "torch")
+    calls = native.stats["calls"]
+    auto = _store(cls, None)
+    assert native.stats["calls"] == calls
+    assert torch.equal(auto, reference) and (auto >= 0).all()
