@@ -17,11 +17,15 @@ import torch
 
 from kvgen import generated
 from kvgen.errors import KVLayoutError
+from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT
+from kvgen.oracle.transfer_scenarios import make_cache as make_transfer_cache
 from kvgen.runtime import MemoryObj, native
 from kvgen.runtime.movers import native as native_mover
+from kvgen.spec.library import load_library
 
 pytestmark = pytest.mark.skipif(bool(native.unavailable()), reason=f"no compiled kernel: {native.unavailable()}")
 
+LIBRARY_SPECS = load_library()
 MODULE = "vllm_flash_attn_nhd__kv_2ltd"  # cache L x [KV B N H C], object [KV L T (H C)]
 #: Two layers and K/V, so that swapping the object's KV and L places keeps every address inside it.
 L, KV, B, N, H, C = 2, 2, 6, 4, 2, 3
@@ -125,3 +129,50 @@ def test_a_reason_in_program_keeps_the_connector_on_torch(tmp_path: Path) -> Non
     auto = _store(cls, None)
     assert native.stats["calls"] == calls
     assert torch.equal(auto, reference) and (auto >= 0).all()
+
+
+# -- transfers: the same for a layout-to-layout transfer's PROGRAM ------------------------------------------------
+
+XFER = "xfer__vllm_flash_attn_hnd__vllm_flash_attn_nhd"  # L x [KV B H N C] -> L x [KV B N H C]
+DST_OLD = "    dst_places=(('KV', 0, ()), ('B', 1, ()), ('N', 2, ()), ('H', 3, ()), ('C', 4, ())),\n"
+DST_NEW = "    dst_places=(('KV', 3, ()), ('B', 1, ()), ('N', 2, ()), ('H', 0, ()), ('C', 4, ())),\n"
+
+
+def _altered_transfer(tmp_path: Path, old: str, new: str) -> Any:
+    text = (Path(generated.__file__).parent / f"{XFER}.py").read_text()
+    assert text.count(old) == 1, old
+    path = tmp_path / f"altered_{XFER}.py"
+    path.write_text(text.replace(old, new))
+    spec = importlib.util.spec_from_file_location(f"altered_{XFER}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Transfer
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_the_places_of_a_transfer_program_decide_where_the_kernel_writes(tmp_path: Path, layerwise: bool) -> None:
+    """The destination's KV and H places swapped in PROGRAM (two of each): every moved slot
+    gets the reference's values with K/V and heads transposed, every other slot keeps its own."""
+    hnd, nhd = LIBRARY_SPECS["vllm_flash_attn_hnd"], LIBRARY_SPECS["vllm_flash_attn_nhd"]
+    assert SRC_EXT["KV"] == SRC_EXT["H"] == 2
+    src = make_transfer_cache(hnd, SRC_EXT, torch.float32, "cpu")
+    original = make_transfer_cache(nhd, DST_EXT, torch.float32, "cpu", 10000)
+    slots_s, slots_d = torch.tensor([0, 1, 2, 3, 9, 17]), torch.tensor([4, 5, 6, 7, 0, 30])
+    reference = [t.clone() for t in original]
+    generated.transfer("vllm_flash_attn_hnd", "vllm_flash_attn_nhd")(copy_backend="torch").copy(
+        src, slots_s, reference, slots_d)
+    altered = [t.clone() for t in original]
+    t = _altered_transfer(tmp_path, DST_OLD, DST_NEW)(copy_backend="native")
+    calls = native.stats["calls"]
+    if layerwise:
+        for _ in t.copy_layers(src, slots_s, altered, slots_d):
+            pass
+    else:
+        t.copy(src, slots_s, altered, slots_d)
+    assert native.stats["calls"] > calls
+    b, n = slots_d // DST_EXT["N"], slots_d % DST_EXT["N"]
+    for got, ref, before in zip(altered, reference, original, strict=True):
+        want = before.clone()
+        want[:, b, n] = ref.transpose(0, 3)[:, b, n]
+        assert not torch.equal(got, ref) and torch.equal(got, want)

@@ -75,22 +75,26 @@ def _why_not(plan: CopyPlan, shared: tuple[str, ...], cache: tuple[str, ...], ob
     return None
 
 
-def _run(order: tuple[str, ...], cache: tuple[str, ...], obj: tuple[str, ...], lists: tuple[str, ...]
-         ) -> tuple[str, ...]:
-    """The innermost dims of `order` that both layouts keep adjacent and innermost, so that
-    with contiguous strides they are one run: each is, on both sides, the axis right before
-    the one merged before it (the last axis of the leaf, for the first). N merges as the
-    cache's slot in block and the object's token; indexed dims (B, T) and list levels never."""
+#: One side of a copy as `_run` reads it: its leaf's axes in order, its list levels, and the
+#: axis of its own that the dim N (slots of whole blocks) steps along.
+Side = tuple[tuple[str, ...], tuple[str, ...], str]
+
+
+def _run(order: tuple[str, ...], sides: tuple[Side, ...]) -> tuple[str, ...]:
+    """The innermost dims of `order` that every side keeps adjacent and innermost, so that
+    with contiguous strides they are one run: each is, on every side, the axis right before
+    the one merged before it (the last axis of the leaf, for the first). N merges as each
+    side's slot axis; indexed dims (B, T) and list levels never."""
     merged: list[str] = []
-    inner_c, inner_o = len(cache), len(obj)
+    inner = [len(axes) for axes, _, _ in sides]
     for name in reversed(order):
-        if name in ("B", "T") or name in lists:
+        if name in ("B", "T") or any(name in lists for _, lists, _ in sides):
             break
-        at_c, at_o = cache.index(name), obj.index("T" if name == "N" else name)
-        if at_c != inner_c - 1 or at_o != inner_o - 1:
+        at = [axes.index(n_axis if name == "N" else name) for axes, _, n_axis in sides]
+        if any(a != i - 1 for a, i in zip(at, inner, strict=True)):
             break
         merged.append(name)
-        inner_c, inner_o = at_c, at_o
+        inner = at
     return tuple(reversed(merged))
 
 
@@ -125,9 +129,48 @@ def program_plan(plan: CopyPlan | PartsPlan) -> ProgramPlan:
     ckey.update(T=(slot, 0))
     if not folded:
         ckey.update(B=(slot, 0), N=(len(lists) + cache.index("N"), 0))
+    sides: tuple[Side, ...] = ((cache, lists, "N"), (objs, (), "T"))
     paths = []
     for name, dims in ((("blocks", ("B", "N", *shared)),) if not folded else ()) + (("tokens", ("T", *shared)),):
         store, load = _order(dims, okey), _order(dims, ckey)
         paths.append((("name", name), ("store", store), ("load", load),
-                      ("store_run", _run(store, cache, objs, lists)), ("load_run", _run(load, cache, objs, lists))))
+                      ("store_run", _run(store, sides)), ("load_run", _run(load, sides))))
+    return ProgramPlan(fields, tuple(paths))
+
+
+def _destination_key(spec: Spec, places_: tuple[Place, ...], shared: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """Each dim's place in a destination cache: its list levels first, then its leaf's axes;
+    blocks and single tokens at its block (or folded slot) axis, block slots just inside."""
+    lists, axes = spec.lists, tuple(p[0] for p in places_)
+    key = {a: ((lists.index(a), 0) if a in lists else (len(lists) + axes.index(a), 0)) for a in shared}
+    folded = "S" in axes
+    slot = len(lists) + axes.index("S" if folded else "B")
+    key.update(B=(slot, 0), T=(slot, 0), N=(slot, 1) if folded else (len(lists) + axes.index("N"), 0))
+    return key
+
+
+def transfer_program(src: Spec, dst: Spec) -> ProgramPlan:
+    """The PROGRAM of a layout-to-layout transfer (runtime.TransferProgram): both caches'
+    places, the shared axes, and per path the dims of a whole call and of a layer's call in
+    the destination's order with the innermost that may merge into the run."""
+    if not (src.is_simple and dst.is_simple):
+        return ProgramPlan((("compiled", PLANES_REASON),), ())
+    sp, dp = places(src), places(dst)
+    sa, da = tuple(p[0] for p in sp), tuple(p[0] for p in dp)
+    src_axes, dst_axes = set(sa) | set(src.lists), set(da) | set(dst.lists)
+    shared = tuple(sorted((src_axes | dst_axes) - TOKEN_AXES))
+    one_side = [a for a in shared if (a in src_axes) != (a in dst_axes)]
+    why = f"axis {one_side[0]} is on one side only" if one_side else None
+    fields: Fields = (("compiled", why), ("src_lists", src.lists), ("src_places", sp), ("dst_lists", dst.lists),
+                      ("dst_places", dp), ("shared", shared))
+    if why is not None:
+        return ProgramPlan(fields, ())
+    key = _destination_key(dst, dp, shared)
+    sides: tuple[Side, ...] = ((sa, src.lists, "S" if "S" in sa else "N"), (da, dst.lists, "S" if "S" in da else "N"))
+    paths = []
+    for name, dims in (("blocks", ("B", "N", *shared)), ("tokens", ("T", *shared))):
+        whole = _order(dims, key)
+        layer = tuple(d for d in whole if d != "L")
+        paths.append((("name", name), ("whole", whole), ("layer", layer), ("whole_run", _run(whole, sides)),
+                      ("layer_run", _run(layer, sides))))
     return ProgramPlan(fields, tuple(paths))

@@ -12,7 +12,7 @@ from kvgen.runtime.layout import CacheReader, Geometry, ObjectLayout, PagedLayou
 from kvgen.runtime.memory import UNDEFINED, Format, MemoryObj, Metadata, format_name
 from kvgen.runtime.model import ModelConnector
 from kvgen.runtime.model_table import GroupTable, Section, StateTable
-from kvgen.runtime.movers.program import CopyPath, CopyProgram
+from kvgen.runtime.movers.program import CopyPath, CopyProgram, TransferPath, TransferProgram
 from kvgen.runtime.ops import (
     bits,
     gather_slots,
@@ -62,5 +62,6 @@ __all__ = [
     "PlaneGeometry", "block_field", "bytes_of", "copy_into", "region", "region_bytes", "region_starts", "row_field",
     "units", "as_words", "plane_words",
     "ModelConnector", "GroupTable", "StateTable", "Section",
-    "Pairs", "TransferBase", "carry", "move_blocks", "pick", "pick_slots", "put_slots",
+    "Pairs", "TransferBase", "TransferPath", "TransferProgram", "carry", "move_blocks", "pick", "pick_slots",
+    "put_slots",
 ]

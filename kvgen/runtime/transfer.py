@@ -32,6 +32,7 @@ from kvgen.runtime.connector import max_word
 from kvgen.runtime.devices import Backend, backend_for, on_stream
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, PagedLayout, describe
+from kvgen.runtime.movers.program import TransferProgram
 from kvgen.runtime.pairs import Pairs, Scratch, pair_slots
 from kvgen.runtime.slots import signed_integers
 from kvgen.runtime.words import Words, words
@@ -59,6 +60,8 @@ class Call:
 class TransferBase:
     src_layout: ClassVar[PagedLayout]
     dst_layout: ClassVar[PagedLayout]
+    #: The compiled kernel's planned description of this pair (kvgen.plan.program).
+    program: ClassVar[TransferProgram]
     strategy: ClassVar[str]
     #: Whether the generated copies may move C as wider integer words (both sides end in C).
     widen: ClassVar[bool] = False
@@ -148,8 +151,7 @@ class TransferBase:
                                           or "cpu" != call.gd.device.type):
             return None  # not a fallback: the kernel never moves these
         try:
-            return native_transfer.describe(self.src_layout, self.dst_layout, call.src, call.dst, call.gs, call.gd,
-                                            call.pairs, call.bindings, layerwise)
+            return native_transfer.describe(self.program, call, layerwise)
         except native.Unsupported as why:
             if self.copy_backend == "native":
                 raise KVLayoutError(f"{self.name}: copy_backend='native' cannot move these caches: {why}") from None

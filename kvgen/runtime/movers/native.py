@@ -24,7 +24,7 @@ import torch
 from kvgen.runtime import host, native
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.movers.base import Unsupported
-from kvgen.runtime.movers.program import CopyPath, CopyProgram, Place
+from kvgen.runtime.movers.program import CopyProgram, Place
 from kvgen.runtime.slots import Chunk
 from kvgen.runtime.threads import PARALLEL_BYTES, TEAM_PARALLEL_BYTES, cpu_threads
 
@@ -129,10 +129,11 @@ def _index(ids: Any) -> tuple[int, int]:
     return (0, ids.start) if isinstance(ids, slice) else (address(ids), 0)
 
 
-def _rows(path: CopyPath, dims: tuple[str, ...], cs: dict[str, int], os_: dict[str, int], ls: dict[str, int],
-          ext: dict[str, int], ck: Chunk) -> list[list[int]]:
-    """The kernel's dims for `path` in the order `dims`: extent, index, first, div, cache
+def _rows(dims: tuple[str, ...], cache: LeafSet, os_: dict[str, int], ext: dict[str, int], ck: Chunk
+          ) -> list[list[int]]:
+    """The kernel's dims of one path in the order `dims`: extent, index, first, div, cache
     stride(s), token positions, object stride, leaf step (native.FIELDS each)."""
+    cs, ls = cache.strides, cache.ls
     os_t = os_["T"]
     rows = []
     for name in dims:
@@ -187,7 +188,7 @@ def describe(program: CopyProgram, store: bool, tensor: torch.Tensor, call: Any,
         if not (ck.has_blocks if path.name == "blocks" else ck.has_tokens):
             continue
         dims = path.store if store else path.load
-        rows = _rows(path, dims, cache.strides, os_, cache.ls, ext, ck)
+        rows = _rows(dims, cache, os_, ext, ck)
         names = [d for d in dims if d in ("B", "N", "T") or ext.get(d, 1) > 1]
         run, rows = _merge(rows, names, path.store_run if store else path.load_run, item)
         if len(rows) > native.MAX_DIMS:  # the kernel's bound: never pass it more

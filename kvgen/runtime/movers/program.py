@@ -57,3 +57,35 @@ class CopyProgram:
 
     def path(self, name: str) -> CopyPath | None:
         return next((p for p in self.paths if p.name == name), None)
+
+
+@dataclass(frozen=True)
+class TransferPath:
+    """One path of a layout-to-layout transfer as the dims of one kernel call, outermost first
+    in the destination's order: `whole` for a call over every layer, `layer` for one layer's
+    (no L). B and N: whole blocks and their slots, each side split by its own block size (a
+    folded slot axis by the other's); T: single tokens by slot. `whole_run` / `layer_run`: the
+    innermost dims both layouts keep adjacent, which may merge into the memcpy run."""
+
+    name: str
+    whole: tuple[str, ...]
+    layer: tuple[str, ...]
+    whole_run: tuple[str, ...]
+    layer_run: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TransferProgram:
+    """Everything about a transfer's copy that does not depend on the live caches."""
+
+    compiled: str | None
+    src_lists: tuple[str, ...] = ()
+    src_places: tuple[Place, ...] = ()
+    dst_lists: tuple[str, ...] = ()
+    dst_places: tuple[Place, ...] = ()
+    #: The axes both caches hold (H narrowed per call to its head ranges).
+    shared: tuple[str, ...] = ()
+    paths: tuple[TransferPath, ...] = ()
+
+    def path(self, name: str) -> TransferPath | None:
+        return next((p for p in self.paths if p.name == name), None)
