@@ -183,14 +183,3 @@ def make_kernel_plan(plan: CopyPlan) -> KernelPlan:
              f"o = {obj.expr}  # the object: [{' '.join(obj.axes)}]",
              "return x, o")
     return KernelPlan(plan, leaf, obj, paged.lists, slot, row, outer, extents, params, body, views)
-
-
-def kernel_grid(plan: object) -> str | None:
-    """The launch grid of a connector's kernel, for people; None for anything that is not a
-    connector's plan."""
-    from kvgen.plan.kernel_parts import make_parts_kernel_plan  # it builds on this module
-    from kvgen.plan.parts import PartsPlan
-
-    if isinstance(plan, PartsPlan):
-        return make_parts_kernel_plan(plan).grid
-    return make_kernel_plan(plan).grid if isinstance(plan, CopyPlan) else None

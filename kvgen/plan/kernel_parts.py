@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgen.plan.copy import LOOP_VARS, SLOT, Mode, View
-from kvgen.plan.kernel import kernel_axes, kernel_text
+from kvgen.plan.copy import LOOP_VARS, SLOT, CopyPlan, Mode, View
+from kvgen.plan.kernel import kernel_axes, kernel_text, make_kernel_plan
 from kvgen.plan.parts import PartsPlan, PlaneCopy
 from kvgen.spec.model import PART_LEVEL, Pack, Spec
 
@@ -146,3 +146,11 @@ def make_parts_kernel_plan(parts: PartsPlan) -> PartsKernelPlan:
     planes = tuple(_plane_kernel(parts, pc, i) for i, pc in enumerate(parts.planes))
     leaf = "kvcaches" + "".join("[plane]" if a == PART_LEVEL else "[layer]" for a in parts.paged.lists)
     return PartsKernelPlan(parts, planes, f"[{leaf} for layer in range(g.L)]")
+
+
+def kernel_grid(plan: object) -> str | None:
+    """The launch grid of a connector's kernel, for people; None for anything that is not a
+    connector's plan. (Here, not in kvgen.plan.kernel, which this module builds on.)"""
+    if isinstance(plan, PartsPlan):
+        return make_parts_kernel_plan(plan).grid
+    return make_kernel_plan(plan).grid if isinstance(plan, CopyPlan) else None

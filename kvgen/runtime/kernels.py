@@ -171,48 +171,63 @@ def _row_alignment(w: Words, table: int, strides: list[int]) -> int:
     return min(common & -common, limit) if common else limit
 
 
+@dataclass(frozen=True)
+class Operands:
+    """What one launch works on: the views of the first cache leaf (`x`) and of the object
+    (`o`), every leaf of the cache (the table reaches them) and the cache's geometry."""
+
+    x: torch.Tensor
+    o: torch.Tensor
+    leaves: list[torch.Tensor]
+    g: Geometry
+
+
+def _index_arguments(spec: KernelSpec, ck: Chunk, bn: int, dummy: torch.Tensor) -> dict[str, Any]:
+    """The chunk's block ids, slots and token positions as the kernel takes them."""
+    blocks = None if spec.slotless else ck.block_ids
+    # A plane without slots is one token at slot 0 (its slot strides are 0).
+    slots = slice(0, 1) if spec.slotless else ck.slots
+    count = 0 if slots is None else (slots.stop - slots.start if isinstance(slots, slice) else slots.numel())
+    tok = None if spec.slotless else ck.tok
+    return dict(ids=blocks if isinstance(blocks, torch.Tensor) else dummy,
+                first_id=blocks.start if isinstance(blocks, slice) else 0,
+                IDS=isinstance(blocks, torch.Tensor), block_start=ck.block_start,
+                num_blocks=ck.block_tokens // bn if blocks is not None else 0,
+                slots=slots if isinstance(slots, torch.Tensor) else dummy,
+                first_slot=slots.start if isinstance(slots, slice) else 0, SLOTS=isinstance(slots, torch.Tensor),
+                tok=tok if tok is not None else dummy, TOK=tok is not None, num_tokens=count)
+
+
 class Kernel:
     """One generated kernel and what launching it needs."""
 
     def __init__(self, fn: Any, views: Views, spec: KernelSpec):
         self.fn, self.views, self.spec = fn, views, spec
 
-    def __call__(self, store: bool, layer: int | None, tensor: torch.Tensor, kvcaches: Any, g: Geometry,
-                 ck: Chunk, w: Words) -> None:
-        """Move one chunk (of one layer, when layerwise) between `tensor` and the cache."""
+    def __call__(self, store: bool, layer: int | None, tensor: torch.Tensor, call: Any, ck: Chunk, w: Words) -> None:
+        """Move one chunk of `call` (its frozen cache tree and geometry; of one layer, when
+        layerwise) between `tensor` and the cache."""
         if not ck.has_blocks and not ck.has_tokens:
             return
-        cache_leaves = leaves(kvcaches)
+        cache_leaves = leaves(call.kvcaches)
         w = leaf_words(w, cache_leaves[0].element_size(), cache_leaves, self.spec.table)
-        x, o = self.views(tensor, cache_leaves[0], g, w)
-        self.launch(*self.arguments(store, layer, x, o, cache_leaves, g, ck, w))
+        x, o = self.views(tensor, cache_leaves[0], call.g, w)
+        self.launch(*self.arguments(store, layer, Operands(x, o, cache_leaves, call.g), ck, w))
 
-    def arguments(self, store: bool, layer: int | None, x: torch.Tensor, o: torch.Tensor,
-                  cache_leaves: list[torch.Tensor], g: Geometry, ck: Chunk, w: Words
+    def arguments(self, store: bool, layer: int | None, ops: Operands, ck: Chunk, w: Words
                   ) -> tuple[tuple[int, int], dict[str, Any], torch.device]:
-        """(grid, arguments, device) of one launch over the views `x` (of the first leaf)
-        and `o`; Unsupported where the launch cannot be made."""
-        spec = self.spec
+        """(grid, arguments, device) of one launch over `ops`; Unsupported where the launch
+        cannot be made."""
+        spec, x, o, g = self.spec, ops.x, ops.o, ops.g
         device = x.device
-        dummy = _dummy(device)
         args: dict[str, Any] = {"cache": x, "obj": o}
         if spec.table:
-            args["table"], args["TA"] = _table(cache_leaves, w.dtype.itemsize, device)
+            args["table"], args["TA"] = _table(ops.leaves, w.dtype.itemsize, device)
         if spec.layerwise:
             args["layer"] = layer
         bn = 1 if spec.folded or spec.slotless else int(g.N or 1)
-        blocks = None if spec.slotless else ck.block_ids
-        args.update(ids=blocks if isinstance(blocks, torch.Tensor) else dummy,
-                    first_id=blocks.start if isinstance(blocks, slice) else 0,
-                    IDS=isinstance(blocks, torch.Tensor), block_start=ck.block_start,
-                    num_blocks=ck.block_tokens // bn if blocks is not None else 0)
-        # A plane without slots is one token at slot 0 (its slot strides are 0).
-        slots = slice(0, 1) if spec.slotless else ck.slots
-        count = 0 if slots is None else (slots.stop - slots.start if isinstance(slots, slice) else slots.numel())
-        tok = None if spec.slotless else ck.tok
-        args.update(slots=slots if isinstance(slots, torch.Tensor) else dummy,
-                    first_slot=slots.start if isinstance(slots, slice) else 0, SLOTS=isinstance(slots, torch.Tensor),
-                    tok=tok if tok is not None else dummy, TOK=tok is not None, num_tokens=count)
+        args.update(_index_arguments(spec, ck, bn, _dummy(device)))
+        count = args["num_tokens"]
         args.update({f"E_{a}": _extent(a, g, w) for a in spec.extents})
         args.update({f"cs_{a}": s for a, s in zip(spec.cache_axes, x.stride(), strict=True)})
         args.update({f"os_{a}": s for a, s in zip(spec.object_axes, o.stride(), strict=True)})

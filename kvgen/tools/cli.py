@@ -145,7 +145,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
                 facts.update(format2_facts(s))
             layouts[s.name] = facts
-        from kvgen.plan.kernel import kernel_grid
+        from kvgen.plan.kernel_parts import kernel_grid
 
         pairs = [{"paged": p.paged.name, "object": p.obj.name, "mode": p.mode, "module": p.module,
                   "strategy": p.strategy, "kernel": kernel_grid(p)} for p in plans]
@@ -211,7 +211,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"  format:   {spec.format} (code {spec.code}), accepts {', '.join(spec.accepts) or '-'}")
     plans = [p for p in plan_library(library) if spec in (p.paged, p.obj)]
     if plans:
-        from kvgen.plan.kernel import kernel_grid
+        from kvgen.plan.kernel_parts import kernel_grid
 
         print("  connectors:")
         for p in plans:

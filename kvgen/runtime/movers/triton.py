@@ -43,4 +43,4 @@ class TritonMover:
     def move(self, prepared: tuple[Any, Any], store: bool, tensor: torch.Tensor, call: Any, ck: Chunk,
              layer: int | None) -> None:
         connector, kernel = prepared
-        kernel(store, layer, tensor, call.kvcaches, call.g, ck, connector._words(tensor, call.binding))
+        kernel(store, layer, tensor, call, ck, connector._words(tensor, call.binding))
