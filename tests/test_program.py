@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import re
 from importlib import resources
+from pathlib import Path
 
 import pytest
 
 from kvgen import generated
 from kvgen.plan.copy import CopyPlan
 from kvgen.plan.package import plan_connectors
-from kvgen.plan.program import KERNEL_DIMS, PLANES_REASON, program_plan
-from kvgen.runtime import CopyPath, CopyProgram, native
+from kvgen.plan.program import KERNEL_DIMS, PLANES_REASON, program_plan, transfer_program
+from kvgen.runtime import CopyPath, CopyProgram, TransferPath, native
 from kvgen.spec.library import load_library
 
 LIBRARY = load_library()
@@ -70,3 +71,29 @@ def test_layerwise_objects_leave_the_layer_out_of_the_shared_axes() -> None:
     program = _rendered("vllm_flash_attn_nhd__kv_2td")
     assert program.layerwise and "L" not in program.shared
     assert all("L" not in p.store and "L" not in p.load for p in program.paths)
+
+
+XFERS = sorted(p.stem for p in Path(generated.__file__).parent.glob("xfer__*.py"))
+
+
+@pytest.mark.parametrize("module", XFERS)
+def test_every_transfer_module_carries_its_planned_program(module: str) -> None:
+    _, src, dst = module.split("__")
+    plan = transfer_program(LIBRARY[src], LIBRARY[dst])
+    got = generated.transfer(src, dst).program
+    for name, value in plan.fields:
+        assert getattr(got, name) == value, name
+    assert got.paths == tuple(TransferPath(**dict(p)) for p in plan.paths)
+    assert got.compiled is None and [p.name for p in got.paths] == ["blocks", "tokens"]
+    assert all("L" in p.whole and p.layer == tuple(d for d in p.whole if d != "L") for p in got.paths)
+
+
+def test_a_transfer_program_orders_dims_as_the_destination_lays_them_out() -> None:
+    """HND -> NHD: the destination keeps N before H, so a whole block's slots come before its
+    heads; only C is adjacent on both sides (the source has N inside H)."""
+    blocks = generated.transfer("vllm_flash_attn_hnd", "vllm_flash_attn_nhd").program.path("blocks")
+    assert blocks is not None
+    assert blocks.whole == ("L", "KV", "B", "N", "H", "C") and blocks.layer == ("KV", "B", "N", "H", "C")
+    assert blocks.whole_run == blocks.layer_run == ("C",)
+    same = generated.transfer("vllm_flash_attn_nhd", "vllm_flash_attn_nhd").program.path("blocks")
+    assert same is not None and same.layer_run == ("N", "H", "C")  # a whole block is one run
