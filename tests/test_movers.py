@@ -17,6 +17,7 @@ import torch
 
 from kvgen import generated
 from kvgen.errors import KVLayoutError
+from kvgen.oracle.scenarios import EXT, make_cache
 from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT
 from kvgen.oracle.transfer_scenarios import make_cache as make_transfer_cache
 from kvgen.runtime import MemoryObj, native
@@ -176,3 +177,44 @@ def test_the_places_of_a_transfer_program_decide_where_the_kernel_writes(tmp_pat
         want = before.clone()
         want[:, b, n] = ref.transpose(0, 3)[:, b, n]
         assert not torch.equal(got, ref) and torch.equal(got, want)
+
+
+# -- caches of several planes: one program per plane ----------------------------------------------------------
+
+PLANES_MODULE = "vllm_fp8_tensor_scales__kv_planes"  # per layer (kv [KV B N H C] fp8, k_scale, v_scale)
+KV_OLD = "            cache_places=(('KV', 0, ()), ('B', 1, ()), ('N', 2, ()), ('H', 3, ()), ('C', 4, ())),\n"
+KV_NEW = "            cache_places=(('KV', 3, ()), ('B', 1, ()), ('N', 2, ()), ('H', 0, ()), ('C', 4, ())),\n"
+
+
+def test_each_plane_moves_as_its_own_program_says(tmp_path: Path) -> None:
+    """The kv plane's program with the cache's KV and H places swapped (two of each): the native
+    mover fills the kv region with K/V and heads transposed; the scale planes, whose programs
+    are unchanged, land as the reference puts them."""
+    paged = LIBRARY_SPECS["vllm_fp8_tensor_scales"]
+    assert EXT["KV"] == EXT["H"] == 2
+    cache = make_cache(paged, torch.float32, "cpu")
+    tokens = len(MAPPING)
+
+    def store(cls: Any, backend: str) -> torch.Tensor:
+        c = cls(device="cpu", backend=backend)
+        o = torch.zeros(tuple(c.get_shape(tokens, cache)), dtype=c.get_dtype(cache))
+        c.from_gpu(MemoryObj(o), 0, tokens, kvcaches=cache, slot_mapping=MAPPING)
+        return o
+
+    plain = generated.get("vllm_fp8_tensor_scales", "kv_planes")
+    reference = store(plain, "torch")
+    assert torch.equal(store(plain, "native"), reference)
+    text = (Path(generated.__file__).parent / f"{PLANES_MODULE}.py").read_text()
+    assert text.count(KV_OLD) == 1
+    path = tmp_path / f"altered_{PLANES_MODULE}.py"
+    path.write_text(text.replace(KV_OLD, KV_NEW))
+    spec = importlib.util.spec_from_file_location(f"altered_{PLANES_MODULE}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    altered = store(module.Connector, "native")
+    size = EXT["KV"] * tokens * EXT["H"] * EXT["C"]  # the kv region of a layer: fp8, one byte a value
+    shape = (EXT["L"], EXT["KV"], tokens, EXT["H"], EXT["C"])
+    assert torch.equal(altered[:, :size].reshape(shape), reference[:, :size].reshape(shape).transpose(1, 3))
+    assert not torch.equal(altered[:, :size], reference[:, :size])
+    assert torch.equal(altered[:, size:], reference[:, size:])

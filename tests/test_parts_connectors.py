@@ -202,8 +202,10 @@ def _tampered(module: str, plane: str, old: str, new: str) -> Any:
     ("vllm_fp8_tensor_scales__kv_planes", "k_scale", "if ck.moved:", "if True:", "minus1_all"),
 ])
 def test_a_misplaced_scale_fails_the_comparison(module: str, plane: str, old: str, new: str, scenario: str) -> None:
+    """The tampered code is the generated torch copy, so it runs on the torch mover."""
     plan = PLANS[module]
     wrong = _tampered(module, plane, old, new)
     package = types.SimpleNamespace(get=lambda layout, obj: wrong)
     assert check_pair(generated, plan.paged, plan.obj, "cpu", SCENARIOS[scenario]) == (True, True)
-    assert check_pair(package, plan.paged, plan.obj, "cpu", SCENARIOS[scenario]) != (True, True)
+    assert check_pair(package, plan.paged, plan.obj, "cpu", SCENARIOS[scenario],
+                      connector=wrong(device="cpu", backend="torch")) != (True, True)

@@ -12,12 +12,16 @@ import pytest
 from kvgen import generated
 from kvgen.plan.copy import CopyPlan
 from kvgen.plan.package import plan_connectors
-from kvgen.plan.program import KERNEL_DIMS, PLANES_REASON, program_plan, transfer_program
+from kvgen.plan.program import KERNEL_DIMS, ProgramPlan, program_plan, transfer_program
 from kvgen.runtime import CopyPath, CopyProgram, TransferPath, native
 from kvgen.spec.library import load_library
 
 LIBRARY = load_library()
 PLANS = {p.module: p for p in plan_connectors(LIBRARY)}
+
+def _program_of(plan: ProgramPlan) -> CopyProgram:
+    return CopyProgram(**dict(plan.fields), paths=tuple(CopyPath(**dict(p)) for p in plan.paths))
+
 
 def _rendered(module: str) -> CopyProgram:
     paged, obj = module.split("__")
@@ -40,8 +44,14 @@ def test_every_generated_module_carries_its_planned_program(module: str) -> None
     if isinstance(PLANS[module], CopyPlan):
         assert got.compiled is None, got.compiled
         assert [p.name for p in got.paths] == (["tokens"] if got.folded else ["blocks", "tokens"])
-    else:
-        assert got.compiled == PLANES_REASON and got.paths == ()
+    else:  # one program per plane, each planned like a one-tree copy over the plane's byte views
+        assert got.compiled is None and got.paths == ()
+        assert len(got.planes) == len(PLANS[module].planes) and all(p.compiled is None for p in got.planes)
+        assert got.planes == tuple(_program_of(p) for p in plan.planes)
+        for pc, program in zip(PLANS[module].planes, got.planes, strict=True):
+            assert program.slotless == pc.slotless
+            assert [p.name for p in program.paths] == (["plane"] if pc.slotless else
+                                                      ["tokens"] if program.folded else ["blocks", "tokens"])
 
 def test_an_nhd_block_is_one_run_and_a_split_content_is_not() -> None:
     """NHD cache [KV B N H C] to [KV L T (H C)]: a block's slots, heads and content are adjacent

@@ -18,7 +18,7 @@ from kvgen.plan.geometry import geometry_body, parts_geometry_body
 from kvgen.plan.kernel import KernelPlan, make_kernel_plan
 from kvgen.plan.kernel_parts import PartsKernelPlan, make_parts_kernel_plan
 from kvgen.plan.parts import PartsPlan, compatible_parts, plan_parts
-from kvgen.plan.program import ProgramPlan, program_plan
+from kvgen.plan.program import ProgramPlan, planes_views, program_plan
 from kvgen.spec.library import UNDEFINED, Library
 from kvgen.spec.model import DTYPES, Spec
 
@@ -123,9 +123,13 @@ class PackagePlan:
 def connector_plan(plan: CopyPlan | PartsPlan) -> ConnectorPlan:
     base = "LayerwiseConnector" if plan.mode is Mode.LAYERWISE else "ChunkConnector"
     if isinstance(plan, PartsPlan):
+        program = program_plan(plan)
+        views = (Method("_planes", ("tensor: torch.Tensor", "kvcaches: Any", "g: runtime.Geometry",
+                                    "ck: runtime.Chunk"), planes_views(plan), "tuple[Any, ...]"),) \
+            if program.planes else ()
         return ConnectorPlan(plan, base, layout_fields(plan.paged), layout_fields(plan.obj),
-                             parts_geometry_body(plan.paged), parts_shape_body(plan), parts_methods(plan),
-                             program_plan(plan), ("parts",))
+                             parts_geometry_body(plan.paged), parts_shape_body(plan), parts_methods(plan) + views,
+                             program, ("parts",))
     return ConnectorPlan(plan, base, layout_fields(plan.paged), layout_fields(plan.obj),
                          geometry_body(plan.paged), shape_body(plan), copy_methods(plan), program_plan(plan))
 

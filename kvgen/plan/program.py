@@ -41,6 +41,8 @@ class ProgramPlan:
 
     fields: Fields
     paths: tuple[Fields, ...]
+    #: A cache of several planes: each plane's program.
+    planes: tuple[ProgramPlan, ...] = ()
 
     @property
     def compiled(self) -> str | None:
@@ -59,16 +61,15 @@ def places(spec: Spec) -> tuple[Place, ...]:
     return tuple(out)
 
 
-def _why_not(plan: CopyPlan, shared: tuple[str, ...], cache: tuple[str, ...], obj: tuple[str, ...]) -> str | None:
-    """Why the compiled kernel cannot move this pair (layout facts only); None when it can."""
-    if [a for a in plan.obj.lists if a != "L"]:
-        return f"object list levels {plan.obj.lists}"
+def _why_not(shared: tuple[str, ...], cache: tuple[str, ...], lists: tuple[str, ...], obj: tuple[str, ...],
+             slotless: bool) -> str | None:
+    """Why the compiled kernel cannot move this copy (layout facts only); None when it can."""
     for a in shared:
-        if a not in cache and a not in plan.paged.lists:
+        if a not in cache and a not in lists:
             return f"axis {a} is on the object only"
         if a not in obj:
             return f"axis {a} is on the cache only"
-    if "T" not in obj or ("S" not in cache and ("B" not in cache or "N" not in cache)):
+    if not slotless and ("T" not in obj or ("S" not in cache and ("B" not in cache or "N" not in cache))):
         return "token axes not found"
     if len(shared) + 2 > KERNEL_DIMS:
         return f"{len(shared) + 2} dims exceed the kernel's {KERNEL_DIMS}"
@@ -103,39 +104,79 @@ def _order(dims: tuple[str, ...], key: dict[str, tuple[int, int]]) -> tuple[str,
 
 
 def program_plan(plan: CopyPlan | PartsPlan) -> ProgramPlan:
-    """The PROGRAM of one connector."""
+    """The PROGRAM of one connector (of each plane, for a cache of several)."""
     if isinstance(plan, PartsPlan):
-        return ProgramPlan((("compiled", PLANES_REASON),), ())
-    paged, obj = plan.paged, plan.obj
-    layerwise = plan.mode is Mode.LAYERWISE
-    cp, op = places(paged), places(obj)
+        return planes_program(plan)
+    if [a for a in plan.obj.lists if a != "L"]:
+        return ProgramPlan((("compiled", f"object list levels {plan.obj.lists}"),), ())
+    return copy_program(places(plan.paged), plan.paged.lists, places(plan.obj), plan.mode is Mode.LAYERWISE)
+
+
+def copy_program(cp: tuple[Place, ...], lists: tuple[str, ...], op: tuple[Place, ...], layerwise: bool,
+                 slotless: bool = False) -> ProgramPlan:
+    """The program of one copy from where its axes live: the cache leaf's places and list
+    levels, the object's places; `slotless`: a plane without slots (copied whole with every
+    chunk that moves a token, one path `plane`)."""
     cache, objs = tuple(p[0] for p in cp), tuple(p[0] for p in op)
-    axes = (set(cache) | set(paged.lists) | set(objs)) - TOKEN_AXES - ({"L"} if layerwise else set())
+    axes = (set(cache) | set(lists) | set(objs)) - TOKEN_AXES - ({"L"} if layerwise else set())
     shared = tuple(sorted(axes))
     folded = "S" in cache
-    fields: Fields = (("compiled", _why_not(plan, shared, cache, objs)), ("layerwise", layerwise),
-                      ("folded", folded), ("cache_lists", paged.lists), ("cache_places", cp),
+    fields: Fields = (("compiled", _why_not(shared, cache, lists, objs, slotless)), ("layerwise", layerwise),
+                      ("folded", folded), ("slotless", slotless), ("cache_lists", lists), ("cache_places", cp),
                       ("object_places", op), ("shared", shared))
     if dict(fields)["compiled"] is not None:
         return ProgramPlan(fields, ())
     # Destination order: the object's axis order for a store; the cache's (list levels
     # first) for a load. B and N sit at the token's place, blocks outside slots.
-    t = objs.index("T")
     okey = {a: (objs.index(a), 0) for a in shared}
-    okey.update(B=(t, 0), N=(t, 1), T=(t, 0))
-    lists = paged.lists
     ckey = {a: ((lists.index(a), 0) if a in lists else (len(lists) + cache.index(a), 0)) for a in shared}
-    slot = len(lists) + cache.index("S" if folded else "B")
-    ckey.update(T=(slot, 0))
-    if not folded:
-        ckey.update(B=(slot, 0), N=(len(lists) + cache.index("N"), 0))
+    if slotless:
+        names: tuple[tuple[str, tuple[str, ...]], ...] = (("plane", shared),)
+    else:
+        t = objs.index("T")
+        okey.update(B=(t, 0), N=(t, 1), T=(t, 0))
+        slot = len(lists) + cache.index("S" if folded else "B")
+        ckey.update(T=(slot, 0))
+        if not folded:
+            ckey.update(B=(slot, 0), N=(len(lists) + cache.index("N"), 0))
+        names = ((("blocks", ("B", "N", *shared)),) if not folded else ()) + (("tokens", ("T", *shared)),)
     sides: tuple[Side, ...] = ((cache, lists, "N"), (objs, (), "T"))
     paths = []
-    for name, dims in ((("blocks", ("B", "N", *shared)),) if not folded else ()) + (("tokens", ("T", *shared)),):
+    for name, dims in names:
         store, load = _order(dims, okey), _order(dims, ckey)
         paths.append((("name", name), ("store", store), ("load", load),
                       ("store_run", _run(store, sides)), ("load_run", _run(load, sides))))
     return ProgramPlan(fields, tuple(paths))
+
+
+def planes_program(plan: PartsPlan) -> ProgramPlan:
+    """A cache of several planes: one program per plane over the byte views the module's
+    `_planes` makes (the object's region or row slice of the plane, and the plane's leaf of
+    every layer), each plane's axes one dim per axis in those views."""
+    if any(tuple(lp.axis for lp in pc.copy.loops) != ("L",) for pc in plan.planes):
+        return ProgramPlan((("compiled", "caches of several planes with list levels besides L and the parts"),), ())
+    layerwise = plan.mode is Mode.LAYERWISE
+    planes = []
+    for pc in plan.planes:
+        cp = tuple((a, i, ()) for i, a in enumerate(pc.copy.cache_view.axes))
+        op = tuple((a, i, ()) for i, a in enumerate(pc.copy.object_view.axes))
+        planes.append(copy_program(cp, ("L",), op, layerwise, pc.slotless))
+    why = next((p.compiled for p in planes if p.compiled is not None), None)
+    return ProgramPlan((("compiled", why),), (), tuple(planes) if why is None else ())
+
+
+def planes_views(plan: PartsPlan) -> tuple[str, ...]:
+    """The body of a format-2 module's `_planes(tensor, kvcaches, g, ck)`: per plane its object
+    view and its leaf of every layer, as bytes (the generated copies' views with a word of
+    one byte: the compiled kernel merges contiguous bytes into runs itself)."""
+    body = [line for line in plan.preamble if not line.startswith("wd = ")]
+    body.insert(1, "wd = (1,) * len(g.planes)  # bytes")
+    body.append("return (")
+    for pc in plan.planes:
+        body += [f"    ({pc.copy.object_view.expr},  # plane {pc.plane.name}: {' '.join(pc.copy.object_view.axes)}",
+                 f"     tuple({pc.copy.cache_view.expr} for layer in range(g.L))),"]
+    body.append(")")
+    return tuple(body)
 
 
 def _destination_key(spec: Spec, places_: tuple[Place, ...], shared: tuple[str, ...]) -> dict[str, tuple[int, int]]:

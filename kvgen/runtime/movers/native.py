@@ -24,7 +24,7 @@ import torch
 from kvgen.runtime import host, native
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.movers.base import Unsupported
-from kvgen.runtime.movers.program import CopyProgram, Place
+from kvgen.runtime.movers.program import CopyPath, CopyProgram, Place
 from kvgen.runtime.slots import Chunk
 from kvgen.runtime.threads import PARALLEL_BYTES, TEAM_PARALLEL_BYTES, cpu_threads
 
@@ -42,7 +42,7 @@ class LeafSet:
     """One bound cache as the kernel sees it: its leaves' addresses, one leaf's axis strides and
     each list level's step in leaves."""
 
-    __slots__ = ("binding", "ptrs", "base", "strides", "ls")
+    __slots__ = ("binding", "ptrs", "base", "strides", "ls", "item")
 
     def __init__(self, binding: Any, tree: Any, places: tuple[Place, ...], lists: tuple[str, ...],
                  ext: dict[str, int]):
@@ -51,6 +51,7 @@ class LeafSet:
         if any(t.stride() != first.stride() for t in tensors[1:]):
             raise Unsupported("cache tensors differ in strides")
         self.binding = binding  # held so that id(binding) is not reused while this entry lives
+        self.item = first.element_size()
         self.ptrs = array.array("Q", [t.data_ptr() for t in tensors])
         self.base = self.ptrs.buffer_info()[0]
         self.strides = strides(places, first, ext)
@@ -61,22 +62,24 @@ class LeafSet:
             step *= ext[a]
 
 
-_leaf_sets: dict[int, LeafSet] = {}
-_KEPT = 8
+_leaf_sets: dict[tuple[int, int], LeafSet] = {}
+_KEPT = 16
 
 
 def leaf_set(binding: Any, tree: Any, places: tuple[Place, ...], lists: tuple[str, ...],
-             ext: dict[str, int]) -> LeafSet:
-    """Per binding (immutable, one per cache fingerprint: leaf addresses, shapes, strides), so
-    every tree a call brings with that binding has these leaves; without one, per call."""
-    found = _leaf_sets.get(id(binding)) if binding is not None else None
+             ext: dict[str, int], part: int = 0) -> LeafSet:
+    """Per binding (immutable, one per cache fingerprint: leaf addresses, shapes, strides) and
+    plane `part`, so every tree a call brings with that binding has these leaves; without a
+    binding, per call."""
+    key = (id(binding), part)
+    found = _leaf_sets.get(key) if binding is not None else None
     if found is None or found.binding is not binding:
         found = LeafSet(binding, tree, places, lists, ext)
         if binding is not None:
             with _lock:
                 if len(_leaf_sets) >= _KEPT:
                     _leaf_sets.pop(next(iter(_leaf_sets)))
-                _leaf_sets[id(binding)] = found
+                _leaf_sets[key] = found
     return found
 
 
@@ -115,13 +118,17 @@ class Prepared:
     picked at the first layer of the call now moving (a layerwise call picks once)."""
 
     program: CopyProgram
+    #: The connector: for a cache of several planes, its `_planes` makes each plane's views.
+    connector: Any = None
     #: (the call's serial, {object bytes: (threads, streaming)}): not the call, whose cache it would keep alive.
     picked: tuple[int, dict[int, tuple[int, bool]]] = field(default=(0, {}))
 
 
-#: The last description, reused while the same chunk moves layer after layer. It holds its
-#: chunk and cache binding, so the ids in its key cannot be reused by other objects meanwhile.
-_last: list[Description] = []
+#: The last description of each program (of each plane), reused while the same chunk moves
+#: layer after layer. It holds its chunk and cache binding, so the ids in its key cannot be
+#: reused by other objects meanwhile.
+_last: dict[int, Description] = {}
+_LAST_KEPT = 64
 
 
 def _index(ids: Any) -> tuple[int, int]:
@@ -134,7 +141,7 @@ def _rows(dims: tuple[str, ...], cache: LeafSet, os_: dict[str, int], ext: dict[
     """The kernel's dims of one path in the order `dims`: extent, index, first, div, cache
     stride(s), token positions, object stride, leaf step (native.FIELDS each)."""
     cs, ls = cache.strides, cache.ls
-    os_t = os_["T"]
+    os_t = os_.get("T", 0)
     rows = []
     for name in dims:
         if name == "B":
@@ -169,23 +176,48 @@ def _merge(rows: list[list[int]], names: list[str], run_dims: tuple[str, ...], i
     return run, rows
 
 
-def describe(program: CopyProgram, store: bool, tensor: torch.Tensor, call: Any, ck: Chunk) -> Description:
-    """The kernel calls that move `ck`: one per planned path the chunk has tokens on."""
-    binding, g = call.binding, call.g
-    key = (id(program), store, id(ck), id(binding), tensor.shape, tensor.stride(), tensor.element_size())
-    found = _last[0] if _last else None
-    if found is not None and binding is not None and found.key == key and found.ck is ck \
-            and found.cache.binding is binding:
+def _runs(path: CopyPath, ck: Chunk) -> bool:
+    """Whether the chunk has tokens on `path` (a plane without slots moves with any token)."""
+    if path.name == "blocks":
+        return ck.has_blocks
+    return ck.has_tokens if path.name == "tokens" else ck.moved > 0
+
+
+def _key(store: bool, tensor: torch.Tensor, call: Any, ck: Chunk) -> tuple[Any, ...]:
+    return (store, id(ck), id(call.binding), tensor.shape, tensor.stride(), tensor.element_size())
+
+
+def cached(program: CopyProgram, key: tuple[Any, ...], call: Any, ck: Chunk) -> Description | None:
+    """The description of `program` made for this chunk and binding, while it is the last one made."""
+    found = _last.get(id(program))
+    if found is not None and call.binding is not None and found.key == key and found.ck is ck \
+            and found.cache.binding is call.binding:
         return found
-    if tensor.element_size() != g.dtype.itemsize:
-        raise Unsupported("object and cache elements differ in size")
+    return None
+
+
+def describe(program: CopyProgram, store: bool, tensor: torch.Tensor, call: Any, ck: Chunk,
+             plane: tuple[int, torch.Tensor, Any] | None = None) -> Description:
+    """The kernel calls that move `ck` between `tensor` and the cache: one per planned path the
+    chunk has tokens on. `plane`: (index, its view of `tensor`, its leaf of every layer) for one
+    plane of a cache of several; its calls' object offsets then count from `tensor`'s start."""
+    key = _key(store, tensor, call, ck)
+    found = cached(program, key, call, ck)
+    if found is not None:
+        return found
+    binding, g = call.binding, call.g
     ext = g.extents()
-    cache = leaf_set(binding, call.kvcaches, program.cache_places, program.cache_lists, ext)
-    os_ = strides(program.object_places, tensor, {**ext, "T": ck.num_tokens})
-    item = tensor.element_size()
+    part, view, tree = plane if plane is not None else (0, tensor, call.kvcaches)
+    cache = leaf_set(binding, tree, program.cache_places, program.cache_lists, ext, part)
+    if view.element_size() != cache.item:
+        raise Unsupported("object and cache elements differ in size")
+    if plane is not None:  # C of a plane is its bytes
+        ext = {**ext, "C": g.planes[part].C}
+    os_ = strides(program.object_places, view, {**ext, "T": ck.num_tokens})
+    item, base = view.element_size(), view.data_ptr() - tensor.data_ptr()
     calls = []
     for path in program.paths:
-        if not (ck.has_blocks if path.name == "blocks" else ck.has_tokens):
+        if not _runs(path, ck):
             continue
         dims = path.store if store else path.load
         rows = _rows(dims, cache, os_, ext, ck)
@@ -193,10 +225,13 @@ def describe(program: CopyProgram, store: bool, tensor: torch.Tensor, call: Any,
         run, rows = _merge(rows, names, path.store_run if store else path.load_run, item)
         if len(rows) > native.MAX_DIMS:  # the kernel's bound: never pass it more
             raise Unsupported(f"{len(rows)} dims exceed the kernel's {native.MAX_DIMS}")
-        calls.append(KernelCall(rows, run, ck.block_start * os_["T"] if path.name == "blocks" else 0))
+        calls.append(KernelCall(rows, run, base + (ck.block_start * os_["T"] if path.name == "blocks" else 0)))
     found = Description(key, ck, cache, calls)
     if binding is not None:
-        _last[:] = [found]
+        with _lock:
+            if len(_last) >= _LAST_KEPT:
+                _last.pop(next(iter(_last)))
+            _last[id(program)] = found
     return found
 
 
@@ -215,7 +250,7 @@ class NativeMover:
         program: CopyProgram = connector.program
         if program.compiled is not None:
             raise Unsupported(program.compiled)
-        return Prepared(program)
+        return Prepared(program, connector)
 
     def move(self, prepared: Prepared, store: bool, tensor: torch.Tensor, call: Any, ck: Chunk,
              layer: int | None) -> None:
@@ -225,18 +260,40 @@ class NativeMover:
         if lib is None:
             raise Unsupported(native.unavailable() or "no compiled kernel")
         threads, stream = self._pick(prepared, tensor, call, layer)
-        d = describe(prepared.program, store, tensor, call, ck)
+        program = prepared.program
+        if program.planes:
+            work = self._planes(prepared, store, tensor, call, ck)
+        else:
+            work = [describe(program, store, tensor, call, ck)]
+        for d in work:
+            self._run(lib, d, store, tensor.data_ptr(), layer, (threads, stream))
+
+    @staticmethod
+    def _planes(prepared: Prepared, store: bool, tensor: torch.Tensor, call: Any, ck: Chunk) -> list[Description]:
+        """Every plane's description, made before the first plane moves (a refusal writes
+        nothing); the module's `_planes` makes the views only when one is not kept."""
+        planes = prepared.program.planes
+        key = _key(store, tensor, call, ck)
+        found = [cached(p, key, call, ck) for p in planes]
+        if all(d is not None for d in found):
+            return found  # type: ignore[return-value]
+        views = prepared.connector._planes(tensor, call.kvcaches, call.g, ck)
+        return [describe(p, store, tensor, call, ck, (i, o, leaves_))
+                for i, (p, (o, leaves_)) in enumerate(zip(planes, views, strict=True))]
+
+    def _run(self, lib: Any, d: Description, store: bool, obj: int, layer: int | None,
+             picked: tuple[int, bool]) -> None:
+        """The kernel calls of `d` (of one layer, when `layer` is given)."""
         leaf0, coff0 = 0, 0
         if layer is not None:  # one layer of a per-layer object: L is fixed
             if "L" in d.cache.ls:
                 leaf0 = layer * d.cache.ls["L"]  # a cache whose layers are leaves: that layer's leaf
             else:
                 coff0 = layer * d.cache.strides.get("L", 0)
-        obj = tensor.data_ptr()
         for c in d.calls:
             self.stats["calls"] += 1
             if lib.kvgen_move(int(store), c.nd, c.dims.buffer_info()[0], c.run, d.cache.base + 8 * leaf0, coff0,
-                              obj + c.ooff, threads, int(stream)) != 0:
+                              obj + c.ooff, picked[0], int(picked[1])) != 0:
                 raise Unsupported("the kernel refused the description")
 
     @staticmethod

@@ -47,6 +47,9 @@ class CopyProgram:
     layerwise: bool = False
     #: The cache's slots are one folded dim [B N] (S), with no block size.
     folded: bool = False
+    #: A plane without slots (a per-layer scale): one path, `plane`, moved with every chunk
+    #: that moves a token.
+    slotless: bool = False
     #: The cache's list levels, outermost first (leaves in row-major order over them).
     cache_lists: tuple[str, ...] = ()
     cache_places: tuple[Place, ...] = ()
@@ -54,6 +57,9 @@ class CopyProgram:
     #: The shared axes (one dim each where their extent is above 1).
     shared: tuple[str, ...] = ()
     paths: tuple[CopyPath, ...] = ()
+    #: A cache of several planes: each plane's program, over the byte views the module's
+    #: `_planes(tensor, kvcaches, g, ck)` makes (the plane's object view, its leaf of every layer).
+    planes: tuple[CopyProgram, ...] = ()
 
     def path(self, name: str) -> CopyPath | None:
         return next((p for p in self.paths if p.name == name), None)
