@@ -48,12 +48,15 @@ def test_every_format2_pair_is_generated() -> None:
     assert set(PLANS) <= {f"{a}__{b}" for a, b in generated.CONNECTORS}
 
 
+@pytest.mark.parametrize("backend", ["default", "torch"])
 @pytest.mark.parametrize("module", sorted(PLANS))
-def test_every_scenario_matches_the_reference(module: str, device: str) -> None:
+def test_every_scenario_matches_the_reference(module: str, device: str, backend: str) -> None:
     """All 16 slot scenarios (-1 at every place, partial blocks, strided caches, odd storage
-    offsets of caches and objects) through one connector, store and load."""
+    offsets of caches and objects) through one connector, store and load: on the mover a
+    connector picks by default (the compiled kernel on a CPU with a compiler) and on torch."""
     plan = PLANS[module]
-    results = check_connector(generated, plan.paged, plan.obj, device, list(SCENARIOS.values()))
+    results = check_connector(generated, plan.paged, plan.obj, device, list(SCENARIOS.values()),
+                              backend=None if backend == "default" else backend)
     wrong = [(name, r) for name, r in zip(SCENARIOS, results, strict=True) if r != (True, True)]
     assert not wrong, f"(store ok, load ok) differ from the reference: {wrong}"
 
