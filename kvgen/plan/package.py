@@ -124,9 +124,11 @@ def connector_plan(plan: CopyPlan | PartsPlan) -> ConnectorPlan:
     base = "LayerwiseConnector" if plan.mode is Mode.LAYERWISE else "ChunkConnector"
     if isinstance(plan, PartsPlan):
         program = program_plan(plan)
-        views = (Method("_planes", ("tensor: torch.Tensor", "kvcaches: Any", "g: runtime.Geometry",
-                                    "ck: runtime.Chunk"), planes_views(plan), "tuple[Any, ...]"),) \
-            if program.planes else ()
+        objects, plane_leaves = planes_views(plan)
+        views = (Method("_plane_objects", ("tensor: torch.Tensor", "g: runtime.Geometry", "ck: runtime.Chunk"),
+                        objects, "tuple[torch.Tensor, ...]"),
+                 Method("_plane_leaves", ("kvcaches: Any", "g: runtime.Geometry"), plane_leaves,
+                        "tuple[tuple[torch.Tensor, ...], ...]")) if program.planes else ()
         return ConnectorPlan(plan, base, layout_fields(plan.paged), layout_fields(plan.obj),
                              parts_geometry_body(plan.paged), parts_shape_body(plan), parts_methods(plan) + views,
                              program, ("parts",))

@@ -165,18 +165,23 @@ def planes_program(plan: PartsPlan) -> ProgramPlan:
     return ProgramPlan((("compiled", why),), (), tuple(planes) if why is None else ())
 
 
-def planes_views(plan: PartsPlan) -> tuple[str, ...]:
-    """The body of a format-2 module's `_planes(tensor, kvcaches, g, ck)`: per plane its object
-    view and its leaf of every layer, as bytes (the generated copies' views with a word of
-    one byte: the compiled kernel merges contiguous bytes into runs itself)."""
-    body = [line for line in plan.preamble if not line.startswith("wd = ")]
-    body.insert(1, "wd = (1,) * len(g.planes)  # bytes")
-    body.append("return (")
+def planes_views(plan: PartsPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The bodies of a format-2 module's `_plane_objects(tensor, g, ck)` (each plane's view of
+    the object) and `_plane_leaves(kvcaches, g)` (each plane's leaf of every layer), as bytes:
+    the generated copies' views with a word of one byte (the compiled kernel merges contiguous
+    bytes into runs itself)."""
+    objects = [line for line in plan.preamble if not line.startswith("wd = ")]
+    objects.insert(1, "wd = (1,) * len(g.planes)  # bytes")
+    objects.append("return (")
+    objects += [f"    {pc.copy.object_view.expr},  # plane {pc.plane.name}: {' '.join(pc.copy.object_view.axes)}"
+                for pc in plan.planes]
+    objects.append(")")
+    leaves = ["wd = (1,) * len(g.planes)  # bytes", "return ("]
     for pc in plan.planes:
-        body += [f"    ({pc.copy.object_view.expr},  # plane {pc.plane.name}: {' '.join(pc.copy.object_view.axes)}",
-                 f"     tuple({pc.copy.cache_view.expr} for layer in range(g.L))),"]
-    body.append(")")
-    return tuple(body)
+        leaves += [f"    tuple({pc.copy.cache_view.expr}  # plane {pc.plane.name}: {' '.join(pc.copy.cache_view.axes)}",
+                   "          for layer in range(g.L)),"]
+    leaves.append(")")
+    return tuple(objects), tuple(leaves)
 
 
 def _destination_key(spec: Spec, places_: tuple[Place, ...], shared: tuple[str, ...]) -> dict[str, tuple[int, int]]:

@@ -145,8 +145,8 @@ def describe(program: TransferProgram, call: Any, layerwise: bool) -> Descriptio
     if program.compiled is not None:
         raise native.Unsupported(program.compiled)
     es, ed = gs.extents(), gd.extents()
-    sides = (_Side(leaf_set(call.bindings[0], call.src, program.src_places, program.src_lists, es), gs),
-             _Side(leaf_set(call.bindings[1], call.dst, program.dst_places, program.dst_lists, ed), gd))
+    sides = (_Side(leaf_set(call.bindings[0], lambda: call.src, program.src_places, program.src_lists, es), gs),
+             _Side(leaf_set(call.bindings[1], lambda: call.dst, program.dst_places, program.dst_lists, ed), gd))
     item = gs.dtype.itemsize
     out, keep = [], []
     for path in program.paths:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import array
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,15 +67,15 @@ _leaf_sets: dict[tuple[int, int], LeafSet] = {}
 _KEPT = 16
 
 
-def leaf_set(binding: Any, tree: Any, places: tuple[Place, ...], lists: tuple[str, ...],
+def leaf_set(binding: Any, tree: Callable[[], Any], places: tuple[Place, ...], lists: tuple[str, ...],
              ext: dict[str, int], part: int = 0) -> LeafSet:
     """Per binding (immutable, one per cache fingerprint: leaf addresses, shapes, strides) and
     plane `part`, so every tree a call brings with that binding has these leaves; without a
-    binding, per call."""
+    binding, per call. `tree()` makes the tree of leaves, called only when none is kept."""
     key = (id(binding), part)
     found = _leaf_sets.get(key) if binding is not None else None
     if found is None or found.binding is not binding:
-        found = LeafSet(binding, tree, places, lists, ext)
+        found = LeafSet(binding, tree(), places, lists, ext)
         if binding is not None:
             with _lock:
                 if len(_leaf_sets) >= _KEPT:
@@ -118,7 +119,8 @@ class Prepared:
     picked at the first layer of the call now moving (a layerwise call picks once)."""
 
     program: CopyProgram
-    #: The connector: for a cache of several planes, its `_planes` makes each plane's views.
+    #: The connector: for a cache of several planes, its `_plane_objects` / `_plane_leaves`
+    #: make each plane's views.
     connector: Any = None
     #: (the call's serial, {object bytes: (threads, streaming)}): not the call, whose cache it would keep alive.
     picked: tuple[int, dict[int, tuple[int, bool]]] = field(default=(0, {}))
@@ -197,17 +199,18 @@ def cached(program: CopyProgram, key: tuple[Any, ...], call: Any, ck: Chunk) -> 
 
 
 def describe(program: CopyProgram, store: bool, tensor: torch.Tensor, call: Any, ck: Chunk,
-             plane: tuple[int, torch.Tensor, Any] | None = None) -> Description:
+             plane: tuple[int, torch.Tensor, Callable[[], Any]] | None = None) -> Description:
     """The kernel calls that move `ck` between `tensor` and the cache: one per planned path the
-    chunk has tokens on. `plane`: (index, its view of `tensor`, its leaf of every layer) for one
-    plane of a cache of several; its calls' object offsets then count from `tensor`'s start."""
+    chunk has tokens on. `plane`: (index, its view of `tensor`, what makes its leaf of every
+    layer: called only when the binding's leaf set is not kept) for one plane of a cache of
+    several; its calls' object offsets then count from `tensor`'s start."""
     key = _key(store, tensor, call, ck)
     found = cached(program, key, call, ck)
     if found is not None:
         return found
     binding, g = call.binding, call.g
     ext = g.extents()
-    part, view, tree = plane if plane is not None else (0, tensor, call.kvcaches)
+    part, view, tree = plane if plane is not None else (0, tensor, lambda: call.kvcaches)
     cache = leaf_set(binding, tree, program.cache_places, program.cache_lists, ext, part)
     if view.element_size() != cache.item:
         raise Unsupported("object and cache elements differ in size")
@@ -271,15 +274,25 @@ class NativeMover:
     @staticmethod
     def _planes(prepared: Prepared, store: bool, tensor: torch.Tensor, call: Any, ck: Chunk) -> list[Description]:
         """Every plane's description, made before the first plane moves (a refusal writes
-        nothing); the module's `_planes` makes the views only when one is not kept."""
+        nothing); the module makes the views only where none is kept."""
         planes = prepared.program.planes
         key = _key(store, tensor, call, ck)
         found = [cached(p, key, call, ck) for p in planes]
         if all(d is not None for d in found):
             return found  # type: ignore[return-value]
-        views = prepared.connector._planes(tensor, call.kvcaches, call.g, ck)
-        return [describe(p, store, tensor, call, ck, (i, o, leaves_))
-                for i, (p, (o, leaves_)) in enumerate(zip(planes, views, strict=True))]
+        connector, g = prepared.connector, call.g
+        views = connector._plane_objects(tensor, g, ck)
+        made: list[Any] = []
+
+        def leaves_of(i: int) -> Callable[[], Any]:  # every plane's leaves made once, if at all
+            def make() -> Any:
+                if not made:
+                    made.append(connector._plane_leaves(call.kvcaches, g))
+                return made[0][i]
+            return make
+
+        return [describe(p, store, tensor, call, ck, (i, o, leaves_of(i)))
+                for i, (p, o) in enumerate(zip(planes, views, strict=True))]
 
     def _run(self, lib: Any, d: Description, store: bool, obj: int, layer: int | None,
              picked: tuple[int, bool]) -> None:

@@ -57,8 +57,9 @@ class CopyProgram:
     #: The shared axes (one dim each where their extent is above 1).
     shared: tuple[str, ...] = ()
     paths: tuple[CopyPath, ...] = ()
-    #: A cache of several planes: each plane's program, over the byte views the module's
-    #: `_planes(tensor, kvcaches, g, ck)` makes (the plane's object view, its leaf of every layer).
+    #: A cache of several planes: each plane's program, over the byte views the module makes:
+    #: `_plane_objects(tensor, g, ck)` (each plane's view of the object) and
+    #: `_plane_leaves(kvcaches, g)` (each plane's leaf of every layer).
     planes: tuple[CopyProgram, ...] = ()
 
     def path(self, name: str) -> CopyPath | None:
