@@ -20,8 +20,10 @@ from kvgen.errors import KVLayoutError
 from kvgen.oracle.scenarios import EXT, make_cache
 from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT
 from kvgen.oracle.transfer_scenarios import make_cache as make_transfer_cache
-from kvgen.runtime import MemoryObj, native
+from kvgen.runtime import MemoryObj, devices, kernels, native
+from kvgen.runtime.connector import max_word
 from kvgen.runtime.movers import native as native_mover
+from kvgen.runtime.movers.choose import choose
 from kvgen.spec.library import load_library
 
 pytestmark = pytest.mark.skipif(bool(native.unavailable()), reason=f"no compiled kernel: {native.unavailable()}")
@@ -218,3 +220,21 @@ def test_each_plane_moves_as_its_own_program_says(tmp_path: Path) -> None:
     assert torch.equal(altered[:, :size].reshape(shape), reference[:, :size].reshape(shape).transpose(1, 3))
     assert not torch.equal(altered[:, :size], reference[:, :size])
     assert torch.equal(altered[:, size:], reference[:, size:])
+
+
+# -- the device registry: a device is one registration --------------------------------------------------------
+
+def test_a_device_is_one_registration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One DeviceKind says everything kvgen needs of a device type: its backend, its copy word,
+    its Triton targets and the movers auto tries there, in order."""
+    monkeypatch.setattr(devices, "_DEVICES", dict(devices._DEVICES))
+    devices.register_device(devices.DeviceKind("mtia", lambda d: devices.CpuBackend(), word=4,
+                                               movers=("native", "torch")))
+    cls = generated.get("vllm_flash_attn_nhd", "kv_2ltd")
+    c = cls(device="mtia")
+    assert isinstance(devices.backend_for("mtia"), devices.CpuBackend) and max_word(torch.device("mtia")) == 4
+    assert choose(c, torch.device("mtia"), None).mover.name == "torch"  # native refuses a device that is no CPU
+    assert choose(c, torch.device("cpu"), None).mover.name == "native"
+    assert "Triton has no backend for mtia devices" in (kernels.unavailable(torch.device("mtia")) or "")
+    with pytest.raises(KVLayoutError, match="backend='native' cannot run here: the compiled kernel moves CPU tensors"):
+        cls(device="mtia", backend="native")
