@@ -235,6 +235,8 @@ def test_a_device_is_one_registration(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(devices.backend_for("mtia"), devices.CpuBackend) and max_word(torch.device("mtia")) == 4
     assert choose(c, torch.device("mtia"), None).mover.name == "torch"  # native refuses a device that is no CPU
     assert choose(c, torch.device("cpu"), None).mover.name == "native"
-    assert "Triton has no backend for mtia devices" in (kernels.unavailable(torch.device("mtia")) or "")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # another test may have switched the interpreter on
+    why = kernels.unavailable(torch.device("mtia")) or ""
+    assert "Triton has no backend for mtia devices" in why or "triton is not installed" in why
     with pytest.raises(KVLayoutError, match="backend='native' cannot run here: the compiled kernel moves CPU tensors"):
         cls(device="mtia", backend="native")
