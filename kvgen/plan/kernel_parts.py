@@ -132,7 +132,7 @@ def _plane_kernel(parts: PartsPlan, pc: PlaneCopy, index: int) -> PlaneKernelPla
         raise ValueError(f"{parts.module}: plane {pc.plane.name}'s views still use {', '.join(left)}")
     slot = () if pc.slotless else (SLOT,) if SLOT in leaf.axes else ("B", "N")
     row, outer, extents = kernel_axes(leaf, obj, ("L",), slot, layerwise)
-    params, body = kernel_text(layerwise, leaf, obj, ("L",), slot, row, outer, extents, aligned=True)
+    params, body = kernel_text(layerwise, leaf, obj, ("L",), slot, aligned=True)
     views = ["rows = runtime.bytes_of(tensor)"]
     if parts.sizes:
         views.append("at = runtime.region_starts(_region_sizes(g, num_tokens))  # each region in a layer")
