@@ -13,7 +13,8 @@ from harness import SCENARIOS
 from kvgen import generated
 from kvgen.errors import KVGenError
 from kvgen.oracle.scenarios import check_connector
-from kvgen.runtime import kernels, threads
+from kvgen.runtime import threads
+from kvgen.runtime.movers import torch as torch_mover
 from kvgen.spec.library import load_library
 from kvgen.tools.bench.busy import neighbour
 
@@ -70,7 +71,7 @@ def test_runnable_counts_the_threads_of_other_processes() -> None:
 
 def test_torch_path_runs_with_the_chosen_threads_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[int] = []
-    monkeypatch.setattr(kernels, "cpu_threads", lambda op_bytes: seen.append(op_bytes) or 1)
+    monkeypatch.setattr(torch_mover, "cpu_threads", lambda op_bytes: seen.append(op_bytes) or 1)
     cls = generated.get("vllm_flash_attn_nhd", "kv_2ltd")
     store = cls._store
     during: list[int] = []

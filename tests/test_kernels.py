@@ -203,7 +203,7 @@ def test_caches_the_kernel_cannot_address(device: str) -> None:
     assert same_bits(cache, untouched)
 
     auto = generated.get(plan.paged.name, plan.obj.name)(device=device)
-    auto._kernels[torch.device(device)] = kernels.kernel_of(type(auto).__module__)
+    auto._pin(torch.device(device), "triton", (auto, kernels.kernel_of(type(auto).__module__)))
     before = kernels.stats["launches"]
     connector_store(auto, objs, sc, cache, mapping)
     connector_load(auto, objs, sc, cache, mapping)

@@ -154,7 +154,7 @@ def test_a_plane_that_cannot_launch_leaves_everything_untouched(device: str, mon
     assert same_bits(cache, untouched) and kernels.stats["launches"] == before
 
     auto = connector(device=device)
-    auto._kernels[torch.device(device)] = planes
+    auto._pin(torch.device(device), "triton", (auto, planes))
     connector_store(auto, objs, sc, cache, mapping)
     assert kernels.stats["launches"] == before
     reference = connector(device=device, backend="torch")

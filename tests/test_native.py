@@ -30,7 +30,9 @@ from kvgen.errors import KVLayoutError
 from kvgen.oracle.scenarios import check_connector, clone_tree, connector_load, connector_store, make_objects
 from kvgen.plan.copy import CopyPlan
 from kvgen.plan.package import plan_connectors
-from kvgen.runtime import MemoryObj, host, kernels, native
+from kvgen.runtime import MemoryObj, host, native
+from kvgen.runtime.connector import Call
+from kvgen.runtime.movers import native as native_mover
 from kvgen.runtime.slots import Chunk
 from kvgen.spec.library import load_library
 
@@ -65,15 +67,14 @@ def reloaded():
 
 
 @needs_compiler
-def test_cpu_connectors_of_one_tree_caches_default_to_native() -> None:
-    """So the default suite's connector checks run this path; caches of planes keep torch."""
-    assert len(TREE) > 50
-    for p in TREE:
+def test_cpu_connectors_default_to_native() -> None:
+    """So the default suite's connector checks run this path: connectors of one-tree caches
+    and of caches of several planes (one description per plane, kvgen.plan.program) alike."""
+    assert len(TREE) > 50 and len(PLANES) > 10
+    for p in TREE + PLANES:
         assert generated.get(p.paged.name, p.obj.name)(device="cpu").copy_backend_for("cpu") == "native", p.module
-    for p in PLANES:
-        assert generated.get(p.paged.name, p.obj.name)(device="cpu").copy_backend_for("cpu") == "torch", p.module
-        with pytest.raises(KVLayoutError, match="backend='native' cannot run"):
-            generated.get(p.paged.name, p.obj.name)(device="cpu", backend="native").copy_backend_for("cpu")
+        assert generated.get(p.paged.name, p.obj.name)(device="cpu", backend="native").copy_backend_for("cpu") \
+            == "native", p.module
 
 
 @needs_compiler
@@ -93,7 +94,7 @@ def test_native_matches_reference(plan) -> None:
 def test_threads_share_the_work(module: str, team: bool, reloaded: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Several threads, each a share of the outermost dim, move exactly what one does: on
     torch's OpenMP threads where the kernel found them, else on threads of its own."""
-    monkeypatch.setattr(kernels, "cpu_threads", lambda nbytes, parallel_bytes=0: 3)
+    monkeypatch.setattr(native_mover, "cpu_threads", lambda nbytes, parallel_bytes=0: 3)
     monkeypatch.setenv("KVGEN_NATIVE_OPENMP", "1" if team else "0")
     assert (native.team() is not None) == (team and host.torch_openmp() is not None)
     plan = next(p for p in TREE if p.module == module)
@@ -117,7 +118,7 @@ def test_a_forked_child_moves_chunks_on_threads_of_its_own(monkeypatch: pytest.M
     """torch's OpenMP team does not survive a fork: a child that used it would wait forever.
     The parent shares the team; the forked child still stores a chunk (bit-exact to the
     parent's) within seconds."""
-    monkeypatch.setattr(kernels, "cpu_threads", lambda nbytes, parallel_bytes=0: 2)
+    monkeypatch.setattr(native_mover, "cpu_threads", lambda nbytes, parallel_bytes=0: 2)
     paged, obj = LIBRARY["vllm_flash_attn_nhd"], LIBRARY["kv_2ltd"]
     cache = make_cache(paged, torch.float32, "cpu")
     c = generated.get(paged.name, obj.name)(device="cpu")
@@ -461,9 +462,10 @@ def test_the_kernel_takes_only_contiguous_int64_index_tensors(field: str, how: s
     assert torch.equal(bad.long(), index)
     ck = dataclasses.replace(ck, **{field: bad})
     tensor = torch.zeros(c.get_shape(ck.num_tokens))
-    m = native.layout_map(c.layout, c.memory)
+    binding, tree = c._bind(cache)
+    chosen = c._mover_for(torch.device("cpu"))
     with pytest.raises(native.Unsupported, match="index tensors must be contiguous int64"):
-        native.move(m, True, None, tensor, cache, g, ck, 1)
+        chosen.mover.move(chosen.prepared, True, tensor, Call(binding, tree, torch.arange(0), [ck]), ck, None)
     assert not tensor.any()
 
 

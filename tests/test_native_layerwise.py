@@ -14,7 +14,9 @@ from harness import EXT, SCENARIOS, make_cache
 from kvgen import generated
 from kvgen.errors import KVLayoutError
 from kvgen.oracle.scenarios import connector_load, connector_store, make_objects
-from kvgen.runtime import kernels, layerwise, native
+from kvgen.runtime import native
+from kvgen.runtime.movers import native as native_mover
+from kvgen.runtime.movers import torch as torch_mover
 from kvgen.spec.library import load_library
 
 LIBRARY = load_library()
@@ -43,7 +45,7 @@ def test_a_layerwise_call_picks_its_threads_once(direction: str, monkeypatch: py
         asked.append(nbytes)
         return 1
 
-    for module in (kernels, layerwise):
+    for module in (native_mover, torch_mover):
         monkeypatch.setattr(module, "cpu_threads", counting)
     c, cache, mapping, objs = _setup(None)
     calls = native.stats["calls"]

@@ -727,8 +727,7 @@ def test_registered_backend_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     """A backend registered with a probe is refused where the probe says it is missing."""
     from kvgen.runtime import devices
 
-    monkeypatch.setattr(devices, "_FACTORIES", dict(devices._FACTORIES))
-    monkeypatch.setattr(devices, "_PROBES", dict(devices._PROBES))
+    monkeypatch.setattr(devices, "_DEVICES", dict(devices._DEVICES))
     devices.register_backend("mtia", lambda d: devices.CpuBackend(), probe=lambda d: "no MTIA board in this box")
     with pytest.raises(KVLayoutError, match="device 'mtia' is not available here: no MTIA board in this box"):
         connector(WHOLE, device="mtia")

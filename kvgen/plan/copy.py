@@ -37,7 +37,7 @@ class Mode(Vocabulary):
 WHOLE, LAYERWISE = Mode.WHOLE, Mode.LAYERWISE
 
 
-class CopyPath(Vocabulary):
+class PathKind(Vocabulary):
     """The copy strategy: whole blocks by index over B with the rest by slot, single tokens
     by (block, offset) index, or rows of a folded slot axis by slot."""
 
@@ -126,11 +126,11 @@ class CopyPlan:
         return self.token_object.axes.index("T")
 
     @property
-    def path(self) -> CopyPath:
+    def path(self) -> PathKind:
         """How the generated copy reaches the cache's slots."""
         if self.block is not None:
-            return CopyPath.BLOCKS_THEN_TOKENS
-        return CopyPath.ROWS_BY_SLOT if self.token_rows else CopyPath.TOKENS_BY_SLOT
+            return PathKind.BLOCKS_THEN_TOKENS
+        return PathKind.ROWS_BY_SLOT if self.token_rows else PathKind.TOKENS_BY_SLOT
 
     @property
     def strategy(self) -> str:
@@ -138,7 +138,7 @@ class CopyPlan:
         loops = " x ".join(lp.axis for lp in self.loops)
         per = f"per {loops} leaf" if loops else "all layers at once"
         if self.block is None:
-            how = "tokens as rows by slot" if self.path is CopyPath.ROWS_BY_SLOT else "tokens by slot"
+            how = "tokens as rows by slot" if self.path is PathKind.ROWS_BY_SLOT else "tokens by slot"
         else:
             extra = " x ".join(lp.axis for lp in self.block.loops)
             how = (f"whole blocks by index over B (dim {self.block.dim})" + (f" per {extra}" if extra else "")

@@ -106,11 +106,12 @@ def _offsets(axes: tuple[str, ...], prefix: str) -> str:
 
 
 def kernel_text(layerwise: bool, leaf: View, obj: View, lists: tuple[str, ...], slot: tuple[str, ...],
-                row: tuple[str, ...], outer: tuple[str, ...], extents: tuple[str, ...], aligned: bool = False
-                ) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The kernel's parameters and body. `slot` () is a plane without slots (a per-layer
-    scale): its one row moves as a single token at slot 0 with every slot stride 0.
-    `aligned`: the launch passes VA, the power of two every token row starts at a multiple of."""
+                aligned: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The kernel's parameters and body (its row, outer and extent axes: kernel_axes). `slot`
+    () is a plane without slots (a per-layer scale): its one row moves as a single token at
+    slot 0 with every slot stride 0. `aligned`: the launch passes VA, the power of two every
+    token row starts at a multiple of."""
+    row, outer, extents = kernel_axes(leaf, obj, lists, slot, layerwise)
     params = ["cache", "obj", *(["table"] if lists else []), "ids", "slots", "tok",
               *(["layer"] if layerwise else []), "first_id", "first_slot", "block_start", "num_blocks",
               "num_tokens", *(f"E_{a}" for a in extents), *(f"cs_{a}" for a in leaf.axes),
@@ -178,19 +179,8 @@ def make_kernel_plan(plan: CopyPlan) -> KernelPlan:
     slot = (SLOT,) if SLOT in leaf.axes else ("B", "N")
     layerwise = plan.mode is Mode.LAYERWISE
     row, outer, extents = kernel_axes(leaf, obj, paged.lists, slot, layerwise)
-    params, body = kernel_text(layerwise, leaf, obj, paged.lists, slot, row, outer, extents)
+    params, body = kernel_text(layerwise, leaf, obj, paged.lists, slot)
     views = (f"x = {leaf.expr}  # one cache leaf: [{' '.join(leaf.axes)}]",
              f"o = {obj.expr}  # the object: [{' '.join(obj.axes)}]",
              "return x, o")
     return KernelPlan(plan, leaf, obj, paged.lists, slot, row, outer, extents, params, body, views)
-
-
-def kernel_grid(plan: object) -> str | None:
-    """The launch grid of a connector's kernel, for people; None for anything that is not a
-    connector's plan."""
-    from kvgen.plan.kernel_parts import make_parts_kernel_plan  # it builds on this module
-    from kvgen.plan.parts import PartsPlan
-
-    if isinstance(plan, PartsPlan):
-        return make_parts_kernel_plan(plan).grid
-    return make_kernel_plan(plan).grid if isinstance(plan, CopyPlan) else None

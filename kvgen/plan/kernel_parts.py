@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgen.plan.copy import LOOP_VARS, SLOT, Mode, View
-from kvgen.plan.kernel import kernel_axes, kernel_text
+from kvgen.plan.copy import LOOP_VARS, SLOT, CopyPlan, Mode, View
+from kvgen.plan.kernel import kernel_axes, kernel_text, make_kernel_plan
 from kvgen.plan.parts import PartsPlan, PlaneCopy
 from kvgen.spec.model import PART_LEVEL, Pack, Spec
 
@@ -132,7 +132,7 @@ def _plane_kernel(parts: PartsPlan, pc: PlaneCopy, index: int) -> PlaneKernelPla
         raise ValueError(f"{parts.module}: plane {pc.plane.name}'s views still use {', '.join(left)}")
     slot = () if pc.slotless else (SLOT,) if SLOT in leaf.axes else ("B", "N")
     row, outer, extents = kernel_axes(leaf, obj, ("L",), slot, layerwise)
-    params, body = kernel_text(layerwise, leaf, obj, ("L",), slot, row, outer, extents, aligned=True)
+    params, body = kernel_text(layerwise, leaf, obj, ("L",), slot, aligned=True)
     views = ["rows = runtime.bytes_of(tensor)"]
     if parts.sizes:
         views.append("at = runtime.region_starts(_region_sizes(g, num_tokens))  # each region in a layer")
@@ -146,3 +146,11 @@ def make_parts_kernel_plan(parts: PartsPlan) -> PartsKernelPlan:
     planes = tuple(_plane_kernel(parts, pc, i) for i, pc in enumerate(parts.planes))
     leaf = "kvcaches" + "".join("[plane]" if a == PART_LEVEL else "[layer]" for a in parts.paged.lists)
     return PartsKernelPlan(parts, planes, f"[{leaf} for layer in range(g.L)]")
+
+
+def kernel_grid(plan: object) -> str | None:
+    """The launch grid of a connector's kernel, for people; None for anything that is not a
+    connector's plan. (Here, not in kvgen.plan.kernel, which this module builds on.)"""
+    if isinstance(plan, PartsPlan):
+        return make_parts_kernel_plan(plan).grid
+    return make_kernel_plan(plan).grid if isinstance(plan, CopyPlan) else None

@@ -20,6 +20,7 @@ from kvgen.plan.kernel_parts import PartsKernelPlan, make_parts_kernel_plan
 from kvgen.plan.layouts import Fields, layout_fields
 from kvgen.plan.models import ModelPlan, plan_models
 from kvgen.plan.parts import PartsPlan, compatible_parts, plan_parts
+from kvgen.plan.program import ProgramPlan, planes_views, program_plan
 from kvgen.plan.transfer import TransferPlan, plan_transfers
 from kvgen.spec.library import UNDEFINED, Library
 from kvgen.spec.model import Spec
@@ -62,6 +63,8 @@ class ConnectorPlan:
     geometry: tuple[str, ...]
     shape: str
     methods: tuple[Method, ...]
+    #: The copy description movers execute (kvgen.plan.program), rendered as PROGRAM.
+    program: ProgramPlan
     #: Fields of the PAGED constant written one item per line (a format-2 cache's parts).
     wide_fields: tuple[str, ...] = ()
 
@@ -100,11 +103,17 @@ class PackagePlan:
 def connector_plan(plan: CopyPlan | PartsPlan) -> ConnectorPlan:
     base = "LayerwiseConnector" if plan.mode is Mode.LAYERWISE else "ChunkConnector"
     if isinstance(plan, PartsPlan):
+        program = program_plan(plan)
+        objects, plane_leaves = planes_views(plan)
+        views = (Method("_plane_objects", ("tensor: torch.Tensor", "g: runtime.Geometry", "ck: runtime.Chunk"),
+                        objects, "tuple[torch.Tensor, ...]"),
+                 Method("_plane_leaves", ("kvcaches: Any", "g: runtime.Geometry"), plane_leaves,
+                        "tuple[tuple[torch.Tensor, ...], ...]")) if program.planes else ()
         return ConnectorPlan(plan, base, layout_fields(plan.paged), layout_fields(plan.obj),
-                             parts_geometry_body(plan.paged), parts_shape_body(plan), parts_methods(plan),
-                             ("parts",))
+                             parts_geometry_body(plan.paged), parts_shape_body(plan), parts_methods(plan) + views,
+                             program, ("parts",))
     return ConnectorPlan(plan, base, layout_fields(plan.paged), layout_fields(plan.obj),
-                         geometry_body(plan.paged), shape_body(plan), copy_methods(plan))
+                         geometry_body(plan.paged), shape_body(plan), copy_methods(plan), program_plan(plan))
 
 
 def plan_connectors(library: Library) -> list[CopyPlan | PartsPlan]:

@@ -37,6 +37,7 @@ from kvgen.plan.copy import (
 )
 from kvgen.plan.geometry import geometry_body
 from kvgen.plan.layouts import Fields, layout_fields
+from kvgen.plan.program import ProgramPlan, transfer_program
 from kvgen.spec.model import Spec
 from kvgen.spec.transfers import TransferPair
 
@@ -64,6 +65,8 @@ class TransferPlan:
     src_geometry: tuple[str, ...]
     dst_geometry: tuple[str, ...]
     methods: tuple[Method, ...]
+    #: The compiled kernel's description of this pair (kvgen.plan.program), rendered as PROGRAM.
+    program: ProgramPlan
 
     @property
     def src(self) -> Spec:
@@ -197,7 +200,8 @@ def plan_transfer(pair: TransferPair) -> TransferPlan:
     methods = (Method("_copy", COPY_PARAMS, copy_body(src, dst, widen, layerwise=False)),
                Method("_copy_layer", ("layer: int", *COPY_PARAMS), copy_body(src, dst, widen, layerwise=True)))
     return TransferPlan(pair, widen, _loops(src, dst, False), blocks, layout_fields(src), layout_fields(dst),
-                        ("PAGED = SRC", *geometry_body(src)), ("PAGED = DST", *geometry_body(dst)), methods)
+                        ("PAGED = SRC", *geometry_body(src)), ("PAGED = DST", *geometry_body(dst)), methods,
+                        transfer_program(src, dst))
 
 
 def plan_transfers(pairs: tuple[TransferPair, ...]) -> tuple[TransferPlan, ...]:

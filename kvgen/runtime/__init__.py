@@ -12,6 +12,7 @@ from kvgen.runtime.layout import CacheReader, Geometry, ObjectLayout, PagedLayou
 from kvgen.runtime.memory import UNDEFINED, Format, MemoryObj, Metadata, format_name
 from kvgen.runtime.model import ModelConnector
 from kvgen.runtime.model_table import GroupTable, Section, StateTable
+from kvgen.runtime.movers.program import CopyPath, CopyProgram, TransferPath, TransferProgram
 from kvgen.runtime.ops import (
     bits,
     gather_slots,
@@ -51,7 +52,8 @@ def require_abi(version: int, module: str) -> None:
 
 
 __all__ = [
-    "ABI", "UNDEFINED", "Backend", "Chunk", "ChunkConnector", "Format", "Geometry", "KVLayoutError",
+    "ABI", "UNDEFINED", "Backend", "Chunk", "ChunkConnector", "CopyPath", "CopyProgram", "Format", "Geometry",
+    "KVLayoutError",
     "LayerwiseConnector", "MemoryObj", "Metadata", "ObjectLayout", "PagedLayout", "available_devices",
     "backend_for", "bits", "format_name", "plan_chunk", "put_tokens", "register_backend", "CacheReader",
     "DEVICES", "Registry", "check_transition", "convert",
@@ -60,5 +62,6 @@ __all__ = [
     "PlaneGeometry", "block_field", "bytes_of", "copy_into", "region", "region_bytes", "region_starts", "row_field",
     "units", "as_words", "plane_words",
     "ModelConnector", "GroupTable", "StateTable", "Section",
-    "Pairs", "TransferBase", "carry", "move_blocks", "pick", "pick_slots", "put_slots",
+    "Pairs", "TransferBase", "TransferPath", "TransferProgram", "carry", "move_blocks", "pick", "pick_slots",
+    "put_slots",
 ]

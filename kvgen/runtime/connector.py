@@ -17,6 +17,7 @@ which are per thread. See docs/connectors.md.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import threading
 from collections.abc import Callable, Sequence
@@ -27,44 +28,49 @@ import torch
 from kvgen.runtime import calls
 from kvgen.runtime.aliasing import check_objects_apart, check_unique_slots
 from kvgen.runtime.binding import Binding, leaf_names, new_binding, snapshot
-from kvgen.runtime.devices import Backend, backend_for, check_device
+from kvgen.runtime.devices import Backend, backend_for, check_device, device_kind
 from kvgen.runtime.errors import KVLayoutError
-from kvgen.runtime.kernels import KernelCopies
 from kvgen.runtime.layout import Geometry, ObjectLayout, PagedLayout, broadcast_dims, describe
 from kvgen.runtime.memory import Format, check_relabel, format_name
+from kvgen.runtime.movers.choose import MoverChoice
+from kvgen.runtime.movers.program import CopyProgram
 from kvgen.runtime.slots import Chunk, plan_chunk, signed_integers
 from kvgen.runtime.words import Words, widest, words
-
-#: A generated copy: (object tensor, kvcaches, geometry, chunk, copy words).
-Copy = Callable[[torch.Tensor, Any, Geometry, Chunk, Words], None]
-
-#: Widest copy word per device type. 16-byte words are complex128, which Intel GPUs
-#: without native FP64 may not index, so other devices stop at 8-byte integers.
-MAX_WORD = {"cpu": 16, "cuda": 16}
 
 #: Bindings kept per connector (a few caches in turn, e.g. one per engine or thread).
 _BINDINGS_KEPT = 8
 
 _MISSING: Any = calls.MISSING
+_SERIALS = itertools.count(1)
 
 
 class Call:
     """What one transfer works with, fixed when it starts: the binding, the frozen cache
     tree the copies index, the slot mapping on the cache's device and the chunks."""
 
-    __slots__ = ("binding", "kvcaches", "mapping", "chunks")
+    __slots__ = ("binding", "kvcaches", "mapping", "chunks", "serial")
 
     def __init__(self, binding: Binding, kvcaches: Any, mapping: torch.Tensor, chunks: list[Chunk]):
         self.binding, self.kvcaches, self.mapping, self.chunks = binding, kvcaches, mapping, chunks
+        #: This call's number in the process, never reused (what movers keep per call is keyed by it).
+        self.serial = next(_SERIALS)
 
     @property
     def g(self) -> Geometry:
         return self.binding.geometry
 
 
-class ConnectorBase(KernelCopies):
+def max_word(device: torch.device) -> int:
+    """Widest copy word of the torch path on `device` (the device registry's fact)."""
+    kind = device_kind(device.type)
+    return kind.word if kind is not None else 8
+
+
+class ConnectorBase(MoverChoice):
     layout: ClassVar[PagedLayout]
     memory: ClassVar[ObjectLayout]
+    #: The planned copy description (kvgen.plan.program) the movers execute.
+    program: ClassVar[CopyProgram]
     strategy: ClassVar[str]
     layerwise: ClassVar[bool]
     #: Whether the generated copies may move C as wider integer words (both sides end in C).
@@ -77,16 +83,15 @@ class ConnectorBase(KernelCopies):
         """`device`: where the cache lives (default: read from the first cache bound); a
         device that is not present here is refused now. `use_gpu`: gather into a reusable
         staging tensor on the cache's device (one per thread), then make one copy to the
-        host; `staging_bytes` caps that tensor (default: sized on demand). `backend`:
-        "triton" or "torch" forces how chunks move (default: the generated Triton kernel
-        where the device and an installed Triton allow, torch ops otherwise; see
-        kvgen.runtime.kernels); a device Backend object instead replaces the device's own
-        (tests pass a recording fake)."""
+        host; `staging_bytes` caps that tensor (default: sized on demand). `backend`: the
+        mover chunks move with, "native", "triton" or "torch" (default: the first the device
+        registry lists that runs here, kvgen.runtime.movers.choose); a device Backend object
+        instead replaces the device's own (tests pass a recording fake)."""
         self.device = check_device(device) if device is not None else None
         self.use_gpu = use_gpu
         self.staging_bytes = staging_bytes
         self._backend = None if isinstance(backend, str) else backend
-        self._init_copies(backend if isinstance(backend, str) else None, self.device)
+        self._init_movers(backend if isinstance(backend, str) else None, self.device)
         self._lock = threading.Lock()
         self._bindings: dict[Any, Binding] = {}
         self._last: Binding | None = None
@@ -122,7 +127,7 @@ class ConnectorBase(KernelCopies):
         if key is None:  # the geometry check accepted what is no tree of tensors
             raise KVLayoutError(f"{self.layout.name}: kvcaches must be lists or tuples of tensors, got "
                                 f"{describe(kvcaches)}")
-        limit = MAX_WORD.get(geometry.device.type, 8) if self.widen else None
+        limit = max_word(geometry.device) if self.widen else None
         binding = new_binding(kvcaches, tree, key, geometry, tuple(leaf_names(tree)), word_limit=limit,
                               owner=self.layout.name, argument=f"{self.layout.name}: kvcaches")
         with self._lock:
@@ -286,26 +291,26 @@ class ConnectorBase(KernelCopies):
             buffer = buffers[(g.device, role)] = torch.empty(need, dtype=torch.uint8, device=g.device)
         return buffer[:need].view(tensor.dtype).view(tensor.shape)
 
-    def _staged_store(self, copy: Copy, tensor: torch.Tensor, call: Call, ck: Chunk, role: str) -> None:
-        """Run a generated store into `tensor`, through the staging tensor where one is used."""
+    def _staged_store(self, tensor: torch.Tensor, call: Call, ck: Chunk, role: str, layer: int | None = None) -> None:
+        """Store chunk `ck` (one layer of it, when `layer` is given) into `tensor` with the
+        device's mover, through the staging tensor where one is used."""
         g = call.g
         backend = self._backend_for(g.device)
         work = self._staging_for(tensor, g, role)
         if work is not tensor and not ck.covers_all:
             backend.copy(work, tensor)  # so skipped tokens come back unchanged
-        copy = self._kernel_copy(True, copy, g.device, call.binding)
-        copy(work, call.kvcaches, g, ck, self._words(work, call.binding))
+        self._move(True, work, call, ck, layer)
         if work is not tensor:
             backend.copy(tensor, work)
 
-    def _staged_load(self, copy: Copy, tensor: torch.Tensor, call: Call, ck: Chunk, role: str) -> None:
-        """Run a generated load from `tensor`, through the staging tensor where one is used."""
+    def _staged_load(self, tensor: torch.Tensor, call: Call, ck: Chunk, role: str, layer: int | None = None) -> None:
+        """Load chunk `ck` (one layer of it, when `layer` is given) from `tensor` with the
+        device's mover, through the staging tensor where one is used."""
         g = call.g
         work = self._staging_for(tensor, g, role)
         if work is not tensor:
             self._backend_for(g.device).copy(work, tensor)
-        copy = self._kernel_copy(False, copy, g.device, call.binding)
-        copy(work, call.kvcaches, g, ck, self._words(work, call.binding))
+        self._move(False, work, call, ck, layer)
 
     def _check_staging(self, tensors: Sequence[torch.Tensor]) -> None:
         """Refuse, before anything moves, a transfer the capped staging buffer cannot hold."""

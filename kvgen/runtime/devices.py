@@ -1,4 +1,6 @@
-"""One small backend per device type: streams, events, waits, synchronization, pinned memory.
+"""The device registry: per device type, one `DeviceKind` with its backend (streams, events,
+waits, synchronization, pinned memory), its presence probe, the widest copy word, the Triton
+targets that run on it and the movers auto tries there. A device is one registration.
 
 Generated connectors talk only to this module, never to `torch.cuda` or `torch.xpu`,
 so one connector serves every device. CPU work is synchronous, so its backend does
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -95,13 +98,6 @@ def _load_ipex() -> None:
         importlib.import_module("intel_extension_for_pytorch")
 
 
-_FACTORIES: dict[str, Callable[[torch.device], Backend]] = {
-    "cpu": lambda device: CpuBackend(),
-    "cuda": lambda device: StreamBackend("cuda", device),
-    "xpu": lambda device: (_load_ipex(), StreamBackend("xpu", device))[1],
-}
-
-
 def _stream_device_missing(kind: str, label: str) -> Callable[[torch.device], str | None]:
     """A probe for CUDA or XPU: None when `device` is there, else what is missing."""
 
@@ -124,46 +120,80 @@ def _stream_device_missing(kind: str, label: str) -> Callable[[torch.device], st
     return probe
 
 
-#: Whether a device is present, per device type: None, or what is missing. Backends
-#: registered without a probe are taken to be present.
-_PROBES: dict[str, Callable[[torch.device], str | None]] = {
-    "cpu": lambda device: None,
-    "cuda": _stream_device_missing("cuda", "CUDA"),
-    "xpu": _stream_device_missing("xpu", "XPU"),
+def _present(device: torch.device) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    """Everything kvgen knows of one device type: adding a device is one `register_device`."""
+
+    type: str
+    #: Its streams, copies and synchronization, for a device of this type.
+    backend: Callable[[torch.device], Backend]
+    #: None when a device is present, else what is missing.
+    probe: Callable[[torch.device], str | None] = _present
+    #: Widest copy word of the torch path: 16-byte words are complex128, which Intel GPUs
+    #: without native FP64 may not index, so devices stop at 8-byte integers unless told.
+    word: int = 8
+    #: The Triton driver targets whose kernels run on it (kvgen.runtime.kernels.unavailable).
+    triton: tuple[str, ...] = ()
+    #: The movers auto tries, in order (kvgen.runtime.movers.choose); the last always runs.
+    movers: tuple[str, ...] = ("torch",)
+
+
+_DEVICES: dict[str, DeviceKind] = {
+    # Triton runs CPU tensors only in its interpreter, which auto never picks: native, then torch.
+    "cpu": DeviceKind("cpu", lambda device: CpuBackend(), word=16, movers=("native", "torch")),
+    "cuda": DeviceKind("cuda", lambda device: StreamBackend("cuda", device), _stream_device_missing("cuda", "CUDA"),
+                       word=16, triton=("cuda", "hip"), movers=("triton", "torch")),
+    "xpu": DeviceKind("xpu", lambda device: (_load_ipex(), StreamBackend("xpu", device))[1],
+                      _stream_device_missing("xpu", "XPU"), triton=("xpu",), movers=("triton", "torch")),
 }
+
+
+def register_device(kind: DeviceKind) -> None:
+    """Add or replace a device type."""
+    _DEVICES[kind.type] = kind
 
 
 def register_backend(device_type: str, factory: Callable[[torch.device], Backend],
                      probe: Callable[[torch.device], str | None] | None = None) -> None:
-    """Add or replace the backend for a device type (tests use a recording fake); `probe`
-    says whether a device of that type is present (None) or what is missing."""
-    _FACTORIES[device_type] = factory
-    _PROBES[device_type] = probe or (lambda device: None)
+    """Add or replace the backend of a device type (tests use a recording fake), keeping its
+    other facts; `probe` says whether a device of that type is present (None) or what is missing."""
+    old = _DEVICES.get(device_type)
+    kind = DeviceKind(device_type, factory) if old is None else replace(old, backend=factory)
+    register_device(replace(kind, probe=probe or _present))
+
+
+def device_kind(device_type: str) -> DeviceKind | None:
+    """The facts of a device type; None for one kvgen has no backend for."""
+    return _DEVICES.get(device_type)
 
 
 def backend_for(device: torch.device | str) -> Backend:
     device = torch.device(device)
     try:
-        return _FACTORIES[device.type](device)
+        return _DEVICES[device.type].backend(device)
     except KeyError:
         raise KVLayoutError(f"no kvgen backend for device type {device.type!r}; "
-                            f"known: {', '.join(sorted(_FACTORIES))}") from None
+                            f"known: {', '.join(sorted(_DEVICES))}") from None
 
 
 def check_device(device: torch.device | str | int) -> torch.device:
     """`device` as a torch.device, refused with KVLayoutError (before any transfer) when it
     names no device type, one kvgen has no backend for, or one that is not present here."""
-    known = ", ".join(sorted(_FACTORIES))
+    known = ", ".join(sorted(_DEVICES))
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
         hint = " (an NVIDIA GPU is 'cuda', an Intel GPU 'xpu')" if str(device).lower().startswith("gpu") else ""
         raise KVLayoutError(f"device {device!r} is not a device torch knows{hint}; kvgen connectors run on: {known} "
                             f"(present here: {', '.join(available_devices())})") from None
-    if parsed.type not in _FACTORIES:
+    if parsed.type not in _DEVICES:
         raise KVLayoutError(f"device {str(parsed)!r}: kvgen has no backend for device type {parsed.type!r}; "
                             f"known: {known}")
-    missing = _PROBES.get(parsed.type, lambda d: None)(parsed)
+    missing = _DEVICES[parsed.type].probe(parsed)
     if missing:
         raise KVLayoutError(f"device {str(parsed)!r} is not available here: {missing} "
                             f"(present here: {', '.join(available_devices())})")

@@ -1,15 +1,12 @@
-"""Generated Triton kernels at run time: which copy backend a connector uses, and launching.
+"""Generated Triton kernels at run time: where they run, and launching one.
 
 Every connector module `<layout>__<object>.py` has a twin `<layout>__<object>_triton.py`
 holding one Triton kernel (both directions) and a `Kernel` that launches it; for a cache of
-several planes, one kernel per plane and a `kernels_parts.PlanesKernel` over them. A connector
-picks per device: `backend=None` (auto) uses the kernel where Triton is installed and has a
-backend for the device (CUDA, ROCm, Intel XPU), the torch ops otherwise; `backend="triton"`
-or `"torch"` forces one. On the CPU, Triton runs only in its interpreter
+several planes, one kernel per plane and a `kernels_parts.PlanesKernel` over them. The Triton
+mover (kvgen.runtime.movers.triton) calls them; which devices they run on is the device
+registry's fact (kvgen.runtime.devices). On the CPU, Triton runs only in its interpreter
 (`TRITON_INTERPRET=1`), which the tests and `kvgen verify --backend triton` use to check
-every kernel against the reference; auto never picks it. CPU tensors get the compiled CPU
-kernel instead (`"native"`, kvgen.runtime.native) where a C compiler is present, the torch
-ops otherwise and for caches it does not describe.
+every kernel against the reference; auto never picks it there.
 
 Triton is imported only when a kernel is about to be used, so kvgen needs it for nothing
 else (`pip install 'kvgen[triton]'`).
@@ -24,21 +21,17 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 
-from kvgen.runtime import host, native
 from kvgen.runtime.binding import leaves
-from kvgen.runtime.errors import KVLayoutError
+from kvgen.runtime.devices import device_kind
 from kvgen.runtime.layout import Geometry
+from kvgen.runtime.movers.base import Unsupported
 from kvgen.runtime.slots import Chunk
-from kvgen.runtime.threads import PARALLEL_BYTES, TEAM_PARALLEL_BYTES, cpu_threads, intra_op_threads
 from kvgen.runtime.words import Words, words
 
-#: What `backend=` accepts besides None (auto).
-BACKENDS = ("triton", "native", "torch")
 #: Widest word a kernel moves: Triton has no 16-byte integer, and two 8-byte words per
 #: thread already make 16-byte vector accesses.
 KERNEL_WORD = 8
@@ -52,12 +45,7 @@ MIN_PROGRAMS, MIN_PIECE = 1024, 32
 MAX_ALIGN = 16
 
 #: Launches so far (tests use it to see that a kernel, not the torch path, moved the data).
-stats = {"launches": 0}
-
-
-class Unsupported(Exception):
-    """A cache the kernel cannot address (its leaves differ in strides, or lie apart by a
-    distance that is no whole number of elements); the torch path moves it instead."""
+stats = {"launches": 0, "fallbacks": 0}
 
 
 def interpreting() -> bool:
@@ -79,9 +67,6 @@ def _triton_target() -> str | None:
         return None
 
 
-_TARGETS = {"cuda": ("cuda", "hip"), "xpu": ("xpu",)}
-
-
 def unavailable(device: torch.device) -> str | None:
     """Why the kernels cannot run on `device` here; None when they can."""
     if not triton_installed():
@@ -91,10 +76,11 @@ def unavailable(device: torch.device) -> str | None:
             "Triton runs on CPU tensors only in its interpreter (TRITON_INTERPRET=1, for tests)"
     if interpreting():  # the interpreter copies each argument to the host, not the leaves a table reaches
         return f"Triton's interpreter (TRITON_INTERPRET=1) runs kernels on CPU tensors only, not {device.type}"
-    if device.type not in _TARGETS:
+    kind = device_kind(device.type)
+    if kind is None or not kind.triton:
         return f"Triton has no backend for {device.type} devices"
     target = _triton_target()
-    if target not in _TARGETS[device.type]:
+    if target not in kind.triton:
         return f"Triton's active driver targets {target or 'no device'}, not {device.type}"
     return None
 
@@ -185,48 +171,63 @@ def _row_alignment(w: Words, table: int, strides: list[int]) -> int:
     return min(common & -common, limit) if common else limit
 
 
+@dataclass(frozen=True)
+class Operands:
+    """What one launch works on: the views of the first cache leaf (`x`) and of the object
+    (`o`), every leaf of the cache (the table reaches them) and the cache's geometry."""
+
+    x: torch.Tensor
+    o: torch.Tensor
+    leaves: list[torch.Tensor]
+    g: Geometry
+
+
+def _index_arguments(spec: KernelSpec, ck: Chunk, bn: int, dummy: torch.Tensor) -> dict[str, Any]:
+    """The chunk's block ids, slots and token positions as the kernel takes them."""
+    blocks = None if spec.slotless else ck.block_ids
+    # A plane without slots is one token at slot 0 (its slot strides are 0).
+    slots = slice(0, 1) if spec.slotless else ck.slots
+    count = 0 if slots is None else (slots.stop - slots.start if isinstance(slots, slice) else slots.numel())
+    tok = None if spec.slotless else ck.tok
+    return dict(ids=blocks if isinstance(blocks, torch.Tensor) else dummy,
+                first_id=blocks.start if isinstance(blocks, slice) else 0,
+                IDS=isinstance(blocks, torch.Tensor), block_start=ck.block_start,
+                num_blocks=ck.block_tokens // bn if blocks is not None else 0,
+                slots=slots if isinstance(slots, torch.Tensor) else dummy,
+                first_slot=slots.start if isinstance(slots, slice) else 0, SLOTS=isinstance(slots, torch.Tensor),
+                tok=tok if tok is not None else dummy, TOK=tok is not None, num_tokens=count)
+
+
 class Kernel:
     """One generated kernel and what launching it needs."""
 
     def __init__(self, fn: Any, views: Views, spec: KernelSpec):
         self.fn, self.views, self.spec = fn, views, spec
 
-    def __call__(self, store: bool, layer: int | None, tensor: torch.Tensor, kvcaches: Any, g: Geometry,
-                 ck: Chunk, w: Words) -> None:
-        """Move one chunk (of one layer, when layerwise) between `tensor` and the cache."""
+    def __call__(self, store: bool, layer: int | None, tensor: torch.Tensor, call: Any, ck: Chunk, w: Words) -> None:
+        """Move one chunk of `call` (its frozen cache tree and geometry; of one layer, when
+        layerwise) between `tensor` and the cache."""
         if not ck.has_blocks and not ck.has_tokens:
             return
-        cache_leaves = leaves(kvcaches)
+        cache_leaves = leaves(call.kvcaches)
         w = leaf_words(w, cache_leaves[0].element_size(), cache_leaves, self.spec.table)
-        x, o = self.views(tensor, cache_leaves[0], g, w)
-        self.launch(*self.arguments(store, layer, x, o, cache_leaves, g, ck, w))
+        x, o = self.views(tensor, cache_leaves[0], call.g, w)
+        self.launch(*self.arguments(store, layer, Operands(x, o, cache_leaves, call.g), ck, w))
 
-    def arguments(self, store: bool, layer: int | None, x: torch.Tensor, o: torch.Tensor,
-                  cache_leaves: list[torch.Tensor], g: Geometry, ck: Chunk, w: Words
+    def arguments(self, store: bool, layer: int | None, ops: Operands, ck: Chunk, w: Words
                   ) -> tuple[tuple[int, int], dict[str, Any], torch.device]:
-        """(grid, arguments, device) of one launch over the views `x` (of the first leaf)
-        and `o`; Unsupported where the launch cannot be made."""
-        spec = self.spec
+        """(grid, arguments, device) of one launch over `ops`; Unsupported where the launch
+        cannot be made."""
+        spec, x, o, g = self.spec, ops.x, ops.o, ops.g
         device = x.device
-        dummy = _dummy(device)
         args: dict[str, Any] = {"cache": x, "obj": o}
         if spec.table:
-            args["table"], args["TA"] = _table(cache_leaves, w.dtype.itemsize, device)
+            args["table"], args["TA"] = _table(ops.leaves, w.dtype.itemsize, device)
         if spec.layerwise:
             args["layer"] = layer
         bn = 1 if spec.folded or spec.slotless else int(g.N or 1)
-        blocks = None if spec.slotless else ck.block_ids
-        args.update(ids=blocks if isinstance(blocks, torch.Tensor) else dummy,
-                    first_id=blocks.start if isinstance(blocks, slice) else 0,
-                    IDS=isinstance(blocks, torch.Tensor), block_start=ck.block_start,
-                    num_blocks=ck.block_tokens // bn if blocks is not None else 0)
-        # A plane without slots is one token at slot 0 (its slot strides are 0).
-        slots = slice(0, 1) if spec.slotless else ck.slots
-        count = 0 if slots is None else (slots.stop - slots.start if isinstance(slots, slice) else slots.numel())
-        tok = None if spec.slotless else ck.tok
-        args.update(slots=slots if isinstance(slots, torch.Tensor) else dummy,
-                    first_slot=slots.start if isinstance(slots, slice) else 0, SLOTS=isinstance(slots, torch.Tensor),
-                    tok=tok if tok is not None else dummy, TOK=tok is not None, num_tokens=count)
+        args.update(_index_arguments(spec, ck, bn, _dummy(device)))
+        count = args["num_tokens"]
         args.update({f"E_{a}": _extent(a, g, w) for a in spec.extents})
         args.update({f"cs_{a}": s for a, s in zip(spec.cache_axes, x.stride(), strict=True)})
         args.update({f"os_{a}": s for a, s in zip(spec.object_axes, o.stride(), strict=True)})
@@ -275,130 +276,3 @@ def kernel_of(module: str) -> Kernel:
     if found is None:
         found = _MODULES.setdefault(module, importlib.import_module(f"{module}_triton").KERNEL)
     return found
-
-
-class KernelCopies:
-    """The copy-backend choice of a connector (mixed into ConnectorBase)."""
-
-    copy_backend: str | None
-    _kernels: dict[torch.device, Kernel | str | None]
-
-    def _init_copies(self, requested: str | None, device: torch.device | None) -> None:
-        if requested is not None and requested not in BACKENDS:
-            raise KVLayoutError(f"backend must be one of {', '.join(map(repr, BACKENDS))} or None (auto), "
-                                f"got {requested!r}")
-        self.copy_backend = requested
-        self._kernels = {}
-        if requested == "triton":
-            why = "triton is not installed (pip install 'kvgen[triton]')" if not triton_installed() else \
-                unavailable(device) if device is not None else None
-            if why:
-                raise KVLayoutError(f"backend='triton' cannot run here: {why}")
-        if requested == "native":
-            why = native_unavailable(device) if device is not None else native.unavailable()
-            if why:
-                raise KVLayoutError(f"backend='native' cannot run here: {why}")
-
-    def _generated_module(self) -> str:
-        for cls in type(self).__mro__:
-            if "layout" in cls.__dict__:
-                return cls.__module__
-        return type(self).__module__
-
-    def _kernel_for(self, device: torch.device) -> Kernel | str | None:
-        """The kernel this connector uses on `device`: a Triton Kernel, "native" for the
-        compiled CPU kernel, or None for the torch path."""
-        if device in self._kernels:
-            return self._kernels[device]
-        kernel: Kernel | str | None = None
-        if device.type == "cpu" and self.copy_backend in (None, "native"):
-            why = native_unavailable(device)
-            if why is None:
-                try:
-                    native.layout_map(self.layout, self.memory)  # type: ignore[attr-defined]
-                except native.Unsupported as exc:
-                    why = str(exc)
-            if why is not None and self.copy_backend == "native":
-                raise KVLayoutError(f"backend='native' cannot run on {device}: {why}")
-            self._kernels[device] = "native" if why is None else None
-            return self._kernels[device]
-        if self.copy_backend not in ("torch", "native"):
-            why = unavailable(device)
-            if why is None and device.type == "cpu" and self.copy_backend is None:
-                why = "auto never picks Triton's interpreter"
-            if why is None:
-                try:
-                    kernel = kernel_of(self._generated_module())
-                except ModuleNotFoundError as exc:
-                    why = f"no kernel module was generated for this connector ({exc}); run `kvgen build`"
-            if why is not None and self.copy_backend == "triton":
-                raise KVLayoutError(f"backend='triton' cannot run on {device}: {why}")
-        self._kernels[device] = kernel
-        return kernel
-
-    def copy_backend_for(self, device: torch.device | str) -> str:
-        """"triton", "native" or "torch": what this connector moves data with on `device`."""
-        kernel = self._kernel_for(torch.device(device))
-        return "torch" if kernel is None else kernel if isinstance(kernel, str) else "triton"
-
-    def _kernel_copy(self, store: bool, copy: Callable[..., None], device: torch.device,
-                     binding: Any = None) -> Callable[..., None]:
-        """The generated copy `copy` (a bound `_store`/`_load`, or a `_store_layer`/`_load_layer`
-        partial over its layer), or the kernel in its place; on the CPU, the torch ops run
-        with the intra-op threads `cpu_threads` picks."""
-        kernel = self._kernel_for(device)
-        if kernel is None:
-            if device.type != "cpu":
-                return copy
-            per_layer = 1 if isinstance(copy, partial) else None
-
-            def threaded(tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk, w: Words) -> None:
-                op_bytes = tensor.numel() * tensor.element_size() // (per_layer or g.L)
-                with intra_op_threads(cpu_threads(op_bytes)):
-                    copy(tensor, kvcaches, g, ck, w)
-
-            return threaded
-        layer = copy.args[0] if isinstance(copy, partial) else None
-        if kernel == "native":
-            return self._native_copy(store, copy, layer, binding)
-        forced = self.copy_backend == "triton"
-
-        def run(tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk, w: Words) -> None:
-            try:
-                kernel(store, layer, tensor, kvcaches, g, ck, w)
-            except Unsupported as why:
-                if forced:
-                    raise KVLayoutError(f"backend='triton' cannot move this cache: {why}") from None
-                copy(tensor, kvcaches, g, ck, w)
-
-        return run
-
-    def _native_copy(self, store: bool, copy: Callable[..., None], layer: int | None,
-                     binding: Any) -> Callable[..., None]:
-        """The compiled CPU kernel in place of `copy`; a cache it cannot describe (leaves with
-        different strides) falls back to `copy`, unless backend='native' was forced."""
-        forced = self.copy_backend == "native"
-        m = native.layout_map(self.layout, self.memory)  # type: ignore[attr-defined]
-
-        def run(tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk, w: Words) -> None:
-            nbytes = tensor.numel() * tensor.element_size()
-            threads = cpu_threads(nbytes, TEAM_PARALLEL_BYTES if native.team() else PARALLEL_BYTES)
-            stream = host.streams(nbytes * (g.L if layer is not None else 1))  # the whole chunk's bytes
-            try:
-                native.move(m, store, layer, tensor, kvcaches, g, ck, threads, binding, stream)
-            except native.Unsupported as why:
-                if forced:
-                    raise KVLayoutError(f"backend='native' cannot move this cache: {why}") from None
-                native.stats["fallbacks"] += 1
-                with intra_op_threads(cpu_threads(tensor.numel() * tensor.element_size() // (1 if layer is not None
-                                                                                                else g.L))):
-                    copy(tensor, kvcaches, g, ck, w)
-
-        return run
-
-
-def native_unavailable(device: torch.device) -> str | None:
-    """Why the compiled CPU kernel cannot run on `device`; None when it can."""
-    if device.type != "cpu":
-        return f"the compiled kernel moves CPU tensors only, not {device.type}"
-    return native.unavailable()

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvgen.runtime.kernels import KERNEL_WORD, Kernel, leaf_words
+from kvgen.runtime.kernels import KERNEL_WORD, Kernel, Operands, leaf_words
 from kvgen.runtime.layout import Geometry
 from kvgen.runtime.planes import plane_words
 from kvgen.runtime.slots import Chunk
@@ -34,11 +34,11 @@ class PlanesKernel:
         #: `leaves(kvcaches, g, plane)`: every layer's leaf holding the plane, in layer order.
         self.leaves, self.rows, self.planes = leaves, rows, tuple(planes)
 
-    def __call__(self, store: bool, layer: int | None, tensor: torch.Tensor, kvcaches: Any, g: Geometry,
-                 ck: Chunk, w: Words) -> None:
-        """Move one chunk (of one layer, when layerwise): every plane, one launch each."""
+    def __call__(self, store: bool, layer: int | None, tensor: torch.Tensor, call: Any, ck: Chunk, w: Words) -> None:
+        """Move one chunk of `call` (of one layer, when layerwise): every plane, one launch each."""
         if not ck.has_blocks and not ck.has_tokens:
             return  # nothing moves, so neither do the planes without slots
+        kvcaches, g = call.kvcaches, call.g
         wd = plane_words(g, tensor, self.rows)
         launches = []
         for i, kernel in enumerate(self.planes):
@@ -46,6 +46,6 @@ class PlanesKernel:
             pw = words(min(wd[i], KERNEL_WORD), 1, g.planes[i].C)
             pw = leaf_words(pw, 1, tensors, True)
             x, o = kernel.views(tensor, tensors[0], g, pw, ck.num_tokens)  # type: ignore[call-arg]
-            launches.append((kernel, kernel.arguments(store, layer, x, o, tensors, g, ck, pw)))
+            launches.append((kernel, kernel.arguments(store, layer, Operands(x, o, tensors, g), ck, pw)))
         for kernel, (grid, args, device) in launches:
             kernel.launch(grid, args, device)

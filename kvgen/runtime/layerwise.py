@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kvgen.runtime import calls, host, native
+from kvgen.runtime import calls
 from kvgen.runtime.aliasing import check_storage
 from kvgen.runtime.binding import LAYERS_MOVED, check_layer_leaves, layer_leaves, leaves
 from kvgen.runtime.connector import _MISSING, Call, ConnectorBase, _positions
@@ -18,11 +18,7 @@ from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, describe
 from kvgen.runtime.memory import relabel
 from kvgen.runtime.slots import Chunk
-from kvgen.runtime.threads import PARALLEL_BYTES, TEAM_PARALLEL_BYTES, cpu_threads, intra_op_threads
 from kvgen.runtime.words import Words
-
-#: A per-layer move of one call: (layer, object tensor, chunk).
-LayerMove = Callable[[int, torch.Tensor, Chunk], None]
 
 
 class LayerwiseConnector(ConnectorBase):
@@ -88,15 +84,16 @@ class LayerwiseConnector(ConnectorBase):
         self._check_apart(call, flat, lambda k: f"for layer {k // per}, chunk {k % per}")
         return tensors
 
-    def _move_layer(self, layer: int, tensors: Sequence[torch.Tensor], call: Call, compiled: LayerMove | None,
-                    store: bool) -> None:
-        """One layer of every chunk: the compiled kernel where it moves them in place, else the generated copy."""
-        staged, move = (self._staged_store, self._store_layer) if store else (self._staged_load, self._load_layer)
+    def _move_layer(self, layer: int, tensors: Sequence[torch.Tensor], call: Call, store: bool) -> None:
+        """One layer of every chunk: the connector's mover where the objects are on the cache's
+        device (in place, no wrapper per layer), else through the staging copy."""
+        direct = not self.use_gpu
+        staged = self._staged_store if store else self._staged_load
         for tensor, ck in zip(tensors, call.chunks, strict=True):
-            if compiled is not None and tensor.device == call.g.device:
-                compiled(layer, tensor, ck)
+            if direct and tensor.device == call.g.device:
+                self._move(store, tensor, call, ck, layer)
             else:
-                staged(partial(move, layer), tensor, call, ck, "store" if store else "load")
+                staged(tensor, call, ck, "store" if store else "load", layer)
 
     def _store_layers(self, memory_objs: Sequence[Sequence[Any]], begin: Callable[[], Call],
                       sync: bool) -> Generator[None, None, None]:
@@ -106,14 +103,13 @@ class LayerwiseConnector(ConnectorBase):
         backend = self._backend_for(g.device)
         stream = self._stream(g.device, "store")
         cache, per_layer = leaves(call.kvcaches), layer_leaves(call.kvcaches, self.layout.lists, g.L)
-        compiled = self._compiled_layers(True, call)
         for layer in range(g.L):
             if layer:  # what may have changed while the caller ran between two steps
                 check_layer_leaves(cache, per_layer[layer], call.binding, f"layer {layer}")
                 for chunk, tensor in enumerate(tensors[layer]):
                     check_storage(tensor, f"layer {layer}: memory object for chunk {chunk}", LAYERS_MOVED)
             with on_stream(backend, stream):
-                self._move_layer(layer, tensors[layer], call, compiled, True)
+                self._move_layer(layer, tensors[layer], call, True)
             yield
         self._finish(backend, stream, sync)
         for objs in memory_objs:
@@ -129,7 +125,6 @@ class LayerwiseConnector(ConnectorBase):
         backend = self._backend_for(g.device)
         stream = self._stream(g.device, "load")
         cache, per_layer = leaves(call.kvcaches), layer_leaves(call.kvcaches, self.layout.lists, g.L)
-        compiled = self._compiled_layers(False, call)
         objs = yield
         for layer in range(g.L):
             check_layer_leaves(cache, per_layer[layer], call.binding, f"layer {layer}")
@@ -141,7 +136,7 @@ class LayerwiseConnector(ConnectorBase):
             self._check_staging(tensors)
             self._check_apart(call, tensors, partial("for layer {}, chunk {}".format, layer))
             with on_stream(backend, stream):
-                self._move_layer(layer, tensors, call, compiled, False)
+                self._move_layer(layer, tensors, call, False)
             if sync:
                 backend.wait_stream(backend.current_stream(), stream)
             objs = yield
@@ -150,37 +145,6 @@ class LayerwiseConnector(ConnectorBase):
             raise KVLayoutError(f"send() after the last layer: all {g.L} layers are loaded; finish the load with "
                                 "next(), not send()")
         yield
-
-    def _compiled_layers(self, store: bool, call: Call) -> LayerMove | None:
-        """The compiled kernel's move of one layer of this call, with no wrapper per layer
-        (what each layer costs around its copy is what small layers lose against memcpy):
-        threads and streaming are chosen once per object size, at the first layer. None
-        where the kernel does not move this connector's layers in place (torch, Triton,
-        use_gpu staging); an object elsewhere than the cache takes the staged path too."""
-        g = call.g
-        if self.use_gpu or self._kernel_for(g.device) != "native":
-            return None
-        m = native.layout_map(self.layout, self.memory)  # type: ignore[attr-defined]
-        forced = self.copy_backend == "native"
-        generated = self._store_layer if store else self._load_layer
-        chosen: dict[int, tuple[int, bool]] = {}
-
-        def move(layer: int, tensor: torch.Tensor, ck: Chunk) -> None:
-            nbytes = tensor.numel() * tensor.element_size()
-            picked = chosen.get(nbytes)
-            if picked is None:  # the whole chunk's bytes decide streaming, as for whole objects
-                picked = chosen[nbytes] = (cpu_threads(nbytes, TEAM_PARALLEL_BYTES if native.team() else
-                                                       PARALLEL_BYTES), host.streams(nbytes * g.L))
-            try:
-                native.move(m, store, layer, tensor, call.kvcaches, g, ck, picked[0], call.binding, picked[1])
-            except native.Unsupported as why:
-                if forced:
-                    raise KVLayoutError(f"backend='native' cannot move this cache: {why}") from None
-                native.stats["fallbacks"] += 1
-                with intra_op_threads(cpu_threads(nbytes)):
-                    generated(layer, tensor, call.kvcaches, g, ck, self._words(tensor, call.binding))
-
-        return move
 
     @staticmethod
     def _finish(backend: Backend, stream: Any, sync: bool) -> None:

@@ -388,11 +388,11 @@ class ModelConnector:
         if storing:
             if piece.target is not None and not ck.covers_all:
                 piece.work.view(torch.uint8).view(-1).copy_(piece.target)  # skipped tokens keep their bytes
-            member._staged_store(member._store, piece.work, call, ck, "whole")
+            member._staged_store(piece.work, call, ck, "whole")
             if piece.target is not None:
                 piece.target.copy_(piece.work.reshape(-1).view(torch.uint8))
         else:
-            member._staged_load(member._load, piece.work, call, ck, "whole")
+            member._staged_load(piece.work, call, ck, "whole")
 
     def _move_state(self, items: tuple[Any, ...], tensor: torch.Tensor, sections: tuple[Section, ...], slot: int,
                     storing: bool) -> None:

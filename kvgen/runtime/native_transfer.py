@@ -27,21 +27,15 @@ from typing import Any
 import torch
 
 from kvgen.runtime import host, native
-from kvgen.runtime.layout import Geometry, PagedLayout
+from kvgen.runtime.layout import Geometry
+from kvgen.runtime.movers.native import address, leaf_set
+from kvgen.runtime.movers.program import TransferProgram
 from kvgen.runtime.pairs import Index, Pairs
 from kvgen.runtime.threads import PARALLEL_BYTES, TEAM_PARALLEL_BYTES, cpu_threads
 
 #: Int64 fields per dim of kvgen_transfer: the extent, then idx, first, div, cs, cs2, ls per side.
 FIELDS = 13
-_TOKEN_AXES = {"B", "N", "S"}
 BACKENDS = ("torch", "native")
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """What native._cache_of reads of a connector's layout map: the paged layout."""
-
-    paged: PagedLayout
 
 
 @dataclass
@@ -87,83 +81,103 @@ def _index(ids: Index | None, what: str) -> tuple[int, int]:
         return 0, ids.start
     if not isinstance(ids, torch.Tensor) or ids.device.type != "cpu":
         raise native.Unsupported(f"{what}: CPU index tensors only")
-    return native._address(ids), 0
+    return address(ids), 0
 
 
-def describe(src_layout: PagedLayout, dst_layout: PagedLayout, src_tree: Any, dst_tree: Any, gs: Geometry,
-             gd: Geometry, p: Pairs, bindings: tuple[Any, Any], layerwise: bool) -> Description:
-    """The kernel calls that move the pairs `p`; Unsupported (nothing written) when the kernel
-    cannot describe these caches."""
-    if gs.device.type != "cpu" or gd.device.type != "cpu":
-        raise native.Unsupported("the compiled kernel moves CPU caches only")
-    if src_layout.parts or dst_layout.parts:
-        raise native.Unsupported("caches of several planes move by torch ops")
-    es, ed = gs.extents(), gd.extents()
-    cs = native._cache_of(bindings[0], src_tree, _Layout(src_layout), gs, es)
-    cd = native._cache_of(bindings[1], dst_tree, _Layout(dst_layout), gd, ed)
-    item = gs.dtype.itemsize
+class _Side:
+    """One cache of a transfer as the kernel sees it: its leaf set, where its moved elements
+    start, and the geometry it splits slots by."""
+
+    def __init__(self, leaves_: Any, g: Geometry):
+        self.c, self.g, self.shift = leaves_, g, 0
+
+    def axis(self, a: str, first: int) -> list[int]:
+        """The six fields of shared axis `a` on this side, its first `first` entries skipped."""
+        c = self.c
+        if a in c.ls:
+            if first:
+                raise native.Unsupported(f"a range of list level {a}")
+            return [0, 0, 1, 0, 0, c.ls[a]]
+        if a in c.strides:
+            self.shift += first * c.strides[a]
+            return [0, 0, 1, c.strides[a], 0, 0]
+        return [0, 0, 1, 0, 0, 0]
+
+    def blocks(self, ids: Index | None, n: int, what: str) -> tuple[list[int], list[int]]:
+        """The fields of the block dim and of the slots-in-block dim (a folded side: by S)."""
+        addr, first = _index(ids, what)
+        s = self.c.strides
+        folded = self.g.N is None
+        return [addr, first, 1, s["S"] * n if folded else s["B"], 0, 0], [0, 0, 1, s["S"] if folded else s["N"], 0, 0]
+
+    def tokens(self, slots: Index | None, what: str) -> list[int]:
+        addr, first = _index(slots, what)
+        s = self.c.strides
+        if self.g.N is None:
+            return [addr, first, 1, s["S"], 0, 0]
+        return [addr, first, int(self.g.N), s["B"], s["N"], 0]
+
+
+def _shared_rows(program: TransferProgram, sides: tuple[_Side, _Side], p: Pairs, dims: tuple[str, ...]
+                 ) -> dict[str, list[int]]:
+    """The row of every shared axis of `dims` with more than one entry (H: this call's heads)."""
+    es, ed = sides[0].g.extents(), sides[1].g.extents()
     heads = {"H": (p.src_h, p.dst_h, p.heads)}
-    axes = ({a for d in src_layout.dims for a in d} | set(src_layout.lists)
-            | {a for d in dst_layout.dims for a in d} | set(dst_layout.lists)) - _TOKEN_AXES
-    if layerwise:
-        axes.discard("L")
-    shared: list[list[int]] = []
-    shift = [0, 0]
-    for a in sorted(axes):
+    rows = {}
+    for a in program.shared:
+        if a not in dims:
+            continue
         if a not in heads and es.get(a, 1) != ed.get(a, 1):  # the pair check agrees L, KV, C: never here
             raise native.Unsupported(f"axis {a} has {es.get(a, 1)} entries in src_caches, {ed.get(a, 1)} in dst")
         first_s, first_d, n = heads.get(a, (0, 0, es.get(a, 1)))
-        row = [n]
-        for k, (c, first) in enumerate(((cs, first_s), (cd, first_d))):
-            if a in c.ls:
-                if first:
-                    raise native.Unsupported(f"a range of list level {a}")
-                row += [0, 0, 1, 0, 0, c.ls[a]]
-            elif a in c.strides:
-                shift[k] += first * c.strides[a]
-                row += [0, 0, 1, c.strides[a], 0, 0]
-            elif n > 1:
-                raise native.Unsupported(f"axis {a} is on one side only")
-            else:
-                row += [0, 0, 1, 0, 0, 0]
+        row = [n, *sides[0].axis(a, first_s), *sides[1].axis(a, first_d)]
         if n > 1:
-            shared.append(row)
-    parts: list[tuple[list[list[int]], tuple[int, int]]] = []
-    keep: list[Any] = []
-    if p.has_blocks:
-        n = p.block
-        blocks: list[int] = [_count(p.src.blocks)]
-        within: list[int] = [n]
-        for c, g, side, what in ((cs, gs, p.src, "src_blocks"), (cd, gd, p.dst, "dst_blocks")):
-            addr, first = _index(side.blocks, what)
-            keep.append(side.blocks)
-            step = c.strides["S"] * n if g.N is None else c.strides["B"]
-            blocks += [addr, first, 1, step, 0, 0]
-            within += [0, 0, 1, c.strides["S"] if g.N is None else c.strides["N"], 0, 0]
-        parts.append(([blocks, within, *shared], (shift[0], shift[1])))
-    if p.has_tokens:
-        tok: list[int] = [_count(p.src.slots)]
-        for c, g, side, what in ((cs, gs, p.src, "src_slots"), (cd, gd, p.dst, "dst_slots")):
-            addr, first = _index(side.slots, what)
-            keep.append(side.slots)
-            if g.N is None:
-                tok += [addr, first, 1, c.strides["S"], 0, 0]
-            else:
-                tok += [addr, first, int(g.N), c.strides["B"], c.strides["N"], 0]
-        parts.append(([tok, *shared], (shift[0], shift[1])))
-    out = []
-    for dims, (s0, s1) in parts:
-        run, dims = _order(dims, item)
-        if not dims:  # one run: a dim of one entry carries it
-            dims = [[1, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0]]
-        if len(dims) > native.MAX_DIMS:
-            raise native.Unsupported(f"{len(dims)} dims exceed the kernel's {native.MAX_DIMS}")
-        out.append(_Part(array.array("q", [v for d in dims for v in d]), len(dims), run, (s0, s1)))
-    layer = tuple((c.ls.get("L", 0), 0 if "L" in c.ls else c.strides.get("L", 0)) for c in (cs, cd))
+            rows[a] = row
+    return rows
+
+
+def describe(program: TransferProgram, call: Any, layerwise: bool) -> Description:
+    """The kernel calls that move the pairs of `call`, as `program` plans them; Unsupported
+    (nothing written) where the kernel cannot move these caches."""
+    gs, gd, p = call.gs, call.gd, call.pairs
+    if gs.device.type != "cpu" or gd.device.type != "cpu":
+        raise native.Unsupported("the compiled kernel moves CPU caches only")
+    if program.compiled is not None:
+        raise native.Unsupported(program.compiled)
+    es, ed = gs.extents(), gd.extents()
+    sides = (_Side(leaf_set(call.bindings[0], lambda: call.src, program.src_places, program.src_lists, es), gs),
+             _Side(leaf_set(call.bindings[1], lambda: call.dst, program.dst_places, program.dst_lists, ed), gd))
+    item = gs.dtype.itemsize
+    out, keep = [], []
+    for path in program.paths:
+        if not (p.has_blocks if path.name == "blocks" else p.has_tokens):
+            continue
+        dims = path.layer if layerwise else path.whole
+        for side in sides:
+            side.shift = 0
+        rows = _shared_rows(program, sides, p, dims)
+        if path.name == "blocks":
+            (b0, n0), (b1, n1) = sides[0].blocks(p.src.blocks, p.block, "src_blocks"), \
+                sides[1].blocks(p.dst.blocks, p.block, "dst_blocks")
+            rows.update(B=[_count(p.src.blocks), *b0, *b1], N=[p.block, *n0, *n1])
+            keep += [p.src.blocks, p.dst.blocks]
+        else:
+            rows["T"] = [_count(p.src.slots), *sides[0].tokens(p.src.slots, "src_slots"),
+                         *sides[1].tokens(p.dst.slots, "dst_slots")]
+            keep += [p.src.slots, p.dst.slots]
+        names = [d for d in dims if d in rows]
+        run, kept = _merge([rows[d] for d in names], names, path.layer_run if layerwise else path.whole_run, item)
+        if not kept:  # one run: a dim of one entry carries it
+            kept = [[1, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0]]
+        if len(kept) > native.MAX_DIMS:
+            raise native.Unsupported(f"{len(kept)} dims exceed the kernel's {native.MAX_DIMS}")
+        out.append(_Part(array.array("q", [v for d in kept for v in d]), len(kept), run,
+                         (sides[0].shift, sides[1].shift)))
+    layer = tuple((s.c.ls.get("L", 0), 0 if "L" in s.c.ls else s.c.strides.get("L", 0)) for s in sides)
     per_call = p.moved * gs.KV * p.heads * gs.C * item
     total = per_call * gs.L
-    return Description(out, (cs.base, cd.base), layer, p, (cs, cd, *keep),  # type: ignore[arg-type]
-                       per_call if layerwise else total, total)
+    return Description(out, (sides[0].c.base, sides[1].c.base), layer, p,  # type: ignore[arg-type]
+                       (sides[0].c, sides[1].c, *keep), per_call if layerwise else total, total)
 
 
 def _count(ids: Index | None) -> int:
@@ -171,22 +185,19 @@ def _count(ids: Index | None) -> int:
     return ids.stop - ids.start if isinstance(ids, slice) else ids.numel()
 
 
-
-def _order(dims: list[list[int]], item: int) -> tuple[int, list[list[int]]]:
-    """Dims outermost first in the destination's order (written front to back), then the
-    innermost dims both sides keep contiguous merged into the run."""
-    dims = sorted(dims, key=lambda d: (-d[12], -d[10]))
+def _merge(dims: list[list[int]], names: list[str], run_dims: tuple[str, ...], item: int
+           ) -> tuple[int, list[list[int]]]:
+    """The innermost planned run dims whose live strides are contiguous on both sides merged
+    into the run; then the outermost dim with an entry for each thread first (the threads
+    share dim 0: a layer's KV pair alone would keep all but two threads idle)."""
     run = item
-    while dims:
+    while dims and names[-1] in run_dims:
         d = dims[-1]
-        plain = all(d[o] == 0 and d[o + 1] == 0 and d[o + 2] == 1 and d[o + 5] == 0 and d[o + 3] == run
-                    for o in (1, 7))
-        if not plain:
+        if not all(d[o + 3] == run for o in (1, 7)):
             break
         run *= d[0]
         dims.pop()
-    # The threads share dim 0: put first the outermost dim with an entry for each of them
-    # (a layer's KV pair alone would keep all but two threads idle).
+        names.pop()
     team = torch.get_num_threads()
     if dims and dims[0][0] < team:
         wide = next((k for k, d in enumerate(dims) if d[0] >= team), None)

@@ -28,10 +28,11 @@ import torch
 from kvgen.runtime import calls, native, native_transfer
 from kvgen.runtime.aliasing import CacheMemory, share_elements
 from kvgen.runtime.binding import Binding, check_layer_leaves, layer_leaves, leaf_names, leaves, new_binding, snapshot
-from kvgen.runtime.connector import MAX_WORD
+from kvgen.runtime.connector import max_word
 from kvgen.runtime.devices import Backend, backend_for, on_stream
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, PagedLayout, describe
+from kvgen.runtime.movers.program import TransferProgram
 from kvgen.runtime.pairs import Pairs, Scratch, pair_slots
 from kvgen.runtime.slots import signed_integers
 from kvgen.runtime.words import Words, words
@@ -63,6 +64,8 @@ class TransferCall:
 class TransferBase:
     src_layout: ClassVar[PagedLayout]
     dst_layout: ClassVar[PagedLayout]
+    #: The compiled kernel's planned description of this pair (kvgen.plan.program).
+    program: ClassVar[TransferProgram]
     strategy: ClassVar[str]
     #: Whether the generated copies may move C as wider integer words (both sides end in C).
     widen: ClassVar[bool] = False
@@ -151,8 +154,7 @@ class TransferBase:
                                           or "cpu" != call.gd.device.type):
             return None  # not a fallback: the kernel never moves these
         try:
-            return native_transfer.describe(self.src_layout, self.dst_layout, call.src, call.dst, call.gs, call.gd,
-                                            call.pairs, call.bindings, layerwise)
+            return native_transfer.describe(self.program, call, layerwise)
         except native.Unsupported as why:
             if self.copy_backend == "native":
                 raise KVLayoutError(f"{self.name}: copy_backend='native' cannot move these caches: {why}") from None
@@ -205,7 +207,7 @@ class TransferBase:
         if key is None:
             raise KVLayoutError(f"{side}_caches: {layout.name} caches are lists or tuples of tensors, got "
                                 f"{describe(kvcaches)}")
-        limit = MAX_WORD.get(geometry.device.type, 8) if self.widen else None
+        limit = max_word(geometry.device) if self.widen else None
         binding = new_binding(kvcaches, tree, key, geometry, tuple(leaf_names(tree, f"{side}_caches")),
                               word_limit=limit, owner=layout.name, argument=f"{side}_caches")
         with self._lock:

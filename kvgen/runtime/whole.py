@@ -45,7 +45,7 @@ class ChunkConnector(ConnectorBase):
         call = self._begin(kvcaches, slot_mapping, starts, ends, offset, 0)
         tensors = self._check_chunk_objects(call, memory_objs, storing=True)
         for obj, tensor, ck in zip(memory_objs, tensors, call.chunks, strict=True):
-            self._staged_store(self._store, tensor, call, ck, "whole")
+            self._staged_store(tensor, call, ck, "whole")
             obj.metadata.fmt = relabel(obj.metadata.fmt, self.format)
         backend = self._backend_for(call.g.device)
         backend.synchronize(backend.current_stream())
@@ -60,7 +60,7 @@ class ChunkConnector(ConnectorBase):
         tensors = self._check_chunk_objects(call, memory_objs, storing=False)
         self._check_unique_slots(call, _positions("starts", starts), skip_prefix_n_tokens, offset)
         for tensor, ck in zip(tensors, call.chunks, strict=True):
-            self._staged_load(self._load, tensor, call, ck, "whole")
+            self._staged_load(tensor, call, ck, "whole")
         backend = self._backend_for(call.g.device)
         backend.synchronize(backend.current_stream())
 

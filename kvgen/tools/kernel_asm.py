@@ -52,7 +52,7 @@ def captured_launches(module: str) -> list[tuple[str, Any, dict[str, Any]]]:
     connector = generated.get(plan.paged.name, plan.obj.name)(device="cpu", backend="torch")
     connector.bind(cache)
     dtype = connector.get_dtype() if getattr(connector.memory, "pack", None) is not None else torch.bfloat16
-    connector._kernels[torch.device("cpu")] = kernels.kernel_of(type(connector).__module__)
+    connector._pin(torch.device("cpu"), "triton", (connector, kernels.kernel_of(type(connector).__module__)))
     mapping = torch.arange(TOKENS) + 2 * ext["N"]  # whole blocks after a partial one: both program kinds
     mapping[3] = -1
     seen: list[tuple[str, Any, dict[str, Any]]] = []

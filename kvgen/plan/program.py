@@ -1,0 +1,222 @@
+"""The copy description of a connector (its PROGRAM), decided at build time from the layouts.
+
+Everything about a copy that does not depend on the live tensors is decided here, once, and
+written into the generated module as `PROGRAM = runtime.CopyProgram(...)`
+(kvgen.runtime.movers.program): where every axis lives on each side (tensor dim, or a list
+level of the cache), the token paths (whole blocks by id then single tokens by slot, or
+tokens by slot over a folded slot axis), the dims of each kernel call in the destination's
+order per direction, which of the innermost dims both layouts keep adjacent (so they may merge
+into one memcpy run), and, for a pair the compiled kernel cannot move, the reason.
+
+Movers (kvgen.runtime.movers) execute the description with the live extents, strides and
+addresses only; none of them reads the layout facts to decide anything.
+
+String and tuple work on specs; torch is never imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvgen.plan.copy import CopyPlan, Mode
+from kvgen.plan.parts import PartsPlan
+from kvgen.spec.model import Spec
+
+#: The most dims one call of the compiled kernel takes (KV_MAXD in kvgen/runtime/csrc/kvcopy.c;
+#: tests check the two agree).
+KERNEL_DIMS = 8
+#: Axes that address tokens: the cache's block, slot in block and folded slot, the object's token.
+TOKEN_AXES = frozenset({"B", "N", "S", "T"})
+#: Why caches of several planes or fields (spec format 2) keep the torch path.
+PLANES_REASON = "caches of several planes move by torch ops"
+
+Fields = tuple[tuple[str, Any], ...]
+Place = tuple[str, int, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class ProgramPlan:
+    """A connector's PROGRAM: the CopyProgram's fields and each CopyPath's, ready to render."""
+
+    fields: Fields
+    paths: tuple[Fields, ...]
+    #: A cache of several planes: each plane's program.
+    planes: tuple[ProgramPlan, ...] = ()
+
+    @property
+    def compiled(self) -> str | None:
+        return dict(self.fields)["compiled"]
+
+
+def places(spec: Spec) -> tuple[Place, ...]:
+    """(axis, tensor dim, axes after it in that dim) for every axis of a leaf, outermost first;
+    a folded slot dim [B N] is S, singleton dims hold none."""
+    out: list[Place] = []
+    for i, dim in enumerate(spec.dims):
+        if dim.is_slot:
+            out.append(("S", i, ()))
+            continue
+        out.extend((a, i, dim.axes[k + 1:]) for k, a in enumerate(dim.axes))
+    return tuple(out)
+
+
+def _why_not(shared: tuple[str, ...], cache: tuple[str, ...], lists: tuple[str, ...], obj: tuple[str, ...],
+             slotless: bool) -> str | None:
+    """Why the compiled kernel cannot move this copy (layout facts only); None when it can."""
+    for a in shared:
+        if a not in cache and a not in lists:
+            return f"axis {a} is on the object only"
+        if a not in obj:
+            return f"axis {a} is on the cache only"
+    if not slotless and ("T" not in obj or ("S" not in cache and ("B" not in cache or "N" not in cache))):
+        return "token axes not found"
+    if len(shared) + 2 > KERNEL_DIMS:
+        return f"{len(shared) + 2} dims exceed the kernel's {KERNEL_DIMS}"
+    return None
+
+
+#: One side of a copy as `_run` reads it: its leaf's axes in order, its list levels, and the
+#: axis of its own that the dim N (slots of whole blocks) steps along.
+Side = tuple[tuple[str, ...], tuple[str, ...], str]
+
+
+def _run(order: tuple[str, ...], sides: tuple[Side, ...]) -> tuple[str, ...]:
+    """The innermost dims of `order` that every side keeps adjacent and innermost, so that
+    with contiguous strides they are one run: each is, on every side, the axis right before
+    the one merged before it (the last axis of the leaf, for the first). N merges as each
+    side's slot axis; indexed dims (B, T) and list levels never."""
+    merged: list[str] = []
+    inner = [len(axes) for axes, _, _ in sides]
+    for name in reversed(order):
+        if name in ("B", "T") or any(name in lists for _, lists, _ in sides):
+            break
+        at = [axes.index(n_axis if name == "N" else name) for axes, _, n_axis in sides]
+        if any(a != i - 1 for a, i in zip(at, inner, strict=True)):
+            break
+        merged.append(name)
+        inner = at
+    return tuple(reversed(merged))
+
+
+def _order(dims: tuple[str, ...], key: dict[str, tuple[int, int]]) -> tuple[str, ...]:
+    return tuple(sorted(dims, key=lambda d: key[d]))
+
+
+def program_plan(plan: CopyPlan | PartsPlan) -> ProgramPlan:
+    """The PROGRAM of one connector (of each plane, for a cache of several)."""
+    if isinstance(plan, PartsPlan):
+        return planes_program(plan)
+    if [a for a in plan.obj.lists if a != "L"]:
+        return ProgramPlan((("compiled", f"object list levels {plan.obj.lists}"),), ())
+    return copy_program(places(plan.paged), plan.paged.lists, places(plan.obj), plan.mode is Mode.LAYERWISE)
+
+
+def copy_program(cp: tuple[Place, ...], lists: tuple[str, ...], op: tuple[Place, ...], layerwise: bool,
+                 slotless: bool = False) -> ProgramPlan:
+    """The program of one copy from where its axes live: the cache leaf's places and list
+    levels, the object's places; `slotless`: a plane without slots (copied whole with every
+    chunk that moves a token, one path `plane`)."""
+    cache, objs = tuple(p[0] for p in cp), tuple(p[0] for p in op)
+    axes = (set(cache) | set(lists) | set(objs)) - TOKEN_AXES - ({"L"} if layerwise else set())
+    shared = tuple(sorted(axes))
+    folded = "S" in cache
+    fields: Fields = (("compiled", _why_not(shared, cache, lists, objs, slotless)), ("layerwise", layerwise),
+                      ("folded", folded), ("slotless", slotless), ("cache_lists", lists), ("cache_places", cp),
+                      ("object_places", op), ("shared", shared))
+    if dict(fields)["compiled"] is not None:
+        return ProgramPlan(fields, ())
+    # Destination order: the object's axis order for a store; the cache's (list levels
+    # first) for a load. B and N sit at the token's place, blocks outside slots.
+    okey = {a: (objs.index(a), 0) for a in shared}
+    ckey = {a: ((lists.index(a), 0) if a in lists else (len(lists) + cache.index(a), 0)) for a in shared}
+    if slotless:
+        names: tuple[tuple[str, tuple[str, ...]], ...] = (("plane", shared),)
+    else:
+        t = objs.index("T")
+        okey.update(B=(t, 0), N=(t, 1), T=(t, 0))
+        slot = len(lists) + cache.index("S" if folded else "B")
+        ckey.update(T=(slot, 0))
+        if not folded:
+            ckey.update(B=(slot, 0), N=(len(lists) + cache.index("N"), 0))
+        names = ((("blocks", ("B", "N", *shared)),) if not folded else ()) + (("tokens", ("T", *shared)),)
+    sides: tuple[Side, ...] = ((cache, lists, "N"), (objs, (), "T"))
+    paths = []
+    for name, dims in names:
+        store, load = _order(dims, okey), _order(dims, ckey)
+        paths.append((("name", name), ("store", store), ("load", load),
+                      ("store_run", _run(store, sides)), ("load_run", _run(load, sides))))
+    return ProgramPlan(fields, tuple(paths))
+
+
+def planes_program(plan: PartsPlan) -> ProgramPlan:
+    """A cache of several planes: one program per plane over the byte views the module's
+    `_planes` makes (the object's region or row slice of the plane, and the plane's leaf of
+    every layer), each plane's axes one dim per axis in those views."""
+    if any(tuple(lp.axis for lp in pc.copy.loops) != ("L",) for pc in plan.planes):
+        return ProgramPlan((("compiled", "caches of several planes with list levels besides L and the parts"),), ())
+    layerwise = plan.mode is Mode.LAYERWISE
+    planes = []
+    for pc in plan.planes:
+        cp = tuple((a, i, ()) for i, a in enumerate(pc.copy.cache_view.axes))
+        op = tuple((a, i, ()) for i, a in enumerate(pc.copy.object_view.axes))
+        planes.append(copy_program(cp, ("L",), op, layerwise, pc.slotless))
+    why = next((p.compiled for p in planes if p.compiled is not None), None)
+    return ProgramPlan((("compiled", why),), (), tuple(planes) if why is None else ())
+
+
+def planes_views(plan: PartsPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The bodies of a format-2 module's `_plane_objects(tensor, g, ck)` (each plane's view of
+    the object) and `_plane_leaves(kvcaches, g)` (each plane's leaf of every layer), as bytes:
+    the generated copies' views with a word of one byte (the compiled kernel merges contiguous
+    bytes into runs itself)."""
+    objects = [line for line in plan.preamble if not line.startswith("wd = ")]
+    objects.insert(1, "wd = (1,) * len(g.planes)  # bytes")
+    objects.append("return (")
+    objects += [f"    {pc.copy.object_view.expr},  # plane {pc.plane.name}: {' '.join(pc.copy.object_view.axes)}"
+                for pc in plan.planes]
+    objects.append(")")
+    leaves = ["wd = (1,) * len(g.planes)  # bytes", "return ("]
+    for pc in plan.planes:
+        leaves += [f"    tuple({pc.copy.cache_view.expr}  # plane {pc.plane.name}: {' '.join(pc.copy.cache_view.axes)}",
+                   "          for layer in range(g.L)),"]
+    leaves.append(")")
+    return tuple(objects), tuple(leaves)
+
+
+def _destination_key(spec: Spec, places_: tuple[Place, ...], shared: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """Each dim's place in a destination cache: its list levels first, then its leaf's axes;
+    blocks and single tokens at its block (or folded slot) axis, block slots just inside."""
+    lists, axes = spec.lists, tuple(p[0] for p in places_)
+    key = {a: ((lists.index(a), 0) if a in lists else (len(lists) + axes.index(a), 0)) for a in shared}
+    folded = "S" in axes
+    slot = len(lists) + axes.index("S" if folded else "B")
+    key.update(B=(slot, 0), T=(slot, 0), N=(slot, 1) if folded else (len(lists) + axes.index("N"), 0))
+    return key
+
+
+def transfer_program(src: Spec, dst: Spec) -> ProgramPlan:
+    """The PROGRAM of a layout-to-layout transfer (runtime.TransferProgram): both caches'
+    places, the shared axes, and per path the dims of a whole call and of a layer's call in
+    the destination's order with the innermost that may merge into the run."""
+    if not (src.is_simple and dst.is_simple):
+        return ProgramPlan((("compiled", PLANES_REASON),), ())
+    sp, dp = places(src), places(dst)
+    sa, da = tuple(p[0] for p in sp), tuple(p[0] for p in dp)
+    src_axes, dst_axes = set(sa) | set(src.lists), set(da) | set(dst.lists)
+    shared = tuple(sorted((src_axes | dst_axes) - TOKEN_AXES))
+    one_side = [a for a in shared if (a in src_axes) != (a in dst_axes)]
+    why = f"axis {one_side[0]} is on one side only" if one_side else None
+    fields: Fields = (("compiled", why), ("src_lists", src.lists), ("src_places", sp), ("dst_lists", dst.lists),
+                      ("dst_places", dp), ("shared", shared))
+    if why is not None:
+        return ProgramPlan(fields, ())
+    key = _destination_key(dst, dp, shared)
+    sides: tuple[Side, ...] = ((sa, src.lists, "S" if "S" in sa else "N"), (da, dst.lists, "S" if "S" in da else "N"))
+    paths = []
+    for name, dims in (("blocks", ("B", "N", *shared)), ("tokens", ("T", *shared))):
+        whole = _order(dims, key)
+        layer = tuple(d for d in whole if d != "L")
+        paths.append((("name", name), ("whole", whole), ("layer", layer), ("whole_run", _run(whole, sides)),
+                      ("layer_run", _run(layer, sides))))
+    return ProgramPlan(fields, tuple(paths))

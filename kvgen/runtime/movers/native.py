@@ -1,0 +1,330 @@
+"""The compiled CPU mover: executes a connector's PROGRAM with one call of csrc/kvcopy.c per
+token path (kvgen.runtime.native compiles and loads the kernel).
+
+From the program it takes where each axis lives on each side, the dims of each call in the
+destination's order, and which innermost dims may merge into the memcpy run; from the live
+tensors only their extents, strides and addresses: the byte stride of each axis, each leaf's
+address, the chunk's index tensors. It reads no layout facts (PagedLayout / ObjectLayout), so
+an altered PROGRAM changes what it moves (tests/test_movers.py shows it).
+
+A description (the kernel calls of one chunk) is kept while the same chunk moves layer after
+layer, and a cache's leaf addresses and strides per binding, so a layer costs one lookup.
+"""
+
+from __future__ import annotations
+
+import array
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvgen.runtime import host, native
+from kvgen.runtime.binding import leaves
+from kvgen.runtime.movers.base import Unsupported
+from kvgen.runtime.movers.program import CopyPath, CopyProgram, Place
+from kvgen.runtime.slots import Chunk
+from kvgen.runtime.threads import PARALLEL_BYTES, TEAM_PARALLEL_BYTES, cpu_threads
+
+_lock = threading.Lock()
+
+
+def strides(places: tuple[Place, ...], tensor: torch.Tensor, ext: dict[str, int]) -> dict[str, int]:
+    """Bytes per step of each axis of `tensor`, at its planned place: the stride of its dim
+    times the extents of the axes after it in that dim."""
+    item, steps = tensor.element_size(), tensor.stride()
+    return {a: steps[dim] * item * math.prod(ext[b] for b in inner) for a, dim, inner in places}
+
+
+class LeafSet:
+    """One bound cache as the kernel sees it: its leaves' addresses, one leaf's axis strides and
+    each list level's step in leaves."""
+
+    __slots__ = ("binding", "ptrs", "base", "strides", "ls", "item")
+
+    def __init__(self, binding: Any, tree: Any, places: tuple[Place, ...], lists: tuple[str, ...],
+                 ext: dict[str, int]):
+        tensors = leaves(tree)
+        first = tensors[0]
+        if any(t.stride() != first.stride() for t in tensors[1:]):
+            raise Unsupported("cache tensors differ in strides")
+        self.binding = binding  # held so that id(binding) is not reused while this entry lives
+        self.item = first.element_size()
+        self.ptrs = array.array("Q", [t.data_ptr() for t in tensors])
+        self.base = self.ptrs.buffer_info()[0]
+        self.strides = strides(places, first, ext)
+        self.ls: dict[str, int] = {}
+        step = 1
+        for a in reversed(lists):
+            self.ls[a] = step
+            step *= ext[a]
+
+
+_leaf_sets: dict[tuple[int, int], LeafSet] = {}
+_KEPT = 16
+
+
+def leaf_set(binding: Any, tree: Callable[[], Any], places: tuple[Place, ...], lists: tuple[str, ...],
+             ext: dict[str, int], part: int = 0) -> LeafSet:
+    """Per binding (immutable, one per cache fingerprint: leaf addresses, shapes, strides) and
+    plane `part`, so every tree a call brings with that binding has these leaves; without a
+    binding, per call. `tree()` makes the tree of leaves, called only when none is kept."""
+    key = (id(binding), part)
+    found = _leaf_sets.get(key) if binding is not None else None
+    if found is None or found.binding is not binding:
+        found = LeafSet(binding, tree(), places, lists, ext)
+        if binding is not None:
+            with _lock:
+                if len(_leaf_sets) >= _KEPT:
+                    _leaf_sets.pop(next(iter(_leaf_sets)))
+                _leaf_sets[key] = found
+    return found
+
+
+def address(t: torch.Tensor | None) -> int:
+    """The address of an index tensor the kernel reads as packed int64 (0 for none)."""
+    if t is None:
+        return 0
+    if t.dtype != torch.int64 or not t.is_contiguous():
+        raise Unsupported("index tensors must be contiguous int64")
+    return t.data_ptr()
+
+
+class KernelCall:
+    """One kernel call of a chunk: its dims (flat, native.FIELDS per dim), run bytes and object byte offset."""
+
+    __slots__ = ("dims", "nd", "run", "ooff")
+
+    def __init__(self, dims: list[list[int]], run: int, ooff: int):
+        self.dims = array.array("q", [v for d in dims for v in d])
+        self.nd, self.run, self.ooff = len(dims), run, ooff
+
+
+class Description:
+    """The kernel calls that move one chunk between a cache and objects of one shape and
+    strides (any layer of a layerwise connector: the layer is an offset added per call)."""
+
+    __slots__ = ("key", "ck", "cache", "calls")
+
+    def __init__(self, key: tuple[Any, ...], ck: Chunk, cache: LeafSet, calls: list[KernelCall]):
+        self.key, self.ck, self.cache, self.calls = key, ck, cache, calls
+
+
+@dataclass
+class Prepared:
+    """The native mover's state for one connector: its program, and the threads and streaming
+    picked at the first layer of the call now moving (a layerwise call picks once)."""
+
+    program: CopyProgram
+    #: The connector: for a cache of several planes, its `_plane_objects` / `_plane_leaves`
+    #: make each plane's views.
+    connector: Any = None
+    #: (the call's serial, {object bytes: (threads, streaming)}): not the call, whose cache it would keep alive.
+    picked: tuple[int, dict[int, tuple[int, bool]]] = field(default=(0, {}))
+
+
+#: The last description of each program (of each plane), reused while the same chunk moves
+#: layer after layer. It holds its chunk and cache binding, so the ids in its key cannot be
+#: reused by other objects meanwhile.
+_last: dict[int, Description] = {}
+_LAST_KEPT = 64
+
+
+def _index(ids: Any) -> tuple[int, int]:
+    """(address, first) of a chunk's block ids or slots: a slice is its start, a tensor its values."""
+    return (0, ids.start) if isinstance(ids, slice) else (address(ids), 0)
+
+
+def _rows(dims: tuple[str, ...], cache: LeafSet, os_: dict[str, int], ext: dict[str, int], ck: Chunk
+          ) -> list[list[int]]:
+    """The kernel's dims of one path in the order `dims`: extent, index, first, div, cache
+    stride(s), token positions, object stride, leaf step (native.FIELDS each)."""
+    cs, ls = cache.strides, cache.ls
+    os_t = os_.get("T", 0)
+    rows = []
+    for name in dims:
+        if name == "B":
+            n = ext["N"]
+            rows.append([ck.block_tokens // n, *_index(ck.block_ids), 1, cs["B"], 0, 0, n * os_t, 0])
+        elif name == "N":
+            rows.append([ext["N"], 0, 0, 1, cs["N"], 0, 0, os_t, 0])
+        elif name == "T":
+            slots = ck.slots
+            count = slots.stop - slots.start if isinstance(slots, slice) else slots.numel()  # type: ignore[union-attr]
+            if "S" in cs:
+                rows.append([count, *_index(slots), 1, cs["S"], 0, address(ck.tok), os_t, 0])
+            else:
+                rows.append([count, *_index(slots), ext["N"], cs["B"], cs["N"], address(ck.tok), os_t, 0])
+        elif ext.get(name, 1) > 1:
+            rows.append([ext[name], 0, 0, 1, cs.get(name, 0), 0, 0, os_[name], ls.get(name, 0)])
+    return rows
+
+
+def _merge(rows: list[list[int]], names: list[str], run_dims: tuple[str, ...], item: int
+           ) -> tuple[int, list[list[int]]]:
+    """The innermost planned run dims whose live strides are contiguous on both sides, merged
+    into the run (bytes); the rest stay dims."""
+    run = item
+    while rows and names[-1] in run_dims:
+        d = rows[-1]
+        if d[4] != run or d[7] != run:
+            break
+        run *= d[0]
+        rows.pop()
+        names.pop()
+    return run, rows
+
+
+def _runs(path: CopyPath, ck: Chunk) -> bool:
+    """Whether the chunk has tokens on `path` (a plane without slots moves with any token)."""
+    if path.name == "blocks":
+        return ck.has_blocks
+    return ck.has_tokens if path.name == "tokens" else ck.moved > 0
+
+
+def _key(store: bool, tensor: torch.Tensor, call: Any, ck: Chunk) -> tuple[Any, ...]:
+    return (store, id(ck), id(call.binding), tensor.shape, tensor.stride(), tensor.element_size())
+
+
+def cached(program: CopyProgram, key: tuple[Any, ...], call: Any, ck: Chunk) -> Description | None:
+    """The description of `program` made for this chunk and binding, while it is the last one made."""
+    found = _last.get(id(program))
+    if found is not None and call.binding is not None and found.key == key and found.ck is ck \
+            and found.cache.binding is call.binding:
+        return found
+    return None
+
+
+def describe(program: CopyProgram, store: bool, tensor: torch.Tensor, call: Any, ck: Chunk,
+             plane: tuple[int, torch.Tensor, Callable[[], Any]] | None = None) -> Description:
+    """The kernel calls that move `ck` between `tensor` and the cache: one per planned path the
+    chunk has tokens on. `plane`: (index, its view of `tensor`, what makes its leaf of every
+    layer: called only when the binding's leaf set is not kept) for one plane of a cache of
+    several; its calls' object offsets then count from `tensor`'s start."""
+    key = _key(store, tensor, call, ck)
+    found = cached(program, key, call, ck)
+    if found is not None:
+        return found
+    binding, g = call.binding, call.g
+    ext = g.extents()
+    part, view, tree = plane if plane is not None else (0, tensor, lambda: call.kvcaches)
+    cache = leaf_set(binding, tree, program.cache_places, program.cache_lists, ext, part)
+    if view.element_size() != cache.item:
+        raise Unsupported("object and cache elements differ in size")
+    if plane is not None:  # C of a plane is its bytes
+        ext = {**ext, "C": g.planes[part].C}
+    os_ = strides(program.object_places, view, {**ext, "T": ck.num_tokens})
+    item, base = view.element_size(), view.data_ptr() - tensor.data_ptr()
+    calls = []
+    for path in program.paths:
+        if not _runs(path, ck):
+            continue
+        dims = path.store if store else path.load
+        rows = _rows(dims, cache, os_, ext, ck)
+        names = [d for d in dims if d in ("B", "N", "T") or ext.get(d, 1) > 1]
+        run, rows = _merge(rows, names, path.store_run if store else path.load_run, item)
+        if len(rows) > native.MAX_DIMS:  # the kernel's bound: never pass it more
+            raise Unsupported(f"{len(rows)} dims exceed the kernel's {native.MAX_DIMS}")
+        calls.append(KernelCall(rows, run, base + (ck.block_start * os_["T"] if path.name == "blocks" else 0)))
+    found = Description(key, ck, cache, calls)
+    if binding is not None:
+        _remember(program, found)
+    return found
+
+
+def _remember(program: CopyProgram, found: Description) -> None:
+    """Keep `found` as the program's last description (the same chunk moves layer after layer)."""
+    with _lock:
+        if len(_last) >= _LAST_KEPT:
+            _last.pop(next(iter(_last)))
+        _last[id(program)] = found
+
+
+class NativeMover:
+    """Moves CPU chunks with the compiled kernel, as the connector's PROGRAM describes them."""
+
+    name = "native"
+    stats = native.stats
+
+    def prepare(self, connector: Any, device: torch.device) -> Prepared:
+        if device.type != "cpu":
+            raise Unsupported(f"the compiled kernel moves CPU tensors only, not {device.type}")
+        why = native.unavailable()
+        if why is not None:
+            raise Unsupported(why)
+        program: CopyProgram = connector.program
+        if program.compiled is not None:
+            raise Unsupported(program.compiled)
+        return Prepared(program, connector)
+
+    def move(self, prepared: Prepared, store: bool, tensor: torch.Tensor, call: Any, ck: Chunk,
+             layer: int | None) -> None:
+        if not ck.has_blocks and not ck.has_tokens:
+            return
+        lib = native.library()
+        if lib is None:
+            raise Unsupported(native.unavailable() or "no compiled kernel")
+        threads, stream = self._pick(prepared, tensor, call, layer)
+        program = prepared.program
+        if program.planes:
+            work = self._planes(prepared, store, tensor, call, ck)
+        else:
+            work = [describe(program, store, tensor, call, ck)]
+        for d in work:
+            self._run(lib, d, store, tensor.data_ptr(), layer, (threads, stream))
+
+    @staticmethod
+    def _planes(prepared: Prepared, store: bool, tensor: torch.Tensor, call: Any, ck: Chunk) -> list[Description]:
+        """Every plane's description, made before the first plane moves (a refusal writes
+        nothing); the module makes the views only where none is kept."""
+        planes = prepared.program.planes
+        key = _key(store, tensor, call, ck)
+        found = [cached(p, key, call, ck) for p in planes]
+        if all(d is not None for d in found):
+            return found  # type: ignore[return-value]
+        connector, g = prepared.connector, call.g
+        views = connector._plane_objects(tensor, g, ck)
+        made: list[Any] = []
+
+        def leaves_of(i: int) -> Callable[[], Any]:  # every plane's leaves made once, if at all
+            def make() -> Any:
+                if not made:
+                    made.append(connector._plane_leaves(call.kvcaches, g))
+                return made[0][i]
+            return make
+
+        return [describe(p, store, tensor, call, ck, (i, o, leaves_of(i)))
+                for i, (p, o) in enumerate(zip(planes, views, strict=True))]
+
+    def _run(self, lib: Any, d: Description, store: bool, obj: int, layer: int | None,
+             picked: tuple[int, bool]) -> None:
+        """The kernel calls of `d` (of one layer, when `layer` is given)."""
+        leaf0, coff0 = 0, 0
+        if layer is not None:  # one layer of a per-layer object: L is fixed
+            if "L" in d.cache.ls:
+                leaf0 = layer * d.cache.ls["L"]  # a cache whose layers are leaves: that layer's leaf
+            else:
+                coff0 = layer * d.cache.strides.get("L", 0)
+        for c in d.calls:
+            self.stats["calls"] += 1
+            if lib.kvgen_move(int(store), c.nd, c.dims.buffer_info()[0], c.run, d.cache.base + 8 * leaf0, coff0,
+                              obj + c.ooff, picked[0], int(picked[1])) != 0:
+                raise Unsupported("the kernel refused the description")
+
+    @staticmethod
+    def _pick(prepared: Prepared, tensor: torch.Tensor, call: Any, layer: int | None) -> tuple[int, bool]:
+        """Threads and streaming stores for this object size: picked once per call and size (a
+        layerwise call at its first layer), from the whole chunk's bytes for streaming."""
+        nbytes = tensor.numel() * tensor.element_size()
+        owner, sizes = prepared.picked
+        if owner != call.serial:
+            sizes = {}
+            prepared.picked = (call.serial, sizes)
+        found = sizes.get(nbytes)
+        if found is None:
+            found = sizes[nbytes] = (cpu_threads(nbytes, TEAM_PARALLEL_BYTES if native.team() else PARALLEL_BYTES),
+                                     host.streams(nbytes * (call.g.L if layer is not None else 1)))
+        return found

@@ -1,0 +1,46 @@
+"""The Triton mover: launches the connector's generated kernel (its `_triton` twin, planned
+by kvgen.plan.kernel / kernel_parts from the same copy plan), imported on first use so kvgen
+needs Triton for nothing else. Where Triton runs is the device registry's fact
+(kvgen.runtime.devices: the driver targets of each device type); on CPU tensors only in
+Triton's interpreter (TRITON_INTERPRET=1, which the tests use), and auto never picks it there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvgen.runtime import kernels
+from kvgen.runtime.movers.base import Unsupported
+from kvgen.runtime.slots import Chunk
+
+
+def generated_module(connector: Any) -> str:
+    """The generated module a connector class comes from (a subclass of it may live elsewhere)."""
+    for cls in type(connector).__mro__:
+        if "layout" in cls.__dict__:
+            return cls.__module__
+    return type(connector).__module__
+
+
+class TritonMover:
+    """Moves chunks with the connector's generated Triton kernel."""
+
+    name = "triton"
+    stats = kernels.stats
+
+    def prepare(self, connector: Any, device: torch.device) -> tuple[Any, Any]:
+        why = kernels.unavailable(device)
+        if why is not None:
+            raise Unsupported(why)
+        try:
+            return connector, kernels.kernel_of(generated_module(connector))
+        except ModuleNotFoundError as exc:
+            raise Unsupported(f"no kernel module was generated for this connector ({exc}); run `kvgen build`") \
+                from None
+
+    def move(self, prepared: tuple[Any, Any], store: bool, tensor: torch.Tensor, call: Any, ck: Chunk,
+             layer: int | None) -> None:
+        connector, kernel = prepared
+        kernel(store, layer, tensor, call, ck, connector._words(tensor, call.binding))
