@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvgen.spec.model import ITEMSIZE, Dim, Part, Plane, Spec
+from kvgen.spec.model import ITEMSIZE, Dim, Field, Part, Plane, Spec
 
 #: Logical coordinates of an element: l, kv, h, c, and slot (paged) or t (object).
 Coords = Mapping[str, int]
@@ -89,8 +89,30 @@ def part_width(spec: Spec, part: Part, ext: Mapping[str, int]) -> int:
 
 
 def plane_count(spec: Spec, plane: Plane, ext: Mapping[str, int]) -> int:
-    """Values of one plane per (token, K or V, head)."""
-    return plane.field.count if plane.field is not None else part_width(spec, plane.part, ext)
+    """Units of one plane per (token, K or V, head): its values, or for a sub-byte field its
+    packed bytes (two values each; the reference never moves half a byte)."""
+    f = plane.field
+    if f is None:
+        return part_width(spec, plane.part, ext)
+    return f.nbytes // f.itemsize
+
+
+def packed_value(f: Field, c: int) -> tuple[int, int]:
+    """Value c of a field as (unit, bit shift): a whole-byte type is unit c at shift 0; a
+    sub-byte one is in packed byte c // 2, value 2j in the low nibble under `low_first`
+    (shift 0) and in the high one under `high_first` (shift 4)."""
+    if not f.is_sub_byte:
+        return c, 0
+    per = 8 // f.bits
+    slot = c % per if f.packing == "low_first" else per - 1 - c % per
+    return c // per, slot * f.bits
+
+
+def scale_index(f: Field, scale: Field, c: int) -> int:
+    """The value of the scale field `scale` that scales value c of field `f`."""
+    if scale.scales != f.name or scale.group is None:
+        raise ValueError(f"field {scale.name!r} does not scale {f.name!r}")
+    return c // scale.group
 
 
 def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -202,6 +224,9 @@ def symbolic_plane_address(spec: Spec, plane: Plane) -> str:
         index = _sym_dims(plane.part.dims, {})
         return f"kvcaches{path}" + (f"[{index}]" if index else " (a 0-dim tensor)")
     step = f" + {f.itemsize} * c" if f.itemsize > 1 else " + c"
+    if f.is_sub_byte:
+        nibble = "low" if f.packing == "low_first" else "high"
+        step = f" + c // 2, the {nibble} nibble for even c"
     if plane.part.fields_in == "row":
         return f"kvcaches{path}[{_sym_dims(plane.part.dims, {'C': f'byte {f.offset}{step}'})}]"
     where = f"{f.offset} * N + {f.nbytes} * (slot % N){step}"

@@ -121,7 +121,10 @@ def parts_geometry_body(spec: Spec) -> tuple[str, ...]:
     for i, plane in enumerate(spec.moved_planes()):
         p = plane.index
         if plane.field is not None:
-            size, word = str(plane.field.nbytes), f"reader.word({p}, {plane.field.offset}, {plane.field.nbytes})"
+            f = plane.field
+            size, word = str(f.nbytes), f"reader.word({p}, {f.offset}, {f.nbytes})"
+            if plane.part.dims[-1].axes == ("KV", "C"):  # format 3: V's copy of the field starts a half row on
+                word = f"min({word}, reader.word({p}, {f.offset + (plane.part.row_bytes or 0)}, {f.nbytes}))"
         else:
             c = _own("C", p)
             lines.append(f"row{i} = {known[c]} * leaves[{p}].element_size()" if c in known

@@ -96,6 +96,10 @@ def _cache_dims(plane: Plane) -> tuple[tuple[Dim, ...], str]:
     C gets a trailing byte dim (its value's bytes)."""
     part, f = plane.part, plane.field
     if f is not None:
+        if part.fields_in is FieldsIn.ROW and part.dims[-1].axes == ("KV", "C"):
+            # Format 3: K's C then V's, each holding the fields; the field is a plane with KV.
+            dims = (*part.dims[:-1], Dim(("KV",)), Dim(("C",)))
+            return dims, f"runtime.row_field({{}}.unflatten(-1, (2, -1)), {f.offset}, {f.nbytes})"
         if part.fields_in is FieldsIn.ROW:
             return part.dims, f"runtime.row_field({{}}, {f.offset}, {f.nbytes})"
         return part.dims, f"runtime.block_field({{}}, {f.offset}, {f.nbytes}, g.N)"

@@ -15,15 +15,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvgen.notation import format_dim, format_layout
+from kvgen.spec.elements import BITS, DTYPES, Packing
+from kvgen.spec.elements import ITEMSIZE as ITEMSIZE  # re-exported: the planner, oracle and passes read it here
 from kvgen.spec.loader import Document
 
 #: Axis letters: layer, K/V selector, block, slot-in-block, head, content, token-in-chunk.
 AXES = ("L", "KV", "B", "N", "H", "C", "T")
 #: Axes whose extent is 1 when a layout leaves them out (MLA has one plane and no heads).
 OPTIONAL_AXES = ("KV", "H")
-DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
-#: Bytes per element of each dtype.
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
 #: The list level whose entries are the parts of a format-2 cache (`lists: [L, P]`).
 PART_LEVEL = "P"
 
@@ -114,15 +113,31 @@ class Field:
     dtype: str
     count: int
     offset: int
+    #: Format 3, sub-byte fields: the order of the two values in a byte.
+    packing: Packing | None = None
+    #: Format 3, scale fields: the field whose values this one scales, `group` values per scale,
+    #: consecutive along that field's C (value c of it is scaled by value c // group of this one).
+    scales: str | None = None
+    group: int | None = None
+
+    @property
+    def bits(self) -> int:
+        return BITS[self.dtype]
 
     @property
     def itemsize(self) -> int:
-        return ITEMSIZE[self.dtype]
+        """Bytes of the smallest unit the field is addressed in (a packed byte for sub-byte types)."""
+        return max(1, self.bits // 8)
 
     @property
     def nbytes(self) -> int:
-        """Bytes per token (and head)."""
-        return self.count * self.itemsize
+        """Bytes per token (and head); a sub-byte field with an odd count ends in a half byte,
+        which the passes refuse."""
+        return -(-self.count * self.bits // 8)
+
+    @property
+    def is_sub_byte(self) -> bool:
+        return self.bits < 8
 
     @property
     def end(self) -> int:
@@ -305,7 +320,8 @@ class Spec(Shaped):
 def _fields_text(part: Part) -> str:
     if not part.fields:
         return ""
-    body = ", ".join(f"{f.name} {f.dtype} x{f.count}" for f in part.fields)
+    body = ", ".join(f"{f.name} {f.dtype} x{f.count}" + (f" {f.packing}" if f.packing else "")
+                     + (f" per {f.group} of {f.scales}" if f.scales else "") for f in part.fields)
     return f"{{{part.fields_in}: {body}}}"
 
 
@@ -330,8 +346,10 @@ def _fields(data: Mapping[str, object] | None) -> tuple[tuple[Field, ...], Field
     for item in items:  # type: ignore[attr-defined]
         dtype, count = item["dtype"], item["count"]
         at = item.get("at", at)
-        out.append(Field(item["name"], dtype, count, at))
-        at += count * ITEMSIZE[dtype]
+        packing = Packing(item["packing"]) if "packing" in item else None
+        f = Field(item["name"], dtype, count, at, packing, item.get("scales"), item.get("group"))
+        out.append(f)
+        at += f.nbytes
     return tuple(out), FieldsIn(where)
 
 
@@ -388,26 +406,3 @@ def build_spec(doc: Document, origin: str | None = None) -> Spec:
                                                                             d["carries"]["state"])))
         if "carries" in d else None,
     )
-
-
-def format2_facts(spec: Spec) -> dict[str, object]:
-    """Parts, fields, planes and pack of a format-2 spec as plain data (`kvgen list --json`)."""
-    def dims(part: Part) -> list[object]:
-        return [list(d.axes) if d.is_fused else (d.axes[0] if d.axes else 1) for d in part.dims]
-
-    out: dict[str, object] = {"version": spec.version}
-    if spec.is_paged:
-        out["parts"] = [{"name": p.name, "dims": dims(p), "sizes": dict(p.sizes), "dtypes": list(p.dtypes),
-                         "fields_in": str(p.fields_in) if p.fields_in else None,
-                         "fields": [{"name": f.name, "dtype": f.dtype, "count": f.count, "offset": f.offset}
-                                    for f in p.fields]} for p in spec.parts]
-        out["moved_planes"] = [{"name": pl.name, "part": pl.part.name, "field": pl.field.name if pl.field else None,
-                          "dtype": pl.dtype, "count": pl.field.count if pl.field else None,
-                          "slots": pl.has_slots, "axes": list(pl.axes)} for pl in spec.moved_planes()]
-    if spec.pack is not None:
-        out["pack"] = str(spec.pack)
-    if spec.carries is not None:
-        out["members"] = list(spec.members)
-        out["carries"] = {k: v if isinstance(v, str) else list(v)
-                          for k, v in (("groups", spec.carries.groups), ("state", spec.carries.state))}
-    return out

@@ -179,8 +179,10 @@ def _fields_problems(spec: Spec, part: Part, doc: Document) -> list[Problem]:
     out = []
     dims = part.dims
     plain = [d.axes[0] if len(d.axes) == 1 else None for d in dims]
-    if part.fields_in is FieldsIn.ROW and plain[-1:] != ["C"]:
-        out.append(doc.problem((*here, "dims"), "row fields fill C: the last dim must be C on its own"))
+    kv_rows = bool(dims) and dims[-1].axes == ("KV", "C")  # format 3: K's C, then V's, each holding the fields
+    if part.fields_in is FieldsIn.ROW and plain[-1:] != ["C"] and not kv_rows:
+        out.append(doc.problem((*here, "dims"), "row fields fill C: the last dim must be C on its own "
+                                                "(or, in format 3, [KV, C])"))
     if part.fields_in is FieldsIn.BLOCK and plain[-3:] != ["B", "N", "C"]:
         out.append(doc.problem((*here, "dims"), "block fields fill a block: the dims must end with B, N, C "
                                                 "(each block's N x C elements hold the fields' regions)"))

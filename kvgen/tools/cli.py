@@ -141,7 +141,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             else:
                 facts.update(format=s.format, code=s.code, accepts=list(s.accepts))
             if not s.is_simple:
-                from kvgen.spec.model import format2_facts
+                from kvgen.spec.describe import format2_facts
 
                 facts.update(format2_facts(s))
             layouts[s.name] = facts
