@@ -6,7 +6,7 @@ kvgen.oracle.reference); it shares nothing with the planner. No torch here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from kvgen.spec.model import ITEMSIZE, Dim, Field, Part, Plane, Spec
 
@@ -139,13 +139,28 @@ def plane_address(spec: Spec, plane: Plane, coords: Coords, ext: Mapping[str, in
     if part.fields_in == "row":
         pos = f.offset + c * f.itemsize
         return path, index({**coords, "c": pos // item}), pos % item
-    # Block fields: bytes of block b are its N x C elements in order; the field's region
-    # starts at offset * N and holds token n's values at n * nbytes.
-    n, width = ext["N"], pext["C"]
-    slot = coords["slot"]
-    pos = f.offset * n + (slot % n) * f.nbytes + c * f.itemsize
-    row, col = _unravel(pos // item, (n, width))
-    return path, index({**coords, "slot": (slot // n) * n + row, "c": col}), pos % item
+    # Block fields: the elements of block b after B are one run of bytes (per K or V side when
+    # the run starts with KV); the run holds one region per field, and a field's region starts at
+    # offset * cells and holds cell k's values at k * nbytes. A cell is a slot of the block, or in
+    # format 3 a (head, slot) pair in the dims' order.
+    n, slot = ext["N"], coords["slot"]
+    axes = [a for d in part.block_run for a in d.axes if a not in ("KV", "C")]
+    cell_coord = {"H": coords.get("h", 0), "N": slot % n}
+    cells, cell = 1, 0
+    for a in axes:
+        cells, cell = cells * pext[a], cell * pext[a] + cell_coord[a]
+    side = coords.get("kv", 0) if any("KV" in d.axes for d in part.block_run) else 0
+    pos = side * cells * pext["C"] * item + f.offset * cells + cell * f.nbytes + c * f.itemsize
+    run = tuple(_product(pext[a] for a in d.axes) for d in part.block_run)
+    head = tensor_index(part.dims[:len(part.dims) - len(run)], coords, pext)
+    return path, (*head, *_unravel(pos // item, run)), pos % item
+
+
+def _product(values: Iterable[int]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
 
 
 def region_layout(paged: Spec, obj: Spec, ext: Mapping[str, int], sizes: Mapping[str, int],

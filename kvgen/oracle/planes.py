@@ -282,11 +282,11 @@ def allocate_part(shape: tuple[int, ...], dtype: torch.dtype, device: str, strid
 
 
 def tail_dims(part: Part) -> int:
-    """Trailing dims a part's tensors keep contiguous: the row (and, for block fields, the N
-    before it)."""
+    """Trailing dims a part's tensors keep contiguous: the row (and, for block fields, the
+    dims after B)."""
     if not part.has("C"):
         return 0
-    return 2 if part.fields_in == "block" else 1
+    return len(part.block_run) if part.fields_in == "block" else 1
 
 
 def make_parts_cache(spec: Spec, ext: Extents, dtype: torch.dtype, device: str, strided: bool = False,

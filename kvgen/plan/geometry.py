@@ -92,7 +92,8 @@ def parts_geometry_body(spec: Spec) -> tuple[str, ...]:
                 known[axis] = name
                 plain.append(name)
         if part.has("C"):
-            lines.append(f"reader.byte_rows({p}{', block=True' if part.fields_in == 'block' else ''})")
+            run = len(part.block_run) if part.fields_in == "block" else 0
+            lines.append(f"reader.byte_rows({p}{', block=True' if run == 2 else f', run={run}' if run else ''})")
     for axis, value in spec.sizes:
         lines.append(f"reader.fixed({axis!r}, {known[axis]}, {value})" if axis in known else f"{axis} = {value}")
         known.setdefault(axis, axis)

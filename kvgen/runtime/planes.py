@@ -47,6 +47,19 @@ def block_field(t: torch.Tensor, offset: int, nbytes: int, n: int) -> torch.Tens
     return flat.narrow(-1, offset * n, nbytes * n).unflatten(-1, (n, nbytes))
 
 
+def cell_field(t: torch.Tensor, offset: int, nbytes: int, run: int) -> torch.Tensor:
+    """A field laid out per run of cells (format 3): the last `run` dims of `t` (cells, then C)
+    are one run of bytes whose region [offset * cells, (offset + nbytes) * cells) holds the
+    field of each cell in turn (`nbytes` each). Returns `t`'s dims with C cut to `nbytes`."""
+    raw = bytes_of(t)
+    shape = tuple(raw.shape[-run:-1])
+    cells = 1
+    for n in shape:
+        cells *= n
+    flat = raw.flatten(-run)
+    return flat.narrow(-1, offset * cells, nbytes * cells).unflatten(-1, (*shape, nbytes))
+
+
 def region(t: torch.Tensor, dim: int, offset: int, shape: Sequence[int], word: int = 1) -> torch.Tensor:
     """The dense region of `shape` (bytes) that starts `offset` bytes into dim `dim` of a byte
     tensor, as `word`-byte integers (the last dim of `shape` shrinks by `word`)."""

@@ -186,6 +186,13 @@ class Part(Shaped):
         """Bytes of one row (or, for block fields, per token) that the fields fill."""
         return max((f.end for f in self.fields), default=0) or None
 
+    @property
+    def block_run(self) -> tuple[Dim, ...]:
+        """Block fields: the dims after B, whose elements are one run of bytes per block (per
+        K or V side, in format 3, when the run starts with KV)."""
+        i = next((j for j, d in enumerate(self.dims) if d.axes == ("B",)), len(self.dims))
+        return self.dims[i + 1:]
+
     def render(self) -> str:
         return "[" + " ".join(d.render() for d in self.dims) + "]"
 
