@@ -213,9 +213,10 @@ def _one() -> torch.Tensor:
     return torch.tensor([1.0]).view(torch.uint8)
 
 
-def decode(spec: Spec, views: list[torch.Tensor], layer: int, kv: int, slot: int, h: int) -> tuple[list[int], list[int]]:
-    """Values of one (layer, side, slot, head) and, for each, the byte of its scale's first
-    byte, found by the spec's own address arithmetic alone."""
+def decode(spec: Spec, views: list[torch.Tensor], at: tuple[int, int, int, int]) -> tuple[list[int], list[int]]:
+    """Values of one (layer, side, slot, head) and, for each, the first byte of its scale,
+    found by the spec's own address arithmetic alone."""
+    layer, kv, slot, h = at
     values, scale = spec.moved_planes()
     leaf = handed(spec_mode(spec), views)[layer].view(torch.uint8)
     ext = {"L": L, "KV": 2, "B": B, "N": N, "H": H, "C": leaf.shape[-1] // 2}
@@ -223,9 +224,9 @@ def decode(spec: Spec, views: list[torch.Tensor], layer: int, kv: int, slot: int
     out, scales = [], []
     for c in range(values.field.count):
         unit, shift = packed_value(values.field, c)
-        _, index, byte = plane_address(spec, values, {**coords, "c": unit}, ext, 1)
+        _, index, _ = plane_address(spec, values, {**coords, "c": unit}, ext, 1)
         out.append((int(leaf[index]) >> shift) & ((1 << values.field.bits) - 1))
-        _, index, byte = plane_address(spec, scale, {**coords, "c": scale_index(values.field, scale.field, c)}, ext, 1)
+        _, index, _ = plane_address(spec, scale, {**coords, "c": scale_index(values.field, scale.field, c)}, ext, 1)
         scales.append(int(leaf[index]))
     return out, scales
 
@@ -237,7 +238,7 @@ def spec_mode(spec: Spec) -> str:
 def decodes_as_the_engine(spec: Spec, views: list[torch.Tensor]) -> bool:
     name = spec_mode(spec)
     for layer, kv, slot, h in ((0, 0, 0, 0), (1, 1, 13, 2), (1, 0, 19, 3), (0, 1, 6, 1)):
-        values, scales = decode(spec, views, layer, kv, slot, h)
+        values, scales = decode(spec, views, (layer, kv, slot, h))
         mode = MODES[name]
         if values != [value_of(layer, kv, slot, h, c, mode.bits) for c in range(HS)]:
             return False
