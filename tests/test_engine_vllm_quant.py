@@ -39,6 +39,8 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 from kvgen import generated  # noqa: E402
 from kvgen.oracle import planes as reference  # noqa: E402
 from kvgen.oracle.address import packed_value, plane_address, scale_index  # noqa: E402
+from kvgen.oracle.facts import Geometry  # noqa: E402
+from kvgen.oracle.facts_parts import PARTS_FACTS  # noqa: E402
 from kvgen.runtime import MemoryObj  # noqa: E402
 from kvgen.spec.library import load_library  # noqa: E402
 from kvgen.spec.model import Dim, Packing, Spec  # noqa: E402
@@ -297,3 +299,13 @@ def test_a_scale_taken_from_another_token_fails() -> None:
     with pytest.raises(AssertionError):
         check_object(name, store(name, views, transposed).tensor, SLOTS)
     assert not decodes_as_the_engine(transposed, views)
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_the_fact_tables_shapes_are_vllms(name: str) -> None:
+    """kvgen.oracle.facts_quant states each cache's memory-order shape from vLLM's sources; the
+    live cache vLLM allocates has it."""
+    views, _ = engine_cache(name)
+    fact = PARTS_FACTS[MODES[name].spec]
+    assert tuple(handed(name, views)[0].shape) == fact.parts[0].shape(Geometry(L=L, B=B, N=N, H=H, C=HS))
+    assert str(views[0].dtype).removeprefix("torch.") == fact.parts[0].dtype

@@ -58,7 +58,8 @@ ByteAddress = tuple[tuple[int, ...], tuple[int, ...], int]
 #: where(g, layer, kv, pos, h, c); pos is the slot for caches, the token for objects.
 PlaneAddress = Callable[[Geometry, int, int, int, int, int], ByteAddress]
 
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1, "int8": 1}
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1, "int8": 1,
+         "int4": 1, "fp4_e2m1": 1}  # sub-byte values move as packed bytes of two
 #: The dtype a test gives a part whose source leaves its dtype open.
 FREE_DTYPE = "bfloat16"
 
@@ -410,3 +411,6 @@ def _packed_disagreement(spec: Spec, g: Geometry) -> str | None:
                 return (f"holding {cache.name}: plane {plane.name} (l={layer}, kv={kv}, t={t}, h={h}, c={c}) "
                         f"at {got}, the source says {want} ({g})")
     return None
+
+
+from kvgen.oracle import facts_quant  # noqa: E402,F401  (vLLM's quantized caches: registered with the rest)

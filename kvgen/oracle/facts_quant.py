@@ -1,0 +1,70 @@
+"""Facts about vLLM 0.33's quantized caches (kv_quant_mode), written from its sources without
+reading specs; registered into kvgen.oracle.facts_parts.PARTS_FACTS (which imports this module),
+so tests/test_facts*.py and `kvgen verify` compare the built-in specs with them.
+
+Sources (vllm-project/vllm 0.33.0):
+* vllm/v1/kv_cache_interface.py: AttentionSpec.num_heads (num_head_slots, else num_kv_heads),
+  state_content_size_bytes (state_content_bytes, else K and V content), the logical per-layer
+  view [B, H, N, C]; KVCacheLayout LBNHC stores it as [B, N, H, C], LBHNC as it is.
+* vllm/v1/attention/backends/triton_attn.py: customize_spec, for the per-token-head modes
+  C = (hs_k + hs_v) * dtype size + 2 * 4 (INT4: each head size halved, two values per byte);
+  _ensure_scale_caches: per (head, slot) [K (hs) | K scale fp32 | V (hs) | V scale fp32].
+* vllm/v1/attention/ops/int4_per_token_head.py: pack_int4_nibbles (value 2j low).
+* vllm/v1/attention/backends/flashinfer.py: customize_spec for NVFP4, num_head_slots 2 * H and C =
+  nvfp4_kv_cache_full_dim(hs) = hs // 2 + hs // 16; _nvfp4_kv_views: a page is [K side | V side],
+  each H * N * C bytes; vllm/utils/torch_utils.py nvfp4_split_data_scale: a side is every
+  (head, slot) cell's hs // 2 data bytes, then every cell's hs // 16 fp8 scales (one per 16 values).
+
+The built-in specs are for head size 128, as stated here.
+"""
+
+from __future__ import annotations
+
+from kvgen.oracle.facts import Geometry
+from kvgen.oracle.facts_parts import PartFact, PartsFact, PlaneFact, _register
+
+#: The head size of the built-in quantized specs.
+HEAD = 128
+#: One (head, slot, side) of a Triton per-token-head cache: data bytes, then a 4-byte fp32 scale.
+SCALE = 4
+
+
+def _triton(name: str, storage: str, values: str, data_bytes: int) -> PartsFact:
+    half = data_bytes + SCALE  # each of K's and V's share of C
+
+    def at(start: int, size: int):  # noqa: ANN202 (a PlaneAddress)
+        return lambda g, layer, kv, slot, h, c: ((layer,), (slot // g.N, slot % g.N, h, kv * half + start + c * size),
+                                                 0)
+
+    return PartsFact(
+        name, (("list", "L"),), (PartFact("", lambda g: (g.B, g.N, g.H, 2 * half), (storage,)),),
+        (PlaneFact("values", 0, values, lambda g: data_bytes, True, True, True, at(0, 1)),
+         PlaneFact("scale", 0, "float32", lambda g: 1, True, True, True, at(data_bytes, SCALE))),
+        fixed={"KV": 2})
+
+
+_register(_triton("vllm_int8_per_token_head", "int8", "int8", HEAD))
+_register(_triton("vllm_fp8_per_token_head", "uint8", "float8_e4m3fn", HEAD))
+# Two int4 values per byte: the plane moves HEAD // 2 packed bytes.
+_register(_triton("vllm_int4_per_token_head", "uint8", "int4", HEAD // 2))
+
+NVFP4_DATA, NVFP4_SCALES = HEAD // 2, HEAD // 16
+NVFP4_CELL = NVFP4_DATA + NVFP4_SCALES
+
+
+def _nvfp4(start: int, size: int):  # noqa: ANN202 (a PlaneAddress)
+    """Byte c of a cell's region (data at 0, scales after every cell's data) in side kv of a page."""
+    def where(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int):  # noqa: ANN202
+        cells = g.H * g.N
+        byte = kv * cells * NVFP4_CELL + start * cells + (h * g.N + slot % g.N) * size + c
+        row, col = divmod(byte, NVFP4_CELL)
+        return (layer,), (slot // g.N, row // g.N, row % g.N, col), 0
+    return where
+
+
+_register(PartsFact(
+    "vllm_nvfp4", (("list", "L"),), (PartFact("", lambda g: (g.B, 2 * g.H, g.N, NVFP4_CELL), ("uint8",)),),
+    (PlaneFact("values", 0, "fp4_e2m1", lambda g: NVFP4_DATA, True, True, True, _nvfp4(0, NVFP4_DATA)),
+     PlaneFact("scale", 0, "float8_e4m3fn", lambda g: NVFP4_SCALES, True, True, True,
+               _nvfp4(NVFP4_DATA, NVFP4_SCALES))),
+    fixed={"KV": 2}))
