@@ -36,12 +36,14 @@ from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # no
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
+import kvgen  # noqa: E402
 from kvgen import generated  # noqa: E402
+from kvgen.integrations.detect import AmbiguousLayout, NoLayout, detect  # noqa: E402
 from kvgen.oracle import planes as reference  # noqa: E402
 from kvgen.oracle.address import packed_value, plane_address, scale_index  # noqa: E402
 from kvgen.oracle.facts import Geometry  # noqa: E402
 from kvgen.oracle.facts_parts import PARTS_FACTS  # noqa: E402
-from kvgen.runtime import MemoryObj  # noqa: E402
+from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
 from kvgen.spec.library import load_library  # noqa: E402
 from kvgen.spec.model import Dim, Packing, Spec  # noqa: E402
 
@@ -86,14 +88,19 @@ def attention_spec(name: str) -> Any:
     return TritonAttentionBackend.customize_spec(spec)
 
 
-def engine_cache(name: str) -> tuple[list[torch.Tensor], list[list[tuple[torch.Tensor, torch.Tensor]]]]:
-    """vLLM's per-layer views of a fresh cache (zeros), in layer order, and per layer its data
-    and scale views (made once, as the backend does on first use: Triton sets its scales to 1)."""
+def allocate(name: str) -> tuple[dict[str, torch.Tensor], Any]:
+    """vLLM's layer name -> view dict and its KVCacheConfig."""
     layout = MODES[name].layout
     group = iface.KVCacheGroupSpec([f"attn.{i}" for i in range(L)], attention_spec(name))
     config = get_kv_cache_config_from_groups(_vllm_config(layout), [group], 1 << 30)
     config.kv_cache_layout = layout
-    kv = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout[layout])
+    return allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout[layout]), config
+
+
+def engine_cache(name: str) -> tuple[list[torch.Tensor], list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """vLLM's per-layer views of a fresh cache (zeros), in layer order, and per layer its data
+    and scale views (made once, as the backend does on first use: Triton sets its scales to 1)."""
+    kv, _ = allocate(name)
     views = [kv[f"attn.{i}"] for i in range(L)]
     for v in views:
         v.zero_()
@@ -309,3 +316,44 @@ def test_the_fact_tables_shapes_are_vllms(name: str) -> None:
     fact = PARTS_FACTS[MODES[name].spec]
     assert tuple(handed(name, views)[0].shape) == fact.parts[0].shape(Geometry(L=L, B=B, N=N, H=H, C=HS))
     assert str(views[0].dtype).removeprefix("torch.") == fact.parts[0].dtype
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_from_vllm_picks_the_quantized_spec_from_the_kv_cache_spec(name: str) -> None:
+    """kvgen.from_vllm reads kv_quant_mode from the group's KVCacheSpec: the connector is the
+    mode's spec with kv_planes, and it moves the engine's bytes and scales."""
+    kv, config = allocate(name)
+    views = [kv[f"attn.{i}"] for i in range(L)]
+    for v in views:
+        v.zero_()
+    write(name, [engine_views(name, v) for v in views])
+    (group,) = kvgen.from_vllm(kv, config, engine_version="0.33.0")
+    assert (group.detection.layout, group.connector.memory.name) == (MODES[name].spec, "kv_planes")
+    obj = MemoryObj(torch.zeros(group.connector.get_shape(len(SLOTS), group.kvcaches), dtype=torch.uint8))
+    group.connector.from_gpu(obj, 0, len(SLOTS), kvcaches=group.kvcaches, slot_mapping=torch.tensor(SLOTS))
+    check_object(name, obj.tensor, SLOTS)
+
+
+HINTS = {"engine": "vllm", "engine_version": "0.33.0", "num_kv_heads": H, "block_size": N}
+
+
+@pytest.mark.parametrize("name", ["INT8_PER_TOKEN_HEAD", "FP8_PER_TOKEN_HEAD"])
+def test_a_cache_readable_two_ways_is_refused_without_the_quantization(name: str) -> None:
+    """A Triton per-token-head cache of head size 128 has the tensors of a plain LBNHC cache of
+    head size 132: without kv_quant_mode (or kv_cache_dtype) detection names both and the hint."""
+    views, _ = engine_cache(name)
+    with pytest.raises(AmbiguousLayout, match="kv_quant_mode") as info:
+        detect(views, kv_layout="LBNHC", **HINTS)
+    assert info.value.candidates[MODES[name].spec]["kv_quant_mode"] == name
+    assert info.value.candidates["vllm_lbnhc"]["kv_quant_mode"] == "NONE"
+    assert detect(views, kv_layout="LBNHC", kv_quant_mode=iface.KVQuantMode[name], **HINTS).layout == MODES[name].spec
+    assert detect(views, kv_layout="LBNHC", kv_cache_dtype=name.lower(), **HINTS).layout == MODES[name].spec
+    assert detect(views, kv_layout="LBNHC", kv_quant_mode="NONE", **HINTS).layout == "vllm_lbnhc"
+
+
+def test_hints_that_disagree_on_the_quantization_are_refused() -> None:
+    views, _ = engine_cache("NVFP4")
+    with pytest.raises(KVLayoutError, match="hints disagree: kv_quant_mode is 'NVFP4', kv_cache_dtype means"):
+        detect(views, kv_quant_mode="NVFP4", kv_cache_dtype="fp8_per_token_head", **HINTS)
+    with pytest.raises(NoLayout, match="kv_quant_mode='TURBOQUANT_K8V4'"):
+        detect(views, kv_layout="LBHNC", kv_quant_mode="TURBOQUANT_K8V4", **HINTS)

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvgen.integrations import sglang_layouts
 from kvgen.integrations.hints import AXIS_HINTS
+from kvgen.integrations.quant import quant_deciders
 from kvgen.versions import some_release
 
 __all__ = ["deciders", "extents"]
@@ -36,6 +37,7 @@ def deciders(f: Any, ext: Mapping[str, int], fits: Sequence[tuple[Any, Mapping[s
         out["kv_layout"] = f.aliases[0]  # the engine's own name for the layout (vLLM's KVCacheLayout)
     elif f.order() and len({g.order() for g, _ in fits}) > 1 and not _names_a_vllm_layout(f):
         out["kv_layout"] = f.order()
+    out.update(quant_deciders(f.quant, [g.quant for g, _ in fits]))
     if len({g.planes for g, _ in fits}) > 1:
         out["use_mla"] = f.planes == 1
     if len({frozenset(g.families()) for g, _ in fits}) > 1 and len(f.families()) == 1:

@@ -19,7 +19,7 @@ from kvgen.plan.kernel import KernelPlan, make_kernel_plan
 from kvgen.plan.kernel_parts import PartsKernelPlan, make_parts_kernel_plan
 from kvgen.plan.parts import PartsPlan, compatible_parts, plan_parts
 from kvgen.spec.library import UNDEFINED, Library
-from kvgen.spec.model import DTYPES, Spec
+from kvgen.spec.model import DTYPES, ITEMSIZE, Spec
 
 if TYPE_CHECKING:
     from kvgen.plan.models import ModelPlan
@@ -57,6 +57,9 @@ def layout_facts(spec: Spec) -> Fields:
             facts.append(("versions", spec.versions))
         if spec.given:
             facts.append(("given", tuple(d.axes for d in spec.given)))
+        if spec.quant:  # format 3: detection reads the engine's word for it, and the row the fields fill
+            part = spec.parts[0]
+            facts += [("quant", spec.quant), ("row", (part.row_bytes or 0) // ITEMSIZE[part.dtypes[0]])]
     else:
         facts += [("format", spec.format)]
     facts.append(("planes", spec.planes))

@@ -263,6 +263,8 @@ class Spec(Shaped):
     #: The order the engine hands each leaf over in (`given:`), a permutation of `dims`; () when
     #: the engine hands over the memory order itself.
     given: tuple[Dim, ...] = ()
+    #: Format 3: engine family -> the engine's name for the quantization the cache stores (`quant:`).
+    quant: tuple[tuple[str, str], ...] = ()
 
     @property
     def is_paged(self) -> bool:
@@ -409,6 +411,7 @@ def build_spec(doc: Document, origin: str | None = None) -> Spec:
         members=tuple(d.get("members", ())),
         versions=tuple(sorted(d.get("versions", {}).items())),
         given=tuple(_dim(v) for v in d.get("given", ())),
+        quant=tuple(sorted(d.get("quant", {}).items())),
         carries=Carries(*(c if isinstance(c, str) else tuple(c) for c in (d["carries"]["groups"],
                                                                             d["carries"]["state"])))
         if "carries" in d else None,

@@ -117,4 +117,20 @@ def check_kv_rows(spec: Spec, doc: Document) -> list[Problem]:
     return out
 
 
-PASSES_V3: Sequence[Pass] = (check_v3_features, check_sub_byte, check_scales, check_kv_rows)
+def check_quant(spec: Spec, doc: Document) -> list[Problem]:
+    """`quant` names the quantization in the words of an engine the spec is for (a paged, format-3 cache)."""
+    if "quant" not in doc.data:
+        return []
+    if spec.version < 3:
+        return [doc.problem(("quant",), f"field 'quant' needs kvgen: 3 (this spec says kvgen: {spec.version})",
+                            key=True)]
+    if not spec.is_paged:
+        return [doc.problem(("quant",), "quant describes a paged cache's quantization; an object keeps the "
+                                        "cache's packed bytes as they are", key=True)]
+    families = {e.split("/")[0] for e in spec.engines}
+    return [doc.problem(("quant", family), f"quant names engine {family!r}, which engines does not list "
+                                           f"({', '.join(sorted(families)) or 'none'})", key=True)
+            for family, _ in spec.quant if family not in families]
+
+
+PASSES_V3: Sequence[Pass] = (check_v3_features, check_sub_byte, check_scales, check_kv_rows, check_quant)
