@@ -68,3 +68,39 @@ _register(PartsFact(
      PlaneFact("scale", 0, "float8_e4m3fn", lambda g: NVFP4_SCALES, True, True, True,
                _nvfp4(NVFP4_DATA, NVFP4_SCALES))),
     fixed={"KV": 2}))
+
+
+# -- SGLang 0.5.23 quantized pools (sglang/srt/mem_cache/memory_pool.py) ----------------------------
+# MHATokenToKVPoolFP4: (k_buffer, v_buffer, k_scale_buffer, v_scale_buffer), each a list over layers;
+# K and V [rows, heads, head_dim // 2] uint8, scales [rows, heads * head_dim // 16] uint8.
+# MLATokenToKVPoolFP4: (kv_buffer, kv_scale_buffer); [rows, 1, kv_cache_dim // 2], [rows, kv_cache_dim // 16].
+PAIR_OF_LISTS = (("seq", "P"), ("list", "L"))
+MLA_DIM = 576
+
+
+def _pool(part: int, heads: bool, width: int):  # noqa: ANN202 (a PlaneAddress)
+    """Value c of a row: [rows, heads, C] (width 0), [rows, heads * width], [rows, 1, C] or [rows, width]."""
+    def where(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int):  # noqa: ANN202
+        if heads:
+            return (part, layer), ((slot, h, c) if width == 0 else (slot, h * width + c)), 0
+        return (part, layer), ((slot, 0, c) if width == 0 else (slot, c)), 0
+    return where
+
+
+_register(PartsFact(
+    "sglang_mha_fp4", PAIR_OF_LISTS,
+    (PartFact("k", lambda g: (g.B * g.N, g.H, HEAD // 2), ("uint8",)),
+     PartFact("v", lambda g: (g.B * g.N, g.H, HEAD // 2), ("uint8",)),
+     PartFact("k_scale", lambda g: (g.B * g.N, g.H * HEAD // 16), ("uint8",)),
+     PartFact("v_scale", lambda g: (g.B * g.N, g.H * HEAD // 16), ("uint8",))),
+    (PlaneFact("k.values", 0, "fp4_e2m1", lambda g: HEAD // 2, False, True, True, _pool(0, True, 0)),
+     PlaneFact("v.values", 1, "fp4_e2m1", lambda g: HEAD // 2, False, True, True, _pool(1, True, 0)),
+     PlaneFact("k_scale", 2, "uint8", lambda g: HEAD // 16, False, True, True, _pool(2, True, HEAD // 16)),
+     PlaneFact("v_scale", 3, "uint8", lambda g: HEAD // 16, False, True, True, _pool(3, True, HEAD // 16)))))
+
+_register(PartsFact(
+    "sglang_mla_fp4", PAIR_OF_LISTS,
+    (PartFact("kv", lambda g: (g.B * g.N, 1, MLA_DIM // 2), ("uint8",)),
+     PartFact("scale", lambda g: (g.B * g.N, MLA_DIM // 16), ("uint8",))),
+    (PlaneFact("kv.values", 0, "fp4_e2m1", lambda g: MLA_DIM // 2, False, False, True, _pool(0, False, 0)),
+     PlaneFact("scale", 1, "uint8", lambda g: MLA_DIM // 16, False, False, True, _pool(1, False, MLA_DIM // 16)))))
