@@ -174,7 +174,7 @@ def _facts_of(package: ModuleType) -> tuple[LayoutFacts, ...]:
     out = []
     for name, facts in package.LAYOUTS.items():
         # Format-3 quantized caches are one tree of fields whose engine names the quantization (`quant`).
-        if facts["kind"] != "paged" or not (detectable(facts) or "quant" in facts):
+        if facts["kind"] != "paged" or not (detectable(facts) or facts.get("parts") == ("",) and "quant" in facts):
             continue
         obj = next((o for (p, o) in package.CONNECTORS if p == name), None)
         if obj is None:
