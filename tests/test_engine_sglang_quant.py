@@ -18,8 +18,8 @@ elsewhere it skips, saying why.
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
