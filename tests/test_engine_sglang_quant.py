@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,7 +37,7 @@ except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain 
 import kvgen  # noqa: E402
 from kvgen.oracle.address import packed_value, plane_address  # noqa: E402
 from kvgen.runtime import MemoryObj  # noqa: E402
-from kvgen.spec.library import load_library  # noqa: E402
+from kvgen.spec.library import load_library, load_specs  # noqa: E402
 from kvgen.spec.model import Packing, Spec  # noqa: E402
 
 LIBRARY = load_library()
@@ -194,3 +195,33 @@ def test_a_scale_moved_with_another_token_changes_what_sglang_reads() -> None:
         rolled = fresh.k_scale_buffer[layer][AGAIN].roll(1, 0)
         fresh.k_scale_buffer[layer][AGAIN] = rolled
     assert not torch.equal(reads(fresh, 0, AGAIN)[0], reads(pool, 0, SLOTS)[0])
+
+
+# -- split axes: SGLang's vectorized_5d (AITER SHUFFLE) buffers ------------------------------------
+
+TILED = load_specs([Path(__file__).parent / "specs_tiled" / "sglang_mha_vectorized_5d.yaml"])[0][0]
+
+
+def test_the_split_axes_address_what_sglangs_shuffle_kernel_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's own writer (reshape_and_cache_shuffle_5d, a Triton kernel run by Triton's
+    interpreter) puts each value where the spec's split axes (C/8 with C%8 for K, N/8 with N%8 for
+    V) say, and nowhere else."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    shuffle = pytest.importorskip("sglang.kernels.ops.kvcache.shuffle_5d_cache")
+    blocks, heads, page, width = 4, 3, 16, 24
+    k = torch.zeros(blocks, heads, width // 8, page, 8, dtype=torch.bfloat16)
+    v = torch.zeros(blocks, heads, page // 8, width, 8, dtype=torch.bfloat16)
+    loc = torch.tensor([5, 17, 40, 63])
+    inputs = torch.arange(1, 1 + len(loc) * heads * width, dtype=torch.float32).reshape(len(loc), heads, width)
+    shuffle.launch_reshape_and_cache_shuffle_5d(inputs.bfloat16(), -inputs.bfloat16(), k, v, loc)
+    ext = {"L": 1, "B": blocks, "N": page, "H": heads, "C": width, "C.k": width, "C.v": width}
+    seen = [torch.zeros_like(k, dtype=torch.bool), torch.zeros_like(v, dtype=torch.bool)]
+    for plane, tensor, sign in zip(TILED.moved_planes(), (k, v), (1, -1), strict=True):
+        for t, slot in enumerate(loc.tolist()):
+            for h in range(heads):
+                for c in range(width):
+                    _, index, _ = plane_address(TILED, plane, {"l": 0, "slot": slot, "h": h, "c": c}, ext, 2)
+                    assert float(tensor[index]) == sign * float(inputs[t, h, c].bfloat16()), (plane.name, slot, h, c)
+                    seen[plane.index][index] = True
+    assert all(int(s.sum()) == len(loc) * heads * width for s in seen)  # one place per value
+    assert all(int(t.count_nonzero()) == len(loc) * heads * width for t in (k, v))  # and nothing else written

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from kvgen.spec.elements import split_extents, split_of
 from kvgen.spec.model import ITEMSIZE, Dim, Field, Part, Plane, Spec
 
 #: Logical coordinates of an element: l, kv, h, c, and slot (paged) or t (object).
@@ -15,6 +16,11 @@ Coords = Mapping[str, int]
 
 
 def _coordinate(axis: str, coords: Coords, ext: Mapping[str, int]) -> int:
+    split = split_of(axis)
+    if split is not None:  # format 3: a tile of an axis, or the place in it
+        base, op, f = split
+        whole = _coordinate(base, coords, ext)
+        return whole // f if op == "/" else whole % f
     if axis == "B":
         return coords["slot"] // ext["N"]
     if axis == "N":
@@ -49,10 +55,18 @@ def tensor_index(dims: tuple[Dim, ...], coords: Coords, ext: Mapping[str, int]) 
 _SYMBOL = {"L": "l", "KV": "kv", "H": "h", "C": "c", "T": "t", "B": "slot // N", "N": "slot % N"}
 
 
+def _sym(axis: str) -> str:
+    split = split_of(axis)
+    if split is None:
+        return _SYMBOL[axis]
+    base, op, f = split
+    return f"{_SYMBOL[base]} {'//' if op == '/' else '%'} {f}"
+
+
 def symbolic_address(spec: Spec) -> str:
     """`kvcaches[l][kv, slot // N, slot % N, h, c]` for people (kvgen explain)."""
     root = "kvcaches" if spec.is_paged else "tensor"
-    path = "".join(f"[{_SYMBOL[a]}]" for a in spec.lists)
+    path = "".join(f"[{_sym(a)}]" for a in spec.lists)
     parts = []
     for dim in spec.dims:
         if dim.is_singleton:
@@ -60,12 +74,12 @@ def symbolic_address(spec: Spec) -> str:
         elif dim.is_slot:
             parts.append("slot")
         elif dim.is_fused:
-            text = _SYMBOL[dim.axes[0]]
+            text = _sym(dim.axes[0])
             for i, axis in enumerate(dim.axes[1:]):
-                text = f"{text if i == 0 else f'({text})'} * {axis} + {_SYMBOL[axis]}"
+                text = f"{text if i == 0 else f'({text})'} * {axis} + {_sym(axis)}"
             parts.append(text)
         else:
-            parts.append(_SYMBOL[dim.axes[0]])
+            parts.append(_sym(dim.axes[0]))
     return f"{root}{path}[{', '.join(parts)}]"
 
 
@@ -128,6 +142,7 @@ def plane_address(spec: Spec, plane: Plane, coords: Coords, ext: Mapping[str, in
     tensors have `item`-byte elements."""
     part = plane.part
     pext = {**ext, "C": part_width(spec, part, ext)}
+    pext.update(split_extents(part.tensor_axes, pext))
     path = tuple(plane.index if a == "P" else _coordinate(a, coords, pext) for a in spec.lists)
     c, f = coords.get("c", 0), plane.field
 
@@ -221,19 +236,19 @@ def _sym_dims(dims: tuple[Dim, ...], coord: Mapping[str, str]) -> str:
         elif dim.is_slot:
             parts.append("slot")
         elif dim.is_fused:
-            text = coord.get(dim.axes[0], _SYMBOL[dim.axes[0]])
+            text = coord.get(dim.axes[0], _sym(dim.axes[0]))
             for i, axis in enumerate(dim.axes[1:]):
-                text = f"{text if i == 0 else f'({text})'} * {axis} + {coord.get(axis, _SYMBOL[axis])}"
+                text = f"{text if i == 0 else f'({text})'} * {axis} + {coord.get(axis, _sym(axis))}"
             parts.append(text)
         else:
-            parts.append(coord.get(dim.axes[0], _SYMBOL[dim.axes[0]]))
+            parts.append(coord.get(dim.axes[0], _sym(dim.axes[0])))
     return ", ".join(parts)
 
 
 def symbolic_plane_address(spec: Spec, plane: Plane) -> str:
     """Where value c of a plane starts, for people: `kvcaches[l][2][slot, h, 0]`, or with
     fields the byte at which it starts (`kvcaches[l][slot // N, slot % N, byte 512 + 4 * c]`)."""
-    path = "".join(f"[{plane.index}]" if a == "P" else f"[{_SYMBOL[a]}]" for a in spec.lists)
+    path = "".join(f"[{plane.index}]" if a == "P" else f"[{_sym(a)}]" for a in spec.lists)
     f = plane.field
     if f is None:
         index = _sym_dims(plane.part.dims, {})

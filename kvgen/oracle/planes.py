@@ -22,6 +22,7 @@ import torch
 from kvgen.oracle.address import ByteAddress, ObjectAddresses, plane_address, plane_count
 from kvgen.oracle.reference import leaf, one_thread, put_last, tokens
 from kvgen.runtime.ops import bits
+from kvgen.spec.elements import split_extents
 from kvgen.spec.model import ITEMSIZE, PART_LEVEL, Part, Plane, Spec
 
 Extents = Mapping[str, int]
@@ -60,6 +61,7 @@ def part_shape(spec: Spec, part: Part, ext: Extents) -> tuple[int, ...]:
     from kvgen.oracle.address import part_width
 
     pext = {**ext, "C": part_width(spec, part, ext)}
+    pext.update(split_extents(part.tensor_axes, pext))
     return tuple(_product(pext[a] for a in d.axes) for d in part.dims)
 
 

@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvgen.plan.copy import EXTENT, LOOP_VARS, CopyPlan, Mode, Source, make_plan, mode_of
+from kvgen.spec.elements import tiled
 from kvgen.spec.model import PART_LEVEL, Dim, FieldsIn, Pack, Plane, Spec
 from kvgen.spec.passes_v2 import part_view
 
@@ -79,6 +80,8 @@ def compatible_parts(paged: Spec, obj: Spec) -> bool:
         return False  # a groups object pairs with a model (kvgen.plan.models)
     if obj.lists not in ((), ("L",)):
         return False
+    if any(tiled(p.tensor_axes) for p in paged.parts):
+        return False  # format 3 split axes: the reference addresses them; no connector moves tiles yet
     room = set(obj.axes) - {"T"}
     for plane in paged.moved_planes():
         need = set(plane.axes) | {"C"}

@@ -4,6 +4,8 @@ and scale types a field may hold, with how two sub-byte values share a byte. No 
 from __future__ import annotations
 
 import enum
+import re
+from collections.abc import Iterable, Mapping
 
 DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
 #: Bytes per element of each dtype.
@@ -18,7 +20,18 @@ BITS = {**{t: 8 * n for t, n in ITEMSIZE.items()}, **dict.fromkeys(SUB_BYTE, 4),
 #: The element types a scale field may have.
 SCALE_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "ue8m0")
 
-__all__ = ["BITS", "DTYPES", "FIELD_DTYPES", "ITEMSIZE", "SCALE_DTYPES", "SUB_BYTE", "Packing"]
+__all__ = ["BITS", "DTYPES", "FIELD_DTYPES", "ITEMSIZE", "SCALE_DTYPES", "SUB_BYTE", "Packing", "split_extents",
+           "split_of", "tiled"]
+
+#: Format 3 split (tiled) axes: `C/16` is the index c // 16 and `C%16` the index c % 16 of an
+#: axis split into (C / 16, 16) tiles; N (the slot in a block) and H split alike.
+SPLIT = re.compile(r"^(N|H|C)([/%])([1-9][0-9]{0,3})$")
+
+
+def split_of(axis: str) -> tuple[str, str, int] | None:
+    """(base axis, "/" or "%", factor) of a split axis name, or None for a plain axis."""
+    m = SPLIT.match(axis)
+    return (m.group(1), m.group(2), int(m.group(3))) if m else None
 
 
 class Packing(str, enum.Enum):
@@ -30,3 +43,19 @@ class Packing(str, enum.Enum):
 
     def __str__(self) -> str:
         return str(self.value)
+
+
+def tiled(axes: Iterable[str]) -> bool:
+    """Whether any of these axis names is a split (format 3 tiles)."""
+    return any(split_of(a) is not None for a in axes)
+
+
+def split_extents(axes: Iterable[str], ext: Mapping[str, int]) -> dict[str, int]:
+    """The extent of each split axis among `axes`: C/16 has C // 16, C%16 has 16."""
+    out = {}
+    for a in axes:
+        split = split_of(a)
+        if split is not None:
+            base, op, f = split
+            out[a] = ext[base] // f if op == "/" else f
+    return out

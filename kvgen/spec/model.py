@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvgen.notation import format_dim, format_layout
-from kvgen.spec.elements import BITS, DTYPES, Packing
+from kvgen.spec.elements import BITS, DTYPES, Packing, split_of
 from kvgen.spec.elements import ITEMSIZE as ITEMSIZE  # re-exported: the planner, oracle and passes read it here
 from kvgen.spec.loader import Document
 
@@ -159,7 +159,8 @@ class Shaped:
         return self.tensor_axes
 
     def has(self, axis: str) -> bool:
-        return axis in self.axes
+        """Whether the axis is held, whole or (format 3) split into tiles (`C/16`, `C%16`)."""
+        return axis in self.axes or any((split_of(a) or ("",))[0] == axis for a in self.axes)
 
     def size(self, axis: str) -> int | None:
         return dict(self.sizes).get(axis)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from kvgen.errors import Problem, YamlPath
 from kvgen.spec.document import Document
-from kvgen.spec.elements import DTYPES, SCALE_DTYPES
+from kvgen.spec.elements import DTYPES, SCALE_DTYPES, split_of, tiled
 from kvgen.spec.model import Field, FieldsIn, Part, Spec
 from kvgen.spec.passes_v2 import Pass, _field_list_path, _part_path, _raw
 
@@ -133,4 +133,43 @@ def check_quant(spec: Spec, doc: Document) -> list[Problem]:
             for family, _ in spec.quant if family not in families]
 
 
-PASSES_V3: Sequence[Pass] = (check_v3_features, check_sub_byte, check_scales, check_kv_rows, check_quant)
+def check_splits(spec: Spec, doc: Document) -> list[Problem]:
+    """Split axes (`C/16` with `C%16`): format 3, each with its partner, the whole axis absent, a
+    factor that divides a fixed extent, and no fields in a tiled tree."""
+    out: list[Problem] = []
+    for part in spec.parts:
+        where = (*_part_path(spec, part), "dims")
+        names = part.tensor_axes
+        for i, dim in enumerate(part.dims):
+            for axis in dim.axes:
+                split = split_of(axis)
+                if split is not None:  # the schema keeps split axes out of fused dims
+                    out += _split_problems(spec, part, (*where, i), axis, split, doc)
+        if tiled(names) and part.fields:
+            out.append(doc.problem((*_part_path(spec, part), "fields"), "a tree with split axes has no fields "
+                                                                         "(its rows are not runs of bytes)"))
+    return out
+
+
+def _split_problems(spec: Spec, part: Part, path: YamlPath, axis: str, split: tuple[str, str, int],
+                    doc: Document) -> list[Problem]:
+    base, op, f = split
+    if spec.version < 3:
+        return [doc.problem(path, f"split axis {axis} needs kvgen: 3 (this spec says kvgen: {spec.version})")]
+    partner = f"{base}{'%' if op == '/' else '/'}{f}"
+    out = []
+    if op == "/" and partner not in part.tensor_axes:
+        out.append(doc.problem(path, f"{axis} is the tile of {base} split by {f}; add {partner}, the place in it"))
+    if op == "%" and partner not in part.tensor_axes:
+        out.append(doc.problem(path, f"{axis} is the place in a tile of {base}; add {partner}, the tile"))
+    if base in part.tensor_axes:
+        out.append(doc.problem(path, f"{base} appears whole and split ({axis}); an axis is one or the other"))
+    if f < 2:
+        out.append(doc.problem(path, f"{axis} splits by {f}; a split needs a factor of at least 2"))
+    fixed = part.size(base) if base == "C" else spec.size(base)
+    if fixed is not None and fixed % f and op == "/":
+        out.append(doc.problem(path, f"{axis}: the split by {f} does not divide {base} = {fixed}"))
+    return out
+
+
+PASSES_V3: Sequence[Pass] = (check_v3_features, check_sub_byte, check_scales, check_kv_rows, check_quant, check_splits)
