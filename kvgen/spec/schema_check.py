@@ -99,7 +99,8 @@ def _describe(error: jsonschema.ValidationError) -> str:
         return "fields holds one list: row (fields of each row) or block (fields of each block)"
     if v == "anyOf" and _is_dim(error):
         return (f"{short(value)} is not a dim: expected an axis letter ({_AXES_WORDS}), "
-                "1 for a singleton, or a list of 2-4 axis letters for a fused axis")
+                "1 for a singleton, a list of 2-4 axis letters for a fused axis, or (format 3) N, H or C "
+                "split as tile and place (C/16 with C%16)")
     return one_line(error.message)
 
 
