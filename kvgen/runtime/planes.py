@@ -130,11 +130,11 @@ def plane_words(g: Any, tensor: torch.Tensor, rows: bool) -> tuple[int, ...]:
 def as_words(t: torch.Tensor, size: int) -> torch.Tensor:
     """A byte view as `size`-byte integers (the last dim shrinks by `size`). The word was
     chosen from the strides of dims with more than one element; torch also checks the
-    strides of single-element dims, which address nothing, so those are set to 0 first."""
+    strides of single-element (and empty) dims, which address nothing, so those are set to 0 first."""
     if size == 1:
         return t
-    if any(n == 1 and s % size for n, s in zip(t.shape, t.stride(), strict=True)):
-        t = t.as_strided(t.shape, [0 if n == 1 else s for n, s in zip(t.shape, t.stride(), strict=True)])
+    if any(n <= 1 and s % size for n, s in zip(t.shape, t.stride(), strict=True)):
+        t = t.as_strided(t.shape, [0 if n <= 1 else s for n, s in zip(t.shape, t.stride(), strict=True)])
     return t.view(_WORDS[size])
 
 
