@@ -6,6 +6,7 @@ axes address what torch's own reshape of the same tensor addresses."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -13,9 +14,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvgen.oracle.address import packed_value, plane_address, scale_index
+from kvgen.oracle.address import packed_value, plane_address, scale_index, stored_slots
 from kvgen.oracle.planes import part_shape
-from kvgen.spec.library import load_specs
+from kvgen.plan.copy import compatible
+from kvgen.plan.parts import compatible_parts
+from kvgen.spec.library import load_library, load_specs
 from kvgen.spec.model import Spec
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -106,3 +109,16 @@ def test_split_axes_address_what_torch_reshapes_address(tmp_path: Path, t: tuple
         coords = {"l": 0, "slot": slot, "h": h, "c": cc}
         assert k[plane_address(spec, kp, coords, ext, 8)[1]] == k_logical[slot, h, cc]
         assert v[plane_address(spec, vp, coords, ext, 8)[1]] == v_logical[slot, h, cc]
+
+
+def test_a_token_ratio_says_which_slots_hold_a_token_and_pairs_with_no_object(tmp_path: Path) -> None:
+    head = "kvgen: 3\nname: t_ratio\nkind: paged\nsummary: Ratio.\nlists: [L]\ndims: [KV, B, N, H, C]\nsizes: {KV: 2}\n"
+    compressed = load(tmp_path, head + "tokens_per_slot: 4\n")
+    pooled = load(tmp_path, head + "slots_per_token: 2\n")
+    assert [stored_slots(compressed, t) for t in (0, 3, 4, 9)] == [(0,), (0,), (1,), (2,)]
+    assert [stored_slots(pooled, t) for t in (0, 9)] == [(0, 1), (18, 19)]
+    library = load_library()
+    plain = dataclasses.replace(compressed, token_ratio=(1, 1))
+    assert compatible(plain, library["kv_2ltd"])  # the same cache one token a slot pairs as before
+    assert not any(compatible(s, library[o]) or compatible_parts(s, library[o])
+                   for s in (compressed, pooled) for o in ("kv_2ltd", "kv_planes"))

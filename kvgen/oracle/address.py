@@ -111,6 +111,13 @@ def plane_count(spec: Spec, plane: Plane, ext: Mapping[str, int]) -> int:
     return f.nbytes // f.itemsize
 
 
+def stored_slots(spec: Spec, t: int) -> tuple[int, ...]:
+    """Format 3: the positions in a chunk's slot mapping that hold token t: one in every
+    `tokens_per_slot` tokens' state (t // k), or the `slots_per_token` states t * k .. t * k + k - 1."""
+    tokens, slots = spec.token_ratio
+    return tuple(range(t * slots, (t + 1) * slots)) if slots > 1 else (t // tokens,)
+
+
 def packed_value(f: Field, c: int) -> tuple[int, int]:
     """Value c of a field as (unit, bit shift): a whole-byte type is unit c at shift 0; a
     sub-byte one is in packed byte c // 2, value 2j in the low nibble under `low_first`

@@ -80,8 +80,8 @@ def compatible_parts(paged: Spec, obj: Spec) -> bool:
         return False  # a groups object pairs with a model (kvgen.plan.models)
     if obj.lists not in ((), ("L",)):
         return False
-    if any(tiled(p.tensor_axes) for p in paged.parts):
-        return False  # format 3 split axes: the reference addresses them; no connector moves tiles yet
+    if any(tiled(p.tensor_axes) for p in paged.parts) or paged.token_ratio != (1, 1):
+        return False  # format 3 split axes and token ratios: the reference addresses them; no connector yet
     room = set(obj.axes) - {"T"}
     for plane in paged.moved_planes():
         need = set(plane.axes) | {"C"}

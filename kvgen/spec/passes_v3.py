@@ -172,4 +172,22 @@ def _split_problems(spec: Spec, part: Part, path: YamlPath, axis: str, split: tu
     return out
 
 
-PASSES_V3: Sequence[Pass] = (check_v3_features, check_sub_byte, check_scales, check_kv_rows, check_quant, check_splits)
+def check_ratio(spec: Spec, doc: Document) -> list[Problem]:
+    """A token-to-slot ratio: one of tokens_per_slot and slots_per_token, format 3, paged."""
+    given = [k for k in ("tokens_per_slot", "slots_per_token") if k in doc.data]
+    out = []
+    for key in given:
+        if spec.version < 3:
+            out.append(doc.problem((key,), f"field {key!r} needs kvgen: 3 (this spec says kvgen: {spec.version})",
+                                   key=True))
+        elif not spec.is_paged:
+            out.append(doc.problem((key,), f"{key} describes how a paged cache stores tokens; an object holds "
+                                           "what the cache stores", key=True))
+    if len(given) == 2:
+        out.append(doc.problem(("slots_per_token",), "give tokens_per_slot (several tokens per slot) or "
+                                                     "slots_per_token (several slots per token), not both", key=True))
+    return out
+
+
+PASSES_V3: Sequence[Pass] = (check_v3_features, check_sub_byte, check_scales, check_kv_rows, check_quant, check_splits,
+                             check_ratio)
