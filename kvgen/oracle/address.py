@@ -266,8 +266,12 @@ def symbolic_plane_address(spec: Spec, plane: Plane) -> str:
         step = f" + c // 2, the {nibble} nibble for even c"
     if plane.part.fields_in == "row":
         return f"kvcaches{path}[{_sym_dims(plane.part.dims, {'C': f'byte {f.offset}{step}'})}]"
-    where = f"{f.offset} * N + {f.nbytes} * (slot % N){step}"
-    head = _sym_dims(plane.part.dims[:-2], {})
+    run = plane.part.block_run
+    cells = " * ".join(a for d in run for a in d.axes if a not in ("KV", "C"))  # N, or format 3's H * N
+    cell = "(h * N + slot % N)" if cells == "H * N" else "(slot % N)"
+    side = f"kv * {cells} * {plane.part.row_bytes} + " if any("KV" in d.axes for d in run) else ""
+    where = f"{side}{f.offset} * {cells} + {f.nbytes} * {cell}{step}"
+    head = _sym_dims(plane.part.dims[:len(plane.part.dims) - len(run)], {})
     return f"kvcaches{path}[{head}{', ' if head else ''}block bytes {where}]"
 
 
@@ -282,10 +286,13 @@ def explain_lines(spec: Spec) -> list[str]:
         for p in spec.parts:
             if p.fields:
                 owner = f" of part {p.name}" if p.name else ""
-                what = "each row (C)" if p.fields_in == "row" else "each block (regions of N tokens each)"
+                sides = ", per K and V side" if any("KV" in d.axes for d in p.block_run) else ""
+                what = "each row (C)" if p.fields_in == "row" else "each block (regions of N tokens each)" \
+                    if len(p.block_run) == 2 else f"each block's run (regions of H x N cells each{sides})"
                 out.append(f"  fields{owner}, in {what}, dtypes {', '.join(p.dtypes)}:")
                 for f in p.fields:
-                    at = f"byte {f.offset}" if p.fields_in == "row" else f"region at byte {f.offset} * N"
+                    cells = " * ".join(a for d in p.block_run for a in d.axes if a not in ("KV", "C"))
+                    at = f"byte {f.offset}" if p.fields_in == "row" else f"region at byte {f.offset} * {cells}"
                     out.append(f"    {f.name:<10} {f.dtype} x {f.count} ({f.nbytes} bytes), {at}")
         out.append("  planes (moved as bytes, in this order; value c of a plane at):")
         for plane in spec.moved_planes():
