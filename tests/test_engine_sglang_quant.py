@@ -36,7 +36,7 @@ except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain 
 
 import kvgen  # noqa: E402
 from kvgen.oracle.address import packed_value, plane_address  # noqa: E402
-from kvgen.runtime import MemoryObj  # noqa: E402
+from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
 from kvgen.spec.library import load_library, load_specs  # noqa: E402
 from kvgen.spec.model import Packing, Spec  # noqa: E402
 
@@ -225,3 +225,10 @@ def test_the_split_axes_address_what_sglangs_shuffle_kernel_writes(monkeypatch: 
                     seen[plane.index][index] = True
     assert all(int(s.sum()) == len(loc) * heads * width for s in seen)  # one place per value
     assert all(int(t.count_nonzero()) == len(loc) * heads * width for t in (k, v))  # and nothing else written
+
+
+def test_an_fp4_pool_of_another_head_size_is_refused_in_sglangs_words() -> None:
+    pool = mp.MHATokenToKVPoolFP4(size=SIZE, page_size=PAGE, dtype=torch.float4_e2m1fn_x2, head_num=H, head_dim=64,
+                                  layer_num=L, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    with pytest.raises(KVLayoutError, match="MHATokenToKVPoolFP4 with kv_cache_layout 'nhd'.*head_dim 128, not 64"):
+        kvgen.from_sglang(pool)

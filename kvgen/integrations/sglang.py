@@ -3,7 +3,8 @@
 The pool states its layout (its class and `kv_cache_layout`), so nothing is read from the
 shapes: the class and the word choose the spec, and detection and the generated geometry
 reader then check that the buffers agree with it. Pools this module does not know (another
-class, a quantized pool, a layout word without a spec) are refused in SGLang's own terms.
+class, a quantized pool other than the FP4 ones, a layout word without a spec) are refused in
+SGLang's own terms.
 Written against SGLang 0.5.23 (sglang/srt/mem_cache/memory_pool.py); SGLang itself is never
 imported here: the pool is read through its attributes.
 """
@@ -53,8 +54,9 @@ def _describe(pool: Any) -> str:
 
 def _refuse(pool: Any, why: str) -> KVLayoutError:
     return KVLayoutError(f"kvgen has no connector for SGLang's {_describe(pool)}: {why}; kvgen reads "
-                         "MHATokenToKVPool (kv_cache_layout 'nhd' or 'hnd'), MLATokenToKVPool, DSATokenToKVPool "
-                         "and HybridLinearKVPool's attention layers")
+                         "MHATokenToKVPool (kv_cache_layout 'nhd' or 'hnd'), MLATokenToKVPool, DSATokenToKVPool, "
+                         "MHATokenToKVPoolFP4 and MLATokenToKVPoolFP4 (head_dim 128, kv_cache_dim 576) and "
+                         "HybridLinearKVPool's attention layers")
 
 
 def _layers(pool: Any, count: int) -> tuple[int, ...]:
