@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from kvgen.oracle.facts import Geometry
 from kvgen.oracle.facts_parts import PartFact, PartsFact, PlaneFact, _register
+from kvgen.spec.model import Spec
 
 #: The head size of the built-in quantized specs.
 HEAD = 128
@@ -104,3 +105,32 @@ _register(PartsFact(
      PartFact("scale", lambda g: (g.B * g.N, MLA_DIM // 16), ("uint8",))),
     (PlaneFact("kv.values", 0, "fp4_e2m1", lambda g: MLA_DIM // 2, False, False, True, _pool(0, False, 0)),
      PlaneFact("scale", 1, "uint8", lambda g: MLA_DIM // 16, False, False, True, _pool(1, False, MLA_DIM // 16)))))
+
+
+# -- packed units: packing order and scale groups, from the same sources ------------------------------
+#: Per spec and plane: (packing of a sub-byte plane, the plane a scale plane scales, values per scale).
+#: vLLM: pack_int4_nibbles and break_fp4_bytes put value 2j low; the Triton modes keep one fp32 scale
+#: per head and token (a group of the whole head), NVFP4 one fp8 scale per 16 values. SGLang's
+#: FP4MXBlock16KVQuantizeUtil packs low first; its UE8M0 scales are tensors of their own (parts).
+UNITS: dict[str, dict[str, tuple[str | None, str | None, int | None]]] = {
+    "vllm_int8_per_token_head": {"values": (None, None, None), "scale": (None, "values", HEAD)},
+    "vllm_fp8_per_token_head": {"values": (None, None, None), "scale": (None, "values", HEAD)},
+    "vllm_int4_per_token_head": {"values": ("low_first", None, None), "scale": (None, "values", HEAD)},
+    "vllm_nvfp4": {"values": ("low_first", None, None), "scale": (None, "values", 16)},
+    "sglang_mha_fp4": {"k.values": ("low_first", None, None), "v.values": ("low_first", None, None),
+                       "k_scale": (None, None, None), "v_scale": (None, None, None)},
+    "sglang_mla_fp4": {"kv.values": ("low_first", None, None), "scale": (None, None, None)},
+}
+
+
+def units_disagreement(spec: Spec) -> str | None:
+    """The first plane whose packing or scale group differs from the sources, or None."""
+    want = UNITS.get(spec.name)
+    if want is None:
+        return f"no packed-unit facts for {spec.name}"
+    for plane in spec.moved_planes():
+        f = plane.field
+        got = (str(f.packing) if f and f.packing else None, f.scales if f else None, f.group if f else None)
+        if want.get(plane.name) != got:
+            return f"plane {plane.name}: packing, scales, group {got}, the source says {want.get(plane.name)}"
+    return None
