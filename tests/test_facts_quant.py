@@ -35,26 +35,29 @@ def _fields(data: dict[str, Any]) -> list[list[dict[str, Any]]]:
     return [next(iter(t["fields"].values())) for t in trees if "fields" in t]
 
 
+def _changed(data: dict[str, Any], at: tuple[int, int], **kw: Any) -> dict[str, Any]:
+    """A copy of `data` with field `at` (list, index) changed; None drops a key."""
+    copy = yaml.safe_load(yaml.safe_dump(data))
+    target = _fields(copy)[at[0]][at[1]]
+    for key, value in kw.items():
+        if value is None:
+            target.pop(key, None)
+        else:
+            target[key] = value
+    return copy
+
+
 def mutants(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     out = []
     for i, items in enumerate(_fields(data)):
         for j, f in enumerate(items):
-            def changed(**kw: Any) -> dict[str, Any]:
-                copy = yaml.safe_load(yaml.safe_dump(data))
-                target = _fields(copy)[i][j]
-                for key, value in kw.items():
-                    if value is None:
-                        target.pop(key, None)
-                    else:
-                        target[key] = value
-                return copy
             if "packing" in f:
                 flip = "high_first" if f["packing"] == "low_first" else "low_first"
-                out.append((f"{f['name']}: packing {flip}", changed(packing=flip)))
+                out.append((f"{f['name']}: packing {flip}", _changed(data, (i, j), packing=flip)))
             if "group" in f:
                 out.append((f"{f['name']}: group x 2, half the scales",
-                            changed(group=2 * f["group"], count=max(1, f["count"] // 2))))
-                out.append((f"{f['name']}: no scale relation", changed(scales=None, group=None)))
+                            _changed(data, (i, j), group=2 * f["group"], count=max(1, f["count"] // 2))))
+                out.append((f"{f['name']}: no scale relation", _changed(data, (i, j), scales=None, group=None)))
     return out
 
 
