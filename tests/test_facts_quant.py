@@ -14,6 +14,7 @@ import yaml
 from kvgen.errors import SpecError
 from kvgen.oracle.facts_quant import UNITS, units_disagreement
 from kvgen.spec.library import load_library, load_specs
+from kvgen.tools.verify import _check_facts
 
 LIBRARY = load_library()
 PACKED = sorted(s.name for s in LIBRARY.paged if any(f.is_sub_byte or f.scales for p in s.parts for f in p.fields))
@@ -75,3 +76,10 @@ def test_every_mutant_of_the_packed_units_is_caught(name: str, tmp_path: Path) -
         except SpecError:
             continue  # the loader refuses it
         assert units_disagreement(loaded) is not None, f"{name}: mutant survived: {what}"
+
+
+def test_kvgen_verify_reports_a_wrong_packed_unit(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(UNITS, "vllm_nvfp4", {**UNITS["vllm_nvfp4"], "values": ("high_first", None, None)})
+    assert _check_facts(LIBRARY) == 1
+    assert "spec vllm_nvfp4 disagrees with the engine's facts: plane values: packing" in capsys.readouterr().err

@@ -103,11 +103,14 @@ def _check_facts(library: Any) -> int:
     from kvgen.oracle.facts import FACTS, Geometry, disagreement
     from kvgen.oracle.facts_groups import GROUPS_FACTS
     from kvgen.oracle.facts_parts import PACKED_FACTS, PARTS_FACTS
+    from kvgen.oracle.facts_quant import UNITS, units_disagreement
 
     geometry = Geometry(L=3, B=5, N=4, H=6, C=7, T=9)  # no two extents equal
     tables = (FACTS, PARTS_FACTS, PACKED_FACTS, GROUPS_FACTS)
     checked = [s for s in library.specs if any(s.name in t for t in tables)]
     wrong = [(s.name, why) for s in checked if (why := disagreement(s, geometry)) is not None]
+    # Format 3: which nibble comes first and which scale scales which values (facts_quant.UNITS).
+    wrong += [(s.name, why) for s in checked if s.name in UNITS and (why := units_disagreement(s)) is not None]
     for name, why in wrong:
         print(f"kvgen verify: spec {name} disagrees with the engine's facts: {why}", file=sys.stderr)
     print(f"{len(checked) - len(wrong)} of {len(checked)} built-in specs agree with the engines' facts")
