@@ -26,9 +26,19 @@ from kvgen.spec.library import TEMPLATES
 DIGEST_PREFIX = "# kvgen-body-sha256: "
 
 
-def py_literal(value: object, indent: int | None = None) -> str:
+#: The line length of generated code (ruff's, pyproject.toml).
+LINE = 120
+
+
+def py_literal(value: object, indent: int | None = None, key: int = 0) -> str:
     """A Python literal for plain data: strings, numbers, None and tuples of them.
-    With `indent`, a long tuple gets one item per line (continuation at that indent)."""
+    With `indent`, a long tuple gets one item per line (continuation at that indent), and a
+    string that would pass the line length after a `key` characters long is split into
+    adjacent literals, one per line, in parentheses."""
+    if isinstance(value, str) and indent is not None and indent + key + len(str.__repr__(value)) + 1 > LINE:
+        pad, width = " " * (indent + 4), LINE - indent - 16
+        pieces = [str.__repr__(value[i:i + width]) for i in range(0, len(value), width)]
+        return "(\n" + "".join(f"{pad}{piece}\n" for piece in pieces) + " " * indent + ")"
     if isinstance(value, (list, tuple)):
         items = [py_literal(v) for v in value]
         flat = "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
@@ -45,6 +55,21 @@ def py_literal(value: object, indent: int | None = None) -> str:
     if isinstance(value, str):
         return str.__repr__(value)
     raise TypeError(f"cannot render {type(value).__name__} as a literal")
+
+
+def fit_line(text: str, used: int) -> str:
+    """`text` after `used` characters of its line: as it is when the line fits, else broken at
+    spaces into lines that do, each continued at column `used`."""
+    if used + len(text) <= LINE:
+        return text
+    lines, line = [], ""
+    for word in text.split(" "):
+        if line and used + len(line) + 1 + len(word) > LINE:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return ("\n" + " " * used).join([*lines, line])
 
 
 def comment_text(text: str) -> str:
@@ -78,6 +103,7 @@ def environment() -> jinja2.Environment:
     )
     env.filters["py"] = py_literal
     env.filters["comment"] = comment_text
+    env.filters["fit"] = fit_line
     env.globals.update(version=__version__, abi=ABI)
     return env
 

@@ -21,7 +21,7 @@ The built-in specs are for head size 128, as stated here.
 from __future__ import annotations
 
 from kvgen.oracle.facts import Geometry
-from kvgen.oracle.facts_parts import PartFact, PartsFact, PlaneFact, _register
+from kvgen.oracle.facts_parts import PartFact, PartsFact, PlaneFact, _register, width
 from kvgen.spec.model import Spec
 
 #: The head size of the built-in quantized specs.
@@ -79,12 +79,12 @@ PAIR_OF_LISTS = (("seq", "P"), ("list", "L"))
 MLA_DIM = 576
 
 
-def _pool(part: int, heads: bool, width: int):  # noqa: ANN202 (a PlaneAddress)
-    """Value c of a row: [rows, heads, C] (width 0), [rows, heads * width], [rows, 1, C] or [rows, width]."""
+def _pool(part: int, heads: bool, flat: int):  # noqa: ANN202 (a PlaneAddress)
+    """Value c of a row: [rows, heads, C], or without heads [rows, 1, C] (flat 0) or [rows, C]."""
     def where(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int):  # noqa: ANN202
         if heads:
-            return (part, layer), ((slot, h, c) if width == 0 else (slot, h * width + c)), 0
-        return (part, layer), ((slot, 0, c) if width == 0 else (slot, c)), 0
+            return (part, layer), (slot, h, c), 0
+        return (part, layer), ((slot, 0, c) if flat == 0 else (slot, c)), 0
     return where
 
 
@@ -92,19 +92,23 @@ _register(PartsFact(
     "sglang_mha_fp4", PAIR_OF_LISTS,
     (PartFact("k", lambda g: (g.B * g.N, g.H, HEAD // 2), ("uint8",)),
      PartFact("v", lambda g: (g.B * g.N, g.H, HEAD // 2), ("uint8",)),
-     PartFact("k_scale", lambda g: (g.B * g.N, g.H * HEAD // 16), ("uint8",)),
-     PartFact("v_scale", lambda g: (g.B * g.N, g.H * HEAD // 16), ("uint8",))),
+     # Scale rows are heads * head_dim // 16 bytes, a width the spec reads from the tensor: here, as
+     # for every free width in these tables, the part's test width (tests/test_engine_sglang_quant.py
+     # binds SGLang's own pool, whose rows are 8 per head).
+     PartFact("k_scale", lambda g: (g.B * g.N, width(g, 2)), ("uint8",)),
+     PartFact("v_scale", lambda g: (g.B * g.N, width(g, 3)), ("uint8",))),
     (PlaneFact("k.values", 0, "fp4_e2m1", lambda g: HEAD // 2, False, True, True, _pool(0, True, 0)),
      PlaneFact("v.values", 1, "fp4_e2m1", lambda g: HEAD // 2, False, True, True, _pool(1, True, 0)),
-     PlaneFact("k_scale", 2, "uint8", lambda g: HEAD // 16, False, True, True, _pool(2, True, HEAD // 16)),
-     PlaneFact("v_scale", 3, "uint8", lambda g: HEAD // 16, False, True, True, _pool(3, True, HEAD // 16)))))
+     # A token's scales of every head are one row.
+     PlaneFact("k_scale", 2, "uint8", lambda g: width(g, 2), False, False, True, _pool(2, False, 1)),
+     PlaneFact("v_scale", 3, "uint8", lambda g: width(g, 3), False, False, True, _pool(3, False, 1)))))
 
 _register(PartsFact(
     "sglang_mla_fp4", PAIR_OF_LISTS,
     (PartFact("kv", lambda g: (g.B * g.N, 1, MLA_DIM // 2), ("uint8",)),
      PartFact("scale", lambda g: (g.B * g.N, MLA_DIM // 16), ("uint8",))),
     (PlaneFact("kv.values", 0, "fp4_e2m1", lambda g: MLA_DIM // 2, False, False, True, _pool(0, False, 0)),
-     PlaneFact("scale", 1, "uint8", lambda g: MLA_DIM // 16, False, False, True, _pool(1, False, MLA_DIM // 16)))))
+     PlaneFact("scale", 1, "uint8", lambda g: MLA_DIM // 16, False, False, True, _pool(1, False, 1)))))
 
 
 # -- packed units: packing order and scale groups, from the same sources ------------------------------

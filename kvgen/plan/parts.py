@@ -102,7 +102,7 @@ def _cache_dims(plane: Plane) -> tuple[tuple[Dim, ...], str]:
         if part.fields_in is FieldsIn.ROW and part.dims[-1].axes == ("KV", "C"):
             # Format 3: K's C then V's, each holding the fields; the field is a plane with KV.
             dims = (*part.dims[:-1], Dim(("KV",)), Dim(("C",)))
-            return dims, f"runtime.row_field({{}}.unflatten(-1, (2, -1)), {f.offset}, {f.nbytes})"
+            return dims, f"runtime.kv_row_field({{}}, {f.offset}, {f.nbytes})"
         if part.fields_in is FieldsIn.ROW:
             return part.dims, f"runtime.row_field({{}}, {f.offset}, {f.nbytes})"
         run = part.block_run
@@ -111,8 +111,8 @@ def _cache_dims(plane: Plane) -> tuple[tuple[Dim, ...], str]:
         # Format 3: a run of every head's (and each K and V side's) cells; a fused [KV, H] is
         # split so the plane has KV and H dims of its own.
         dims = (*part.dims[:len(part.dims) - len(run)], *(Dim((a,)) for d in run for a in d.axes))
-        view = "{}.unflatten(1, (2, -1))" if run[0].axes == ("KV", "H") else "{}"
-        return dims, f"runtime.cell_field({view}, {f.offset}, {f.nbytes}, 3)"
+        sides = run[0].axes == ("KV", "H")
+        return dims, f"runtime.cell_field({{}}, {f.offset}, {f.nbytes}, {sides})"
     if part.has("C"):
         return part.dims, "runtime.bytes_of({})"
     return (*part.dims, Dim(("C",))), "runtime.bytes_of({}.unsqueeze(-1))"

@@ -47,16 +47,23 @@ def block_field(t: torch.Tensor, offset: int, nbytes: int, n: int) -> torch.Tens
     return flat.narrow(-1, offset * n, nbytes * n).unflatten(-1, (n, nbytes))
 
 
-def cell_field(t: torch.Tensor, offset: int, nbytes: int, run: int) -> torch.Tensor:
-    """A field laid out per run of cells (format 3): the last `run` dims of `t` (cells, then C)
-    are one run of bytes whose region [offset * cells, (offset + nbytes) * cells) holds the
-    field of each cell in turn (`nbytes` each). Returns `t`'s dims with C cut to `nbytes`."""
+def kv_row_field(t: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """Format 3 rows of K and V: the last dim of `t` is K's row then V's, each holding the
+    fields; bytes [offset, offset + nbytes) of each half. Returns [..., 2, nbytes]."""
+    return row_field(t.unflatten(-1, (2, -1)), offset, nbytes)
+
+
+def cell_field(t: torch.Tensor, offset: int, nbytes: int, sides: bool) -> torch.Tensor:
+    """A field laid out per run of cells (format 3): `t` ends in (H, N, C), or with `sides` in
+    ([KV, H], N, C) (the K side's heads, then the V side's); each (block, side)'s H x N x C
+    elements are one run of bytes whose region [offset * cells, (offset + nbytes) * cells)
+    holds the field of each (h, n) cell in turn (`nbytes` each). Returns [..., (2,) H, N, nbytes]."""
     raw = bytes_of(t)
-    shape = tuple(raw.shape[-run:-1])
-    cells = 1
-    for n in shape:
-        cells *= n
-    flat = raw.flatten(-run)
+    if sides:
+        raw = raw.unflatten(-3, (2, -1))
+    shape = tuple(raw.shape[-3:-1])
+    cells = shape[0] * shape[1]
+    flat = raw.flatten(-3)
     return flat.narrow(-1, offset * cells, nbytes * cells).unflatten(-1, (*shape, nbytes))
 
 
