@@ -9,7 +9,7 @@ import importlib
 __version__ = "0.1.0"
 
 #: Highest spec format version (`kvgen:` key) this release reads.
-SPEC_FORMAT_VERSION = 2
+SPEC_FORMAT_VERSION = 3
 
 __all__ = ["__version__", "SPEC_FORMAT_VERSION", "detect", "from_sglang", "from_vllm"]
 

@@ -152,7 +152,7 @@ PENDING_COMPLEXITY = {
     "kvgen.plan.geometry:geometry_body": "quant",
     "kvgen.plan.geometry:parts_geometry_body": "quant",
     "kvgen.plan.parts:plan_parts": "quant",
-    "kvgen.spec.model:build_spec": "quant",
+    "kvgen.spec.building:build_spec": "quant",
     "kvgen.spec.passes_models:check_model": "quant",
     "kvgen.spec.passes_models:check_model_library": "quant",
     "kvgen.spec.passes_models:_group_problems": "quant",

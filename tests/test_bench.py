@@ -319,8 +319,10 @@ def test_naive_baseline_matches_every_default_connector(alloc: str) -> None:
     on caches whose every element encodes its coordinates."""
     library = load_library()
     targets = select_targets(library, generated, DEFAULT_LAYOUTS, DEFAULT_OBJECTS)
-    assert len(targets) == 17
+    assert len(targets) == 19
     assert ("sglang_mha_v_head", "kv_planes") in {(t.layout, t.obj) for t in targets}  # format 2 by default
+    assert {("vllm_nvfp4", "kv_planes"), ("vllm_int8_per_token_head", "kv_planes")} <= {(t.layout, t.obj)
+                                                                                       for t in targets}  # format 3
     rng = random.Random(1)
     caches = {}  # one per layout: coding a cache element by element is the slow part
     for t in targets:

@@ -17,15 +17,8 @@ import torch
 
 from kvgen import generated
 from kvgen.oracle.facts import EngineGeometry
-from kvgen.oracle.facts_parts import (
-    FREE_DTYPE,
-    PACKED_FACTS,
-    PARTS_FACTS,
-    ByteAddress,
-    PartsFact,
-    PlaneFact,
-    values,
-)
+from kvgen.oracle.facts_parts import PACKED_FACTS, PARTS_FACTS, values
+from kvgen.oracle.parts_fact import FREE_DTYPE, ByteAddress, PartsFact, PlaneFact
 from kvgen.oracle.planes import Leaf, read_leaf
 from kvgen.oracle.scenarios import Scenario, connector_load, connector_store
 from kvgen.runtime import MemoryObj

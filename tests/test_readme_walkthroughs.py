@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("## Adding a layout", "## A cache with scales", "## A hybrid model")
+SECTIONS = ("## Adding a layout", "## A cache with scales", "## A quantized cache", "## A hybrid model")
 
 
 def _blocks(section: str) -> list[tuple[str, str]]:
@@ -39,4 +39,4 @@ def test_the_walkthroughs_run_in_sequence_in_one_folder(tmp_path: Path) -> None:
             assert done.returncode == 0, f"{section}, {kind} block:\n{code}\n{done.stdout}\n{done.stderr}"
             assert "warning:" not in done.stderr, f"{section}: {done.stderr}"  # e.g. a copy of a built-in
             ran.append((section, kind))
-    assert [k for _, k in ran].count("sh") == 3 and [k for _, k in ran].count("python") == 3
+    assert [k for _, k in ran].count("sh") == 4 and [k for _, k in ran].count("python") == 4

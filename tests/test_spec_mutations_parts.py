@@ -25,7 +25,8 @@ G = EngineGeometry(L=3, B=5, N=4, H=6, C=7, T=9)
 FILES = {spec.name: Path(spec.source).resolve() for spec in load_library().specs
          if not spec.is_simple and spec.carries is None}
 OTHER_DTYPE = {"float32": "bfloat16", "bfloat16": "float32", "float8_e4m3fn": "float8_e5m2", "uint8": "int8",
-               "float8_e5m2": "float8_e4m3fn", "float16": "float32", "int8": "uint8"}
+               "float8_e5m2": "float8_e4m3fn", "float16": "float32", "int8": "uint8",
+               "fp4_e2m1": "int4", "int4": "fp4_e2m1", "uint4": "int4", "ue8m0": "uint8"}  # format 3 fields
 
 
 def _swap(items: list[Any], i: int) -> list[Any]:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvgen.runtime import put_rows, take_rows
+from kvgen.runtime.planes import as_words
 from kvgen.runtime.words import widest, words
 
 
@@ -66,3 +67,10 @@ def test_plane_words_view_a_single_row_with_an_odd_row_stride() -> None:
     assert words.shape == (1, 1) and words.view(torch.uint8).tolist() == [[4, 5, 6, 7]]
     words.fill_(0)
     assert big[4:8].tolist() == [0, 0, 0, 0] and big[3] == 3 and big[8] == 8
+
+
+def test_an_empty_chunk_of_rows_views_as_words_whatever_its_row_stride() -> None:
+    """A plane of a rows object whose rows are not whole words (SGLang's 324-byte fp4 MLA rows):
+    a chunk of no tokens addresses nothing, so its row stride does not stop the word view."""
+    rows = torch.zeros(0, 324, dtype=torch.uint8).narrow(1, 0, 288)
+    assert as_words(rows, 8).shape == (0, 36)

@@ -26,16 +26,19 @@ from kvgen.spec.library import TEMPLATES
 DIGEST_PREFIX = "# kvgen-body-sha256: "
 
 
-def py_literal(value: object, indent: int | None = None) -> str:
+#: The line length of generated code (ruff's, pyproject.toml).
+LINE = 120
+
+
+def py_literal(value: object, indent: int | None = None, key: int = 0) -> str:
     """A Python literal for plain data: strings, numbers, None and tuples of them.
-    With `indent`, a long tuple gets one item per line (continuation at that indent)."""
+    With `indent`, a long tuple gets one item per line (continuation at that indent), and a
+    string that would pass the line length after a `key` characters long is split into
+    adjacent literals, one per line, in parentheses."""
+    if isinstance(value, str) and indent is not None and indent + key + len(str.__repr__(value)) + 1 > LINE:
+        return _split_string(value, indent)
     if isinstance(value, (list, tuple)):
-        items = [py_literal(v) for v in value]
-        flat = "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
-        if indent is None or len(flat) <= 72:
-            return flat
-        pad = " " * (indent + 4)
-        return "(\n" + "".join(f"{pad}{item},\n" for item in items) + " " * indent + ")"
+        return _tuple_literal(value, indent)
     # The base types' own repr, so that a subclass (an IntEnum, a str subclass) cannot
     # print anything but the plain literal of its value.
     if value is None or isinstance(value, bool):
@@ -45,6 +48,38 @@ def py_literal(value: object, indent: int | None = None) -> str:
     if isinstance(value, str):
         return str.__repr__(value)
     raise TypeError(f"cannot render {type(value).__name__} as a literal")
+
+
+def _split_string(value: str, indent: int) -> str:
+    """A long string as adjacent literals, one per line, in parentheses."""
+    pad, width = " " * (indent + 4), LINE - indent - 16
+    pieces = [str.__repr__(value[i:i + width]) for i in range(0, len(value), width)]
+    return "(\n" + "".join(f"{pad}{piece}\n" for piece in pieces) + " " * indent + ")"
+
+
+def _tuple_literal(value: list[object] | tuple[object, ...], indent: int | None) -> str:
+    """A tuple on one line, or with `indent` and too long for one, one item per line."""
+    items = [py_literal(v) for v in value]
+    flat = "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+    if indent is None or len(flat) <= 72:
+        return flat
+    pad = " " * (indent + 4)
+    return "(\n" + "".join(f"{pad}{item},\n" for item in items) + " " * indent + ")"
+
+
+def fit_line(text: str, used: int) -> str:
+    """`text` after `used` characters of its line: as it is when the line fits, else broken at
+    spaces into lines that do, each continued at column `used`."""
+    if used + len(text) <= LINE:
+        return text
+    lines, line = [], ""
+    for word in text.split(" "):
+        if line and used + len(line) + 1 + len(word) > LINE:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return ("\n" + " " * used).join([*lines, line])
 
 
 def comment_text(text: str) -> str:
@@ -78,6 +113,7 @@ def environment() -> jinja2.Environment:
     )
     env.filters["py"] = py_literal
     env.filters["comment"] = comment_text
+    env.filters["fit"] = fit_line
     env.globals.update(version=__version__, abi=ABI)
     return env
 

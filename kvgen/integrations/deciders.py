@@ -13,6 +13,7 @@ from typing import Any
 
 from kvgen.integrations import sglang_layouts
 from kvgen.integrations.hints import AXIS_HINTS
+from kvgen.integrations.quant import quant_deciders
 from kvgen.versions import some_release
 
 __all__ = ["deciders", "extents"]
@@ -70,6 +71,7 @@ def deciders(f: Any, ext: Mapping[str, int], fits: Fits) -> dict[str, Any]:
     word = _layout_word(f, fits)
     if word is not None:
         out["kv_layout"] = word
+    out.update(quant_deciders(f.quant, [g.quant for g, _ in fits]))
     return {**out, **_engine_hints(f, fits), "layout": f.name}
 
 

@@ -44,6 +44,7 @@ from kvgen.integrations.hints import (
     family,
     normalize_hints,
 )
+from kvgen.integrations.quant import quant_mismatch
 from kvgen.integrations.shapes import (
     CacheShape,
     check_given,
@@ -77,6 +78,8 @@ class LayoutFacts:
     given: tuple[tuple[str, ...], ...] = ()
     #: Engine family -> the range of its releases the spec describes (`versions`).
     versions: Mapping[str, str] = field(default_factory=dict)
+    #: Engine family -> its name for the quantization the cache stores (`quant`, format 3).
+    quant: Mapping[str, str] = field(default_factory=dict)
 
     def describes(self, engine: str, version: str) -> bool:
         """Whether the spec holds for release `version` of `engine` (no range: every release)."""
@@ -171,7 +174,8 @@ def detectable(facts: dict[str, Any]) -> bool:
 def _facts_of(package: ModuleType) -> tuple[LayoutFacts, ...]:
     out = []
     for name, facts in package.LAYOUTS.items():
-        if facts["kind"] != "paged" or not detectable(facts):
+        # Format-3 quantized caches are one tree of fields whose engine names the quantization (`quant`).
+        if facts["kind"] != "paged" or not (detectable(facts) or facts.get("parts") == ("",) and "quant" in facts):
             continue
         obj = next((o for (p, o) in package.CONNECTORS if p == name), None)
         if obj is None:
@@ -179,7 +183,8 @@ def _facts_of(package: ModuleType) -> tuple[LayoutFacts, ...]:
         cls = package.get(name, obj)
         paged = cls.layout
         out.append(LayoutFacts(name=name, lists=tuple(facts["lists"]), dims=tuple(map(tuple, facts["dims"])),
-                               sizes=dict(paged.sizes), dtypes=tuple(paged.dtypes),
+                               sizes={**dict(paged.sizes), **({"C": facts["row"]} if "row" in facts else {})},
+                               dtypes=tuple(paged.dtypes), quant=dict(facts.get("quant", ())),
                                engines=tuple(facts.get("engines", ())), planes=int(facts.get("planes", 2)),
                                lmcache=facts.get("lmcache"), read_geometry=cls.read_geometry,
                                aliases=tuple(facts.get("aliases", ())),
@@ -267,6 +272,8 @@ def _check_kind_hints(f: LayoutFacts, hints: Mapping[str, Any]) -> None:
     if hints.get("planes") is not None and f.planes != hints["planes"]:
         what = "an MLA cache (one plane)" if hints["planes"] == 1 else "separate K and V"
         raise _Mismatch(f"the engine says {what}, the spec has {f.planes} plane(s)")
+    if (why := quant_mismatch(f.quant, hints)) is not None:
+        raise _Mismatch(why)
     engine = hints.get("engine")
     if engine is not None and family(engine) not in f.families():
         raise _Mismatch(f"engine {family(engine)!r}: the spec is for {', '.join(sorted(f.families()))}")
@@ -418,14 +425,20 @@ def _declared(layout: str, facts: Sequence[LayoutFacts], everything: Sequence[La
     the library has none for the release."""
     own = tuple(f for f in facts if layout in (a.upper() for a in f.aliases))
     if not own:
-        other = [f"{f.name} (vllm {f.versions.get('vllm', 'any release')})" for f in everything
-                 if layout in (a.upper() for a in f.aliases)]
-        release = f"vLLM {version} " if version else "vLLM "
-        raise NoLayout(f"{release}KVCacheLayout.{layout}: kvgen has no layout for it in this "
-                       f"release{'; ' + ', '.join(other) + ' describe(s) other releases' if other else ''}; "
-                       "add a spec with that alias and the release in its versions", {layout: "no spec"})
+        raise _no_layout_for(layout, everything, version)
     mla = tuple(f for f in facts if f.given and f.planes == 1 and "vllm" in f.families() and f not in own)
-    return own + mla
+    quantized = tuple(f for f in facts if "vllm" in f.quant and f not in own)  # their strides decide the layout
+    return own + mla + quantized
+
+
+def _no_layout_for(layout: str, everything: Sequence[LayoutFacts], version: str | None) -> NoLayout:
+    """The refusal of a KVCacheLayout no spec of this release has, in vLLM's words, naming the specs of others."""
+    other = [f"{f.name} (vllm {f.versions.get('vllm', 'any release')})" for f in everything
+             if layout in (a.upper() for a in f.aliases)]
+    release = f"vLLM {version} " if version else "vLLM "
+    return NoLayout(f"{release}KVCacheLayout.{layout}: kvgen has no layout for it in this "
+                    f"release{'; ' + ', '.join(other) + ' describe(s) other releases' if other else ''}; "
+                    "add a spec with that alias and the release in its versions", {layout: "no spec"})
 
 
 def _named(named: Any, facts: Sequence[LayoutFacts], everything: Sequence[LayoutFacts],

@@ -8,12 +8,13 @@ from importlib import metadata
 from typing import Any
 
 from kvgen.errors import KVLayoutError
+from kvgen.integrations.quant import QUANT_HINTS, normalize_quant
 from kvgen.versions import release
 
 #: Hints `detect` understands (LMCache's LayoutHints keys are among them).
 HINTS = ("engine", "backend", "kv_layout", "given_order", "num_blocks", "num_kv_heads", "block_size",
          "head_size", "hidden_dim", "num_layers", "use_mla", "kv_shape", "layout", "dtype", "kv_list_layout",
-         "engine_version")
+         "engine_version", *QUANT_HINTS)
 #: Other names engines use for the same facts.
 SYNONYMS = {"tokens_per_block": "block_size", "page_size": "block_size", "head_dim": "head_size"}
 #: The hint that states each axis's extent.
@@ -61,6 +62,7 @@ def normalize_hints(hints: Mapping[str, Any]) -> dict[str, Any]:
             raise KVLayoutError(f"hints disagree: {key}={out[key]!r}, but kv_shape says {value!r}")
         out.setdefault(key, value)
     out.pop("kv_list_layout", None)  # SGLang's list organisation: the list levels already say it
+    normalize_quant(out)
     return out
 
 

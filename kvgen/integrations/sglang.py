@@ -3,7 +3,8 @@
 The pool states its layout (its class and `kv_cache_layout`), so nothing is read from the
 shapes: the class and the word choose the spec, and detection and the generated geometry
 reader then check that the buffers agree with it. Pools this module does not know (another
-class, a quantized pool, a layout word without a spec) are refused in SGLang's own terms.
+class, a quantized pool other than the FP4 ones, a layout word without a spec) are refused in
+SGLang's own terms.
 Written against SGLang 0.5.23 (sglang/srt/mem_cache/memory_pool.py); SGLang itself is never
 imported here: the pool is read through its attributes.
 """
@@ -42,7 +43,8 @@ class PoolConnector:
 #: The object each layout pairs with by default: LMCache's whole-chunk formats, or kvgen's
 #: planes where K and V differ in width or the cache has typed fields.
 DEFAULT_OBJECT = {"sglang_mha": "kv_2ltd", "sglang_mha_hnd": "kv_2ltd", "sglang_mha_v_head": "kv_planes",
-                  "sglang_mla": "kv_mla", "vllm_dsa_indexer": "kv_planes"}
+                  "sglang_mla": "kv_mla", "vllm_dsa_indexer": "kv_planes", "sglang_mha_fp4": "kv_planes",
+                  "sglang_mla_fp4": "kv_planes"}
 
 
 def _describe(pool: Any) -> str:
@@ -52,8 +54,9 @@ def _describe(pool: Any) -> str:
 
 def _refuse(pool: Any, why: str) -> KVLayoutError:
     return KVLayoutError(f"kvgen has no connector for SGLang's {_describe(pool)}: {why}; kvgen reads "
-                         "MHATokenToKVPool (kv_cache_layout 'nhd' or 'hnd'), MLATokenToKVPool, DSATokenToKVPool "
-                         "and HybridLinearKVPool's attention layers")
+                         "MHATokenToKVPool (kv_cache_layout 'nhd' or 'hnd'), MLATokenToKVPool, DSATokenToKVPool, "
+                         "MHATokenToKVPoolFP4 and MLATokenToKVPoolFP4 (head_dim 128, kv_cache_dim 576) and "
+                         "HybridLinearKVPool's attention layers")
 
 
 def _layers(pool: Any, count: int) -> tuple[int, ...]:
@@ -99,12 +102,27 @@ def _dsa_indexer(pool: Any) -> tuple[str, Any, dict[str, Any]]:
     return "vllm_dsa_indexer", [b.view(b.shape[0], pool.page_size, width) for b in bufs], {}
 
 
+def _fp4(pool: Any) -> tuple[str, Any, dict[str, Any]]:
+    """MHATokenToKVPoolFP4 / MLATokenToKVPoolFP4: packed fp4 rows and UE8M0 scale rows per layer,
+    handed over as the tuple of their lists (the specs are for head size 128 / latent width 576)."""
+    mla = type(pool).__name__.startswith("MLA")
+    width = int(pool.kv_cache_dim if mla else pool.head_dim)
+    if width != (576 if mla else 128):
+        raise _refuse(pool, f"kvgen's spec for it is for {'kv_cache_dim 576' if mla else 'head_dim 128'}, "
+                            f"not {width}")
+    names = ("kv_buffer", "kv_scale_buffer") if mla else ("k_buffer", "v_buffer", "k_scale_buffer", "v_scale_buffer")
+    layout = "sglang_mla_fp4" if mla else "sglang_mha_fp4"
+    return layout, [list(getattr(pool, n)) for n in names], {"pool": type(pool).__name__}
+
+
 #: SGLang 0.5.23 pool classes, by exact class name (a subclass may lay its buffers out otherwise:
 #: MHATokenToKVPoolFP4 and MHATokenToKVPoolMXFP8 do), and how each hands its cache over.
 READERS: dict[str, dict[str, Callable[[Any], tuple[str, Any, dict[str, Any]]]]] = {
     "MHATokenToKVPool": {"kv": _mha},
     "MLATokenToKVPool": {"kv": _mla},
     "DSATokenToKVPool": {"kv": _mla, "indexer": _dsa_indexer},
+    "MHATokenToKVPoolFP4": {"kv": _fp4},
+    "MLATokenToKVPoolFP4": {"kv": _fp4},
 }
 
 
@@ -134,7 +152,8 @@ def from_sglang(pool: Any, obj: str | None = None, *, part: str = "kv", **connec
             raise _refuse(inner, f"its buffers read as {found.layout}, not {layout}")
     obj = obj or DEFAULT_OBJECT[layout]
     cls = generated.get(layout, obj)
-    count = len(kvcaches[0]) if layout in ("sglang_mha", "sglang_mha_hnd", "sglang_mha_v_head") else len(kvcaches)
+    per_part = ("sglang_mha", "sglang_mha_hnd", "sglang_mha_v_head", "sglang_mha_fp4", "sglang_mla_fp4")
+    count = len(kvcaches[0]) if layout in per_part else len(kvcaches)
     ids = _layers(pool, count) if inner is pool else tuple(sorted(pool.full_attention_layer_id_mapping,
                                                                   key=pool.full_attention_layer_id_mapping.get))
     connector = cls(**connector_args)

@@ -55,10 +55,13 @@ def _spec_hints(spec: Any, group: int) -> dict[str, Any]:
     packed = {k: getattr(spec, k, None) for k in ("num_head_slots", "state_content_bytes")}
     quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
     tokens = getattr(spec, "tokens_per_state", 1)
-    if any(v is not None for v in packed.values()) or quant != "NONE" or tokens != 1:
+    if (any(v is not None for v in packed.values()) and quant == "NONE") or tokens != 1:
         raise KVLayoutError(f"from_vllm: group {group} ({kind}) packs its cells (kv_quant_mode={quant}, "
                             f"tokens_per_state={tokens}, {packed}); kvgen has no layout for that cell yet")
     mla = kind.startswith("MLA") or getattr(spec, "head_size_v", None) == 0
+    if quant != "NONE":  # a quantized cell: its C is not the head size; the mode picks the spec
+        return {"num_kv_heads": spec.num_kv_heads, "block_size": spec.block_size, "use_mla": mla,
+                "dtype": str(spec.dtype).removeprefix("torch."), "kv_quant_mode": quant}
     if not mla and spec.head_size_v != spec.head_size:
         raise KVLayoutError(f"from_vllm: group {group} has K head size {spec.head_size} and V head size "
                             f"{spec.head_size_v}; the vLLM 0.33 layouts pack K and V halves of one width")
@@ -92,7 +95,8 @@ def from_vllm(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: Any = 
         views = [kv_caches[n] for n in names]
         found = detect(views, package=package, engine="vllm", engine_version=engine_version, kv_layout=name,
                        num_layers=len(names), **hints)
-        obj = kv_object or ("kv_mla" if hints["use_mla"] else "kv_2ltd")
+        quantized = hints.get("kv_quant_mode") is not None  # packed values and scales: kvgen's plane regions
+        obj = kv_object or ("kv_planes" if quantized else "kv_mla" if hints["use_mla"] else "kv_2ltd")
         connector = _package(package).get(found.layout, obj)(**connector_args)
         out.append(VllmGroup(index, names, found.view(views), found, connector))
     return out

@@ -6,15 +6,21 @@ kvgen.oracle.reference); it shares nothing with the planner. No torch here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
-from kvgen.spec.model import ITEMSIZE, Dim, Part, Plane, Spec
+from kvgen.spec.elements import split_extents, split_of
+from kvgen.spec.model import ITEMSIZE, Dim, Field, Part, Plane, Spec
 
 #: Logical coordinates of an element: l, kv, h, c, and slot (paged) or t (object).
 Coords = Mapping[str, int]
 
 
 def _coordinate(axis: str, coords: Coords, ext: Mapping[str, int]) -> int:
+    split = split_of(axis)
+    if split is not None:  # format 3: a tile of an axis, or the place in it
+        base, op, f = split
+        whole = _coordinate(base, coords, ext)
+        return whole // f if op == "/" else whole % f
     if axis == "B":
         return coords["slot"] // ext["N"]
     if axis == "N":
@@ -49,10 +55,18 @@ def tensor_index(dims: tuple[Dim, ...], coords: Coords, ext: Mapping[str, int]) 
 _SYMBOL = {"L": "l", "KV": "kv", "H": "h", "C": "c", "T": "t", "B": "slot // N", "N": "slot % N"}
 
 
+def _sym(axis: str) -> str:
+    split = split_of(axis)
+    if split is None:
+        return _SYMBOL[axis]
+    base, op, f = split
+    return f"{_SYMBOL[base]} {'//' if op == '/' else '%'} {f}"
+
+
 def symbolic_address(spec: Spec) -> str:
     """`kvcaches[l][kv, slot // N, slot % N, h, c]` for people (kvgen explain)."""
     root = "kvcaches" if spec.is_paged else "tensor"
-    path = "".join(f"[{_SYMBOL[a]}]" for a in spec.lists)
+    path = "".join(f"[{_sym(a)}]" for a in spec.lists)
     parts = []
     for dim in spec.dims:
         if dim.is_singleton:
@@ -60,12 +74,12 @@ def symbolic_address(spec: Spec) -> str:
         elif dim.is_slot:
             parts.append("slot")
         elif dim.is_fused:
-            text = _SYMBOL[dim.axes[0]]
+            text = _sym(dim.axes[0])
             for i, axis in enumerate(dim.axes[1:]):
-                text = f"{text if i == 0 else f'({text})'} * {axis} + {_SYMBOL[axis]}"
+                text = f"{text if i == 0 else f'({text})'} * {axis} + {_sym(axis)}"
             parts.append(text)
         else:
-            parts.append(_SYMBOL[dim.axes[0]])
+            parts.append(_sym(dim.axes[0]))
     return f"{root}{path}[{', '.join(parts)}]"
 
 
@@ -89,8 +103,37 @@ def part_width(spec: Spec, part: Part, ext: Mapping[str, int]) -> int:
 
 
 def plane_count(spec: Spec, plane: Plane, ext: Mapping[str, int]) -> int:
-    """Values of one plane per (token, K or V, head)."""
-    return plane.field.count if plane.field is not None else part_width(spec, plane.part, ext)
+    """Units of one plane per (token, K or V, head): its values, or for a sub-byte field its
+    packed bytes (two values each; the reference never moves half a byte)."""
+    f = plane.field
+    if f is None:
+        return part_width(spec, plane.part, ext)
+    return f.nbytes // f.itemsize
+
+
+def stored_slots(spec: Spec, t: int) -> tuple[int, ...]:
+    """Format 3: the positions in a chunk's slot mapping that hold token t: one in every
+    `tokens_per_slot` tokens' state (t // k), or the `slots_per_token` states t * k .. t * k + k - 1."""
+    tokens, slots = spec.token_ratio
+    return tuple(range(t * slots, (t + 1) * slots)) if slots > 1 else (t // tokens,)
+
+
+def packed_value(f: Field, c: int) -> tuple[int, int]:
+    """Value c of a field as (unit, bit shift): a whole-byte type is unit c at shift 0; a
+    sub-byte one is in packed byte c // 2, value 2j in the low nibble under `low_first`
+    (shift 0) and in the high one under `high_first` (shift 4)."""
+    if not f.is_sub_byte:
+        return c, 0
+    per = 8 // f.bits
+    slot = c % per if f.packing == "low_first" else per - 1 - c % per
+    return c // per, slot * f.bits
+
+
+def scale_index(f: Field, scale: Field, c: int) -> int:
+    """The value of the scale field `scale` that scales value c of field `f`."""
+    if scale.scales != f.name or scale.group is None:
+        raise ValueError(f"field {scale.name!r} does not scale {f.name!r}")
+    return c // scale.group
 
 
 def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -106,6 +149,7 @@ def plane_address(spec: Spec, plane: Plane, coords: Coords, ext: Mapping[str, in
     tensors have `item`-byte elements."""
     part = plane.part
     pext = {**ext, "C": part_width(spec, part, ext)}
+    pext.update(split_extents(part.tensor_axes, pext))
     path = tuple(plane.index if a == "P" else _coordinate(a, coords, pext) for a in spec.lists)
     c, f = coords.get("c", 0), plane.field
 
@@ -117,13 +161,28 @@ def plane_address(spec: Spec, plane: Plane, coords: Coords, ext: Mapping[str, in
     if part.fields_in == "row":
         pos = f.offset + c * f.itemsize
         return path, index({**coords, "c": pos // item}), pos % item
-    # Block fields: bytes of block b are its N x C elements in order; the field's region
-    # starts at offset * N and holds token n's values at n * nbytes.
-    n, width = ext["N"], pext["C"]
-    slot = coords["slot"]
-    pos = f.offset * n + (slot % n) * f.nbytes + c * f.itemsize
-    row, col = _unravel(pos // item, (n, width))
-    return path, index({**coords, "slot": (slot // n) * n + row, "c": col}), pos % item
+    # Block fields: the elements of block b after B are one run of bytes (per K or V side when
+    # the run starts with KV); the run holds one region per field, and a field's region starts at
+    # offset * cells and holds cell k's values at k * nbytes. A cell is a slot of the block, or in
+    # format 3 a (head, slot) pair in the dims' order.
+    n, slot = ext["N"], coords["slot"]
+    axes = [a for d in part.block_run for a in d.axes if a not in ("KV", "C")]
+    cell_coord = {"H": coords.get("h", 0), "N": slot % n}
+    cells, cell = 1, 0
+    for a in axes:
+        cells, cell = cells * pext[a], cell * pext[a] + cell_coord[a]
+    side = coords.get("kv", 0) if any("KV" in d.axes for d in part.block_run) else 0
+    pos = side * cells * pext["C"] * item + f.offset * cells + cell * f.nbytes + c * f.itemsize
+    run = tuple(_product(pext[a] for a in d.axes) for d in part.block_run)
+    head = tensor_index(part.dims[:len(part.dims) - len(run)], coords, pext)
+    return path, (*head, *_unravel(pos // item, run)), pos % item
+
+
+def _product(values: Iterable[int]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
 
 
 def region_layout(paged: Spec, obj: Spec, ext: Mapping[str, int], sizes: Mapping[str, int],
@@ -184,28 +243,40 @@ def _sym_dims(dims: tuple[Dim, ...], coord: Mapping[str, str]) -> str:
         elif dim.is_slot:
             parts.append("slot")
         elif dim.is_fused:
-            text = coord.get(dim.axes[0], _SYMBOL[dim.axes[0]])
+            text = coord.get(dim.axes[0], _sym(dim.axes[0]))
             for i, axis in enumerate(dim.axes[1:]):
-                text = f"{text if i == 0 else f'({text})'} * {axis} + {coord.get(axis, _SYMBOL[axis])}"
+                text = f"{text if i == 0 else f'({text})'} * {axis} + {coord.get(axis, _sym(axis))}"
             parts.append(text)
         else:
-            parts.append(coord.get(dim.axes[0], _SYMBOL[dim.axes[0]]))
+            parts.append(coord.get(dim.axes[0], _sym(dim.axes[0])))
     return ", ".join(parts)
+
+
+def _value_step(f: Field) -> str:
+    """How value c of a field steps from its first byte: by its size, or by half a byte."""
+    if f.is_sub_byte:
+        nibble = "low" if f.packing == "low_first" else "high"
+        return f" + c // 2, the {nibble} nibble for even c"
+    return f" + {f.itemsize} * c" if f.itemsize > 1 else " + c"
 
 
 def symbolic_plane_address(spec: Spec, plane: Plane) -> str:
     """Where value c of a plane starts, for people: `kvcaches[l][2][slot, h, 0]`, or with
     fields the byte at which it starts (`kvcaches[l][slot // N, slot % N, byte 512 + 4 * c]`)."""
-    path = "".join(f"[{plane.index}]" if a == "P" else f"[{_SYMBOL[a]}]" for a in spec.lists)
+    path = "".join(f"[{plane.index}]" if a == "P" else f"[{_sym(a)}]" for a in spec.lists)
     f = plane.field
     if f is None:
         index = _sym_dims(plane.part.dims, {})
         return f"kvcaches{path}" + (f"[{index}]" if index else " (a 0-dim tensor)")
-    step = f" + {f.itemsize} * c" if f.itemsize > 1 else " + c"
+    step = _value_step(f)
     if plane.part.fields_in == "row":
         return f"kvcaches{path}[{_sym_dims(plane.part.dims, {'C': f'byte {f.offset}{step}'})}]"
-    where = f"{f.offset} * N + {f.nbytes} * (slot % N){step}"
-    head = _sym_dims(plane.part.dims[:-2], {})
+    run = plane.part.block_run
+    cells = " * ".join(a for d in run for a in d.axes if a not in ("KV", "C"))  # N, or format 3's H * N
+    cell = "(h * N + slot % N)" if cells == "H * N" else "(slot % N)"
+    side = f"kv * {cells} * {plane.part.row_bytes} + " if any("KV" in d.axes for d in run) else ""
+    where = f"{side}{f.offset} * {cells} + {f.nbytes} * {cell}{step}"
+    head = _sym_dims(plane.part.dims[:len(plane.part.dims) - len(run)], {})
     return f"kvcaches{path}[{head}{', ' if head else ''}block bytes {where}]"
 
 
@@ -220,10 +291,13 @@ def explain_lines(spec: Spec) -> list[str]:
         for p in spec.parts:
             if p.fields:
                 owner = f" of part {p.name}" if p.name else ""
-                what = "each row (C)" if p.fields_in == "row" else "each block (regions of N tokens each)"
+                sides = ", per K and V side" if any("KV" in d.axes for d in p.block_run) else ""
+                what = "each row (C)" if p.fields_in == "row" else "each block (regions of N tokens each)" \
+                    if len(p.block_run) == 2 else f"each block's run (regions of H x N cells each{sides})"
                 out.append(f"  fields{owner}, in {what}, dtypes {', '.join(p.dtypes)}:")
                 for f in p.fields:
-                    at = f"byte {f.offset}" if p.fields_in == "row" else f"region at byte {f.offset} * N"
+                    cells = " * ".join(a for d in p.block_run for a in d.axes if a not in ("KV", "C"))
+                    at = f"byte {f.offset}" if p.fields_in == "row" else f"region at byte {f.offset} * {cells}"
                     out.append(f"    {f.name:<10} {f.dtype} x {f.count} ({f.nbytes} bytes), {at}")
         out.append("  planes (moved as bytes, in this order; value c of a plane at):")
         for plane in spec.moved_planes():

@@ -44,72 +44,17 @@ import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvgen.oracle.address import ObjectAddresses, plane_address, plane_count
 from kvgen.oracle.agreement import first_difference
 from kvgen.oracle.fact_table import EngineGeometry, Level
+from kvgen.oracle.facts_quant import QUANT_PARTS_FACTS
+from kvgen.oracle.parts_fact import BYTES, ByteAddress, PartFact, PartsFact, PlaneAddress, PlaneFact, width
 from kvgen.oracle.planes import part_shape
 from kvgen.spec.library import load_library
 from kvgen.spec.model import Spec
-
-#: (container path, index of the storage element holding the value's first byte, byte in it).
-ByteAddress = tuple[tuple[int, ...], tuple[int, ...], int]
-#: where(g, layer, kv, pos, h, c); pos is the slot for caches, the token for objects.
-PlaneAddress = Callable[[EngineGeometry, int, int, int, int, int], ByteAddress]
-
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1, "int8": 1}
-#: The dtype a test gives a part whose source leaves its dtype open.
-FREE_DTYPE = "bfloat16"
-
-
-def width(g: EngineGeometry, part: int) -> int:
-    """The C of a part whose width the source leaves open (latent, rope, K, V head sizes):
-    different per part, so a swapped pair of parts changes a shape."""
-    return g.C + 3 * part
-
-
-@dataclass(frozen=True)
-class PartFact:
-    name: str
-    shape: Callable[[EngineGeometry], tuple[int, ...]]
-    #: The dtypes the source allows the part's tensors (empty: any); tests use the first.
-    dtypes: tuple[str, ...]
-
-    @property
-    def dtype(self) -> str | None:
-        return self.dtypes[0] if self.dtypes else None
-
-    def item(self) -> int:
-        return BYTES[self.dtype or FREE_DTYPE]
-
-
-@dataclass(frozen=True)
-class PlaneFact:
-    name: str
-    part: int
-    #: The dtype of one value: a field's, else the part's (None when any).
-    dtype: str | None
-    count: Callable[[EngineGeometry], int]
-    kv: bool
-    heads: bool
-    slots: bool
-    address: PlaneAddress
-
-
-@dataclass(frozen=True)
-class PartsFact:
-    name: str
-    container: tuple[Level, ...]
-    parts: tuple[PartFact, ...]
-    planes: tuple[PlaneFact, ...]
-    fixed: Mapping[str, int] = field(default_factory=dict)
-    lmcache: str | None = None
-
-    def value_bytes(self, plane: PlaneFact) -> int:
-        return BYTES[plane.dtype or self.parts[plane.part].dtype or FREE_DTYPE]
-
 
 PARTS_FACTS: dict[str, PartsFact] = {}
 
@@ -430,3 +375,8 @@ def _packed_disagreement(spec: Spec, g: EngineGeometry) -> str | None:
                 return (f"holding {cache.name}: plane {plane.name} (l={layer}, kv={kv}, t={t}, h={h}, c={c}) "
                         f"at {got}, the source says {want} ({g})")
     return None
+
+
+# vLLM's and SGLang's quantized caches (oracle/facts_quant), merged with this module's own.
+for _quant in QUANT_PARTS_FACTS.values():
+    _register(_quant)

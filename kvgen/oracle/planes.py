@@ -22,6 +22,7 @@ import torch
 from kvgen.oracle.address import ByteAddress, ObjectAddresses, plane_address, plane_count
 from kvgen.oracle.reference import leaf, one_thread, put_last, tokens
 from kvgen.runtime.ops import bits
+from kvgen.spec.elements import split_extents
 from kvgen.spec.model import ITEMSIZE, PART_LEVEL, Part, Plane, Spec
 
 Extents = Mapping[str, int]
@@ -60,6 +61,7 @@ def part_shape(spec: Spec, part: Part, ext: Extents) -> tuple[int, ...]:
     from kvgen.oracle.address import part_width
 
     pext = {**ext, "C": part_width(spec, part, ext)}
+    pext.update(split_extents(part.tensor_axes, pext))
     return tuple(_product(pext[a] for a in d.axes) for d in part.dims)
 
 
@@ -282,11 +284,11 @@ def allocate_part(shape: tuple[int, ...], dtype: torch.dtype, device: str, strid
 
 
 def tail_dims(part: Part) -> int:
-    """Trailing dims a part's tensors keep contiguous: the row (and, for block fields, the N
-    before it)."""
+    """Trailing dims a part's tensors keep contiguous: the row (and, for block fields, the
+    dims after B)."""
     if not part.has("C"):
         return 0
-    return 2 if part.fields_in == "block" else 1
+    return len(part.block_run) if part.fields_in == "block" else 1
 
 
 def make_parts_cache(spec: Spec, ext: Extents, dtype: torch.dtype, device: str, strided: bool = False,

@@ -158,6 +158,8 @@ def compatible(paged: Spec, obj: Spec) -> bool:
         return False
     if not (paged.is_simple and obj.is_simple):  # format-2 pairs: kvgen.plan.parts
         return False
+    if paged.token_ratio != (1, 1):  # format 3: a slot is not one token; no connector for that yet
+        return False
     if obj.lists not in ((), ("L",)):
         return False
     if set(paged.axes) - {"B", "N"} != set(obj.axes) - {"T"}:

@@ -9,7 +9,7 @@ nothing: it only runs the checks (`kvgen.runtime.CacheReader`) the body calls.
 from __future__ import annotations
 
 from kvgen.notation import format_dim
-from kvgen.spec.model import ITEMSIZE, Dim, Spec
+from kvgen.spec.model import ITEMSIZE, Dim, Field, Part, Spec
 
 
 def _name(axes: tuple[str, ...], index: int) -> str:
@@ -92,7 +92,7 @@ def parts_geometry_body(spec: Spec) -> tuple[str, ...]:
                 known[axis] = name
                 plain.append(name)
         if part.has("C"):
-            lines.append(f"reader.byte_rows({p}{', block=True' if part.fields_in == 'block' else ''})")
+            lines.append(_byte_rows(part, p))
     for axis, value in spec.sizes:
         lines.append(f"reader.fixed({axis!r}, {known[axis]}, {value})" if axis in known else f"{axis} = {value}")
         known.setdefault(axis, axis)
@@ -121,7 +121,7 @@ def parts_geometry_body(spec: Spec) -> tuple[str, ...]:
     for i, plane in enumerate(spec.moved_planes()):
         p = plane.index
         if plane.field is not None:
-            size, word = str(plane.field.nbytes), f"reader.word({p}, {plane.field.offset}, {plane.field.nbytes})"
+            size, word = str(plane.field.nbytes), _field_word(plane.field, plane.part, p)
         else:
             c = _own("C", p)
             lines.append(f"row{i} = {known[c]} * leaves[{p}].element_size()" if c in known
@@ -141,6 +141,21 @@ def parts_geometry_body(spec: Spec) -> tuple[str, ...]:
               "    ),",
               ")"]
     return tuple(lines)
+
+
+def _byte_rows(part: Part, p: int) -> str:
+    """The check that a part's rows (and a block's run, for block fields) are runs of bytes."""
+    run = len(part.block_run) if part.fields_in == "block" else 0
+    return f"reader.byte_rows({p}{', block=True' if run == 2 else f', run={run}' if run else ''})"
+
+
+def _field_word(f: Field, part: Part, p: int) -> str:
+    """The word a field's plane moves in; with rows of K and V (format 3), V's copy of the field
+    starts a half row on, so that start must be a whole word too."""
+    word = f"reader.word({p}, {f.offset}, {f.nbytes})"
+    if part.dims[-1].axes == ("KV", "C"):
+        word = f"min({word}, reader.word({p}, {f.offset + (part.row_bytes or 0)}, {f.nbytes}))"
+    return word
 
 
 def _own(axis: str, part: int) -> str:

@@ -23,7 +23,7 @@ from kvgen.plan.parts import PartsPlan, compatible_parts, plan_parts
 from kvgen.plan.program import ProgramPlan, planes_views, program_plan
 from kvgen.plan.transfer import TransferPlan, plan_transfers
 from kvgen.spec.library import UNDEFINED, Library
-from kvgen.spec.model import Spec
+from kvgen.spec.model import ITEMSIZE, Spec
 from kvgen.spec.transfers import TransferPair
 
 
@@ -38,6 +38,9 @@ def layout_facts(spec: Spec) -> Fields:
             facts.append(("versions", spec.versions))
         if spec.given:
             facts.append(("given", tuple(d.axes for d in spec.given)))
+        if spec.quant:  # format 3: detection reads the engine's word for it, and the row the fields fill
+            part = spec.parts[0]
+            facts += [("quant", spec.quant), ("row", (part.row_bytes or 0) // ITEMSIZE[part.dtypes[0]])]
     else:
         facts += [("format", spec.format)]
     facts.append(("planes", spec.planes))

@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvgen.plan.copy import EXTENT, LOOP_VARS, CopyPlan, Mode, Source, make_plan, mode_of
+from kvgen.spec.elements import tiled
 from kvgen.spec.model import PART_LEVEL, Dim, FieldsIn, Pack, Plane, Spec
 from kvgen.spec.passes_v2 import part_view
 
@@ -79,16 +80,20 @@ def compatible_parts(paged: Spec, obj: Spec) -> bool:
         return False  # a groups object pairs with a model (kvgen.plan.models)
     if obj.lists not in ((), ("L",)):
         return False
-    room = set(obj.axes) - {"T"}
-    for plane in paged.moved_planes():
-        need = set(plane.axes) | {"C"}
-        if "L" not in need:
-            return False
-        if obj.pack is Pack.ROWS and (not plane.has_slots or need - {"L", "C"}):
-            return False
-        if obj.pack is Pack.REGIONS and need - room:
-            return False
-    return True
+    if any(tiled(p.tensor_axes) for p in paged.parts) or paged.token_ratio != (1, 1):
+        return False  # format 3 split axes and token ratios: the reference addresses them; no connector yet
+    return all(_plane_fits(plane, obj) for plane in paged.moved_planes())
+
+
+def _plane_fits(plane: Plane, obj: Spec) -> bool:
+    """Whether a packed object's dims hold one plane: every layer, and in rows only slot-wise
+    planes of C values, in regions only the axes the object has."""
+    need = set(plane.axes) | {"C"}
+    if "L" not in need:
+        return False
+    if obj.pack is Pack.ROWS and (not plane.has_slots or need - {"L", "C"}):
+        return False
+    return not (obj.pack is Pack.REGIONS and need - (set(obj.axes) - {"T"}))
 
 
 def _cache_dims(plane: Plane) -> tuple[tuple[Dim, ...], str]:
@@ -96,9 +101,20 @@ def _cache_dims(plane: Plane) -> tuple[tuple[Dim, ...], str]:
     C gets a trailing byte dim (its value's bytes)."""
     part, f = plane.part, plane.field
     if f is not None:
+        if part.fields_in is FieldsIn.ROW and part.dims[-1].axes == ("KV", "C"):
+            # Format 3: K's C then V's, each holding the fields; the field is a plane with KV.
+            dims = (*part.dims[:-1], Dim(("KV",)), Dim(("C",)))
+            return dims, f"runtime.kv_row_field({{}}, {f.offset}, {f.nbytes})"
         if part.fields_in is FieldsIn.ROW:
             return part.dims, f"runtime.row_field({{}}, {f.offset}, {f.nbytes})"
-        return part.dims, f"runtime.block_field({{}}, {f.offset}, {f.nbytes}, g.N)"
+        run = part.block_run
+        if len(run) == 2:
+            return part.dims, f"runtime.block_field({{}}, {f.offset}, {f.nbytes}, g.N)"
+        # Format 3: a run of every head's (and each K and V side's) cells; a fused [KV, H] is
+        # split so the plane has KV and H dims of its own.
+        dims = (*part.dims[:len(part.dims) - len(run)], *(Dim((a,)) for d in run for a in d.axes))
+        sides = run[0].axes == ("KV", "H")
+        return dims, f"runtime.cell_field({{}}, {f.offset}, {f.nbytes}, {sides})"
     if part.has("C"):
         return part.dims, "runtime.bytes_of({})"
     return (*part.dims, Dim(("C",))), "runtime.bytes_of({}.unsqueeze(-1))"

@@ -233,11 +233,15 @@ class CacheReader:
         if first != other:
             self.fail(f"parts disagree on {axis}: {first} and {other}")
 
-    def byte_rows(self, part: int, block: bool = False) -> None:
+    def byte_rows(self, part: int, block: bool = False, run: int = 0) -> None:
         """Every tensor of a part can be read as bytes: its last dim is contiguous (and, for
-        fields inside a block, the block's N x C elements are one run)."""
+        fields inside a block, the block's N x C elements are one run; format 3: its last `run`
+        dims are one run)."""
         name = self.layout.parts[part][0] if self.layout.parts else self.layout.name
         for leaf in self._part_leaves(part):
+            if run and not _dense_tail(leaf, run):
+                self.fail(f"part {name}: each block's last {run} dims must be one contiguous run (fields fill "
+                          f"its bytes); got shape {list(leaf.shape)}, strides {list(leaf.stride())}")
             if leaf.dim() and leaf.shape[-1] > 1 and leaf.stride(-1) != 1:
                 self.fail(f"part {name}: the last dim of every tensor must be contiguous (stride 1) so its rows "
                           f"move as bytes; got strides {list(leaf.stride())}")
@@ -287,3 +291,13 @@ class CacheReader:
         empty = [f"{a}={v}" for a, v in extents.items() if v <= 0]
         if empty:
             self.fail(f"every extent must be positive, got {', '.join(empty)}")
+
+
+def _dense_tail(t: torch.Tensor, run: int) -> bool:
+    """Whether the last `run` dims of `t` are dense (row-major, stride 1 at the end)."""
+    want = 1
+    for d in range(t.dim() - 1, t.dim() - 1 - run, -1):
+        if t.shape[d] > 1 and t.stride(d) != want:
+            return False
+        want *= t.shape[d]
+    return True

@@ -47,6 +47,26 @@ def block_field(t: torch.Tensor, offset: int, nbytes: int, n: int) -> torch.Tens
     return flat.narrow(-1, offset * n, nbytes * n).unflatten(-1, (n, nbytes))
 
 
+def kv_row_field(t: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """Format 3 rows of K and V: the last dim of `t` is K's row then V's, each holding the
+    fields; bytes [offset, offset + nbytes) of each half. Returns [..., 2, nbytes]."""
+    return row_field(t.unflatten(-1, (2, -1)), offset, nbytes)
+
+
+def cell_field(t: torch.Tensor, offset: int, nbytes: int, sides: bool) -> torch.Tensor:
+    """A field laid out per run of cells (format 3): `t` ends in (H, N, C), or with `sides` in
+    ([KV, H], N, C) (the K side's heads, then the V side's); each (block, side)'s H x N x C
+    elements are one run of bytes whose region [offset * cells, (offset + nbytes) * cells)
+    holds the field of each (h, n) cell in turn (`nbytes` each). Returns [..., (2,) H, N, nbytes]."""
+    raw = bytes_of(t)
+    if sides:
+        raw = raw.unflatten(-3, (2, -1))
+    shape = tuple(raw.shape[-3:-1])
+    cells = shape[0] * shape[1]
+    flat = raw.flatten(-3)
+    return flat.narrow(-1, offset * cells, nbytes * cells).unflatten(-1, (*shape, nbytes))
+
+
 def region(t: torch.Tensor, dim: int, offset: int, shape: Sequence[int], word: int = 1) -> torch.Tensor:
     """The dense region of `shape` (bytes) that starts `offset` bytes into dim `dim` of a byte
     tensor, as `word`-byte integers (the last dim of `shape` shrinks by `word`)."""
@@ -117,11 +137,11 @@ def plane_words(g: Any, tensor: torch.Tensor, rows: bool) -> tuple[int, ...]:
 def as_words(t: torch.Tensor, size: int) -> torch.Tensor:
     """A byte view as `size`-byte integers (the last dim shrinks by `size`). The word was
     chosen from the strides of dims with more than one element; torch also checks the
-    strides of single-element dims, which address nothing, so those are set to 0 first."""
+    strides of single-element (and empty) dims, which address nothing, so those are set to 0 first."""
     if size == 1:
         return t
-    if any(n == 1 and s % size for n, s in zip(t.shape, t.stride(), strict=True)):
-        t = t.as_strided(t.shape, [0 if n == 1 else s for n, s in zip(t.shape, t.stride(), strict=True)])
+    if any(n <= 1 and s % size for n, s in zip(t.shape, t.stride(), strict=True)):
+        t = t.as_strided(t.shape, [0 if n <= 1 else s for n, s in zip(t.shape, t.stride(), strict=True)])
     return t.view(_WORDS[size])
 
 

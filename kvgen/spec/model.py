@@ -10,20 +10,18 @@ one part, or one field of a part. docs/spec-language.md has the grammar.
 from __future__ import annotations
 
 import enum
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvgen.notation import format_dim, format_layout
-from kvgen.spec.loader import Document
+from kvgen.spec.elements import BITS, Packing, split_of
+from kvgen.spec.elements import DTYPES as DTYPES  # re-exported: the planner, oracle and passes read them here
+from kvgen.spec.elements import ITEMSIZE as ITEMSIZE
 
 #: Axis letters: layer, K/V selector, block, slot-in-block, head, content, token-in-chunk.
 AXES = ("L", "KV", "B", "N", "H", "C", "T")
 #: Axes whose extent is 1 when a layout leaves them out (MLA has one plane and no heads).
 OPTIONAL_AXES = ("KV", "H")
-DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
-#: Bytes per element of each dtype.
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
 #: The list level whose entries are the parts of a format-2 cache (`lists: [L, P]`).
 PART_LEVEL = "P"
 
@@ -114,15 +112,31 @@ class Field:
     dtype: str
     count: int
     offset: int
+    #: Format 3, sub-byte fields: the order of the two values in a byte.
+    packing: Packing | None = None
+    #: Format 3, scale fields: the field whose values this one scales, `group` values per scale,
+    #: consecutive along that field's C (value c of it is scaled by value c // group of this one).
+    scales: str | None = None
+    group: int | None = None
+
+    @property
+    def bits(self) -> int:
+        return BITS[self.dtype]
 
     @property
     def itemsize(self) -> int:
-        return ITEMSIZE[self.dtype]
+        """Bytes of the smallest unit the field is addressed in (a packed byte for sub-byte types)."""
+        return max(1, self.bits // 8)
 
     @property
     def nbytes(self) -> int:
-        """Bytes per token (and head)."""
-        return self.count * self.itemsize
+        """Bytes per token (and head); a sub-byte field with an odd count ends in a half byte,
+        which the passes refuse."""
+        return -(-self.count * self.bits // 8)
+
+    @property
+    def is_sub_byte(self) -> bool:
+        return self.bits < 8
 
     @property
     def end(self) -> int:
@@ -144,7 +158,8 @@ class Shaped:
         return self.tensor_axes
 
     def has(self, axis: str) -> bool:
-        return axis in self.axes
+        """Whether the axis is held, whole or (format 3) split into tiles (`C/16`, `C%16`)."""
+        return axis in self.axes or any((split_of(a) or ("",))[0] == axis for a in self.axes)
 
     def size(self, axis: str) -> int | None:
         return dict(self.sizes).get(axis)
@@ -170,6 +185,13 @@ class Part(Shaped):
     def row_bytes(self) -> int | None:
         """Bytes of one row (or, for block fields, per token) that the fields fill."""
         return max((f.end for f in self.fields), default=0) or None
+
+    @property
+    def block_run(self) -> tuple[Dim, ...]:
+        """Block fields: the dims after B, whose elements are one run of bytes per block (per
+        K or V side, in format 3, when the run starts with KV)."""
+        i = next((j for j, d in enumerate(self.dims) if d.axes == ("B",)), len(self.dims))
+        return self.dims[i + 1:]
 
     def render(self) -> str:
         return "[" + " ".join(d.render() for d in self.dims) + "]"
@@ -241,6 +263,10 @@ class Spec(Shaped):
     #: The order the engine hands each leaf over in (`given:`), a permutation of `dims`; () when
     #: the engine hands over the memory order itself.
     given: tuple[Dim, ...] = ()
+    #: Format 3: engine family -> the engine's name for the quantization the cache stores (`quant:`).
+    quant: tuple[tuple[str, str], ...] = ()
+    #: Format 3: (tokens, slots): `tokens_per_slot: k` is (k, 1), `slots_per_token: k` is (1, k).
+    token_ratio: tuple[int, int] = (1, 1)
 
     @property
     def is_paged(self) -> bool:
@@ -305,109 +331,6 @@ class Spec(Shaped):
 def _fields_text(part: Part) -> str:
     if not part.fields:
         return ""
-    body = ", ".join(f"{f.name} {f.dtype} x{f.count}" for f in part.fields)
+    body = ", ".join(f"{f.name} {f.dtype} x{f.count}" + (f" {f.packing}" if f.packing else "")
+                     + (f" per {f.group} of {f.scales}" if f.scales else "") for f in part.fields)
     return f"{{{part.fields_in}: {body}}}"
-
-
-def _dim(value: object) -> Dim:
-    if isinstance(value, list):
-        return Dim(tuple(value))
-    if value == 1 and not isinstance(value, bool):
-        return Dim(())
-    return Dim((str(value),))
-
-
-def _sizes(data: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
-    return tuple(sorted(data.items(), key=lambda kv: AXES.index(kv[0]) if kv[0] in AXES else len(AXES)))
-
-
-def _fields(data: Mapping[str, object] | None) -> tuple[tuple[Field, ...], FieldsIn | None]:
-    """Fields of a row or block, with their byte offsets (explicit `at`, else packed)."""
-    if not data:
-        return (), None
-    where, items = next(iter(data.items()))
-    out, at = [], 0
-    for item in items:  # type: ignore[attr-defined]
-        dtype, count = item["dtype"], item["count"]
-        at = item.get("at", at)
-        out.append(Field(item["name"], dtype, count, at))
-        at += count * ITEMSIZE[dtype]
-    return tuple(out), FieldsIn(where)
-
-
-def _part(name: str, d: Mapping[str, object]) -> Part:
-    fields, where = _fields(d.get("fields"))  # type: ignore[arg-type]
-    return Part(name=name, dims=tuple(_dim(v) for v in d.get("dims", ())),  # type: ignore[attr-defined]
-                sizes=_sizes(d.get("sizes", {})), dtypes=tuple(d.get("dtypes", DTYPES)),  # type: ignore[arg-type]
-                fields=fields, fields_in=where)
-
-
-def build_spec(doc: Document, origin: str | None = None) -> Spec:
-    """Typed view of a document that passed the schema."""
-    d = doc.data
-    if d.get("pack") == Pack.GROUPS:
-        parts: tuple[Part, ...] = ()
-        dims: tuple[Dim, ...] = ()
-        dtypes: tuple[str, ...] = ("uint8",)
-    elif "parts" in d:
-        parts = tuple(_part(name, body) for name, body in d["parts"].items())
-        dims = ()
-        # Every element type some part may hold, in the canonical order.
-        dtypes = tuple(t for t in DTYPES if any(t in p.dtypes for p in parts))
-    else:
-        dims = tuple(_dim(v) for v in d["dims"])
-        dtypes = tuple(d.get("dtypes", DTYPES))
-        fields, where = _fields(d.get("fields"))
-        own = tuple((k, v) for k, v in _sizes(d.get("sizes", {})) if k == "C")
-        parts = (Part("", dims, own, dtypes, fields, where),)
-    return Spec(
-        version=d["kvgen"],
-        name=d["name"],
-        kind=Kind(d["kind"]),
-        summary=d["summary"],
-        lists=tuple(d.get("lists", ())),
-        dims=dims,
-        sizes=_sizes(d.get("sizes", {})),
-        aliases=tuple(d.get("aliases", ())),
-        lmcache_format=d.get("lmcache", {}).get("format"),
-        engines=tuple(d.get("engines", ())),
-        placement=d.get("placement", "device"),
-        dtypes=dtypes,
-        format=d.get("format"),
-        code=d.get("code"),
-        accepts=tuple(d.get("accepts", ())),
-        source=doc.file,
-        origin=origin or doc.file,
-        digest=hashlib.sha256(doc.text).hexdigest(),
-        parts=parts,
-        pack=Pack(d["pack"]) if "pack" in d else None,
-        members=tuple(d.get("members", ())),
-        versions=tuple(sorted(d.get("versions", {}).items())),
-        given=tuple(_dim(v) for v in d.get("given", ())),
-        carries=Carries(*(c if isinstance(c, str) else tuple(c) for c in (d["carries"]["groups"],
-                                                                            d["carries"]["state"])))
-        if "carries" in d else None,
-    )
-
-
-def format2_facts(spec: Spec) -> dict[str, object]:
-    """Parts, fields, planes and pack of a format-2 spec as plain data (`kvgen list --json`)."""
-    def dims(part: Part) -> list[object]:
-        return [list(d.axes) if d.is_fused else (d.axes[0] if d.axes else 1) for d in part.dims]
-
-    out: dict[str, object] = {"version": spec.version}
-    if spec.is_paged:
-        out["parts"] = [{"name": p.name, "dims": dims(p), "sizes": dict(p.sizes), "dtypes": list(p.dtypes),
-                         "fields_in": str(p.fields_in) if p.fields_in else None,
-                         "fields": [{"name": f.name, "dtype": f.dtype, "count": f.count, "offset": f.offset}
-                                    for f in p.fields]} for p in spec.parts]
-        out["moved_planes"] = [{"name": pl.name, "part": pl.part.name, "field": pl.field.name if pl.field else None,
-                          "dtype": pl.dtype, "count": pl.field.count if pl.field else None,
-                          "slots": pl.has_slots, "axes": list(pl.axes)} for pl in spec.moved_planes()]
-    if spec.pack is not None:
-        out["pack"] = str(spec.pack)
-    if spec.carries is not None:
-        out["members"] = list(spec.members)
-        out["carries"] = {k: v if isinstance(v, str) else list(v)
-                          for k, v in (("groups", spec.carries.groups), ("state", spec.carries.state))}
-    return out

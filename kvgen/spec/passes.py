@@ -185,13 +185,14 @@ def check_spec(spec: Spec, doc: Document) -> list[Problem]:
     from kvgen.spec.model import Pack
     from kvgen.spec.passes_models import check_groups_object
     from kvgen.spec.passes_v2 import PASSES_V2, check_version_features
+    from kvgen.spec.passes_v3 import PASSES_V3
 
     if spec.pack is Pack.GROUPS:
         found = (check_version_features, check_groups_object, check_accepts_self, check_reserved_format)
         return [p for check in found for p in check(spec, doc)]
     # A cache of several parts has no top-level dims: its parts are checked one by one there.
     tree = (check_lists,) if spec.is_multipart else PASSES
-    return [p for check in (*tree, *PASSES_V2) for p in check(spec, doc)]
+    return [p for check in (*tree, *PASSES_V2, *PASSES_V3) for p in check(spec, doc)]
 
 
 def _path_of(spec: Spec, axis: str) -> YamlPath:

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvgen.errors import Problem, YamlPath
 from kvgen.spec.document import Document
+from kvgen.spec.elements import tiled
 from kvgen.spec.model import ITEMSIZE, PART_LEVEL, FieldsIn, Pack, Part, Spec
 
 Pass = Callable[[Spec, Document], list[Problem]]
@@ -151,7 +152,7 @@ def check_rows_as_bytes(spec: Spec, doc: Document) -> list[Problem]:
         return []
     out = []
     for part in spec.parts:
-        if not part.has("C"):
+        if not part.has("C") or tiled(part.tensor_axes):  # format 3 tiles: kvgen.spec.passes_v3
             continue
         last = part.dims[-1].axes if part.dims else ()
         if last[-1:] != ("C",):
@@ -179,11 +180,15 @@ def _fields_problems(spec: Spec, part: Part, doc: Document) -> list[Problem]:
     out = []
     dims = part.dims
     plain = [d.axes[0] if len(d.axes) == 1 else None for d in dims]
-    if part.fields_in is FieldsIn.ROW and plain[-1:] != ["C"]:
-        out.append(doc.problem((*here, "dims"), "row fields fill C: the last dim must be C on its own"))
-    if part.fields_in is FieldsIn.BLOCK and plain[-3:] != ["B", "N", "C"]:
+    kv_rows = bool(dims) and dims[-1].axes == ("KV", "C")  # format 3: K's C, then V's, each holding the fields
+    if part.fields_in is FieldsIn.ROW and plain[-1:] != ["C"] and not kv_rows:
+        out.append(doc.problem((*here, "dims"), "row fields fill C: the last dim must be C on its own "
+                                                "(or, in format 3, [KV, C])"))
+    if part.fields_in is FieldsIn.BLOCK and plain[-3:] != ["B", "N", "C"] \
+            and not (spec.version >= 3 and block_cells(part)):
         out.append(doc.problem((*here, "dims"), "block fields fill a block: the dims must end with B, N, C "
-                                                "(each block's N x C elements hold the fields' regions)"))
+                                                "(each block's N x C elements hold the fields' regions; kvgen: 3 also "
+                                                "allows B, H, N, C and B, [KV, H], N, C)"))
     if len(part.dtypes) != 1:
         out.append(doc.problem((*here, "dtypes") if "dtypes" in _raw(doc, here) else (*here, "fields"),
                                f"a part with fields is stored as one dtype (e.g. dtypes: [uint8]); "
@@ -218,6 +223,16 @@ def _fields_problems(spec: Spec, part: Part, doc: Document) -> list[Problem]:
             out.append(doc.problem((*here, "sizes", "C"), f"C is {part.size('C')}, but the fields fill {end} "
                                                           f"bytes per {what} ({end // item} {storage} elements)"))
     return out
+
+
+#: Format 3: the runs after B that block fields may fill besides [N, C]: every head's cells of a
+#: block, or each K and V side's (vLLM NVFP4: [K data | K scales | V data | V scales] per page).
+BLOCK_CELLS = ((("H",), ("N",), ("C",)), (("KV",), ("H",), ("N",), ("C",)), (("KV", "H"), ("N",), ("C",)))
+
+
+def block_cells(part: Part) -> bool:
+    """Whether a part's dims after B are one of the format-3 runs of block fields."""
+    return tuple(d.axes for d in part.block_run) in BLOCK_CELLS and part.dims[0].axes == ("B",)
 
 
 def _raw(doc: Document, path: YamlPath) -> Any:

@@ -44,6 +44,8 @@ _PATTERN_WORDS = {
     "^[^\\n]*(?!\\n)$": "a single line (no line break, not even a trailing one)",
     RANGE: "a range of releases, comma-separated comparisons (e.g. '>=0.33,<0.34')",
     "^[a-z][a-z0-9_]*$": "an engine family in lowercase (e.g. vllm, sglang)",
+    "^(N|H|C)[/%][1-9][0-9]{0,3}$": "an axis, or (format 3) N, H or C split as tile and place, e.g. C/16 "
+                                    "and C%16",
 }
 
 
@@ -97,7 +99,8 @@ def _describe(error: jsonschema.ValidationError) -> str:
         return "fields holds one list: row (fields of each row) or block (fields of each block)"
     if v == "anyOf" and _is_dim(error):
         return (f"{short(value)} is not a dim: expected an axis letter ({_AXES_WORDS}), "
-                "1 for a singleton, or a list of 2-4 axis letters for a fused axis")
+                "1 for a singleton, a list of 2-4 axis letters for a fused axis, or (format 3) N, H or C "
+                "split as tile and place (C/16 with C%16)")
     return one_line(error.message)
 
 

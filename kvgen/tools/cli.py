@@ -16,8 +16,8 @@ from kvgen.errors import KVGenError, SpecError, display_path
 from kvgen.oracle.address import explain_lines, symbolic_address
 from kvgen.plan.kernel_parts import kernel_grid
 from kvgen.plan.package import plan_connectors as plan_library
+from kvgen.spec.describe import format2_facts
 from kvgen.spec.library import BUILTIN_SPECS
-from kvgen.spec.model import format2_facts
 from kvgen.spec.models import model_facts
 from kvgen.spec.transfers import load_transfers
 from kvgen.tools import pd

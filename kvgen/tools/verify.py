@@ -19,6 +19,7 @@ from typing import Any
 from kvgen.errors import KVGenError, display_path
 from kvgen.oracle.facts_groups import GROUPS_FACTS
 from kvgen.oracle.facts_models import model_disagreement
+from kvgen.oracle.facts_quant import UNITS, units_disagreement
 from kvgen.spec.library import BUILTIN_SPECS
 from kvgen.tools import verify_connectors, verify_engines, verify_models, verify_transfers
 from kvgen.tools.paths import rebuild_command
@@ -60,6 +61,8 @@ def _check_facts(library: Any) -> int:
     tables = (FACTS, PARTS_FACTS, PACKED_FACTS, GROUPS_FACTS)
     checked = [s for s in library.specs if any(s.name in t for t in tables)]
     wrong = [(s.name, why) for s in checked if (why := disagreement(s, geometry)) is not None]
+    # Format 3: which nibble comes first and which scale scales which values (facts_quant.UNITS).
+    wrong += [(s.name, why) for s in checked if s.name in UNITS and (why := units_disagreement(s)) is not None]
     for name, why in wrong:
         print(f"kvgen verify: spec {name} disagrees with the engine's facts: {why}", file=sys.stderr)
     print(f"{len(checked) - len(wrong)} of {len(checked)} built-in specs agree with the engines' facts")

@@ -42,9 +42,11 @@ class BenchContext:
 
 #: Defaults from the issue: every MHA layout against kv_2ltd, the MLA layouts against
 #: kv_mla, and each with its layerwise partner (kv_t2d, kv_mla_layer); one cache of several
-#: planes (spec format 2: SGLang's K and V of different head sizes) against kv_planes.
+#: planes (spec format 2: SGLang's K and V of different head sizes) and two quantized ones
+#: (format 3: vLLM's NVFP4 pages and INT8 rows with inline scales) against kv_planes.
 DEFAULT_LAYOUTS = ("vllm_flash_attn_nhd", "vllm_flash_attn_hnd", "vllm_flashinfer_nhd", "vllm_kv_tuple",
-                   "vllm_cross_layer", "sglang_mha", "vllm_mla", "sglang_mla", "sglang_mha_v_head")
+                   "vllm_cross_layer", "sglang_mha", "vllm_mla", "sglang_mla", "sglang_mha_v_head",
+                   "vllm_nvfp4", "vllm_int8_per_token_head")
 DEFAULT_OBJECTS = ("kv_2ltd", "kv_t2d", "kv_mla", "kv_mla_layer", "kv_planes")
 #: 8192 tokens is a 1 GiB object at the default geometry; on a 2-core CPU the full
 #: default run would take well over the 3 minutes budgeted, so the default stops at 2048.

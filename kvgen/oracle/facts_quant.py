@@ -1,0 +1,148 @@
+"""Facts about vLLM 0.33's quantized caches (kv_quant_mode), written from its sources without
+reading specs; merged into kvgen.oracle.facts_parts.PARTS_FACTS (which imports this module),
+so tests/test_facts*.py and `kvgen verify` compare the built-in specs with them.
+
+Sources (vllm-project/vllm 0.33.0):
+* vllm/v1/kv_cache_interface.py: AttentionSpec.num_heads (num_head_slots, else num_kv_heads),
+  state_content_size_bytes (state_content_bytes, else K and V content), the logical per-layer
+  view [B, H, N, C]; KVCacheLayout LBNHC stores it as [B, N, H, C], LBHNC as it is.
+* vllm/v1/attention/backends/triton_attn.py: customize_spec, for the per-token-head modes
+  C = (hs_k + hs_v) * dtype size + 2 * 4 (INT4: each head size halved, two values per byte);
+  _ensure_scale_caches: per (head, slot) [K (hs) | K scale fp32 | V (hs) | V scale fp32].
+* vllm/v1/attention/ops/int4_per_token_head.py: pack_int4_nibbles (value 2j low).
+* vllm/v1/attention/backends/flashinfer.py: customize_spec for NVFP4, num_head_slots 2 * H and C =
+  nvfp4_kv_cache_full_dim(hs) = hs // 2 + hs // 16; _nvfp4_kv_views: a page is [K side | V side],
+  each H * N * C bytes; vllm/utils/torch_utils.py nvfp4_split_data_scale: a side is every
+  (head, slot) cell's hs // 2 data bytes, then every cell's hs // 16 fp8 scales (one per 16 values).
+
+The built-in specs are for head size 128, as stated here.
+"""
+
+from __future__ import annotations
+
+from kvgen.oracle.fact_table import EngineGeometry as Geometry
+from kvgen.oracle.parts_fact import PartFact, PartsFact, PlaneFact, width
+from kvgen.spec.model import Spec
+
+#: This module's entries, merged into kvgen.oracle.facts_parts.PARTS_FACTS there.
+QUANT_PARTS_FACTS: dict[str, PartsFact] = {}
+
+
+def _register(fact: PartsFact) -> None:
+    QUANT_PARTS_FACTS[fact.name] = fact
+
+
+#: The head size of the built-in quantized specs.
+HEAD = 128
+#: One (head, slot, side) of a Triton per-token-head cache: data bytes, then a 4-byte fp32 scale.
+SCALE = 4
+
+
+def _triton(name: str, storage: str, values: str, data_bytes: int) -> PartsFact:
+    half = data_bytes + SCALE  # each of K's and V's share of C
+
+    def at(start: int, size: int):  # noqa: ANN202 (a PlaneAddress)
+        return lambda g, layer, kv, slot, h, c: ((layer,), (slot // g.N, slot % g.N, h, kv * half + start + c * size),
+                                                 0)
+
+    return PartsFact(
+        name, (("list", "L"),), (PartFact("", lambda g: (g.B, g.N, g.H, 2 * half), (storage,)),),
+        (PlaneFact("values", 0, values, lambda g: data_bytes, True, True, True, at(0, 1)),
+         PlaneFact("scale", 0, "float32", lambda g: 1, True, True, True, at(data_bytes, SCALE))),
+        fixed={"KV": 2})
+
+
+_register(_triton("vllm_int8_per_token_head", "int8", "int8", HEAD))
+_register(_triton("vllm_fp8_per_token_head", "uint8", "float8_e4m3fn", HEAD))
+# Two int4 values per byte: the plane moves HEAD // 2 packed bytes.
+_register(_triton("vllm_int4_per_token_head", "uint8", "int4", HEAD // 2))
+
+NVFP4_DATA, NVFP4_SCALES = HEAD // 2, HEAD // 16
+NVFP4_CELL = NVFP4_DATA + NVFP4_SCALES
+
+
+def _nvfp4(start: int, size: int):  # noqa: ANN202 (a PlaneAddress)
+    """Byte c of a cell's region (data at 0, scales after every cell's data) in side kv of a page."""
+    def where(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int):  # noqa: ANN202
+        cells = g.H * g.N
+        byte = kv * cells * NVFP4_CELL + start * cells + (h * g.N + slot % g.N) * size + c
+        row, col = divmod(byte, NVFP4_CELL)
+        return (layer,), (slot // g.N, row // g.N, row % g.N, col), 0
+    return where
+
+
+_register(PartsFact(
+    "vllm_nvfp4", (("list", "L"),), (PartFact("", lambda g: (g.B, 2 * g.H, g.N, NVFP4_CELL), ("uint8",)),),
+    (PlaneFact("values", 0, "fp4_e2m1", lambda g: NVFP4_DATA, True, True, True, _nvfp4(0, NVFP4_DATA)),
+     PlaneFact("scale", 0, "float8_e4m3fn", lambda g: NVFP4_SCALES, True, True, True,
+               _nvfp4(NVFP4_DATA, NVFP4_SCALES))),
+    fixed={"KV": 2}))
+
+
+# -- SGLang 0.5.23 quantized pools (sglang/srt/mem_cache/memory_pool.py) ----------------------------
+# MHATokenToKVPoolFP4: (k_buffer, v_buffer, k_scale_buffer, v_scale_buffer), each a list over layers;
+# K and V [rows, heads, head_dim // 2] uint8, scales [rows, heads * head_dim // 16] uint8.
+# MLATokenToKVPoolFP4: (kv_buffer, kv_scale_buffer); [rows, 1, kv_cache_dim // 2], [rows, kv_cache_dim // 16].
+PAIR_OF_LISTS = (("seq", "P"), ("list", "L"))
+MLA_DIM = 576
+
+
+def _pool(part: int, heads: bool, flat: int):  # noqa: ANN202 (a PlaneAddress)
+    """Value c of a row: [rows, heads, C], or without heads [rows, 1, C] (flat 0) or [rows, C]."""
+    def where(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int):  # noqa: ANN202
+        if heads:
+            return (part, layer), (slot, h, c), 0
+        return (part, layer), ((slot, 0, c) if flat == 0 else (slot, c)), 0
+    return where
+
+
+_register(PartsFact(
+    "sglang_mha_fp4", PAIR_OF_LISTS,
+    (PartFact("k", lambda g: (g.B * g.N, g.H, HEAD // 2), ("uint8",)),
+     PartFact("v", lambda g: (g.B * g.N, g.H, HEAD // 2), ("uint8",)),
+     # Scale rows are heads * head_dim // 16 bytes, a width the spec reads from the tensor: here, as
+     # for every free width in these tables, the part's test width (tests/test_engine_sglang_quant.py
+     # binds SGLang's own pool, whose rows are 8 per head).
+     PartFact("k_scale", lambda g: (g.B * g.N, width(g, 2)), ("uint8",)),
+     PartFact("v_scale", lambda g: (g.B * g.N, width(g, 3)), ("uint8",))),
+    (PlaneFact("k.values", 0, "fp4_e2m1", lambda g: HEAD // 2, False, True, True, _pool(0, True, 0)),
+     PlaneFact("v.values", 1, "fp4_e2m1", lambda g: HEAD // 2, False, True, True, _pool(1, True, 0)),
+     # A token's scales of every head are one row.
+     PlaneFact("k_scale", 2, "uint8", lambda g: width(g, 2), False, False, True, _pool(2, False, 1)),
+     PlaneFact("v_scale", 3, "uint8", lambda g: width(g, 3), False, False, True, _pool(3, False, 1)))))
+
+_register(PartsFact(
+    "sglang_mla_fp4", PAIR_OF_LISTS,
+    (PartFact("kv", lambda g: (g.B * g.N, 1, MLA_DIM // 2), ("uint8",)),
+     PartFact("scale", lambda g: (g.B * g.N, MLA_DIM // 16), ("uint8",))),
+    (PlaneFact("kv.values", 0, "fp4_e2m1", lambda g: MLA_DIM // 2, False, False, True, _pool(0, False, 0)),
+     PlaneFact("scale", 1, "uint8", lambda g: MLA_DIM // 16, False, False, True, _pool(1, False, 1)))))
+
+
+# -- packed units: packing order and scale groups, from the same sources ------------------------------
+#: Per spec and plane: (packing of a sub-byte plane, the plane a scale plane scales, values per scale).
+#: vLLM: pack_int4_nibbles and break_fp4_bytes put value 2j low; the Triton modes keep one fp32 scale
+#: per head and token (a group of the whole head), NVFP4 one fp8 scale per 16 values. SGLang's
+#: FP4MXBlock16KVQuantizeUtil packs low first; its UE8M0 scales are tensors of their own (parts).
+UNITS: dict[str, dict[str, tuple[str | None, str | None, int | None]]] = {
+    "vllm_int8_per_token_head": {"values": (None, None, None), "scale": (None, "values", HEAD)},
+    "vllm_fp8_per_token_head": {"values": (None, None, None), "scale": (None, "values", HEAD)},
+    "vllm_int4_per_token_head": {"values": ("low_first", None, None), "scale": (None, "values", HEAD)},
+    "vllm_nvfp4": {"values": ("low_first", None, None), "scale": (None, "values", 16)},
+    "sglang_mha_fp4": {"k.values": ("low_first", None, None), "v.values": ("low_first", None, None),
+                       "k_scale": (None, None, None), "v_scale": (None, None, None)},
+    "sglang_mla_fp4": {"kv.values": ("low_first", None, None), "scale": (None, None, None)},
+}
+
+
+def units_disagreement(spec: Spec) -> str | None:
+    """The first plane whose packing or scale group differs from the sources, or None."""
+    want = UNITS.get(spec.name)
+    if want is None:
+        return f"no packed-unit facts for {spec.name}"
+    for plane in spec.moved_planes():
+        f = plane.field
+        got = (str(f.packing) if f and f.packing else None, f.scales if f else None, f.group if f else None)
+        if want.get(plane.name) != got:
+            return f"plane {plane.name}: packing, scales, group {got}, the source says {want.get(plane.name)}"
+    return None

@@ -1,0 +1,61 @@
+"""Element types of specs: the dtypes a tensor may be stored as, and (format 3) the sub-byte
+and scale types a field may hold, with how two sub-byte values share a byte. No torch here."""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Mapping
+
+DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
+#: Bytes per element of each dtype.
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
+#: Format 3: element types only a field may have (a tensor is stored as one of DTYPES). The
+#: sub-byte types hold two values per byte, in the field's `packing` order; ue8m0 is a power-of-two
+#: scale (an fp8 exponent), one byte.
+SUB_BYTE = ("fp4_e2m1", "int4", "uint4")
+FIELD_DTYPES = (*DTYPES, *SUB_BYTE, "ue8m0")
+#: Bits per value of every field dtype.
+BITS = {**{t: 8 * n for t, n in ITEMSIZE.items()}, **dict.fromkeys(SUB_BYTE, 4), "ue8m0": 8}
+#: The element types a scale field may have.
+SCALE_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "ue8m0")
+
+__all__ = ["BITS", "DTYPES", "FIELD_DTYPES", "ITEMSIZE", "SCALE_DTYPES", "SUB_BYTE", "Packing", "split_extents",
+           "split_of", "tiled"]
+
+#: Format 3 split (tiled) axes: `C/16` is the index c // 16 and `C%16` the index c % 16 of an
+#: axis split into (C / 16, 16) tiles; N (the slot in a block) and H split alike.
+SPLIT = re.compile(r"^(N|H|C)([/%])([1-9][0-9]{0,3})$")
+
+
+def split_of(axis: str) -> tuple[str, str, int] | None:
+    """(base axis, "/" or "%", factor) of a split axis name, or None for a plain axis."""
+    m = SPLIT.match(axis)
+    return (m.group(1), m.group(2), int(m.group(3))) if m else None
+
+
+class Packing(str, enum.Enum):
+    """Which value of a byte of a sub-byte field comes first: value 2j in the low nibble and
+    2j + 1 in the high one (`low_first`, vLLM's pack_int4_nibbles), or the other way round."""
+
+    LOW_FIRST = "low_first"
+    HIGH_FIRST = "high_first"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+def tiled(axes: Iterable[str]) -> bool:
+    """Whether any of these axis names is a split (format 3 tiles)."""
+    return any(split_of(a) is not None for a in axes)
+
+
+def split_extents(axes: Iterable[str], ext: Mapping[str, int]) -> dict[str, int]:
+    """The extent of each split axis among `axes`: C/16 has C // 16, C%16 has 16."""
+    out = {}
+    for a in axes:
+        split = split_of(a)
+        if split is not None:
+            base, op, f = split
+            out[a] = ext[base] // f if op == "/" else f
+    return out
