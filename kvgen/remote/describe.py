@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from kvgen import generated
-from kvgen.runtime import native
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, PagedLayout
+from kvgen.runtime.movers import native as native_mover
 
 #: Bump when the fields of a description change meaning.
 VERSION = 1
@@ -109,13 +109,18 @@ class CacheDescription:
 
 
 @cache
-def layout_of(name: str) -> tuple[PagedLayout, Any]:
-    """The paged layout named `name` (a spec name or alias) and its generated geometry reader."""
+def _connector(name: str) -> Any:
+    """A generated connector class of the paged layout named `name` (a spec name or alias)."""
     spec = generated.resolve(name)
     obj = next((o for layout, o in generated.CONNECTORS if layout == spec), None)
     if obj is None:
         raise KVLayoutError(f"{spec} is not a paged layout with generated connectors; a description needs one")
-    cls = generated.get(spec, obj)
+    return generated.get(spec, obj)
+
+
+def layout_of(name: str) -> tuple[PagedLayout, Any]:
+    """The paged layout named `name` (a spec name or alias) and its generated geometry reader."""
+    cls = _connector(name)
     return cls.layout, cls.read_geometry
 
 
@@ -168,6 +173,7 @@ def describe(caches: Any, layout: str, *, tp_rank: int, tp_size: int, device_id:
     heads times tp_size (pass it when heads are replicated, tp_size > num_kv_heads).
     KVLayoutError when the caches do not match the layout."""
     paged, read_geometry = layout_of(layout)
+    places = _connector(paged.name).program.cache_places  # where each axis lives, as the planner placed it
     if paged.parts:
         raise KVLayoutError(f"{paged.name} has several parts; remote transfers move single-part layouts")
     _check_ranks(tp_rank, tp_size, device_id)
@@ -177,7 +183,7 @@ def describe(caches: Any, layout: str, *, tp_rank: int, tp_size: int, device_id:
     if any(t.stride() != first.stride() for t in tensors[1:]):
         raise KVLayoutError(f"{paged.name}: every cache tensor must have the same strides to be described")
     ext = g.extents()
-    strides = native._strides(paged.dims, first, ext, g.N is None)
+    strides = native_mover.strides(places, first, ext)
     mla = not paged.has("H")
     heads = 1 if mla else (num_kv_heads if num_kv_heads is not None else g.H * tp_size)
     extents = (("L", g.L), ("KV", g.KV), ("H", g.H), ("C", g.C), ("S", g.S), ("N", g.N or 0))

@@ -59,8 +59,8 @@ def _prefill(conn: Any, req: Request) -> None:
             tree = caches(req, req.src, rank, True)
             d = remote.describe(tree, req.src.layout, tp_rank=rank, tp_size=req.src.tp, num_kv_heads=req.heads)
             workers.append(nixl.Worker(f"prefill-{rank}", tree, d))
-    except KVGenError as why:
-        conn.send(str(why))
+    except Exception as why:  # any failure comes back as one message, never as a silent exit
+        conn.send(_said(why))
         return
     conn.send([w.handshake() for w in workers])
     conn.recv()  # the decode side is done reading
@@ -166,17 +166,29 @@ def _decode(conn: Any, req: Request) -> None:
     sources = [caches(req, req.src, r, True) for r in range(req.src.tp)]
     try:
         conn.send([_decode_rank(req, r, handshakes, sources) for r in range(req.dst.tp)])
-    except KVGenError as why:
-        conn.send(str(why))
+    except Exception as why:  # any failure comes back as one message, never as a silent exit
+        conn.send(_said(why))
+
+
+def _said(why: Exception) -> str:
+    """A child's failure as the parent reports it: kvgen's own errors as they are, others with their type."""
+    return str(why) if isinstance(why, KVGenError) else f"{type(why).__name__}: {why}"
 
 
 def _relay(prefill: Any, decode: Any) -> Any:
-    handshakes = prefill.recv()
+    try:
+        handshakes = prefill.recv()
+    except EOFError:
+        decode.send([])
+        return "the prefill process ended before it sent its handshakes"
     if isinstance(handshakes, str):
         decode.send([])
         return handshakes
     decode.send(handshakes)
-    return decode.recv()
+    try:
+        return decode.recv()
+    except EOFError:
+        return "the decode process ended before it sent its result"
 
 
 def run(req: Request) -> list[dict[str, Any]]:
@@ -187,6 +199,8 @@ def run(req: Request) -> list[dict[str, Any]]:
     procs = [ctx.Process(target=_prefill, args=(pre_child, req)), ctx.Process(target=_decode, args=(dec_child, req))]
     for p in procs:
         p.start()
+    pre_child.close()  # each child holds its own end: a child that dies is an EOF here, not a wait forever
+    dec_child.close()
     try:
         result = _relay(pre, dec)
     finally:

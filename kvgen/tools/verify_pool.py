@@ -13,7 +13,9 @@ crosses the process boundary.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -71,7 +73,17 @@ def _start(inputs: Inputs, check: Check, threads: int) -> None:
     import torch  # torch: only in a worker, which checks rows
 
     torch.set_num_threads(threads)  # N workers share the cores instead of each taking all of them
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_with, args=(parent.sentinel,), daemon=True).start()
     _worker["ctx"], _worker["check"] = load(inputs), check
+
+
+def _exit_with(sentinel: int) -> None:
+    """End this worker once verify's process is gone (killed, say): a pool's workers would
+    otherwise wait for rows forever."""
+    multiprocessing.connection.wait([sentinel])
+    os._exit(1)
 
 
 def _run(task: Task) -> tuple[bool, ...]:
