@@ -173,12 +173,14 @@ def planes_views(plan: PartsPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
     objects = [line for line in plan.preamble if not line.startswith("wd = ")]
     objects.insert(1, "wd = (1,) * len(g.planes)  # bytes")
     objects.append("return (")
-    objects += [f"    {pc.copy.object_view.expr},  # plane {pc.plane.name}: {' '.join(pc.copy.object_view.axes)}"
-                for pc in plan.planes]
+    for pc in plan.planes:  # each plane's comment on a line of its own: views can be long
+        objects += [f"    # plane {pc.plane.name}: {' '.join(pc.copy.object_view.axes)}",
+                    f"    {pc.copy.object_view.expr},"]
     objects.append(")")
     leaves = ["wd = (1,) * len(g.planes)  # bytes", "return ("]
     for pc in plan.planes:
-        leaves += [f"    tuple({pc.copy.cache_view.expr}  # plane {pc.plane.name}: {' '.join(pc.copy.cache_view.axes)}",
+        leaves += [f"    # plane {pc.plane.name}: {' '.join(pc.copy.cache_view.axes)}",
+                   f"    tuple({pc.copy.cache_view.expr}",
                    "          for layer in range(g.L)),"]
     leaves.append(")")
     return tuple(objects), tuple(leaves)
