@@ -172,8 +172,9 @@ def describe(caches: Any, layout: str, *, tp_rank: int, tp_size: int, device_id:
     `tp_size`. `num_kv_heads`: the model's KV heads over all ranks; by default this rank's
     heads times tp_size (pass it when heads are replicated, tp_size > num_kv_heads).
     KVLayoutError when the caches do not match the layout."""
-    paged, read_geometry = layout_of(layout)
-    places = _connector(paged.name).program.cache_places  # where each axis lives, as the planner placed it
+    cls = _connector(layout)
+    paged, read_geometry = cls.layout, cls.read_geometry
+    places = cls.program.cache_places  # where each axis lives, as the planner placed it
     if paged.parts:
         raise KVLayoutError(f"{paged.name} has several parts; remote transfers move single-part layouts")
     _check_ranks(tp_rank, tp_size, device_id)

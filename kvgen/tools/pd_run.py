@@ -4,6 +4,7 @@ decode processes, the ranks' caches and slot tables, the expected caches, NIXL's
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import multiprocessing
@@ -204,7 +205,8 @@ def run(req: Request) -> list[dict[str, Any]]:
     try:
         result = _relay(pre, dec)
     finally:
-        pre.send("done")  # (again, after a failure: the prefill process waits for it)
+        with contextlib.suppress(OSError):  # a prefill process that ended already has no pipe to hear it
+            pre.send("done")  # (again, after a failure: the prefill process waits for it)
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
