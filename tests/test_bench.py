@@ -5,6 +5,7 @@ the machine."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import random
@@ -17,6 +18,7 @@ from kvgen import generated
 from kvgen.oracle.reference import fill_cache, leaf_shape, nest
 from kvgen.spec.library import load_library
 from kvgen.tools import bench
+from kvgen.tools.bench import plot as bench_plot
 from kvgen.tools.bench import report
 from kvgen.tools.bench.baseline import NaiveConnector
 from kvgen.tools.bench.measure import (
@@ -230,10 +232,40 @@ def test_a_wrong_per_group_path_is_reported(monkeypatch: pytest.MonkeyPatch, cap
     assert "model connector and per-group path DISAGREED on 1 of 2 rows" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")
-def test_plot_without_matplotlib_is_a_clear_error(tmp_path: Path, capsys) -> None:
+def test_plot_without_matplotlib_is_a_clear_error(tmp_path: Path, capsys, monkeypatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     assert main(["bench", "--plot", str(tmp_path / "p.png")]) == 2
     assert "pip install 'kvgen[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_plot_sweeps_chunk_sizes_unless_tokens_are_given() -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.tokens_of(parser.parse_args(["--plot", "p.png"])) == list(bench_plot.SWEEP_TOKENS)
+    assert bench.tokens_of(parser.parse_args([])) == list(bench.DEFAULT_TOKENS)
+    assert bench.tokens_of(parser.parse_args(["--plot", "p.png", "--tokens", "8,32"])) == [8, 32]
+    assert bench_plot.SWEEP_TOKENS[0] == 16 and bench_plot.SWEEP_TOKENS[-1] == 8192
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="`pip install 'kvgen[plot]'` draws plots")
+def test_plot_draws_gbps_against_tokens_per_connector(tmp_path: Path) -> None:
+    image, doc = tmp_path / "p.png", tmp_path / "p.json"
+    assert main(["bench", "--layouts", "NHD,HND", "--objects", "kv_2ltd", "--tokens", "8,16", *TINY,
+                 "--transfers", "vllm_flash_attn_hnd:vllm_flash_attn_nhd", "--quiet",
+                 "--plot", str(image), "--json", str(doc)]) == 0
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    found = {title: lines for title, lines, _ in bench_plot.panels(json.loads(doc.read_text()))}
+    assert set(found) == {"connectors, store", "connectors, load", "layout-to-layout transfers"}
+    for title in ("connectors, store", "connectors, load"):
+        assert sorted(found[title]) == ["vllm_flash_attn_hnd kv_2ltd whole native",
+                                        "vllm_flash_attn_nhd kv_2ltd whole native"]
+        assert all([t for t, _, _ in points] == [8, 16] for points in found[title].values())
+    transfers = found["layout-to-layout transfers"]
+    assert sorted(transfers) == ["vllm_flash_attn_hnd -> vllm_flash_attn_nhd layers",
+                                 "vllm_flash_attn_hnd -> vllm_flash_attn_nhd whole"]
+    assert all([t for t, _, _ in points] == [8, 16] for points in transfers.values())
 
 
 # Heads outermost with K/V packed in each head's content: no built-in layout has this.

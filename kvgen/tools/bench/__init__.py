@@ -14,7 +14,8 @@ The package by job:
   baseline  the memcpy and naive contenders
   measure   rotated, paired timing and spreads (pure Python)
   run       one run: caches, agreement checks, timings, check costs
-  report    tables, JSON, plot
+  report    tables, JSON
+  plot      GB/s and x memcpy against tokens per chunk (--plot)
 This module holds the command line; it imports no torch, as `kvgen build` loads it.
 """
 
@@ -32,6 +33,7 @@ from typing import Any
 from kvgen.errors import KVGenError, SpecError
 from kvgen.spec.library import load_library
 from kvgen.tools.bench.busy import neighbour
+from kvgen.tools.bench.plot import SWEEP_TOKENS, draw
 from kvgen.tools.bench.targets import DEFAULT_LAYOUTS, DEFAULT_OBJECTS, DEFAULT_TOKENS, MLA_C, every_builtin
 
 #: Default transfer rows (kept here too: this module imports no torch).
@@ -96,8 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-size", type=_positive, default=128,
                    help=f"head size (MLA layouts use C = {MLA_C}; default: 128)")
     p.add_argument("--block-size", type=_positive, default=16, help="slots per block, N (default: 16)")
-    p.add_argument("--tokens", type=_tokens, default=list(DEFAULT_TOKENS), metavar="T,T",
+    p.add_argument("--tokens", type=_tokens, default=None, metavar="T,T",
                    help="tokens per chunk, comma list (default: " + ",".join(map(str, DEFAULT_TOKENS)) +
+                        "; with --plot " + ",".join(map(str, SWEEP_TOKENS)) +
                         "; 8192 is 1 GiB per object at the default geometry)")
     p.add_argument("--dtype", default="bfloat16", help="element type of caches and objects (default: bfloat16)")
     p.add_argument("--alloc", choices=("contiguous", "random"), default="random",
@@ -110,7 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of cache contents and block allocation")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write all figures and machine facts")
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
-                   help="draw the figures (needs matplotlib: pip install 'kvgen[plot]')")
+                   help="draw GB/s and the ratio to memcpy against tokens per chunk, a line per connector (needs "
+                        "matplotlib: pip install 'kvgen[plot]'); without --tokens it sweeps "
+                        + ",".join(map(str, SWEEP_TOKENS)) + " tokens: choose the set with --layouts/--objects")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--backend", type=_backends, default=["auto"], metavar="B,B",
                    help="copy backends to time, comma list of auto (what a connector picks by default), native "
@@ -162,9 +167,17 @@ def _write(args: argparse.Namespace, data: dict[str, Any], plot: Callable[[dict[
         print(f"wrote {args.plot}")
 
 
+def tokens_of(args: argparse.Namespace) -> list[int]:
+    """The chunk sizes to measure: --tokens, else the sweep of --plot, else the short default."""
+    if args.tokens is not None:
+        return list(args.tokens)
+    return list(SWEEP_TOKENS if args.plot is not None else DEFAULT_TOKENS)
+
+
 def main(args: argparse.Namespace) -> int:
     """Exit status: 0, 1 when the naive baseline disagreed with a connector, 2 for a
     selection or option that cannot run (the message names the valid choices)."""
+    args.tokens = tokens_of(args)
     if getattr(args, "remote", None) or getattr(args, "costs", False):
         from kvgen.tools.bench import remote  # torch and nixl: the command line above stays torch-free
 
@@ -191,9 +204,10 @@ def main(args: argparse.Namespace) -> int:
         return 2
     machine = report.machine_facts(str(args.device))
     print(report.text(result, machine))
-    _write(args, report.as_json(result, machine), report.plot)
+    _write(args, report.as_json(result, machine), draw)
     return 1 if any(r.naive_matches is False for r in result.rows) or any(
         not r.matches for r in (*result.transfers, *result.models)) else 0
 
 
-__all__ = ["DEFAULT_LAYOUTS", "DEFAULT_MODELS", "DEFAULT_OBJECTS", "DEFAULT_TOKENS", "MLA_C", "add_arguments", "main"]
+__all__ = ["DEFAULT_LAYOUTS", "DEFAULT_MODELS", "DEFAULT_OBJECTS", "DEFAULT_TOKENS", "MLA_C", "add_arguments", "main",
+           "tokens_of"]

@@ -1,5 +1,5 @@
 """What a bench run prints and writes: the machine's facts, the figures table with the
-memcpy-stability flag, the check-cost table, the JSON file and the plot."""
+memcpy-stability flag, the check-cost table and the JSON document (plot.py draws it)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import datetime
 import os
 import platform
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -114,34 +113,3 @@ def text(result: Result, machine: dict[str, Any]) -> str:
     if result.models:
         out += model_text(result.models)
     return "\n".join(out)
-
-
-def plot(data: dict[str, Any], path: Path) -> None:
-    """Bars of kvgen, naive and memcpy GB/s per connector; one panel per token count and direction."""
-    import matplotlib  # optional (the plot extra): only `kvgen bench --plot` needs it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"): no display needed
-
-    rows = data["rows"]
-    tokens = sorted({r["tokens"] for r in rows})
-    fig, axes = plt.subplots(len(tokens), 2, figsize=(14, 3.6 * len(tokens)), squeeze=False)
-    for i, t in enumerate(tokens):
-        for j, d in enumerate(("store", "load")):
-            ax = axes[i][j]
-            sel = [r for r in rows if r["tokens"] == t and r["dir"] == d]
-            xs = range(len(sel))
-            width = 0.27
-            for k, (key, label) in enumerate((("gbps", "kvgen"), ("naive_gbps", "naive"), ("memcpy_gbps", "memcpy"))):
-                ax.bar([x + (k - 1) * width for x in xs], [r[key] or 0.0 for r in sel], width, label=label)
-            ax.set_xticks(list(xs))
-            ax.set_xticklabels([f"{r['layout']}\n{r['obj']}{' (!)' if r['memcpy_unstable'] else ''}" for r in sel],
-                               rotation=60, ha="right", fontsize=7)
-            ax.set_ylabel("GB/s")
-            ax.set_title(f"{d}, T={t}")
-            ax.legend(fontsize=7)
-    m = data["machine"]
-    fig.suptitle(f"kvgen bench on {m['device']} ({m['cpu_model']}, {m['cpu_count']} CPUs, torch {m['torch']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
