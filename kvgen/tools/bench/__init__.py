@@ -15,6 +15,7 @@ The package by job:
   measure   rotated, paired timing and spreads (pure Python)
   run       one run: caches, agreement checks, timings, check costs
   report    tables, JSON
+  goals     the speed targets, judged on the run's own figures
   plot      GB/s and x memcpy against tokens per chunk (--plot)
 This module holds the command line; it imports no torch, as `kvgen build` loads it.
 """
@@ -32,6 +33,7 @@ from typing import Any
 
 from kvgen.errors import KVGenError, SpecError
 from kvgen.spec.library import load_library
+from kvgen.tools.bench import goals
 from kvgen.tools.bench.busy import neighbour
 from kvgen.tools.bench.plot import SWEEP_TOKENS, draw
 from kvgen.tools.bench.targets import DEFAULT_LAYOUTS, DEFAULT_OBJECTS, DEFAULT_TOKENS, MLA_C, every_builtin
@@ -203,8 +205,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvgen bench: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
     machine = report.machine_facts(str(args.device))
-    print(report.text(result, machine))
-    _write(args, report.as_json(result, machine), draw)
+    data = report.as_json(result, machine)
+    print("\n".join([report.text(result, machine), *goals.text(goals.judge(data))]))
+    _write(args, data, draw)
     return 1 if any(r.naive_matches is False for r in result.rows) or any(
         not r.matches for r in (*result.transfers, *result.models)) else 0
 
