@@ -90,7 +90,7 @@ class Case:
         self.dst = torch.empty_like(self.src)
         self.pinned = _pinned(torch.empty(self.nbytes, dtype=torch.uint8), device)
         g = self.kernel.geometry
-        self.ck = plan_chunk(self.mapping, 0, tokens, num_slots=g.S, block_size=g.N)
+        self.ck = plan_chunk(self.mapping, 0, tokens, g)
         self.kern = kernels.kernel_of(type(self.kernel).__module__)
 
     def store(self, c: Any, objs: list[Any]) -> None:
