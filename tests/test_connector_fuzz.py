@@ -45,7 +45,7 @@ def scenarios(draw: st.DrawFn) -> tuple[object, Scenario, list[int]]:
     return plan, sc, mapping
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.sampled_from([torch.float32, torch.bfloat16]))
 def test_the_default_path_and_the_torch_path_agree_with_the_reference(case: tuple, dtype: torch.dtype) -> None:
     plan, sc, mapping = case
