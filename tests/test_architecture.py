@@ -152,16 +152,9 @@ PENDING_COMPLEXITY = {
     "kvgen.plan.geometry:geometry_body": "quant",
     "kvgen.plan.geometry:parts_geometry_body": "quant",
     "kvgen.plan.parts:plan_parts": "quant",
-    "kvgen.spec.building:build_spec": "quant",
-    "kvgen.spec.passes_models:check_model": "quant",
-    "kvgen.spec.passes_models:check_model_library": "quant",
-    "kvgen.spec.passes_models:_group_problems": "quant",
-    "kvgen.spec.passes_v2:check_parts": "quant",
-    "kvgen.spec.passes_v2:_fields_problems": "quant",
-    "kvgen.spec.passes_v2:check_pack": "quant",
-    "kvgen.spec.schema_check:_describe": "quant",
-    "kvgen.spec.schema_check:schema_problems": "quant",
-    "kvgen.spec.transfers:_schema_problems": "quant",
+    "kvgen.spec.passes.models:check_model": "quant",
+    "kvgen.spec.passes.models:check_model_library": "quant",
+    "kvgen.spec.passes.models:_group_problems": "quant",
 }
 PENDING_PARAMETERS = {
     "kvgen.oracle.planes:move": "quant",
@@ -190,9 +183,6 @@ PENDING_PARAMETERS = {
 PENDING_IMPORTS = {
     "kvgen.runtime.kernels:_triton_target": "movers",  # triton, deferred, but without a comment saying so
     "kvgen.oracle.planes:part_shape": "quant",
-    "kvgen.spec.passes:check_spec": "quant",
-    "kvgen.spec.passes:check_library": "quant",
-    "kvgen.spec.passes_v2:check_parts": "quant",
 }
 #: `module:ClassName` definitions left out of the one-name-per-class rule.
 PENDING_CLASSES = {

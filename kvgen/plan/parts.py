@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from kvgen.plan.copy import EXTENT, LOOP_VARS, CopyPlan, Mode, Source, make_plan, mode_of
 from kvgen.spec.elements import tiled
 from kvgen.spec.model import PART_LEVEL, Dim, FieldsIn, Pack, Plane, Spec
-from kvgen.spec.passes_v2 import part_view
+from kvgen.spec.passes.parts import part_view
 
 #: The tokens of the chunk inside a copy method, and in `_shape`.
 TOKENS = {"copy": "ck.num_tokens", "shape": "num_tokens"}
