@@ -147,17 +147,11 @@ PENDING_COMPLEXITY = {
     "kvgen.plan.kernel:kernel_text": "movers",
     "kvgen.runtime.kernels:Kernel.arguments": "movers",
     "kvgen.runtime.native_transfer:describe": "movers",
-    "kvgen.oracle.address:explain_lines": "quant",
-    "kvgen.oracle.planes:move": "quant",
     "kvgen.spec.passes.models:check_model": "quant",
     "kvgen.spec.passes.models:check_model_library": "quant",
     "kvgen.spec.passes.models:_group_problems": "quant",
 }
 PENDING_PARAMETERS = {
-    "kvgen.oracle.planes:move": "quant",
-    "kvgen.oracle.planes:store": "quant",
-    "kvgen.oracle.planes:load": "quant",
-    "kvgen.oracle.planes:make_parts_cache": "quant",
     # Triton kernels: their arguments are the launch's pointers, strides and constexprs, and
     # they change with kernel.py.j2 and plan/kernel.py (tuples of strides would fit the rule).
     "kvgen.runtime.tiles:_move": "movers",
@@ -179,7 +173,6 @@ PENDING_PARAMETERS = {
 #: for no heavy dependency.
 PENDING_IMPORTS = {
     "kvgen.runtime.kernels:_triton_target": "movers",  # triton, deferred, but without a comment saying so
-    "kvgen.oracle.planes:part_shape": "quant",
 }
 #: `module:ClassName` definitions left out of the one-name-per-class rule.
 PENDING_CLASSES = {

@@ -258,6 +258,6 @@ def test_planes_reference_moves_each_row_where_the_addresses_say(pair: tuple[str
             made.append(tree)
         other = make_cache(paged, torch.float32, "cpu")
         move = planes.load if to_cache else planes.store
-        move(paged, obj, ext, cache, made[0], slots, 0, len(slots))
+        move(paged, obj, ext, cache, made[0], reference.Span(slots, 0, len(slots)))
         _rows_one_by_one(paged, obj, ext, other, made[1], slots, to_cache=to_cache)
         assert same_bits(cache, other) and same_bits(made[0], made[1]), (pair, to_cache)

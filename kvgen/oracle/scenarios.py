@@ -161,8 +161,8 @@ def _filled(paged: Spec, dtype: torch.dtype) -> Any:
 def make_cache(paged: Spec, dtype: torch.dtype, device: str, strided: bool = False,
                odd_offset: bool = False) -> Any:
     if not paged.is_simple:
-        return planes.make_parts_cache(paged, planes.parts_extents(paged, EXT), dtype, device, strided, odd_offset,
-                                       template=_filled(paged, dtype))
+        return planes.copy_parts_cache(paged, planes.parts_extents(paged, EXT), _filled(paged, dtype), device,
+                                       strided, odd_offset)
     shape = reference.leaf_shape(paged, EXT)
     template = _filled(paged, dtype)
 
@@ -260,8 +260,8 @@ def reference_store(paged: Spec, obj: Spec, cache: Any, objs: list[Any], sc: Sce
         if paged.is_simple:
             reference.store(paged, obj, EXT, cache, obj_tensors(o), reference.Span(mapping, s, e, sc.offset))
         else:
-            planes.store(paged, obj, planes.parts_extents(paged, EXT), cache, obj_tensors(o), mapping, s, e,
-                         sc.offset)
+            planes.store(paged, obj, planes.parts_extents(paged, EXT), cache, obj_tensors(o),
+                         reference.Span(mapping, s, e, sc.offset))
 
 
 def reference_load(paged: Spec, obj: Spec, cache: Any, objs: list[Any], sc: Scenario,
@@ -270,8 +270,8 @@ def reference_load(paged: Spec, obj: Spec, cache: Any, objs: list[Any], sc: Scen
         if paged.is_simple:
             reference.load(paged, obj, EXT, cache, obj_tensors(o), reference.Span(mapping, s, e, sc.offset, sc.skip))
         else:
-            planes.load(paged, obj, planes.parts_extents(paged, EXT), cache, obj_tensors(o), mapping, s, e,
-                        sc.offset, sc.skip)
+            planes.load(paged, obj, planes.parts_extents(paged, EXT), cache, obj_tensors(o),
+                        reference.Span(mapping, s, e, sc.offset, sc.skip))
 
 
 def check_pair(connector: Any, paged: Spec, obj: Spec, scenario: Scenario,
