@@ -158,7 +158,6 @@ PENDING_PARAMETERS = {
     "kvgen.runtime.tiles:move_chunk": "movers",
     # Left by `rules` this round, each for a decision beyond a refactor:
     # public APIs (a change reaches docs/engines.md, docs/transfers.md and every caller):
-    "kvgen.integrations.vllm:from_vllm": "rules: unfinished (kv_object and package: one pairing option?)",
     "kvgen.runtime.transfer:TransferBase.copy": "rules: unfinished (src_heads and dst_heads: one tp.Route?)",
     "kvgen.runtime.transfer:TransferBase.copy_layers": "rules: unfinished (as copy, plus sync)",
     # signatures the generated modules call or implement (a change rebuilds generated/):
@@ -166,8 +165,6 @@ PENDING_PARAMETERS = {
     "kvgen.runtime.pairs:move_blocks": "rules: unfinished (generated: (tensor, dim, blocks) per side)",
     # called from the movers' connector.py:
     "kvgen.runtime.binding:new_binding": "rules: unfinished (the cache, its frozen tree and key as one snapshot)",
-    # 7 since its layerwise flag became the connector's own; the test helpers' 47 call sites:
-    "kvgen.oracle.scenarios:make_objects": "rules: unfinished (dtype and device of the objects as one?)",
 }
 #: Functions whose imports close an import cycle (left out of the cycle graph) or are deferred
 #: for no heavy dependency.
