@@ -136,6 +136,23 @@ def test_closed_vocabularies_are_enums() -> None:
     assert str(Mode.WHOLE) == "whole" == Mode.WHOLE  # prints and compares as its word
 
 
+def test_the_build_loops_over_registered_kinds() -> None:
+    """A build's connectors are PAIR_KINDS' pairs, kind by kind, each planned by the kind that
+    found it; its files are one per plan of each MODULE_KINDS field, plus the package's tables."""
+    from kvgen.emit.render import MODULE_KINDS, TABLES, render_package
+    from kvgen.plan.package import PAIR_KINDS, kind_of, plan_package
+    from kvgen.spec.library import load_library
+
+    library = load_library()
+    plan = plan_package(library)
+    assert [c.module for c in plan.connectors] == [p.module for k in PAIR_KINDS for p in k.pairs(library)]
+    assert [k.module for k in plan.kernels] == [f"{c.module}_triton" for c in plan.connectors]
+    found = {k.name: [c.module for c in plan.connectors if kind_of(c.copy) is k] for k in PAIR_KINDS}
+    assert all(found.values()), f"a kind with no connector in the built-in library: {found}"
+    files = render_package(plan)
+    assert set(files) == {f"{m.module}.py" for k in MODULE_KINDS for m in getattr(plan, k.field)} | set(TABLES)
+
+
 # ----------------------------------------------------------------------------- code rules
 
 #: Offenders in files another helper of this round is rewriting (issue 21): `module:qualname`
