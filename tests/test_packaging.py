@@ -36,3 +36,12 @@ def test_connector_docs_state_the_layerwise_protocol_and_the_slot_mapping() -> N
     text = (ROOT / "docs" / "connectors.md").read_text("utf-8")
     for needed in ("next(", "send(", "L + 1", "L + 2", "slot_mapping", "thread"):
         assert needed in text, f"docs/connectors.md does not mention {needed!r}"
+
+
+def test_every_package_of_kvgen_ships_in_the_wheel() -> None:
+    """[tool.setuptools] lists packages by name (no discovery): each folder of kvgen/ with an
+    __init__.py is one of them, so an installed kvgen imports what a checkout imports."""
+    pyproject = (ROOT / "pyproject.toml").read_text("utf-8")
+    listed = set(re.findall(r'"(kvgen(?:\.\w+)*)"', pyproject.split("packages = [", 1)[1].split("]", 1)[0]))
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "kvgen").rglob("__init__.py")}
+    assert not found - listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
