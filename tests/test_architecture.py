@@ -157,13 +157,17 @@ def test_the_build_loops_over_registered_kinds() -> None:
 
 #: Offenders in files another helper of this round is rewriting (issue 21): `module:qualname`
 #: -> who owns it (`movers`: runtime/native*, kernels*, connector, devices, tiles and
-#: plan/kernel*; the runtime's `rules: unfinished` entries went to `movers` too).
+#: plan/kernel*; the runtime's `rules: unfinished` entries went to `movers` too; `quant`: the model passes).
 #: Temporary: the coordinator removes each entry once its owner's branch is in;
 #: test_pending_entries_are_still_offenders fails on an entry that no longer offends.
 PENDING_COMPLEXITY = {
     "kvgen.plan.kernel:kernel_text": "movers",
     "kvgen.runtime.kernels:Kernel.arguments": "movers",
     "kvgen.runtime.native_transfer:describe": "movers",
+    # model passes: `quant` and `remote` add rules to them this round (a split waits for both).
+    "kvgen.spec.passes.models:check_model": "quant",
+    "kvgen.spec.passes.models:check_model_library": "quant",
+    "kvgen.spec.passes.models:_group_problems": "quant",
 }
 PENDING_PARAMETERS = {
     # Triton kernels: their arguments are the launch's pointers, strides and constexprs, and

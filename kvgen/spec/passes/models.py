@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvgen.errors import KVLayoutError, Problem, YamlPath
+from kvgen.errors import KVLayoutError, Problem
 from kvgen.names import Named, resolve
 from kvgen.spec.loader import Document
 from kvgen.spec.model import ITEMSIZE, Pack, Part, Spec
@@ -21,50 +21,41 @@ from kvgen.spec.models import OTHERS, ModelSpec
 
 def check_model(model: ModelSpec, doc: Document) -> list[Problem]:
     """One model file: layer sets, state tensors, names."""
+    out: list[Problem] = []
     clash = set(model.group_names) & set(model.state_names)
-    out = [doc.problem(("state", name), f"{name!r} names a group and a state group; names must differ "
-                                        "(an object's carries names them)", key=True) for name in sorted(clash)]
+    for name in sorted(clash):
+        out.append(doc.problem(("state", name), f"{name!r} names a group and a state group; names must differ "
+                                                "(an object's carries names them)", key=True))
     out += _tensor_problems(model, doc)
     if clash:  # the layer sets of the two are one entry in the typed model: checking them would mislead
         return out
-    return out + _layer_set_problems(model, doc)
-
-
-def _layer_set_problems(model: ModelSpec, doc: Document) -> list[Problem]:
-    """Every entry of the cache list in exactly one group or state group; one `others` at most."""
     sections = [("groups", g.name, g.layers) for g in model.groups] + [("state", s.name, s.layers)
                                                                        for s in model.states]
     others = [(sec, name) for sec, name, _ in sections if doc.data[sec][name]["layers"] == OTHERS]
-    out = [doc.problem((sec, name, "layers"), f"only one group may take the others; {others[0][1]!r} already does")
-           for sec, name in others[1:]]
+    for sec, name in others[1:]:
+        out.append(doc.problem((sec, name, "layers"), f"only one group may take the others; "
+                                                             f"{others[0][1]!r} already does"))
     owner: dict[int, str] = {}
     for sec, name, layers in sections:
-        out += _one_layer_set(model, doc, (sec, name, "layers"), layers, owner,
-                              second_others=(sec, name) in others[1:])
+        path = (sec, name, "layers")
+        past = [i for i in layers if i >= model.layers]
+        if past:
+            out.append(doc.problem(path, f"layer {past[0]} is past the model's {model.layers} cache entries "
+                                         f"(0..{model.layers - 1})"))
+        if not layers and (sec, name) not in others[1:]:  # a second `others` is reported as such
+            out.append(doc.problem(path, "this layer set names no entry of the cache list"))
+        for i in layers:
+            if i in owner and i < model.layers:
+                out.append(doc.problem(path, f"layer {i} is already in {owner[i]!r}; each entry of the cache "
+                                             "list belongs to one group or state group"))
+                break
+        for i in layers:
+            owner.setdefault(i, name)
     missing = [i for i in range(model.layers) if i not in owner]
     if missing:
         shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
         out.append(doc.problem(("layers",), f"{len(missing)} of {model.layers} cache entries belong to no group "
                                             f"or state group: {shown} (give them a group, or `layers: others`)"))
-    return out
-
-
-def _one_layer_set(model: ModelSpec, doc: Document, path: YamlPath, layers: Sequence[int], owner: dict[int, str],
-                   *, second_others: bool) -> list[Problem]:
-    """One group's layers: within the model, not empty, none already another's; `owner` gains them."""
-    out = []
-    past = [i for i in layers if i >= model.layers]
-    if past:
-        out.append(doc.problem(path, f"layer {past[0]} is past the model's {model.layers} cache entries "
-                                     f"(0..{model.layers - 1})"))
-    if not layers and not second_others:  # a second `others` is reported as such
-        out.append(doc.problem(path, "this layer set names no entry of the cache list"))
-    taken = next((i for i in layers if i in owner and i < model.layers), None)
-    if taken is not None:
-        out.append(doc.problem(path, f"layer {taken} is already in {owner[taken]!r}; each entry of the cache "
-                                     "list belongs to one group or state group"))
-    for i in layers:
-        owner.setdefault(i, str(path[1]))
     return out
 
 
@@ -96,50 +87,41 @@ def check_groups_object(spec: Spec, doc: Document) -> list[Problem]:
 
 def check_model_library(entries: Sequence[tuple[Any, Document]]) -> list[Problem]:
     """Models against the layouts they name; groups objects against their members."""
-    lib = _Layouts({s.name: s for s, _ in entries if isinstance(s, Spec)})
+    specs = {s.name: s for s, _ in entries if isinstance(s, Spec)}
+    named = [Named(s.name, s.aliases, tuple(f for f in (s.format, s.lmcache_format) if f)) for s in specs.values()]
     out: list[Problem] = []
     for spec, doc in entries:
         if isinstance(spec, ModelSpec):
             for g in spec.groups:
-                out += _group_problems(spec, g.name, doc, lib)
+                out += _group_problems(spec, g.name, doc, specs, named)
         elif isinstance(spec, Spec) and spec.pack is Pack.GROUPS:
-            out += [doc.problem(("members", i), f"{why}; members are whole-chunk objects such as kv_2ltd, kv_mla, "
-                                                "kv_planes")
-                    for i, name in enumerate(spec.members) if (why := _member_problem(name, lib))]
+            for i, name in enumerate(spec.members):
+                member = _lookup(name, specs, named)
+                why = None
+                if member is None:
+                    why = f"unknown object {name!r}"
+                elif member.is_paged or member.pack is Pack.GROUPS:
+                    why = f"{member.name} is not a memory object of one cache"
+                elif member.lists:
+                    why = f"{member.name} is a per-layer object (lists: {list(member.lists)})"
+                if why:
+                    out.append(doc.problem(("members", i), f"{why}; members are whole-chunk objects "
+                                                           "such as kv_2ltd, kv_mla, kv_planes"))
     return out
 
 
-class _Layouts:
-    """The library's specs by name, found as kvgen finds them (aliases and formats too)."""
-
-    def __init__(self, specs: dict[str, Spec]):
-        self.specs = specs
-        self.named = [Named(s.name, s.aliases, tuple(f for f in (s.format, s.lmcache_format) if f))
-                      for s in specs.values()]
-
-    def lookup(self, name: str) -> Spec | None:
-        try:
-            return self.specs[resolve(name, self.named)]
-        except KVLayoutError:  # an unknown or ambiguous name: the caller says so
-            return None
+def _lookup(name: str, specs: dict[str, Spec], named: list[Named]) -> Spec | None:
+    try:
+        return specs[resolve(name, named)]
+    except KVLayoutError:  # an unknown or ambiguous name: the caller says so
+        return None
 
 
-def _member_problem(name: str, lib: _Layouts) -> str | None:
-    """Why a groups object's member is not a whole-chunk object of one cache, or None."""
-    member = lib.lookup(name)
-    if member is None:
-        return f"unknown object {name!r}"
-    if member.is_paged or member.pack is Pack.GROUPS:
-        return f"{member.name} is not a memory object of one cache"
-    if member.lists:
-        return f"{member.name} is a per-layer object (lists: {list(member.lists)})"
-    return None
-
-
-def _group_problems(model: ModelSpec, name: str, doc: Document, lib: _Layouts) -> list[Problem]:
+def _group_problems(model: ModelSpec, name: str, doc: Document, specs: dict[str, Spec],
+                    named: list[Named]) -> list[Problem]:
     group = next(g for g in model.groups if g.name == name)
     path = ("groups", name)
-    layout = lib.lookup(group.layout)
+    layout = _lookup(group.layout, specs, named)
     if layout is None:
         return [doc.problem((*path, "layout"), f"unknown layout {group.layout!r}; a group names a paged layout "
                                                "of the library (kvgen list)")]
@@ -148,43 +130,38 @@ def _group_problems(model: ModelSpec, name: str, doc: Document, lib: _Layouts) -
     if layout.lists[:1] != ("L",):
         return [doc.problem((*path, "layout"), f"{layout.name} keeps its layers {_where_layers(layout)}; a group's "
                                                "layout holds one cache-list entry per layer (lists start with L)")]
-    out = [p for key, value in group.sizes if (p := _size_problem(layout, doc, (*path, "sizes", key), value))]
-    out += [doc.problem((*path, "dtypes", i), f"{layout.name} cannot hold {dtype}; it holds "
-                                              f"{', '.join(layout.dtypes)}")
-            for i, dtype in enumerate(group.dtypes) if dtype not in layout.dtypes]
-    return out
-
-
-def _size_problem(layout: Spec, doc: Document, at: YamlPath, value: int) -> Problem | None:
-    """A group's size (`H`, `C`, `N` or `C.PART`, written at `at`) against its layout, or None when it fits."""
-    key = str(at[-1])
-    axis, _, part = key.partition(".")
-    named = _part_named(layout, axis, part)
-    if named is not None:
-        return doc.problem(at, named, key=True)
-    owner = next((p for p in layout.parts if p.name == part), layout.parts[0])
-    has = owner.has(axis) or axis in layout.lists
-    if axis in ("H", "N") and not has and not layout.has(axis):
-        return doc.problem(at, f"{layout.name} has no {axis} axis", key=True)
-    if axis == "C" and not owner.has("C"):
-        where = f"part {part!r} of {layout.name}" if part else layout.name
-        return doc.problem(at, f"{where} has no C axis (its dims: {owner.render()})", key=True)
-    fixed = _fixed_c(owner) if axis == "C" else layout.size(axis)
-    if fixed is not None and fixed != value:
-        return doc.problem(at, f"{layout.name} fixes {key} = {fixed}"
-                               f"{' (its fields)' if owner.fields else ''}; this group says {value}")
-    return None
-
-
-def _part_named(layout: Spec, axis: str, part: str) -> str | None:
-    """What is wrong with the part a size names (`C.PART`), or with a plain C of a layout of parts."""
+    out = []
     parts = {p.name for p in layout.parts if p.name}
-    if part and part not in parts:
-        return f"{layout.name} has no part {part!r}" + (f" (parts: {', '.join(sorted(parts))})" if parts else "")
-    if axis == "C" and not part and layout.is_multipart:
-        wide = [p.name for p in layout.parts if p.has("C")]
-        return f"{layout.name} has parts of their own widths: write {', '.join(f'C.{p}' for p in wide)} instead of C"
-    return None
+    for key, value in group.sizes:
+        axis, _, part = key.partition(".")
+        at = (*path, "sizes", key)
+        if part and part not in parts:
+            out.append(doc.problem(at, f"{layout.name} has no part {part!r}" +
+                                       (f" (parts: {', '.join(sorted(parts))})" if parts else ""), key=True))
+            continue
+        if axis == "C" and not part and layout.is_multipart:
+            wide = [p.name for p in layout.parts if p.has("C")]
+            out.append(doc.problem(at, f"{layout.name} has parts of their own widths: write "
+                                       f"{', '.join(f'C.{p}' for p in wide)} instead of C", key=True))
+            continue
+        owner = next((p for p in layout.parts if p.name == part), layout.parts[0])
+        has = owner.has(axis) or axis in layout.lists
+        if axis in ("H", "N") and not has and not layout.has(axis):
+            out.append(doc.problem(at, f"{layout.name} has no {axis} axis", key=True))
+            continue
+        if axis == "C" and not owner.has("C"):
+            where = f"part {part!r} of {layout.name}" if part else layout.name
+            out.append(doc.problem(at, f"{where} has no C axis (its dims: {owner.render()})", key=True))
+            continue
+        fixed = _fixed_c(owner) if axis == "C" else layout.size(axis)
+        if fixed is not None and fixed != value:
+            out.append(doc.problem(at, f"{layout.name} fixes {key} = {fixed}"
+                                       f"{' (its fields)' if owner.fields else ''}; this group says {value}"))
+    for i, dtype in enumerate(group.dtypes):
+        if dtype not in layout.dtypes:
+            out.append(doc.problem((*path, "dtypes", i), f"{layout.name} cannot hold {dtype}; it holds "
+                                                         f"{', '.join(layout.dtypes)}"))
+    return out
 
 
 def _fixed_c(part: Part) -> int | None:
