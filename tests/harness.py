@@ -5,6 +5,7 @@ from kvgen.oracle.scenarios import (  # noqa: F401
     SCENARIOS,
     Scenario,
     allocate,
+    at_odd_offsets,
     block_table_mapping,
     clone_tree,
     connector_load,

@@ -32,6 +32,7 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 import kvgen  # noqa: E402
 from kvgen import generated  # noqa: E402
 from kvgen.integrations.detect import AmbiguousLayout, NoLayout, detect  # noqa: E402
+from kvgen.integrations.vllm import Pairing  # noqa: E402
 from kvgen.oracle import facts_vllm, reference  # noqa: E402
 from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
 from kvgen.spec.library import load_library  # noqa: E402
@@ -183,6 +184,21 @@ def test_kernel_blocks_smaller_than_the_manager_block_keep_the_manager_views() -
     assert torch.equal(obj, expected(kernel_kv, names, slots, 2))
     with pytest.raises(NoLayout, match="block_size"):
         kvgen.from_vllm(kernel_kv, config, engine_version=VERSION)
+
+
+def test_a_pairing_names_the_object_and_the_package_the_connector_comes_from() -> None:
+    """from_vllm pairs a group with kv_2ltd by default; `pairing=` names another object, and the
+    generated package (module or name) whose specs detect the cache and whose module connects it."""
+    kv, config = engine_cache("LBNHC", {"attn": full()})
+    (default,) = kvgen.from_vllm(kv, config, engine_version=VERSION)
+    (t2d,) = kvgen.from_vllm(kv, config, engine_version=VERSION,
+                             pairing=Pairing(kv_object="kv_t2d", package=generated))
+    (by_name,) = kvgen.from_vllm(kv, config, engine_version=VERSION,
+                                 pairing=Pairing(kv_object="kv_2td", package="kvgen.generated"))
+    assert [g.connector.memory.name for g in (default, t2d, by_name)] == ["kv_2ltd", "kv_t2d", "kv_2td"]
+    assert {g.detection.layout for g in (default, t2d, by_name)} == {"vllm_lbnhc"}
+    with pytest.raises(KVLayoutError):
+        kvgen.from_vllm(kv, config, engine_version=VERSION, pairing=Pairing(kv_object="no_such_object"))
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])

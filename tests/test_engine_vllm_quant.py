@@ -43,6 +43,7 @@ from kvgen.oracle import planes as reference  # noqa: E402
 from kvgen.oracle.address import packed_value, plane_address, scale_index  # noqa: E402
 from kvgen.oracle.fact_table import EngineGeometry as Geometry  # noqa: E402
 from kvgen.oracle.facts_parts import PARTS_FACTS  # noqa: E402
+from kvgen.oracle.reference import Span  # noqa: E402
 from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
 from kvgen.spec.library import load_library  # noqa: E402
 from kvgen.spec.model import Dim, Packing, Spec  # noqa: E402
@@ -190,7 +191,7 @@ def store(name: str, views: list[torch.Tensor], spec: Spec | None = None) -> Mem
         connector.from_gpu(obj, 0, len(SLOTS), kvcaches=leaves, slot_mapping=torch.tensor(SLOTS))
     else:
         ext = {"L": L, "KV": 2, "B": B, "N": N, "H": H, "C": leaves[0].shape[-1] // 2}
-        reference.store(spec, LIBRARY["kv_planes"], ext, leaves, obj.tensor, SLOTS, 0, len(SLOTS))
+        reference.store(spec, LIBRARY["kv_planes"], ext, leaves, obj.tensor, Span(SLOTS, 0, len(SLOTS)))
     return obj
 
 

@@ -18,7 +18,7 @@ import pytest
 from kvgen.oracle.facts_models import MODEL_FACTS, model_disagreement
 from kvgen.spec.library import BUILTIN_SPECS, load_each, load_library, spec_files
 from kvgen.spec.models import ModelSpec
-from kvgen.spec.passes_models import check_model_library
+from kvgen.spec.passes.models import check_model_library
 
 MODELS = BUILTIN_SPECS / "models"
 

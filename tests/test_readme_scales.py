@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvgen.oracle import planes
+from kvgen.oracle.reference import Span
 from kvgen.spec.library import load_library
 from kvgen.tools.cli import main
 
@@ -80,5 +81,5 @@ def test_readme_scales_walkthrough(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     library = load_library([spec_file.parent])
     want = torch.zeros_like(obj.tensor)
     ext = {"L": 4, "KV": 2, "B": 64, "N": N, "H": H, "C": C}
-    planes.store(library["my_fp8_scaled"], library["kv_planes"], ext, cache, want, slots.tolist(), 0, T)
+    planes.store(library["my_fp8_scaled"], library["kv_planes"], ext, cache, want, Span(slots.tolist(), 0, T))
     assert torch.equal(want, obj.tensor)

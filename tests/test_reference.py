@@ -9,7 +9,7 @@ from harness import EXT, make_cache, same_bits, tensors_of
 from kvgen import generated
 from kvgen.oracle import planes, reference, transfer_reference
 from kvgen.oracle.address import element_address
-from kvgen.oracle.scenarios import clone_tree
+from kvgen.oracle.scenarios import at_odd_offsets, clone_tree, make_objects
 from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT
 from kvgen.oracle.transfer_scenarios import make_cache as transfer_cache
 from kvgen.plan.copy import plan_library
@@ -258,6 +258,22 @@ def test_planes_reference_moves_each_row_where_the_addresses_say(pair: tuple[str
             made.append(tree)
         other = make_cache(paged, torch.float32, "cpu")
         move = planes.load if to_cache else planes.store
-        move(paged, obj, ext, cache, made[0], slots, 0, len(slots))
+        move(paged, obj, ext, cache, made[0], reference.Span(slots, 0, len(slots)))
         _rows_one_by_one(paged, obj, ext, other, made[1], slots, to_cache=to_cache)
         assert same_bits(cache, other) and same_bits(made[0], made[1]), (pair, to_cache)
+
+
+@pytest.mark.parametrize("module", ["vllm_flash_attn_nhd__kv_2ltd", "vllm_flash_attn_nhd__kv_2td"])
+def test_objects_at_odd_offsets_keep_their_bits_and_label_one_element_into_their_storage(module: str) -> None:
+    """at_odd_offsets: the scenario objects of a misaligned buffer, whole or per layer."""
+    connector = generated.get(*module.split("__"))(device="cpu")
+    connector.bind(make_cache(LIB[module.split("__")[0]], torch.float32, "cpu"))
+    objs = make_objects(connector, [5, 3], torch.float32, "cpu", salt=11, fmt=connector.format)
+    odd = at_odd_offsets(objs)
+    flat = [o for c in objs for o in (c if isinstance(c, list) else [c])]
+    moved = [o for c in odd for o in (c if isinstance(c, list) else [c])]
+    assert len(moved) == len(flat) and all(m.tensor.storage_offset() == 1 for m in moved)
+    assert same_bits([m.tensor for m in moved], [o.tensor for o in flat])
+    assert {m.metadata.fmt for m in moved} == {connector.format}
+    assert all(m.tensor.untyped_storage().data_ptr() != o.tensor.untyped_storage().data_ptr()
+               for m, o in zip(moved, flat, strict=True))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -17,10 +18,8 @@ import jinja2
 from kvgen import __version__
 from kvgen.errors import BuildError
 from kvgen.interface import ABI
-from kvgen.plan.kernel import KernelPlan
 from kvgen.plan.models import ModelPlan
 from kvgen.plan.package import ConnectorPlan, PackagePlan
-from kvgen.plan.transfer import TransferPlan
 from kvgen.spec.library import TEMPLATES
 
 DIGEST_PREFIX = "# kvgen-body-sha256: "
@@ -141,29 +140,41 @@ def unseal(text: str) -> tuple[str | None, str]:
     return None, text
 
 
+@dataclass(frozen=True)
+class ModuleKind:
+    """One kind of generated module: the PackagePlan field that lists its plans, and the template
+    that renders one plan, which it knows by `name`. A new kind is one entry of MODULE_KINDS."""
+
+    field: str
+    template: str
+    name: str
+
+    def render(self, plan: object) -> str:
+        return environment().get_template(self.template).render(**{self.name: plan})
+
+
+#: The kinds of module a build writes, one file per plan (named after its `module`).
+MODULE_KINDS: tuple[ModuleKind, ...] = (
+    ModuleKind("connectors", "connector.py.j2", "c"),
+    ModuleKind("kernels", "kernel.py.j2", "k"),
+    ModuleKind("transfers", "transfer.py.j2", "t"),
+    ModuleKind("models", "model.py.j2", "p"),
+)
+_BY_FIELD = {k.field: k for k in MODULE_KINDS}
+#: The package's own files, each rendered from the whole PackagePlan.
+TABLES = {"formats.py": "formats.py.j2", "__init__.py": "init.py.j2"}
+
+
 def render_connector(c: ConnectorPlan) -> str:
-    return environment().get_template("connector.py.j2").render(c=c)
-
-
-def render_kernel(k: KernelPlan) -> str:
-    return environment().get_template("kernel.py.j2").render(k=k)
-
-
-def render_transfer(t: TransferPlan) -> str:
-    return environment().get_template("transfer.py.j2").render(t=t)
+    return _BY_FIELD["connectors"].render(c)
 
 
 def render_model(p: ModelPlan) -> str:
-    return environment().get_template("model.py.j2").render(p=p)
+    return _BY_FIELD["models"].render(p)
 
 
 def render_package(plan: PackagePlan) -> dict[str, str]:
     """Every file of a generated package, by file name, sealed."""
-    env = environment()
-    files = {f"{c.module}.py": render_connector(c) for c in plan.connectors}
-    files.update({f"{k.module}.py": render_kernel(k) for k in plan.kernels})
-    files.update({f"{t.module}.py": render_transfer(t) for t in plan.transfers})
-    files.update({f"{p.module}.py": render_model(p) for p in plan.models})
-    files["formats.py"] = env.get_template("formats.py.j2").render(plan=plan)
-    files["__init__.py"] = env.get_template("init.py.j2").render(plan=plan)
+    files = {f"{m.module}.py": kind.render(m) for kind in MODULE_KINDS for m in getattr(plan, kind.field)}
+    files.update({name: environment().get_template(template).render(plan=plan) for name, template in TABLES.items()})
     return {name: seal(name, text) for name, text in sorted(files.items())}

@@ -22,7 +22,7 @@ from typing import Any
 from kvgen.errors import KVLayoutError
 from kvgen.integrations.detect import Detection, _package, detect
 
-__all__ = ["VllmGroup", "from_vllm"]
+__all__ = ["Pairing", "VllmGroup", "from_vllm"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,16 @@ class VllmGroup:
     kvcaches: list[Any]
     detection: Detection
     connector: Any
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """What each group's connector pairs the cache with: the memory object (`kv_object`; default
+    kv_2ltd, kv_mla for MLA, kv_planes for a quantized cache) and the generated package, a module
+    or its name, whose specs detect the cache and whose module connects it (default kvgen's own)."""
+
+    kv_object: str | None = None
+    package: ModuleType | str | None = None
 
 
 def _layout_name(layout: Any, kv_cache_config: Any) -> str:
@@ -70,16 +80,17 @@ def _spec_hints(spec: Any, group: int) -> dict[str, Any]:
 
 
 def from_vllm(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: Any = None, *,
-              engine_version: str | None = None, kv_object: str | None = None,
-              package: ModuleType | str | None = None, **connector_args: Any) -> list[VllmGroup]:
+              engine_version: str | None = None, pairing: Pairing = Pairing(),
+              **connector_args: Any) -> list[VllmGroup]:
     """A ready connector per KV cache group of a vLLM cache.
 
     `kv_caches`: layer name -> view, as vLLM's `allocate_kv_cache` returns (the manager views);
     `kv_cache_config`: vLLM's `KVCacheConfig`; `layout`: the resolved `KVCacheLayout` (member or
     name; default `kv_cache_config.kv_cache_layout`); `engine_version`: default the installed
-    vllm's; `kv_object`: the memory object to pair with (default kv_2ltd, kv_mla for MLA);
+    vllm's; `pairing`: the memory object to pair with and the generated package (`Pairing`);
     `connector_args` (device, use_gpu, staging_bytes, backend) go to each connector.
     """
+    package = pairing.package
     name = _layout_name(layout, kv_cache_config)
     groups = list(getattr(kv_cache_config, "kv_cache_groups", ()))
     if not groups:
@@ -96,7 +107,7 @@ def from_vllm(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: Any = 
         found = detect(views, package=package, engine="vllm", engine_version=engine_version, kv_layout=name,
                        num_layers=len(names), **hints)
         quantized = hints.get("kv_quant_mode") is not None  # packed values and scales: kvgen's plane regions
-        obj = kv_object or ("kv_planes" if quantized else "kv_mla" if hints["use_mla"] else "kv_2ltd")
+        obj = pairing.kv_object or ("kv_planes" if quantized else "kv_mla" if hints["use_mla"] else "kv_2ltd")
         connector = _package(package).get(found.layout, obj)(**connector_args)
         out.append(VllmGroup(index, names, found.view(views), found, connector))
     return out

@@ -284,27 +284,10 @@ def explain_lines(spec: Spec) -> list[str]:
     """What `kvgen explain` adds for format-2 specs: parts, fields, planes, packs."""
     out: list[str] = []
     if spec.is_paged and not spec.is_simple:
-        if spec.is_multipart:
-            out.append("  parts (the list level P, in order):")
-            for i, p in enumerate(spec.parts):
-                out.append(f"    [{i}] {p.name:<10} {p.render():<18} dtypes {', '.join(p.dtypes)}")
-        for p in spec.parts:
-            if p.fields:
-                owner = f" of part {p.name}" if p.name else ""
-                sides = ", per K and V side" if any("KV" in d.axes for d in p.block_run) else ""
-                what = "each row (C)" if p.fields_in == "row" else "each block (regions of N tokens each)" \
-                    if len(p.block_run) == 2 else f"each block's run (regions of H x N cells each{sides})"
-                out.append(f"  fields{owner}, in {what}, dtypes {', '.join(p.dtypes)}:")
-                for f in p.fields:
-                    cells = " * ".join(a for d in p.block_run for a in d.axes if a not in ("KV", "C"))
-                    at = f"byte {f.offset}" if p.fields_in == "row" else f"region at byte {f.offset} * {cells}"
-                    out.append(f"    {f.name:<10} {f.dtype} x {f.count} ({f.nbytes} bytes), {at}")
+        out += _parts_lines(spec)
+        out += [line for p in spec.parts if p.fields for line in _fields_lines(p)]
         out.append("  planes (moved as bytes, in this order; value c of a plane at):")
-        for plane in spec.moved_planes():
-            count = f"x {plane.field.count}" if plane.field else ("x C" if plane.part.has("C") else "x 1")
-            slot = "" if plane.has_slots else " (no slot: moves with every chunk that moves a token)"
-            out.append(f"    {plane.name:<14} {plane.dtype or 'any':<14} {count:<6} "
-                       f"{symbolic_plane_address(spec, plane)}{slot}")
+        out += [_plane_line(spec, plane) for plane in spec.moved_planes()]
     if spec.pack == "rows":
         out.append("  pack:     rows: each token's row holds every plane of the cache, one after another, "
                    "as bytes; C counts elements of the cache's first part's dtype")
@@ -313,3 +296,31 @@ def explain_lines(spec: Spec) -> list[str]:
         out.append(f"  pack:     regions: bytes; per layer each plane as a dense [{template}] region "
                    "(axes it lacks left out), in plane order, each at a multiple of 16 bytes")
     return out
+
+
+def _parts_lines(spec: Spec) -> list[str]:
+    if not spec.is_multipart:
+        return []
+    return ["  parts (the list level P, in order):",
+            *(f"    [{i}] {p.name:<10} {p.render():<18} dtypes {', '.join(p.dtypes)}"
+              for i, p in enumerate(spec.parts))]
+
+
+def _fields_lines(p: Part) -> list[str]:
+    """A part's fields: what they fill, then each field's type, count and place."""
+    owner = f" of part {p.name}" if p.name else ""
+    sides = ", per K and V side" if any("KV" in d.axes for d in p.block_run) else ""
+    what = "each row (C)" if p.fields_in == "row" else "each block (regions of N tokens each)" \
+        if len(p.block_run) == 2 else f"each block's run (regions of H x N cells each{sides})"
+    out = [f"  fields{owner}, in {what}, dtypes {', '.join(p.dtypes)}:"]
+    cells = " * ".join(a for d in p.block_run for a in d.axes if a not in ("KV", "C"))
+    for f in p.fields:
+        at = f"byte {f.offset}" if p.fields_in == "row" else f"region at byte {f.offset} * {cells}"
+        out.append(f"    {f.name:<10} {f.dtype} x {f.count} ({f.nbytes} bytes), {at}")
+    return out
+
+
+def _plane_line(spec: Spec, plane: Plane) -> str:
+    count = f"x {plane.field.count}" if plane.field else ("x C" if plane.part.has("C") else "x 1")
+    slot = "" if plane.has_slots else " (no slot: moves with every chunk that moves a token)"
+    return f"    {plane.name:<14} {plane.dtype or 'any':<14} {count:<6} {symbolic_plane_address(spec, plane)}{slot}"

@@ -172,12 +172,8 @@ def _move_group(g: GroupCase, cache: list[Any], section: torch.Tensor, chunk: Mo
     mapping = [int(s) for s in chunk.mappings[g.name]]
     span = reference.Span(mapping, chunk.start, chunk.end, chunk.offset, chunk.skip)
     pair = (g.paged, g.member, g.ext, cache, work)
-    if g.paged.is_simple:
-        (reference.load if to_cache else reference.store)(*pair, span)
-    elif to_cache:
-        planes.load(*pair, mapping, chunk.start, chunk.end, chunk.offset, chunk.skip)
-    else:
-        planes.store(*pair, mapping, chunk.start, chunk.end, chunk.offset)
+    oracle = reference if g.paged.is_simple else planes
+    (oracle.load if to_cache else oracle.store)(*pair, span)
     if not to_cache:
         section.copy_(bits(work).reshape(-1).view(torch.uint8))
 

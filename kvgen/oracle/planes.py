@@ -14,13 +14,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from kvgen.oracle.address import ByteAddress, ObjectAddresses, plane_address, plane_count
-from kvgen.oracle.reference import leaf, one_thread, put_last, tokens
+from kvgen.oracle.address import ByteAddress, ObjectAddresses, part_width, plane_address, plane_count
+from kvgen.oracle.reference import Span, leaf, one_thread, put_last, tokens
 from kvgen.runtime.ops import bits
 from kvgen.spec.elements import split_extents
 from kvgen.spec.model import ITEMSIZE, PART_LEVEL, Part, Plane, Spec
@@ -58,8 +58,6 @@ def read_leaf(t: torch.Tensor) -> Leaf:
 # -- containers and shapes ----------------------------------------------------------------------
 
 def part_shape(spec: Spec, part: Part, ext: Extents) -> tuple[int, ...]:
-    from kvgen.oracle.address import part_width
-
     pext = {**ext, "C": part_width(spec, part, ext)}
     pext.update(split_extents(part.tensor_axes, pext))
     return tuple(_product(pext[a] for a in d.axes) for d in part.dims)
@@ -120,42 +118,81 @@ def _storage_items(spec: Spec, kvcaches: Any) -> dict[str, int]:
     return out
 
 
-@one_thread
-def move(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, slot_mapping: Sequence[int],
-         start: int, end: int, offset: int = 0, skip: int = 0, *, to_cache: bool) -> None:
-    """Store (to_cache False) or load the chunk [start, end) of a format-2 cache."""
-    mapping = [int(s) for s in slot_mapping]
-    moved = list(tokens(mapping, start, end, offset, skip))
+def store(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, span: Span) -> None:
+    """Copy the span's tokens of a format-2 cache into `objects` (one tensor, or a per-layer list)."""
+    chunk = _chunk(paged, obj, ext, kvcaches, objects, replace(span, skip=0))
+    if chunk is not None:
+        _move(chunk, to_cache=False)
+
+
+def load(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, span: Span) -> None:
+    """Copy `objects` into a format-2 cache at the span's slots (its first `skip` tokens left alone)."""
+    chunk = _chunk(paged, obj, ext, kvcaches, objects, span)
+    if chunk is not None:
+        _move(chunk, to_cache=True)
+
+
+@dataclass(frozen=True)
+class _PlanesChunk:
+    """One chunk's move between a format-2 cache and its objects: both as bytes, the tokens
+    moved (position in the chunk, slot), and what gives each plane's addresses on each side."""
+
+    paged: Spec
+    ext: Extents
+    moved: list[tuple[int, int]]
+    cache: Bytes
+    objs: Bytes
+    #: The objects' list sizes ([] for one tensor), to number a per-layer object's tensors.
+    obj_sizes: list[int]
+    sizes: dict[str, int]
+    items: dict[str, int]
+    there_of: Callable[..., ByteAddress]
+
+
+def _chunk(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, span: Span) -> _PlanesChunk | None:
+    """The chunk's bytes and addresses, or None when it moves no token."""
+    moved = list(tokens([int(s) for s in span.slot_mapping], span.start, span.end, span.offset, span.skip))
     if not moved:
-        return
-    obj_ext = {**ext, "T": end - start}
-    cache = Bytes([leaf(kvcaches, p) for p in cache_paths(paged, ext)])
-    if isinstance(objects, torch.Tensor):
-        objs = Bytes([objects])
-    else:
-        objs = Bytes([leaf(objects, p) for p in object_paths(obj, obj_ext)])
+        return None
+    obj_ext = {**ext, "T": span.end - span.start}
+    one = isinstance(objects, torch.Tensor)
+    objs = Bytes([objects] if one else [leaf(objects, p) for p in object_paths(obj, obj_ext)])
     sizes = value_sizes(paged, kvcaches)
-    items = _storage_items(paged, kvcaches)
-    there_of = ObjectAddresses(paged, obj, obj_ext, sizes, objs.items[0]).address
-    obj_sizes = [ext[a] for a in obj.lists] if not isinstance(objects, torch.Tensor) else []
-    for plane in paged.moved_planes():
-        item, size, count = items[plane.part.name], sizes[plane.name], plane_count(paged, plane, ext)
-        t, slot = (torch.tensor(v).view(-1, 1, 1, 1) for v in zip(*moved, strict=True)) if plane.has_slots \
-            else (torch.zeros(1, 1, 1, 1, dtype=torch.long),) * 2
-        rows = _value_grids(plane, ext)
-        # A row's values follow one another in both tensors' bytes (C is innermost and moves as
-        # bytes): the address of its first and last value says where it lies.
-        here = [cache.offsets(plane_address(paged, plane, {**rows, "slot": slot, "c": c}, ext, item),
-                              _list_sizes(paged, ext)) for c in (0, count - 1)]
-        there = [objs.offsets(there_of(plane, {**rows, "t": t, "c": c}), obj_sizes) for c in (0, count - 1)]
-        a, b = _runs(plane, here, count, size), _runs(plane, there, count, size)
-        step = torch.arange(count * size)
-        a, b = (torch.broadcast_to(x, torch.broadcast_shapes(a.shape, b.shape)).reshape(-1, 1) + step for x in (a, b))
+    return _PlanesChunk(paged, ext, moved, Bytes([leaf(kvcaches, p) for p in cache_paths(paged, ext)]), objs,
+                  [] if one else [ext[a] for a in obj.lists], sizes, _storage_items(paged, kvcaches),
+                  ObjectAddresses(paged, obj, obj_ext, sizes, objs.items[0]).address)
+
+
+@one_thread
+def _move(chunk: _PlanesChunk, *, to_cache: bool) -> None:
+    """Store (to_cache False) or load every plane of the chunk, then write the changed side back."""
+    cache, objs = chunk.cache, chunk.objs
+    for plane in chunk.paged.moved_planes():
+        a, b = _plane_bytes(chunk, plane)
         if to_cache:
             put_last(cache.data, a, objs.data[b])
         else:
             put_last(objs.data, b, cache.data[a])
     (cache if to_cache else objs).write_back()
+
+
+def _plane_bytes(chunk: _PlanesChunk, plane: Plane) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bytes of one plane's moved values: their places in the cache's and in the objects' bytes."""
+    paged, ext = chunk.paged, chunk.ext
+    item, size, count = chunk.items[plane.part.name], chunk.sizes[plane.name], plane_count(paged, plane, ext)
+    t, slot = (torch.tensor(v).view(-1, 1, 1, 1) for v in zip(*chunk.moved, strict=True)) if plane.has_slots \
+        else (torch.zeros(1, 1, 1, 1, dtype=torch.long),) * 2
+    rows = _value_grids(plane, ext)
+    # A row's values follow one another in both tensors' bytes (C is innermost and moves as
+    # bytes): the address of its first and last value says where it lies.
+    here = [chunk.cache.offsets(plane_address(paged, plane, {**rows, "slot": slot, "c": c}, ext, item),
+                                _list_sizes(paged, ext)) for c in (0, count - 1)]
+    there = [chunk.objs.offsets(chunk.there_of(plane, {**rows, "t": t, "c": c}), chunk.obj_sizes)
+             for c in (0, count - 1)]
+    a, b = _runs(plane, here, count, size), _runs(plane, there, count, size)
+    step = torch.arange(count * size)
+    a, b = (torch.broadcast_to(x, torch.broadcast_shapes(a.shape, b.shape)).reshape(-1, 1) + step for x in (a, b))
+    return a, b
 
 
 class Bytes:
@@ -218,16 +255,6 @@ def _runs(plane: Plane, ends: list[tuple[torch.Tensor, torch.Tensor]], count: in
     return first
 
 
-def store(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, slot_mapping: Sequence[int],
-          start: int, end: int, offset: int = 0) -> None:
-    move(paged, obj, ext, kvcaches, objects, slot_mapping, start, end, offset, 0, to_cache=False)
-
-
-def load(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, slot_mapping: Sequence[int],
-         start: int, end: int, offset: int = 0, skip: int = 0) -> None:
-    move(paged, obj, ext, kvcaches, objects, slot_mapping, start, end, offset, skip, to_cache=True)
-
-
 # -- test data --------------------------------------------------------------------------------
 
 def code_bytes(label: str, count: int) -> bytes:
@@ -254,7 +281,8 @@ def storage_dtype(part: Part, default: str) -> str:
     return default if default in part.dtypes else part.dtypes[0]
 
 
-__all__ = ["ITEMSIZE", "load", "nest_parts", "part_shape", "store", "fill_bytes", "read_leaf", "storage_dtype"]
+__all__ = ["ITEMSIZE", "load", "nest_parts", "part_shape", "store", "fill_bytes", "read_leaf", "storage_dtype",
+           "make_parts_cache", "copy_parts_cache"]
 
 
 def parts_extents(spec: Spec, ext: Extents) -> dict[str, int]:
@@ -291,19 +319,28 @@ def tail_dims(part: Part) -> int:
     return len(part.block_run) if part.fields_in == "block" else 1
 
 
-def make_parts_cache(spec: Spec, ext: Extents, dtype: torch.dtype, device: str, strided: bool = False,
-                     odd_offset: bool = False, template: Any = None) -> Any:
-    """A format-2 cache whose every byte carries a code of its part, leaf and position (or,
-    given `template`, a copy of it in fresh tensors)."""
+def make_parts_cache(spec: Spec, ext: Extents, dtype: torch.dtype, device: str) -> Any:
+    """A format-2 cache whose every byte carries a code of its part, leaf and position; each part's
+    tensors of `dtype` where it may hold it, else of its first dtype."""
     default = str(dtype).removeprefix("torch.")
 
     def make(path: tuple[int, ...], part: Part) -> torch.Tensor:
-        t = allocate_part(part_shape(spec, part, ext), getattr(torch, storage_dtype(part, default)), device,
-                          strided, odd_offset, tail_dims(part))
-        if template is None:
-            fill_bytes(t, f"{spec.name}/{part.name}/{path}")
-        else:
-            bits(t).copy_(bits(leaf(template, path)))
+        t = torch.zeros(part_shape(spec, part, ext), dtype=getattr(torch, storage_dtype(part, default)), device=device)
+        fill_bytes(t, f"{spec.name}/{part.name}/{path}")
+        return t
+
+    return nest_parts(spec, ext, make)
+
+
+def copy_parts_cache(spec: Spec, ext: Extents, template: Any, device: str, strided: bool = False,
+                     odd_offset: bool = False) -> Any:
+    """A copy of the format-2 cache `template` (of extents `ext`) in fresh tensors on `device`,
+    allocated as allocate_part says (strided, odd_offset)."""
+
+    def make(path: tuple[int, ...], part: Part) -> torch.Tensor:
+        like = leaf(template, path)
+        t = allocate_part(tuple(like.shape), like.dtype, device, strided, odd_offset, tail_dims(part))
+        bits(t).copy_(bits(like))
         return t
 
     return nest_parts(spec, ext, make)

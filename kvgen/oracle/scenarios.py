@@ -161,8 +161,8 @@ def _filled(paged: Spec, dtype: torch.dtype) -> Any:
 def make_cache(paged: Spec, dtype: torch.dtype, device: str, strided: bool = False,
                odd_offset: bool = False) -> Any:
     if not paged.is_simple:
-        return planes.make_parts_cache(paged, planes.parts_extents(paged, EXT), dtype, device, strided, odd_offset,
-                                       template=_filled(paged, dtype))
+        return planes.copy_parts_cache(paged, planes.parts_extents(paged, EXT), _filled(paged, dtype), device,
+                                       strided, odd_offset)
     shape = reference.leaf_shape(paged, EXT)
     template = _filled(paged, dtype)
 
@@ -189,10 +189,10 @@ def same_bits(a: Any, b: Any) -> bool:
 
 
 def make_objects(connector: Any, lengths: Sequence[int], dtype: torch.dtype, device: str, salt: int,
-                 fmt: Any = None, *, odd_offset: bool = False) -> list[Any]:
+                 fmt: Any = None) -> list[Any]:
     """Objects per chunk in the connector's form, filled with codes distinct from the cache's:
-    one tensor per chunk, or (a layerwise connector) a list of per-layer tensors per chunk;
-    with odd_offset each tensor starts one element into its storage."""
+    one tensor per chunk, or (a layerwise connector) a list of per-layer tensors per chunk
+    (at_odd_offsets moves them one element into their storage)."""
     layerwise = connector.layerwise
     out = []
     packed = getattr(connector.memory, "pack", None) is not None
@@ -209,14 +209,26 @@ def make_objects(connector: Any, lengths: Sequence[int], dtype: torch.dtype, dev
     for i, n in enumerate(lengths):
         shape = connector.get_shape(n)
         if layerwise:
-            layers = [allocate(shape, dtype, device, False, odd_offset) for _ in range(connector.geometry.L)]
+            layers = [allocate(shape, dtype, device, False) for _ in range(connector.geometry.L)]
             fill(layers, salt + 100000 * i)
             out.append([MemoryObj(t, fmt) for t in layers])
         else:
-            t = allocate(shape, dtype, device, False, odd_offset)
+            t = allocate(shape, dtype, device, False)
             fill([t], salt + 100000 * i)
             out.append(MemoryObj(t, fmt))
     return out
+
+
+def at_odd_offsets(objs: list[Any]) -> list[Any]:
+    """The objects of make_objects, each tensor copied to one element into a storage of its own
+    (same bits, same format label): what a caller's misaligned buffer looks like."""
+
+    def moved(o: MemoryObj) -> MemoryObj:
+        t = allocate(tuple(o.tensor.shape), o.tensor.dtype, str(o.tensor.device), False, odd_offset=True)
+        bits(t).copy_(bits(o.tensor))
+        return MemoryObj(t, o.metadata.fmt)
+
+    return [[moved(o) for o in c] if isinstance(c, list) else moved(c) for c in objs]
 
 
 def obj_tensors(obj: Any) -> Any:
@@ -260,8 +272,8 @@ def reference_store(paged: Spec, obj: Spec, cache: Any, objs: list[Any], sc: Sce
         if paged.is_simple:
             reference.store(paged, obj, EXT, cache, obj_tensors(o), reference.Span(mapping, s, e, sc.offset))
         else:
-            planes.store(paged, obj, planes.parts_extents(paged, EXT), cache, obj_tensors(o), mapping, s, e,
-                         sc.offset)
+            planes.store(paged, obj, planes.parts_extents(paged, EXT), cache, obj_tensors(o),
+                         reference.Span(mapping, s, e, sc.offset))
 
 
 def reference_load(paged: Spec, obj: Spec, cache: Any, objs: list[Any], sc: Scenario,
@@ -270,8 +282,8 @@ def reference_load(paged: Spec, obj: Spec, cache: Any, objs: list[Any], sc: Scen
         if paged.is_simple:
             reference.load(paged, obj, EXT, cache, obj_tensors(o), reference.Span(mapping, s, e, sc.offset, sc.skip))
         else:
-            planes.load(paged, obj, planes.parts_extents(paged, EXT), cache, obj_tensors(o), mapping, s, e,
-                        sc.offset, sc.skip)
+            planes.load(paged, obj, planes.parts_extents(paged, EXT), cache, obj_tensors(o),
+                        reference.Span(mapping, s, e, sc.offset, sc.skip))
 
 
 def check_pair(connector: Any, paged: Spec, obj: Spec, scenario: Scenario,
@@ -286,8 +298,9 @@ def check_pair(connector: Any, paged: Spec, obj: Spec, scenario: Scenario,
 
     cache = make_cache(paged, dtype, device, scenario.strided, scenario.odd_cache)
     connector.bind(cache)
-    objs = make_objects(connector, lengths, dtype, device, salt=7,
-                        odd_offset=scenario.odd_objects)
+    objs = make_objects(connector, lengths, dtype, device, salt=7)
+    if scenario.odd_objects:
+        objs = at_odd_offsets(objs)
     want = make_objects(connector, lengths, dtype, device, salt=7)
     connector_store(connector, objs, scenario, cache, mapping)
     reference_store(paged, obj, cache, want, scenario, mapping_list)

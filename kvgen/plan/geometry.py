@@ -9,7 +9,7 @@ nothing: it only runs the checks (`kvgen.runtime.CacheReader`) the body calls.
 from __future__ import annotations
 
 from kvgen.notation import format_dim
-from kvgen.spec.model import ITEMSIZE, Dim, Field, Part, Spec
+from kvgen.spec.model import ITEMSIZE, Dim, Field, Part, Plane, Spec
 
 
 def _name(axes: tuple[str, ...], index: int) -> str:
@@ -23,23 +23,50 @@ def _name(axes: tuple[str, ...], index: int) -> str:
 
 def geometry_body(spec: Spec) -> tuple[str, ...]:
     """Lines of `read_geometry(kvcaches)` for a paged spec (4-space indents, unindented)."""
-    fixed = dict(spec.sizes)
     names = [_name(d.axes, i) for i, d in enumerate(spec.dims)]
+    known = set(spec.lists) | {d.axes[0] for d in spec.dims if len(d.axes) == 1}
+    lines = [*_tree_head(spec, names), *_tree_sizes(spec, known)]
+    fused, solved = _tree_fused(spec, names, known)
+    # Fused extents are products of checked axes, so only lists, plain dims and solved axes.
+    plain = [n for d, n in zip(spec.dims, names, strict=True) if len(d.axes) == 1 or d.is_slot]
+    positive = [*spec.lists, *plain, *solved]
+    lines += [*fused, f"reader.positive({', '.join(f'{n}={n}' for n in dict.fromkeys(positive))})"]
+    folded = any(d.is_slot for d in spec.dims)
+    slots, block = ("S", "None") if folded else ("B * N", "N")
+    kv = "KV" if spec.has("KV") else "1"
+    heads = "H" if spec.has("H") else "1"
+    lines.append(f"return runtime.Geometry(L=L, KV={kv}, H={heads}, C=C, N={block}, S={slots}, "
+                 "dtype=leaf.dtype, device=leaf.device)")
+    return tuple(lines)
+
+
+def _tree_head(spec: Spec, names: list[str]) -> list[str]:
+    """The leaves read, their dims' extents named, the singleton dims checked."""
     lists = ", ".join(spec.lists) + ("," if len(spec.lists) == 1 else "")
     lines = ["reader = runtime.CacheReader(PAGED, kvcaches)",
-             f"({lists}), leaf = reader.leaves()" if spec.lists else "_, leaf = reader.leaves()"]
-    lines.append(f"{', '.join(names)}{',' if len(names) == 1 else ''} = leaf.shape")
-    known = set(spec.lists) | {d.axes[0] for d in spec.dims if len(d.axes) == 1}
-    for i, (dim, name) in enumerate(zip(spec.dims, names, strict=True)):
-        if dim.is_singleton:
-            lines.append(f"reader.singleton({i}, {name})")
-    for axis, value in fixed.items():
+             f"({lists}), leaf = reader.leaves()" if spec.lists else "_, leaf = reader.leaves()",
+             f"{', '.join(names)}{',' if len(names) == 1 else ''} = leaf.shape"]
+    lines += [f"reader.singleton({i}, {name})" for i, (dim, name) in enumerate(zip(spec.dims, names, strict=True))
+              if dim.is_singleton]
+    return lines
+
+
+def _tree_sizes(spec: Spec, known: set[str]) -> list[str]:
+    """The spec's fixed extents: checked where a dim holds them, else set; `known` gains the set ones."""
+    lines = []
+    for axis, value in dict(spec.sizes).items():
         if axis in known:
             lines.append(f"reader.fixed({axis!r}, {axis}, {value})")
         else:
             lines.append(f"{axis} = {value}")
             known.add(axis)
-    solved = []
+    return lines
+
+
+def _tree_fused(spec: Spec, names: list[str], known: set[str]) -> tuple[list[str], list[str]]:
+    """Each fused dim (not the slot axis) checked as the product of its axes, or its one unknown
+    axis solved from it; the lines and the solved axes, which `known` gains."""
+    lines, solved = [], []
     for dim, name in zip(spec.dims, names, strict=True):
         if not dim.is_fused or dim.is_slot:
             continue
@@ -52,95 +79,113 @@ def geometry_body(spec: Spec) -> tuple[str, ...]:
             solved.append(unknown[0])
         else:
             lines.append(f"reader.fused({label!r}, {name}, {product})")
-    # Fused extents are products of checked axes, so only lists, plain dims and solved axes.
-    plain = [n for d, n in zip(spec.dims, names, strict=True) if len(d.axes) == 1 or d.is_slot]
-    positive = [*spec.lists, *plain, *solved]
-    lines.append(f"reader.positive({', '.join(f'{n}={n}' for n in dict.fromkeys(positive))})")
-    slots = "S" if any(d.is_slot for d in spec.dims) else "B * N"
-    block = "None" if any(d.is_slot for d in spec.dims) else "N"
-    kv = "KV" if spec.has("KV") else "1"
-    heads = "H" if spec.has("H") else "1"
-    lines.append(f"return runtime.Geometry(L=L, KV={kv}, H={heads}, C=C, N={block}, S={slots}, "
-                 "dtype=leaf.dtype, device=leaf.device)")
-    return tuple(lines)
+    return lines, solved
 
 
 def parts_geometry_body(spec: Spec) -> tuple[str, ...]:
     """Lines of `read_geometry(kvcaches)` for a format-2 cache: every part's tensors read
     and checked, shared extents (L, KV, B, N, H) equal across parts, each part's C, and
     each plane's bytes per value row."""
-    levels = [a for a in spec.lists if a != "P"]
-    head = ", ".join(levels) + ("," if len(levels) == 1 else "")
-    lines = ["reader = runtime.CacheReader(PAGED, kvcaches)",
-             f"({head}), leaves = reader.parts()" if levels else "_, leaves = reader.parts()"]
-    known: dict[str, str] = {a: a for a in levels}  # an extent -> the variable holding it
-    fused: list[tuple[int, Dim, str]] = []
-    plain: list[str] = list(levels)
+    reading = _PartsReading(spec)
     for p, part in enumerate(spec.parts):
-        names = [_part_dim_name(d, j, p, known) for j, d in enumerate(part.dims)]
+        reading.read_part(p, part)
+    reading.fix_sizes()
+    reading.solve_fused()
+    reading.lines.append(f"reader.positive({', '.join(f'{n}={n}' for n in dict.fromkeys(reading.plain))})")
+    planes = [reading.plane(i, plane) for i, plane in enumerate(spec.moved_planes())]
+    return (*reading.lines, *reading.result(planes))
+
+
+class _PartsReading:
+    """The lines of a format-2 `read_geometry` as they are written, with the variable that holds
+    each extent so far (`known`), the fused dims left to check, and the extents to check positive."""
+
+    def __init__(self, spec: Spec):
+        self.spec = spec
+        levels = [a for a in spec.lists if a != "P"]
+        head = ", ".join(levels) + ("," if len(levels) == 1 else "")
+        self.lines = ["reader = runtime.CacheReader(PAGED, kvcaches)",
+                      f"({head}), leaves = reader.parts()" if levels else "_, leaves = reader.parts()"]
+        self.known: dict[str, str] = {a: a for a in levels}  # an extent -> the variable holding it
+        self.fused: list[tuple[int, Dim, str]] = []
+        self.plain: list[str] = list(levels)
+
+    def read_part(self, p: int, part: Part) -> None:
+        """Part `p`'s dims named and checked: singletons, fused dims kept for later, a shared extent
+        the same as another part's."""
+        names = [_part_dim_name(d, j, p, self.known) for j, d in enumerate(part.dims)]
         if names:
-            lines.append(f"{', '.join(names)}{',' if len(names) == 1 else ''} = leaves[{p}].shape")
+            self.lines.append(f"{', '.join(names)}{',' if len(names) == 1 else ''} = leaves[{p}].shape")
         for j, (dim, name) in enumerate(zip(part.dims, names, strict=True)):
             axis = "S" if dim.is_slot else (_own(dim.axes[0], p) if len(dim.axes) == 1 else None)
             if dim.is_singleton:
-                lines.append(f"reader.singleton({j}, {name})")
+                self.lines.append(f"reader.singleton({j}, {name})")
             elif axis is None:
-                fused.append((p, dim, name))
-            elif axis in known and known[axis] != name:
-                lines.append(f"reader.same({axis.split('_')[0]!r}, {known[axis]}, {name})")
+                self.fused.append((p, dim, name))
+            elif axis in self.known and self.known[axis] != name:
+                self.lines.append(f"reader.same({axis.split('_')[0]!r}, {self.known[axis]}, {name})")
             else:
-                known[axis] = name
-                plain.append(name)
+                self.known[axis] = name
+                self.plain.append(name)
         if part.has("C"):
-            lines.append(_byte_rows(part, p))
-    for axis, value in spec.sizes:
-        lines.append(f"reader.fixed({axis!r}, {known[axis]}, {value})" if axis in known else f"{axis} = {value}")
-        known.setdefault(axis, axis)
-    for p, part in enumerate(spec.parts):
-        width = part.size("C")
-        if part.fields and part.dtypes:
-            width = (part.row_bytes or 0) // ITEMSIZE[part.dtypes[0]]
-        c = _own("C", p)
-        if width is not None:
-            lines.append(f"reader.fixed('C', {known[c]}, {width})" if c in known else f"{c} = {width}")
-            known.setdefault(c, c)
-    solved = []
-    for p, dim, name in fused:
-        axes = [_own(a, p) for a in dim.axes]
-        unknown = [a for a in axes if a not in known]
-        product = " * ".join(known[a] for a in axes if a in known)
-        label = format_dim(dim.axes)
-        if unknown:
-            lines.append(f"{unknown[0]} = reader.split({label!r}, {name}, {product})")
-            known[unknown[0]] = unknown[0]
-            solved.append(unknown[0])
-        else:
-            lines.append(f"reader.fused({label!r}, {name}, {product})")
-    lines.append(f"reader.positive({', '.join(f'{n}={n}' for n in dict.fromkeys([*plain, *solved]))})")
-    planes = []
-    for i, plane in enumerate(spec.moved_planes()):
+            self.lines.append(_byte_rows(part, p))
+
+    def fix_sizes(self) -> None:
+        """The shared fixed extents, then each part's C (its own size, or the row its fields fill)."""
+        known = self.known
+        for axis, value in self.spec.sizes:
+            self.lines.append(f"reader.fixed({axis!r}, {known[axis]}, {value})" if axis in known
+                              else f"{axis} = {value}")
+            known.setdefault(axis, axis)
+        for p, part in enumerate(self.spec.parts):
+            width = part.size("C")
+            if part.fields and part.dtypes:
+                width = (part.row_bytes or 0) // ITEMSIZE[part.dtypes[0]]
+            c = _own("C", p)
+            if width is not None:
+                self.lines.append(f"reader.fixed('C', {known[c]}, {width})" if c in known else f"{c} = {width}")
+                known.setdefault(c, c)
+
+    def solve_fused(self) -> None:
+        """Each fused dim checked as the product of its axes, or its one unknown axis solved from it."""
+        for p, dim, name in self.fused:
+            axes = [_own(a, p) for a in dim.axes]
+            unknown = [a for a in axes if a not in self.known]
+            product = " * ".join(self.known[a] for a in axes if a in self.known)
+            label = format_dim(dim.axes)
+            if unknown:
+                self.lines.append(f"{unknown[0]} = reader.split({label!r}, {name}, {product})")
+                self.known[unknown[0]] = unknown[0]
+                self.plain.append(unknown[0])  # checked positive after the plain extents
+            else:
+                self.lines.append(f"reader.fused({label!r}, {name}, {product})")
+
+    def plane(self, i: int, plane: Plane) -> str:
+        """A moved plane's `PlaneGeometry`: its bytes per value row and the word it moves in."""
         p = plane.index
         if plane.field is not None:
             size, word = str(plane.field.nbytes), _field_word(plane.field, plane.part, p)
         else:
             c = _own("C", p)
-            lines.append(f"row{i} = {known[c]} * leaves[{p}].element_size()" if c in known
-                         else f"row{i} = leaves[{p}].element_size()")
-            size, word = f"row{i}", f"reader.word({p}, 0, row{i}{'' if c in known else ', keep_last=True'})"
-            word += f", values={known[c] if c in known else 1}"
-        planes.append(f"runtime.PlaneGeometry({plane.name!r}, {size}, {word})")
-    first_c = _own("C", 0)
-    slots = known.get("S", f"{known.get('B', 'B')} * {known.get('N', 'N')}")
-    block = "None" if "S" in known else known.get("N", "N")
-    lines += ["return runtime.Geometry(",
-              f"    L={known.get('L', '1')}, KV={known.get('KV', '1')}, H={known.get('H', '1')}, "
-              f"C={known.get(first_c, '1')}, N={block}, S={slots},",
-              "    dtype=leaves[0].dtype, device=leaves[0].device,",
-              "    planes=(",
-              *(f"        {text}," for text in planes),
-              "    ),",
-              ")"]
-    return tuple(lines)
+            has_c = c in self.known
+            self.lines.append(f"row{i} = {self.known[c]} * leaves[{p}].element_size()" if has_c
+                              else f"row{i} = leaves[{p}].element_size()")
+            size, word = f"row{i}", f"reader.word({p}, 0, row{i}{'' if has_c else ', keep_last=True'})"
+            word += f", values={self.known[c] if has_c else 1}"
+        return f"runtime.PlaneGeometry({plane.name!r}, {size}, {word})"
+
+    def result(self, planes: list[str]) -> list[str]:
+        known = self.known
+        slots = known.get("S", f"{known.get('B', 'B')} * {known.get('N', 'N')}")
+        block = "None" if "S" in known else known.get("N", "N")
+        return ["return runtime.Geometry(",
+                f"    L={known.get('L', '1')}, KV={known.get('KV', '1')}, H={known.get('H', '1')}, "
+                f"C={known.get(_own('C', 0), '1')}, N={block}, S={slots},",
+                "    dtype=leaves[0].dtype, device=leaves[0].device,",
+                "    planes=(",
+                *(f"        {text}," for text in planes),
+                "    ),",
+                ")"]
 
 
 def _byte_rows(part: Part, p: int) -> str:

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import product
 from typing import Any
@@ -103,27 +103,64 @@ class PackagePlan:
         return tuple((alias, spec.name) for spec in self.library.specs for alias in spec.aliases)
 
 
-def connector_plan(plan: CopyPlan | PartsPlan) -> ConnectorPlan:
-    base = "LayerwiseConnector" if plan.mode is Mode.LAYERWISE else "ChunkConnector"
-    if isinstance(plan, PartsPlan):
-        program = program_plan(plan)
-        objects, plane_leaves = planes_views(plan)
-        views = (Method("_plane_objects", ("tensor: torch.Tensor", "g: runtime.Geometry", "ck: runtime.Chunk"),
-                        objects, "tuple[torch.Tensor, ...]"),
-                 Method("_plane_leaves", ("kvcaches: Any", "g: runtime.Geometry"), plane_leaves,
-                        "tuple[tuple[torch.Tensor, ...], ...]")) if program.planes else ()
-        return ConnectorPlan(plan, base, layout_fields(plan.paged), layout_fields(plan.obj),
-                             parts_geometry_body(plan.paged), parts_shape_body(plan), parts_methods(plan) + views,
-                             program, ("parts",))
-    return ConnectorPlan(plan, base, layout_fields(plan.paged), layout_fields(plan.obj),
+def _layouts_connector(plan: CopyPlan) -> ConnectorPlan:
+    return ConnectorPlan(plan, _base_class(plan), layout_fields(plan.paged), layout_fields(plan.obj),
                          geometry_body(plan.paged), shape_body(plan), copy_methods(plan), program_plan(plan))
 
 
+def _planes_connector(plan: PartsPlan) -> ConnectorPlan:
+    program = program_plan(plan)
+    objects, plane_leaves = planes_views(plan)
+    views = (Method("_plane_objects", ("tensor: torch.Tensor", "g: runtime.Geometry", "ck: runtime.Chunk"),
+                    objects, "tuple[torch.Tensor, ...]"),
+             Method("_plane_leaves", ("kvcaches: Any", "g: runtime.Geometry"), plane_leaves,
+                    "tuple[tuple[torch.Tensor, ...], ...]")) if program.planes else ()
+    return ConnectorPlan(plan, _base_class(plan), layout_fields(plan.paged), layout_fields(plan.obj),
+                         parts_geometry_body(plan.paged), parts_shape_body(plan), parts_methods(plan) + views,
+                         program, ("parts",))
+
+
+def _base_class(plan: CopyPlan | PartsPlan) -> str:
+    return "LayerwiseConnector" if plan.mode is Mode.LAYERWISE else "ChunkConnector"
+
+
+def _planes_pairs(library: Library) -> list[PartsPlan]:
+    """The pairs of caches of several parts or fields with packed objects (spec format 2)."""
+    return [plan_parts(p, o) for p, o in product(library.paged, library.objects) if compatible_parts(p, o)]
+
+
+@dataclass(frozen=True)
+class PairKind:
+    """One kind of (layout, object) connector: how a build finds its pairs, and how it plans each
+    pair's module and Triton twin. A new kind is one entry of PAIR_KINDS."""
+
+    name: str
+    plan_type: type
+    pairs: Callable[[Library], Sequence[Any]]
+    connector: Callable[[Any], ConnectorPlan]
+    kernel: Callable[[Any], KernelPlan | PartsKernelPlan]
+
+
+#: The kinds of connector, in the order a build lists their modules.
+PAIR_KINDS: tuple[PairKind, ...] = (
+    # one tensor tree per side (spec format 1): kvgen.plan.copy
+    PairKind("layouts", CopyPlan, plan_library, _layouts_connector, make_kernel_plan),
+    # caches of several planes (parts, fields) and packed objects: kvgen.plan.parts
+    PairKind("planes", PartsPlan, _planes_pairs, _planes_connector, make_parts_kernel_plan),
+)
+
+
+def kind_of(plan: CopyPlan | PartsPlan) -> PairKind:
+    return next(k for k in PAIR_KINDS if type(plan) is k.plan_type)
+
+
+def connector_plan(plan: CopyPlan | PartsPlan) -> ConnectorPlan:
+    return kind_of(plan).connector(plan)
+
+
 def plan_connectors(library: Library) -> list[CopyPlan | PartsPlan]:
-    """Every connector of a build: format-1 pairs (kvgen.plan.copy.plan_library), then the
-    format-2 pairs of caches of several parts or fields with packed objects."""
-    parts = [plan_parts(p, o) for p, o in product(library.paged, library.objects) if compatible_parts(p, o)]
-    return [*plan_library(library), *parts]
+    """Every connector of a build, kind by kind (PAIR_KINDS)."""
+    return [plan for kind in PAIR_KINDS for plan in kind.pairs(library)]
 
 
 def format_transitions(library: Library) -> tuple[tuple[str, str], ...]:
@@ -147,10 +184,11 @@ def plan_package(library: Library, transfers: Sequence[TransferPair] = ()) -> Pa
         transitions=format_transitions(library),
         converters=tuple(plan_converters(library)),
         layouts=tuple((s.name, layout_facts(s)) for s in library.specs),
-        kernels=tuple(make_parts_kernel_plan(p) if isinstance(p, PartsPlan) else make_kernel_plan(p) for p in plans),
+        kernels=tuple(kind_of(p).kernel(p) for p in plans),
         transfers=plan_transfers(tuple(transfers)),
         models=tuple(plan_models(library, plans)[0]),
     )
 
 
-__all__ = ["UNDEFINED", "ConnectorPlan", "PackagePlan", "plan_connectors", "plan_package", "skipped_models"]
+__all__ = ["PAIR_KINDS", "UNDEFINED", "ConnectorPlan", "PackagePlan", "PairKind", "connector_plan", "kind_of",
+           "plan_connectors", "plan_package", "skipped_models"]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from kvgen.plan.copy import EXTENT, LOOP_VARS, CopyPlan, Mode, Source, make_plan, mode_of
 from kvgen.spec.elements import tiled
 from kvgen.spec.model import PART_LEVEL, Dim, FieldsIn, Pack, Plane, Spec
-from kvgen.spec.passes_v2 import part_view
+from kvgen.spec.passes.parts import part_view
 
 #: The tokens of the chunk inside a copy method, and in `_shape`.
 TOKENS = {"copy": "ck.num_tokens", "shape": "num_tokens"}
@@ -149,40 +149,45 @@ def plan_parts(paged: Spec, obj: Spec) -> PartsPlan:
     whole = mode is Mode.WHOLE
     preamble = ["rows = runtime.bytes_of(tensor)",
                 f"wd = runtime.plane_words(g, tensor, {obj.pack is Pack.ROWS})  # each plane's word this call"]
-    sizes: tuple[str, ...] = ()
     if obj.pack is Pack.REGIONS:
-        regions = [_region_dims(obj, p) for p in planes]
-        sizes = tuple(_region_size(r, i, TOKENS["shape"]) for i, r in enumerate(regions))
         preamble.append("at = runtime.region_starts(self._sizes(g, ck.num_tokens))  # each region in a layer")
+    shape, dtype, sizes = _object_shape(obj, planes, whole)
+    copies = tuple(_plane_copy(paged, obj, i, plane, whole) for i, plane in enumerate(planes))
+    return PartsPlan(paged, obj, mode, copies, tuple(preamble), shape, dtype, sizes=sizes)
+
+
+def _object_shape(obj: Spec, planes: tuple[Plane, ...],
+                  whole: bool) -> tuple[tuple[str, ...], str | None, tuple[str, ...]]:
+    """A fresh object's shape and dtype (None: the cache's), and for regions each plane's region size."""
+    if obj.pack is Pack.REGIONS:
+        sizes = tuple(_region_size(_region_dims(obj, p), i, TOKENS["shape"]) for i, p in enumerate(planes))
         shape = (*(("g.L",) if whole else ()), "runtime.region_bytes(self._sizes(g, num_tokens))")
-        dtype: str | None = "torch.uint8"
+        return shape, "torch.uint8", sizes
+    shape = tuple("1" if d.is_singleton else ("num_tokens" if d.axes == ("T",) else
+                                              ("runtime.units(g.row_bytes, g.dtype)" if d.axes == ("C",)
+                                               else EXTENT[d.axes[0]])) for d in obj.dims)
+    return shape, None, ()
+
+
+def _plane_copy(paged: Spec, obj: Spec, i: int, plane: Plane, whole: bool) -> PlaneCopy:
+    """Plane `i` moved as a format-1 copy between its byte view of the cache and its place in the object."""
+    dims, raw = _cache_dims(plane)
+    view = dataclasses.replace(part_view(paged, plane.part), dims=dims)
+    leaf = "kvcaches" + "".join(f"[{plane.index}]" if a == PART_LEVEL else f"[{LOOP_VARS[a]}]"
+                                for a in paged.lists)
+    if obj.pack is Pack.REGIONS:
+        odims = _region_dims(obj, plane)
+        shape_i = ", ".join(" * ".join(_extent(a, i, TOKENS["copy"]) for a in d.axes) for d in odims)
+        one = "," if len(odims) == 1 else ""
+        tensor = f"runtime.region(rows, {1 if whole else 0}, at[{i}], ({shape_i}{one}), wd[{i}])"
+        odims = ((Dim(("L",)),) if whole else ()) + odims
     else:
-        shape = tuple("1" if d.is_singleton else ("num_tokens" if d.axes == ("T",) else
-                                                  ("runtime.units(g.row_bytes, g.dtype)" if d.axes == ("C",)
-                                                   else EXTENT[d.axes[0]])) for d in obj.dims)
-        dtype = None
-
-    copies = []
-    for i, plane in enumerate(planes):
-        dims, raw = _cache_dims(plane)
-        view = dataclasses.replace(part_view(paged, plane.part), dims=dims)
-        leaf = "kvcaches" + "".join(f"[{plane.index}]" if a == PART_LEVEL else f"[{LOOP_VARS[a]}]"
-                                    for a in paged.lists)
-        if obj.pack is Pack.REGIONS:
-            odims = _region_dims(obj, plane)
-            shape_i = ", ".join(" * ".join(_extent(a, i, TOKENS["copy"]) for a in d.axes) for d in odims)
-            one = "," if len(odims) == 1 else ""
-            tensor = f"runtime.region(rows, {1 if whole else 0}, at[{i}], ({shape_i}{one}), wd[{i}])"
-            odims = ((Dim(("L",)),) if whole else ()) + odims
-        else:
-            odims = obj.dims
-            tensor = f"rows.narrow({len(odims) - 1}, g.plane_start({i}), g.planes[{i}].C)"
-        ospec = dataclasses.replace(obj, dims=odims, pack=None)
-        # Both sides move in the plane's word of this call: C counts words.
-        raw = f"runtime.as_words({raw}, wd[{i}])"
-        if obj.pack is Pack.ROWS:
-            tensor = f"runtime.as_words({tensor}, wd[{i}])"
-        source = Source(leaf, tensor, {**EXTENT, "C": f"(g.planes[{i}].C // wd[{i}])"}, raw)
-        copies.append(PlaneCopy(plane, make_plan(view, ospec, source)))
-    return PartsPlan(paged, obj, mode, tuple(copies), tuple(preamble), shape, dtype, sizes=sizes)
-
+        odims = obj.dims
+        tensor = f"rows.narrow({len(odims) - 1}, g.plane_start({i}), g.planes[{i}].C)"
+    ospec = dataclasses.replace(obj, dims=odims, pack=None)
+    # Both sides move in the plane's word of this call: C counts words.
+    raw = f"runtime.as_words({raw}, wd[{i}])"
+    if obj.pack is Pack.ROWS:
+        tensor = f"runtime.as_words({tensor}, wd[{i}])"
+    source = Source(leaf, tensor, {**EXTENT, "C": f"(g.planes[{i}].C // wd[{i}])"}, raw)
+    return PlaneCopy(plane, make_plan(view, ospec, source))

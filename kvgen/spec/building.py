@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from typing import Any
 
 from kvgen.spec.elements import DTYPES, Packing
 from kvgen.spec.loader import Document
@@ -46,24 +47,31 @@ def _part(name: str, d: Mapping[str, object]) -> Part:
                 fields=fields, fields_in=where)
 
 
+def _tree(d: Mapping[str, Any]) -> tuple[tuple[Part, ...], tuple[Dim, ...], tuple[str, ...]]:
+    """A spec's parts, its top-level dims and the element types it may hold."""
+    if d.get("pack") == Pack.GROUPS:
+        return (), (), ("uint8",)
+    if "parts" in d:
+        parts = tuple(_part(name, body) for name, body in d["parts"].items())
+        # Every element type some part may hold, in the canonical order.
+        return parts, (), tuple(t for t in DTYPES if any(t in p.dtypes for p in parts))
+    dims = tuple(_dim(v) for v in d["dims"])
+    dtypes = tuple(d.get("dtypes", DTYPES))
+    fields, where = _fields(d.get("fields"))
+    own = tuple((k, v) for k, v in _sizes(d.get("sizes", {})) if k == "C")
+    return (Part("", dims, own, dtypes, fields, where),), dims, dtypes
+
+
+def _carries(d: Mapping[str, Any]) -> Carries | None:
+    if "carries" not in d:
+        return None
+    return Carries(*(c if isinstance(c, str) else tuple(c) for c in (d["carries"]["groups"], d["carries"]["state"])))
+
+
 def build_spec(doc: Document, origin: str | None = None) -> Spec:
     """Typed view of a document that passed the schema."""
     d = doc.data
-    if d.get("pack") == Pack.GROUPS:
-        parts: tuple[Part, ...] = ()
-        dims: tuple[Dim, ...] = ()
-        dtypes: tuple[str, ...] = ("uint8",)
-    elif "parts" in d:
-        parts = tuple(_part(name, body) for name, body in d["parts"].items())
-        dims = ()
-        # Every element type some part may hold, in the canonical order.
-        dtypes = tuple(t for t in DTYPES if any(t in p.dtypes for p in parts))
-    else:
-        dims = tuple(_dim(v) for v in d["dims"])
-        dtypes = tuple(d.get("dtypes", DTYPES))
-        fields, where = _fields(d.get("fields"))
-        own = tuple((k, v) for k, v in _sizes(d.get("sizes", {})) if k == "C")
-        parts = (Part("", dims, own, dtypes, fields, where),)
+    parts, dims, dtypes = _tree(d)
     return Spec(
         version=d["kvgen"],
         name=d["name"],
@@ -90,7 +98,5 @@ def build_spec(doc: Document, origin: str | None = None) -> Spec:
         given=tuple(_dim(v) for v in d.get("given", ())),
         quant=tuple(sorted(d.get("quant", {}).items())),
         token_ratio=(d.get("tokens_per_slot", 1), d.get("slots_per_token", 1)),
-        carries=Carries(*(c if isinstance(c, str) else tuple(c) for c in (d["carries"]["groups"],
-                                                                            d["carries"]["state"])))
-        if "carries" in d else None,
+        carries=_carries(d),
     )

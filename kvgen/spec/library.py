@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvgen.errors import Problem, SpecError, display_path
+from kvgen.interface import UNDEFINED
 from kvgen.names import Named, described, resolve
 from kvgen.spec.building import build_spec
 from kvgen.spec.loader import Document, load_document_past_unknown_fields
 from kvgen.spec.model import Spec
 from kvgen.spec.models import ModelKind, ModelSpec, build_model
-from kvgen.spec.passes import UNDEFINED, check_library, check_spec
-from kvgen.spec.passes_models import check_model
+from kvgen.spec.passes import check_library, check_model, check_spec
 
 #: The kvgen package folder, and the checkout around it (when run from one).
 PACKAGE_DIR = Path(__file__).resolve().parent.parent

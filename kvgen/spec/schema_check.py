@@ -7,6 +7,7 @@ A schema error becomes one located problem that says what is wrong and what is a
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -65,43 +66,54 @@ def typename(value: Any) -> str:
             list: "a list", dict: "a mapping", type(None): "nothing (null)"}.get(type(value), type(value).__name__)
 
 
+def _duplicates(value: Any, _arg: Any) -> str:
+    dups = sorted({repr(x) for i, x in enumerate(value) if x in value[:i]})
+    return f"items must be unique: {', '.join(dups)} given more than once"
+
+
+#: Each validator's message from the value and the schema's bound: what is wrong, what is allowed.
+_WORDS: dict[str, Callable[[Any, Any], str]] = {
+    "type": lambda value, arg: (f"expected {_TYPE_WORDS.get(arg, arg)}, got {typename(value)}"
+                                + ("" if value is None else f" {short(value)}")),
+    "enum": lambda value, arg: f"{short(value)} is not allowed; expected one of: {', '.join(map(str, arg))}",
+    "const": lambda value, arg: f"{short(value)} is not allowed; expected {arg!r}",
+    "pattern": lambda value, arg: (f"{short(value)} is not allowed; expected "
+                                   f"{_PATTERN_WORDS.get(arg, f'the form {arg}')}"),
+    "maxLength": lambda value, arg: f"{short(value)} is {len(value)} characters long; at most {arg} allowed",
+    "minLength": lambda value, arg: f"{short(value)} is {len(value)} characters long; at least {arg} needed",
+    "maxItems": lambda value, arg: f"{len(value)} items; at most {arg} allowed",
+    "minItems": lambda value, arg: f"{len(value)} items; at least {arg} allowed",
+    "minimum": lambda value, arg: f"{value!r} is out of range (at least {arg})",
+    "maximum": lambda value, arg: f"{value!r} is out of range (at most {arg})",
+    "uniqueItems": _duplicates,
+}
+
+
 def _describe(error: jsonschema.ValidationError) -> str:
     """Turn a jsonschema error into one sentence: what is wrong and what is allowed."""
-    v, value, arg = error.validator, error.instance, error.validator_value
-    if v == "type":
-        shown = "" if value is None else f" {short(value)}"
-        return f"expected {_TYPE_WORDS.get(arg, arg)}, got {typename(value)}{shown}"
-    if v == "enum":
-        return f"{short(value)} is not allowed; expected one of: {', '.join(map(str, arg))}"
-    if v == "const":
-        return f"{short(value)} is not allowed; expected {arg!r}"
-    if v == "pattern":
-        return f"{short(value)} is not allowed; expected {_PATTERN_WORDS.get(arg, f'the form {arg}')}"
-    if v == "maxLength":
-        return f"{short(value)} is {len(value)} characters long; at most {arg} allowed"
-    if v == "minLength":
-        return f"{short(value)} is {len(value)} characters long; at least {arg} needed"
-    if v in ("maxItems", "minItems"):
-        bound = "at most" if v == "maxItems" else "at least"
-        return f"{len(value)} items; {bound} {arg} allowed"
-    if v == "minimum" and tuple(error.absolute_path) == ("kvgen",):
+    placed = _describe_at(error)
+    if placed is not None:
+        return placed
+    words = _WORDS.get(str(error.validator))
+    return words(error.instance, error.validator_value) if words else one_line(error.message)
+
+
+def _describe_at(error: jsonschema.ValidationError) -> str | None:
+    """The messages that depend on where the error is: the format version, parts, fields, a dim."""
+    v, value, path = error.validator, error.instance, tuple(error.absolute_path)
+    if v == "minimum" and path == ("kvgen",):
         return (f"spec format version {value} does not exist; versions start at 1 "
                 f"(this kvgen reads up to {SPEC_FORMAT_VERSION})")
-    if v in ("minimum", "maximum"):
-        return f"{value!r} is out of range ({'at least' if v == 'minimum' else 'at most'} {arg})"
-    if v == "uniqueItems":
-        dups = sorted({repr(x) for i, x in enumerate(value) if x in value[:i]})
-        return f"items must be unique: {', '.join(dups)} given more than once"
-    if v in ("minProperties", "maxProperties") and tuple(error.absolute_path)[:1] == ("parts",):
+    if v in ("minProperties", "maxProperties") and path[:1] == ("parts",):
         return (f"{len(value)} part{'s' if len(value) != 1 else ''}; a cache of parts has 2 to 8 "
                 "(write a single tensor tree with dims instead)")
-    if v in ("minProperties", "maxProperties") and tuple(error.absolute_path)[-1:] == ("fields",):
+    if v in ("minProperties", "maxProperties") and path[-1:] == ("fields",):
         return "fields holds one list: row (fields of each row) or block (fields of each block)"
     if v == "anyOf" and _is_dim(error):
         return (f"{short(value)} is not a dim: expected an axis letter ({_AXES_WORDS}), "
                 "1 for a singleton, a list of 2-4 axis letters for a fused axis, or (format 3) N, H or C "
                 "split as tile and place (C/16 with C%16)")
-    return one_line(error.message)
+    return None
 
 
 def drop_unknown_fields(doc: Document, which: str = "spec") -> None:
@@ -156,56 +168,92 @@ def _fused_problems(doc: Document, error: jsonschema.ValidationError) -> list[Pr
 
 def schema_problems(doc: Document, which: str = "spec") -> list[Problem]:
     validator = _Validator(schema(which))
-    problems: list[Problem] = []
-    for error in sorted(validator.iter_errors(doc.data), key=lambda e: list(map(str, e.absolute_path))):
-        path: YamlPath = tuple(error.absolute_path)
-        if error.validator == "additionalProperties" and isinstance(error.instance, dict):
-            allowed = sorted(error.schema.get("properties", {}))
-            for key in error.instance:
-                if key not in allowed:
-                    problems.append(key_problem(
-                        doc, path, key, f"unknown field {short(key)}; allowed: {', '.join(allowed)}"))
-            continue
-        if ("propertyNames" in error.relative_schema_path and isinstance(error.instance, str)
-                and path[-1:] in (("parts",), ("groups",), ("state",))):
-            what = {"parts": "part", "groups": "group", "state": "state group"}[str(path[-1])]
-            problems.append(key_problem(doc, path, error.instance,
-                                         f"{what} name {short(error.instance)} is not allowed; expected "
-                                         f"{_PATTERN_WORDS['^[a-z][a-z0-9]*(_[a-z0-9]+)*$']}"))
-            continue
-        if "propertyNames" in error.relative_schema_path and path[-1:] == ("sizes",) and which == "model":
-            problems.append(key_problem(doc, path, error.instance,
-                                         f"unknown size {short(error.instance)}; a group fixes H, C, N, "
-                                         "or C.PART for one part of its layout"))
-            continue
-        if "propertyNames" in error.relative_schema_path and isinstance(error.instance, str):
-            # jsonschema reports a bad key at its mapping, as the key's own (enum) error.
-            problems.append(key_problem(doc, path, error.instance,
-                                         f"unknown axis {short(error.instance)} as a key; "
-                                         f"axes are {_AXES_WORDS}"))
-            continue
-        if error.validator == "required" and isinstance(error.instance, dict):
-            # One error per missing field, but jsonschema gives no field name apart from its text.
-            why = {"format": " (kind: object needs it)", "code": " (kind: object needs it)",
-                   "dims": " (or parts, in kvgen: 2)"} if "then" in error.relative_schema_path else {}
-            problems.extend(doc.problem(path, f"missing required field {k!r}{why.get(k, '')}")
-                            for k in error.validator_value if k not in error.instance)
-            continue
-        if error.validator == "not":
-            problems.extend(_misplaced_fields(doc, error))
-            continue
-        if which == "model" and path == ("kvgen",) and error.validator == "minimum":
-            problems.append(doc.problem(path, f"a model spec needs kvgen: 2 (this one says kvgen: {error.instance})"))
-            continue
-        if error.validator == "anyOf" and _is_dim(error) and isinstance(error.instance, list):
-            problems.extend(_fused_problems(doc, error))
-            continue
-        branch = _fitting_branch(error) if error.validator == "anyOf" else None
-        if branch:
-            problems.extend(doc.problem(tuple(sub.absolute_path), _describe(sub)) for sub in branch)
-            continue
-        problems.append(doc.problem(path, _describe(error)))
-    return problems
+    errors = sorted(validator.iter_errors(doc.data), key=lambda e: list(map(str, e.absolute_path)))
+    return [p for error in errors for p in _error_problems(doc, error, which)]
+
+
+def _error_problems(doc: Document, error: jsonschema.ValidationError, which: str) -> list[Problem]:
+    """One schema error as problems: the first rule of _RULES that knows it, else its description."""
+    for rule in _RULES:
+        found = rule(doc, error, which)
+        if found is not None:
+            return found
+    return [doc.problem(tuple(error.absolute_path), _describe(error))]
+
+
+def _unknown_fields(doc: Document, error: jsonschema.ValidationError, _which: str) -> list[Problem] | None:
+    if error.validator != "additionalProperties" or not isinstance(error.instance, dict):
+        return None
+    allowed = sorted(error.schema.get("properties", {}))
+    return [key_problem(doc, tuple(error.absolute_path), key, f"unknown field {short(key)}; allowed: "
+                                                              f"{', '.join(allowed)}")
+            for key in error.instance if key not in allowed]
+
+
+def _bad_name_key(doc: Document, error: jsonschema.ValidationError, _which: str) -> list[Problem] | None:
+    """A part, group or state group named against the name rule."""
+    path: YamlPath = tuple(error.absolute_path)
+    if ("propertyNames" not in error.relative_schema_path or not isinstance(error.instance, str)
+            or path[-1:] not in (("parts",), ("groups",), ("state",))):
+        return None
+    what = {"parts": "part", "groups": "group", "state": "state group"}[str(path[-1])]
+    return [key_problem(doc, path, error.instance, f"{what} name {short(error.instance)} is not allowed; expected "
+                                                   f"{_PATTERN_WORDS['^[a-z][a-z0-9]*(_[a-z0-9]+)*$']}")]
+
+
+def _bad_size_key(doc: Document, error: jsonschema.ValidationError, which: str) -> list[Problem] | None:
+    """A model group's sizes key that is no size it may fix."""
+    path: YamlPath = tuple(error.absolute_path)
+    if "propertyNames" not in error.relative_schema_path or path[-1:] != ("sizes",) or which != "model":
+        return None
+    return [key_problem(doc, path, error.instance, f"unknown size {short(error.instance)}; a group fixes H, C, N, "
+                                                   "or C.PART for one part of its layout")]
+
+
+def _bad_axis_key(doc: Document, error: jsonschema.ValidationError, _which: str) -> list[Problem] | None:
+    if "propertyNames" not in error.relative_schema_path or not isinstance(error.instance, str):
+        return None
+    # jsonschema reports a bad key at its mapping, as the key's own (enum) error.
+    return [key_problem(doc, tuple(error.absolute_path), error.instance,
+                        f"unknown axis {short(error.instance)} as a key; axes are {_AXES_WORDS}")]
+
+
+def _missing_fields(doc: Document, error: jsonschema.ValidationError, _which: str) -> list[Problem] | None:
+    if error.validator != "required" or not isinstance(error.instance, dict):
+        return None
+    # One error per missing field, but jsonschema gives no field name apart from its text.
+    why = {"format": " (kind: object needs it)", "code": " (kind: object needs it)",
+           "dims": " (or parts, in kvgen: 2)"} if "then" in error.relative_schema_path else {}
+    return [doc.problem(tuple(error.absolute_path), f"missing required field {k!r}{why.get(k, '')}")
+            for k in error.validator_value if k not in error.instance]
+
+
+def _misplaced(doc: Document, error: jsonschema.ValidationError, _which: str) -> list[Problem] | None:
+    return _misplaced_fields(doc, error) if error.validator == "not" else None
+
+
+def _model_version(doc: Document, error: jsonschema.ValidationError, which: str) -> list[Problem] | None:
+    if which != "model" or tuple(error.absolute_path) != ("kvgen",) or error.validator != "minimum":
+        return None
+    return [doc.problem(("kvgen",), f"a model spec needs kvgen: 2 (this one says kvgen: {error.instance})")]
+
+
+def _bad_fused_dim(doc: Document, error: jsonschema.ValidationError, _which: str) -> list[Problem] | None:
+    if error.validator != "anyOf" or not _is_dim(error) or not isinstance(error.instance, list):
+        return None
+    return _fused_problems(doc, error)
+
+
+def _one_branch(doc: Document, error: jsonschema.ValidationError, _which: str) -> list[Problem] | None:
+    branch = _fitting_branch(error) if error.validator == "anyOf" else None
+    return [doc.problem(tuple(sub.absolute_path), _describe(sub)) for sub in branch] if branch else None
+
+
+#: How schema errors become problems, the first rule that returns problems wins (None: not its error).
+_RULES: tuple[Callable[[Document, jsonschema.ValidationError, str], list[Problem] | None], ...] = (
+    _unknown_fields, _bad_name_key, _bad_size_key, _bad_axis_key, _missing_fields, _misplaced, _model_version,
+    _bad_fused_dim, _one_branch,
+)
 
 
 def _misplaced_fields(doc: Document, error: jsonschema.ValidationError) -> list[Problem]:

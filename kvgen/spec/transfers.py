@@ -113,30 +113,35 @@ def _schema_problems(doc: Document) -> list[Problem]:
         return [doc.problem((), "a transfers file is a mapping with `kvgen: 1` and `transfers:` (a list of "
                                 "'SOURCE -> DESTINATION' lines)")]
     version = data.get("kvgen")
+    if isinstance(version, int) and not isinstance(version, bool) and version > TRANSFERS_FORMAT_VERSION:
+        return [doc.problem(("kvgen",), f"transfers format version {version} is newer than this kvgen reads "
+                                        f"(up to {TRANSFERS_FORMAT_VERSION}); upgrade kvgen")]
     out = []
     if "kvgen" in data and (isinstance(version, bool) or not isinstance(version, int)):
         # JSON Schema counts 1.0 (and YAML's booleans) as integers; a version is a plain int.
         out.append(doc.problem(("kvgen",), f"expected an integer format version, got {short(version)}"))
-    elif isinstance(version, int) and version > TRANSFERS_FORMAT_VERSION:
-        return [doc.problem(("kvgen",), f"transfers format version {version} is newer than this kvgen reads "
-                                        f"(up to {TRANSFERS_FORMAT_VERSION}); upgrade kvgen")]
-    words = {"integer": "an integer", "array": "a list", "string": "a string"}
-    for error in sorted(jsonschema.Draft202012Validator(schema()).iter_errors(data), key=lambda e: list(e.path)):
-        path = tuple(error.absolute_path)
-        if path == ("kvgen",) and out:
-            continue
-        if error.validator == "additionalProperties":
-            allowed = ", ".join(sorted(schema()["properties"]))
-            out += [key_problem(doc, (), key, f"unknown field {short(key)}; allowed: {allowed}")
-                    for key in data if key not in schema()["properties"]]
-        elif error.validator == "required":
-            out += [doc.problem((), f"missing required field {k!r}") for k in error.validator_value if k not in data]
-        elif error.validator == "type":
-            want = words.get(str(error.validator_value), str(error.validator_value))
-            out.append(doc.problem(path, f"expected {want}, got {short(error.instance)}"))
-        else:
-            out.append(doc.problem(path, f"{short(error.instance)}: {error.message}"))
-    return out
+    errors = sorted(jsonschema.Draft202012Validator(schema()).iter_errors(data), key=lambda e: list(e.path))
+    # A version of the wrong type is said once, above, not again as the schema's error.
+    return out + [p for error in errors if not (out and tuple(error.absolute_path) == ("kvgen",))
+                  for p in _error_problems(doc, error)]
+
+
+_TYPE_WORDS = {"integer": "an integer", "array": "a list", "string": "a string"}
+
+
+def _error_problems(doc: Document, error: jsonschema.ValidationError) -> list[Problem]:
+    """One schema error of a transfers file in words."""
+    data, path = doc.data, tuple(error.absolute_path)
+    if error.validator == "additionalProperties":
+        allowed = ", ".join(sorted(schema()["properties"]))
+        return [key_problem(doc, (), key, f"unknown field {short(key)}; allowed: {allowed}")
+                for key in data if key not in schema()["properties"]]
+    if error.validator == "required":
+        return [doc.problem((), f"missing required field {k!r}") for k in error.validator_value if k not in data]
+    if error.validator == "type":
+        want = _TYPE_WORDS.get(str(error.validator_value), str(error.validator_value))
+        return [doc.problem(path, f"expected {want}, got {short(error.instance)}")]
+    return [doc.problem(path, f"{short(error.instance)}: {error.message}")]
 
 
 def _resolve(library: Library, name: str) -> Spec | str:

@@ -1,37 +1,20 @@
-"""Semantic passes: what the JSON Schema cannot say.
+"""Passes over a spec's top: axes, lists, sizes, formats and the engines it names.
 
-Each pass takes a spec and its document and returns problems located by YAML path;
-`check_spec` runs them all so a user sees every problem in a file at once.
-Cross-file rules (unique names, aliases, formats) live in `check_library`.
+These are the rules of a spec of one tensor tree (format 1); a cache of several parts runs
+`check_axes_once`, `check_fused` and `check_extents` on each part (kvgen.spec.passes.parts).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-
 from kvgen.errors import Problem, YamlPath, format_path
 from kvgen.interface import UNDEFINED
-from kvgen.spec.loader import Document
+from kvgen.spec.document import Document
 from kvgen.spec.model import PART_LEVEL, Spec
+from kvgen.spec.passes.common import Pass, occurrences, path_of
 from kvgen.versions import admits_some_release
-
-Pass = Callable[[Spec, Document], list[Problem]]
-
 
 #: Container levels an engine can hand over: a list per layer, a (K, V) pair.
 LIST_AXES = ("L", "KV")
-
-
-def occurrences(spec: Spec) -> Iterator[tuple[str, YamlPath]]:
-    """Every axis letter with the YAML path where it is written."""
-    for i, axis in enumerate(spec.lists):
-        yield axis, ("lists", i)
-    for i, dim in enumerate(spec.dims):
-        if dim.is_fused:
-            for j, axis in enumerate(dim.axes):
-                yield axis, ("dims", i, j)
-        elif not dim.is_singleton:
-            yield dim.axes[0], ("dims", i)
 
 
 def check_axes_once(spec: Spec, doc: Document) -> list[Problem]:
@@ -50,7 +33,7 @@ def check_kind_axes(spec: Spec, doc: Document) -> list[Problem]:
     axes, out = spec.axes, []
     if spec.is_paged:
         if "T" in axes:
-            out.append(doc.problem(_path_of(spec, "T"), "T (token in a chunk) belongs to objects; "
+            out.append(doc.problem(path_of(spec, "T"), "T (token in a chunk) belongs to objects; "
                                                         "a paged layout addresses slots with B and N"))
         missing = [a for a in ("B", "N") if a not in axes]
         if missing:
@@ -63,7 +46,7 @@ def check_kind_axes(spec: Spec, doc: Document) -> list[Problem]:
             out.append(doc.problem(("dims",), "an object must have a T (token in the chunk) axis"))
         for axis in ("B", "N"):
             if axis in axes:
-                out.append(doc.problem(_path_of(spec, axis), f"{axis} addresses a paged cache; objects use T"))
+                out.append(doc.problem(path_of(spec, axis), f"{axis} addresses a paged cache; objects use T"))
     if "C" not in axes:
         out.append(doc.problem(("dims",), "every layout needs a C (content per head) axis"))
     return out
@@ -84,7 +67,7 @@ def check_fused(spec: Spec, doc: Document) -> list[Problem]:
 
 
 def check_lists(spec: Spec, doc: Document) -> list[Problem]:
-    # P, the list level of parts, is checked with the other format-2 rules (kvgen.spec.passes_v2).
+    # P, the list level of parts, is checked with the other format-2 rules (kvgen.spec.passes.parts).
     return [doc.problem(("lists", i), f"{axis} cannot be a list level; lists hold {' or '.join(LIST_AXES)}")
             for i, axis in enumerate(spec.lists) if axis not in (*LIST_AXES, PART_LEVEL)]
 
@@ -102,7 +85,7 @@ def check_sizes(spec: Spec, doc: Document) -> list[Problem]:
             out.append(doc.problem(path, f"KV holds K and V, so its size is 2, not {value}"))
     if "KV" in spec.axes and spec.size("KV") is None:
         # Every object format fixes KV at 2: a cache read with KV=3 would fill objects wrongly.
-        out.append(doc.problem(_path_of(spec, "KV"), "KV holds K and V: add `sizes: {KV: 2}` so a cache "
+        out.append(doc.problem(path_of(spec, "KV"), "KV holds K and V: add `sizes: {KV: 2}` so a cache "
                                                      "with another K/V extent is refused"))
     return out
 
@@ -157,6 +140,22 @@ def check_versions(spec: Spec, doc: Document) -> list[Problem]:
     return out
 
 
+def check_quant(spec: Spec, doc: Document) -> list[Problem]:
+    """`quant` names the quantization in the words of an engine the spec is for (a paged, format-3 cache)."""
+    if "quant" not in doc.data:
+        return []
+    if spec.version < 3:
+        return [doc.problem(("quant",), f"field 'quant' needs kvgen: 3 (this spec says kvgen: {spec.version})",
+                            key=True)]
+    if not spec.is_paged:
+        return [doc.problem(("quant",), "quant describes a paged cache's quantization; an object keeps the "
+                                        "cache's packed bytes as they are", key=True)]
+    families = {e.split("/")[0] for e in spec.engines}
+    return [doc.problem(("quant", family), f"quant names engine {family!r}, which engines does not list "
+                                           f"({', '.join(sorted(families)) or 'none'})", key=True)
+            for family, _ in spec.quant if family not in families]
+
+
 def check_given(spec: Spec, doc: Document) -> list[Problem]:
     """`given` (the order the engine hands a leaf over) holds exactly the dims of `dims`, each
     once, so reading a handed-over leaf is one fixed permutation."""
@@ -174,65 +173,9 @@ def check_given(spec: Spec, doc: Document) -> list[Problem]:
     return []
 
 
-PASSES: tuple[Pass, ...] = (
+#: The passes of one tensor tree, in the order their problems are reported.
+TREE: tuple[Pass, ...] = (
     check_axes_once, check_kind_axes, check_fused, check_lists,
     check_sizes, check_extents, check_accepts_self, check_reserved_format, check_versions,
     check_given,
 )
-
-
-def check_spec(spec: Spec, doc: Document) -> list[Problem]:
-    from kvgen.spec.model import Pack
-    from kvgen.spec.passes_models import check_groups_object
-    from kvgen.spec.passes_v2 import PASSES_V2, check_version_features
-    from kvgen.spec.passes_v3 import PASSES_V3
-
-    if spec.pack is Pack.GROUPS:
-        found = (check_version_features, check_groups_object, check_accepts_self, check_reserved_format)
-        return [p for check in found for p in check(spec, doc)]
-    # A cache of several parts has no top-level dims: its parts are checked one by one there.
-    tree = (check_lists,) if spec.is_multipart else PASSES
-    return [p for check in (*tree, *PASSES_V2, *PASSES_V3) for p in check(spec, doc)]
-
-
-def _path_of(spec: Spec, axis: str) -> YamlPath:
-    return next((path for a, path in occurrences(spec) if a == axis), ("dims",))
-
-
-def check_library(entries: Sequence[tuple[Spec, Document]], known_formats: Sequence[str] = ()) -> list[Problem]:
-    """Rules across files: unique names, aliases and formats; `accepts` names known formats."""
-    out: list[Problem] = []
-    names: dict[str, Spec] = {}
-    labels: dict[str, Spec] = {}
-    formats: dict[str, Spec] = {}
-    codes: dict[int, Spec] = {}
-    for spec, doc in entries:
-        if spec.name in names:
-            out.append(doc.problem(("name",), f"name {spec.name!r} is already used by {names[spec.name].source}"))
-        names.setdefault(spec.name, spec)
-    for spec, doc in entries:
-        for i, alias in enumerate(spec.aliases):
-            owner = labels.get(alias.casefold()) or (names.get(alias.lower()) if alias.lower() != spec.name else None)
-            if owner is not None and owner is not spec:
-                out.append(doc.problem(("aliases", i), f"alias {alias!r} is already used by {owner.source}"))
-            labels.setdefault(alias.casefold(), spec)  # lookups ignore case, so clashes do too
-        if spec.format:
-            # Whole and per-layer objects may share a format (KV_MLA_FMT); its code must agree.
-            other = formats.setdefault(spec.format, spec)
-            if other.code != spec.code:
-                out.append(doc.problem(("code",), f"format {spec.format} has code {other.code} in "
-                                                  f"{other.source}, not {spec.code}"))
-            owner = codes.setdefault(spec.code, spec)
-            if owner.format != spec.format:
-                out.append(doc.problem(("code",), f"code {spec.code} is already used by "
-                                                  f"{owner.format} in {owner.source}"))
-    valid = set(formats) | set(known_formats) | {UNDEFINED}
-    for spec, doc in entries:
-        for i, name in enumerate(spec.accepts):
-            if name not in valid:
-                out.append(doc.problem(("accepts", i), f"unknown format {name!r}; known: "
-                                                       f"{', '.join(sorted(valid))}"))
-    from kvgen.spec.passes_models import check_model_library
-
-    return out + check_model_library(entries)
-
