@@ -144,8 +144,6 @@ def test_closed_vocabularies_are_enums() -> None:
 #: Temporary: the coordinator removes each entry once its owner's branch is in;
 #: test_pending_entries_are_still_offenders fails on an entry that no longer offends.
 PENDING_COMPLEXITY = {
-    "kvgen.plan.kernel:kernel_text": "movers",
-    "kvgen.runtime.kernels:Kernel.arguments": "movers",
     "kvgen.runtime.native_transfer:describe": "movers",
     "kvgen.oracle.address:explain_lines": "quant",
     "kvgen.oracle.planes:move": "quant",
@@ -188,7 +186,6 @@ PENDING_PARAMETERS = {
 #: Functions whose imports close an import cycle (left out of the cycle graph) or are deferred
 #: for no heavy dependency.
 PENDING_IMPORTS = {
-    "kvgen.runtime.kernels:_triton_target": "movers",  # triton, deferred, but without a comment saying so
     "kvgen.oracle.planes:part_shape": "quant",
     "kvgen.spec.passes:check_spec": "quant",
     "kvgen.spec.passes:check_library": "quant",

@@ -176,7 +176,7 @@ def test_a_connector_without_kernel_module(device: str) -> None:
     """A connector class whose module has no `_triton` twin (a package built before kernels)."""
     _kernel_device(device)
     base = generated.get("vllm_flash_attn_nhd", "kv_2ltd")
-    mine = type("Mine", (base,), {"layout": base.layout, "__module__": "my_package.my_connector"})
+    mine = type("Mine", (base,), {"program": base.program, "__module__": "my_package.my_connector"})
     assert base(device=device, backend="triton").copy_backend_for(device) == "triton"
     with pytest.raises(KVLayoutError, match="no kernel module was generated for this connector"):
         mine(device=device, backend="triton").copy_backend_for(device)

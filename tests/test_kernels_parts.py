@@ -18,7 +18,7 @@ from harness import EXT, SCENARIOS, connector_load, connector_store, make_cache,
 
 from kvgen import generated
 from kvgen.oracle.scenarios import check_connector, clone_tree, same_bits
-from kvgen.plan.kernel_parts import make_parts_kernel_plan
+from kvgen.plan.kernel import make_parts_kernel_plan
 from kvgen.plan.package import plan_connectors
 from kvgen.plan.parts import PartsPlan
 from kvgen.runtime import KVLayoutError, available_devices, kernels
