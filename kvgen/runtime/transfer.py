@@ -145,7 +145,7 @@ class TransferBase:
             backend.wait_stream(backend.current_stream(), stream)
         yield
 
-    def _compiled(self, call: TransferCall, *, layerwise: bool) -> native_transfer.Description | None:
+    def _compiled(self, call: TransferCall, *, layerwise: bool) -> native_transfer.TransferDescription | None:
         """The compiled kernel's description of this call, or None for the torch copies (a
         device other than the CPU, a cache the kernel cannot describe, copy_backend='torch')."""
         if self.copy_backend == "torch":
