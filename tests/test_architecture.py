@@ -175,8 +175,6 @@ PENDING_PARAMETERS = {
     "kvgen.runtime.transfer:TransferBase.copy": "rules: unfinished (src_heads and dst_heads: one tp.Route?)",
     "kvgen.runtime.transfer:TransferBase.copy_layers": "rules: unfinished (as copy, plus sync)",
     # signatures the generated modules call or implement (a change rebuilds generated/):
-    "kvgen.runtime.transfer:TransferBase._copy_layer": "rules: unfinished (generated: pass the TransferCall)",
-    "kvgen.runtime.pairs:move_blocks": "rules: unfinished (generated: (tensor, dim, blocks) per side)",
     # called from the movers' connector.py:
     "kvgen.runtime.binding:new_binding": "rules: unfinished (the cache, its frozen tree and key as one snapshot)",
     # 7 since its layerwise flag became the connector's own; the test helpers' 47 call sites:

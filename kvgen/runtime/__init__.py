@@ -42,7 +42,7 @@ from kvgen.runtime.planes import (
 )
 from kvgen.runtime.registry import DEVICES, Registry, check_transition, convert
 from kvgen.runtime.slots import Chunk, plan_chunk
-from kvgen.runtime.transfer import TransferBase
+from kvgen.runtime.transfer import TransferBase, TransferCall
 from kvgen.runtime.whole import ChunkConnector
 from kvgen.runtime.words import Words
 
@@ -66,6 +66,6 @@ __all__ = [
     "region_starts", "row_field",
     "units", "as_words", "plane_words",
     "ModelConnector", "GroupTable", "StateTable", "Section",
-    "Pairs", "TransferBase", "TransferPath", "TransferProgram", "carry", "move_blocks", "pick", "pick_slots",
-    "put_slots",
+    "Pairs", "TransferBase", "TransferCall", "TransferPath", "TransferProgram", "carry", "move_blocks", "pick",
+    "pick_slots", "put_slots",
 ]

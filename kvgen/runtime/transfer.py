@@ -106,7 +106,7 @@ class TransferBase:
             if compiled is not None:
                 native_transfer.move(compiled, None)
             else:
-                self._copy(call.src, call.dst, call.gs, call.gd, call.pairs, call.words)
+                self._copy(call)
         for device in dict.fromkeys((call.gs.device, call.gd.device)):
             backend = self._backend_for(device)
             backend.synchronize(backend.current_stream())
@@ -137,7 +137,7 @@ class TransferBase:
                 native_transfer.move(compiled, layer)
             elif call.pairs.moved:
                 with on_stream(backend, stream):
-                    self._copy_layer(layer, call.src, call.dst, call.gs, call.gd, call.pairs, call.words)
+                    self._copy_layer(layer, call)
             yield
         if sync:
             backend.synchronize(stream)
@@ -259,11 +259,12 @@ class TransferBase:
 
     # -- the generated copies ---------------------------------------------------------------------
 
-    def _copy(self, src_caches: Any, dst_caches: Any, gs: Geometry, gd: Geometry, p: Pairs, w: Words) -> None:
+    def _copy(self, call: TransferCall) -> None:
+        """Every layer of `call` (generated: the torch copy, the transfer's readable reference)."""
         raise NotImplementedError
 
-    def _copy_layer(self, layer: int, src_caches: Any, dst_caches: Any, gs: Geometry, gd: Geometry, p: Pairs,
-                    w: Words) -> None:
+    def _copy_layer(self, layer: int, call: TransferCall) -> None:
+        """Layer `layer` of `call` (generated)."""
         raise NotImplementedError
 
 
