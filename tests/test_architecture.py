@@ -176,7 +176,6 @@ PENDING_PARAMETERS = {
     "kvgen.runtime.transfer:TransferBase.copy_layers": "rules: unfinished (as copy, plus sync)",
     # signatures the generated modules call or implement (a change rebuilds generated/):
     # called from the movers' connector.py:
-    "kvgen.runtime.binding:new_binding": "rules: unfinished (the cache, its frozen tree and key as one snapshot)",
     # 7 since its layerwise flag became the connector's own; the test helpers' 47 call sites:
     "kvgen.oracle.scenarios:make_objects": "rules: unfinished (dtype and device of the objects as one?)",
 }

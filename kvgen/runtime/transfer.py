@@ -27,7 +27,16 @@ import torch
 
 from kvgen.runtime import calls, native, native_transfer
 from kvgen.runtime.aliasing import CacheMemory, share_elements
-from kvgen.runtime.binding import Binding, check_layer_leaves, layer_leaves, leaf_names, leaves, new_binding, snapshot
+from kvgen.runtime.binding import (
+    Binding,
+    Snapshot,
+    check_layer_leaves,
+    layer_leaves,
+    leaf_names,
+    leaves,
+    new_binding,
+    snapshot,
+)
 from kvgen.runtime.connector import max_word
 from kvgen.runtime.devices import Backend, backend_for, on_stream
 from kvgen.runtime.errors import KVLayoutError
@@ -208,7 +217,7 @@ class TransferBase:
             raise KVLayoutError(f"{side}_caches: {layout.name} caches are lists or tuples of tensors, got "
                                 f"{describe(kvcaches)}")
         limit = max_word(geometry.device) if self.widen else None
-        binding = new_binding(kvcaches, tree, key, geometry, tuple(leaf_names(tree, f"{side}_caches")),
+        binding = new_binding(Snapshot(kvcaches, tree, key), geometry, tuple(leaf_names(tree, f"{side}_caches")),
                               word_limit=limit, owner=layout.name, argument=f"{side}_caches")
         with self._lock:
             mine = [k for k in self._bindings if k[0] == side]
