@@ -165,10 +165,6 @@ PENDING_PARAMETERS = {
     "kvgen.oracle.planes:store": "quant",
     "kvgen.oracle.planes:load": "quant",
     "kvgen.oracle.planes:make_parts_cache": "quant",
-    # Triton kernels: their arguments are the launch's pointers, strides and constexprs, and
-    # they change with kernel.py.j2 and plan/kernel.py (tuples of strides would fit the rule).
-    "kvgen.runtime.tiles:_move": "movers",
-    "kvgen.runtime.tiles:move_chunk": "movers",
     # Left by `rules` this round, each for a decision beyond a refactor:
     # public APIs (a change reaches docs/engines.md, docs/transfers.md and every caller):
     "kvgen.integrations.vllm:from_vllm": "rules: unfinished (kv_object and package: one pairing option?)",

@@ -220,12 +220,13 @@ def _row_lines(row: tuple[str, ...]) -> list[str]:
 
 
 def _move_lines(slot: tuple[str, ...], aligned: bool) -> list[str]:
-    """The call of the shared tile mover: the slot strides of the cache and the object's token stride."""
+    """The call of the shared tile mover: the pointers, the part's starts and row, the chunk's
+    indices, the cache's slot strides and the object's token stride, then the constexprs."""
     slot_strides = "cs_S, 0" if slot == (SLOT,) else "cs_B, cs_N" if slot else "0, 0"
-    return ["move_chunk(cache, obj, c_base, o_base, c_row, o_row, row_mask,",
-            "           ids, slots, tok, first_id, first_slot, block_start, num_blocks, num_tokens,",
-            f"           {slot_strides}, {'os_T' if slot else '0'}, BN, TILE, IDS, SLOTS, TOK, STORE"
-            + (", VA)" if aligned else ")")]
+    return ["move_chunk((cache, obj), (c_base, o_base, c_row, o_row, row_mask),",
+            "           (ids, slots, tok, first_id, first_slot, block_start, num_blocks, num_tokens),",
+            f"           ({slot_strides}, {'os_T' if slot else '0'}), (BN, TILE, {'VA' if aligned else '1'}),"
+            " (IDS, SLOTS, TOK, STORE))"]
 
 
 def kernel_text(axes: Axes, aligned: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
