@@ -47,16 +47,16 @@ L, KV, B, N, H, C = 2, 2, 6, 4, 2, 3
 MAPPING = torch.arange(2, 12)
 
 
-def _altered(tmp_path: Path, old: str, new: str) -> Any:
-    """The Connector of a copy of MODULE whose text has `old` (found once) replaced by `new`;
+def _altered(tmp_path: Path, old: str, new: str, module: str = MODULE) -> Any:
+    """The Connector of a copy of `module` whose text has `old` (found once) replaced by `new`;
     its Triton twin is copied unchanged next to it, where the Triton mover finds it."""
     here = Path(generated.__file__).parent
-    text = (here / f"{MODULE}.py").read_text()
+    text = (here / f"{module}.py").read_text()
     assert text.count(old) == 1, old
-    name = f"altered_{tmp_path.name}_{MODULE}"  # a module name of its own per test
+    name = f"altered_{tmp_path.name}_{module}"  # a module name of its own per test
     path = tmp_path / f"{name}.py"
     path.write_text(text.replace(old, new))
-    shutil.copy(here / f"{MODULE}_triton.py", tmp_path / f"{name}_triton.py")
+    shutil.copy(here / f"{module}_triton.py", tmp_path / f"{name}_triton.py")
     if str(tmp_path) not in sys.path:
         sys.path.insert(0, str(tmp_path))
     spec = importlib.util.spec_from_file_location(name, path)
@@ -294,10 +294,13 @@ KV_OLD = "            cache_places=(('KV', 0, ()), ('B', 1, ()), ('N', 2, ()), (
 KV_NEW = "            cache_places=(('KV', 3, ()), ('B', 1, ()), ('N', 2, ()), ('H', 0, ()), ('C', 4, ())),\n"
 
 
-def test_each_plane_moves_as_its_own_program_says(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["native", "triton"])
+def test_each_plane_moves_as_its_own_program_says(tmp_path: Path, backend: str) -> None:
     """The kv plane's program with the cache's KV and H places swapped (two of each): the native
-    mover fills the kv region with K/V and heads transposed; the scale planes, whose programs
-    are unchanged, land as the reference puts them."""
+    mover and the Triton kernels fill the kv region with K/V and heads transposed; the scale
+    planes, whose programs are unchanged, land as the reference puts them. (The torch copies of
+    planes view them as the module writes, not yet at PROGRAM's places.)"""
+    _mover_here(backend)
     paged = LIBRARY_SPECS["vllm_fp8_tensor_scales"]
     assert EXT["KV"] == EXT["H"] == 2
     cache = make_cache(paged, torch.float32, "cpu")
@@ -311,16 +314,8 @@ def test_each_plane_moves_as_its_own_program_says(tmp_path: Path) -> None:
 
     plain = generated.get("vllm_fp8_tensor_scales", "kv_planes")
     reference = store(plain, "torch")
-    assert torch.equal(store(plain, "native"), reference)
-    text = (Path(generated.__file__).parent / f"{PLANES_MODULE}.py").read_text()
-    assert text.count(KV_OLD) == 1
-    path = tmp_path / f"altered_{PLANES_MODULE}.py"
-    path.write_text(text.replace(KV_OLD, KV_NEW))
-    spec = importlib.util.spec_from_file_location(f"altered_{PLANES_MODULE}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    altered = store(module.Connector, "native")
+    assert torch.equal(store(plain, backend), reference)
+    altered = store(_altered(tmp_path, KV_OLD, KV_NEW, PLANES_MODULE), backend)
     size = EXT["KV"] * tokens * EXT["H"] * EXT["C"]  # the kv region of a layer: fp8, one byte a value
     shape = (EXT["L"], EXT["KV"], tokens, EXT["H"], EXT["C"])
     assert torch.equal(altered[:, :size].reshape(shape), reference[:, :size].reshape(shape).transpose(1, 3))

@@ -339,7 +339,9 @@ Leaves = Callable[[Any, Geometry, int], list[torch.Tensor]]
 
 class PlanesKernel:
     """The kernels of one format-2 connector, one per plane (kvgen.plan.kernel plans each as the
-    format-1 kernel over the plane's byte views), launched like one `Kernel`: each plane moves
+    format-1 kernel over the plane's byte views, which the twin writes; each axis is read at the
+    place the plane's program in PROGRAM gives it there, as the native mover reads the module's
+    byte views), launched like one `Kernel`: each plane moves
     as bytes in the widest word (at most 8 bytes) that this call's object and the cache allow
     for it (`runtime.plane_words`, the torch code's choice) and that divides the distance
     between its leaves, so one table of leaf offsets in words reaches every layer. Every
@@ -362,6 +364,9 @@ class PlanesKernel:
             tensors = self.leaves(kvcaches, g, i)
             pw = leaf_words(words(min(wd[i], KERNEL_WORD), 1, g.planes[i].C), 1, tensors, True)
             x, o = kernel.views(tensor, tensors[0], g, pw, ck.num_tokens)  # type: ignore[misc]
+            if program.planes:  # each axis at the place the plane's program gives it in those views
+                plane = program.planes[i]
+                x, o = placed(x, plane.cache_places, g), placed(o, plane.object_places, g)
             launches.append((kernel, kernel.arguments(step, kernel.operands(x, o, tensors, g), pw)))
         for kernel, (grid, args, device) in launches:
             kernel.launch(grid, args, device)
