@@ -161,37 +161,22 @@ def test_the_build_loops_over_registered_kinds() -> None:
 #: Temporary: the coordinator removes each entry once its owner's branch is in;
 #: test_pending_entries_are_still_offenders fails on an entry that no longer offends.
 PENDING_COMPLEXITY = {
-    "kvgen.plan.kernel:kernel_text": "movers",
-    "kvgen.runtime.kernels:Kernel.arguments": "movers",
-    "kvgen.runtime.native_transfer:describe": "movers",
     # model passes: `quant` and `remote` add rules to them this round (a split waits for both).
     "kvgen.spec.passes.models:check_model": "quant",
     "kvgen.spec.passes.models:check_model_library": "quant",
     "kvgen.spec.passes.models:_group_problems": "quant",
 }
 PENDING_PARAMETERS = {
-    # Triton kernels: their arguments are the launch's pointers, strides and constexprs, and
-    # they change with kernel.py.j2 and plan/kernel.py (tuples of strides would fit the rule).
-    "kvgen.runtime.tiles:_move": "movers",
-    "kvgen.runtime.tiles:move_chunk": "movers",
-    # Left by `rules` this round, each for a decision beyond a refactor:
-    # public APIs (a change reaches docs/engines.md, docs/transfers.md and every caller):
-    "kvgen.runtime.transfer:TransferBase.copy": "rules: unfinished (src_heads and dst_heads: one tp.Route?)",
-    "kvgen.runtime.transfer:TransferBase.copy_layers": "rules: unfinished (as copy, plus sync)",
-    # signatures the generated modules call or implement (a change rebuilds generated/):
-    "kvgen.runtime.transfer:TransferBase._copy_layer": "rules: unfinished (generated: pass the TransferCall)",
-    "kvgen.runtime.pairs:move_blocks": "rules: unfinished (generated: (tensor, dim, blocks) per side)",
-    # called from the movers' connector.py:
-    "kvgen.runtime.binding:new_binding": "rules: unfinished (the cache, its frozen tree and key as one snapshot)",
+    # public APIs (a change reaches docs/transfers.md and every caller):
+    "kvgen.runtime.transfer:TransferBase.copy": "unfinished (src_heads and dst_heads: one tp.Route?)",
+    "kvgen.runtime.transfer:TransferBase.copy_layers": "unfinished (as copy, plus sync)",
 }
 #: Functions whose imports close an import cycle (left out of the cycle graph) or are deferred
 #: for no heavy dependency.
-PENDING_IMPORTS = {
-    "kvgen.runtime.kernels:_triton_target": "movers",  # triton, deferred, but without a comment saying so
+PENDING_IMPORTS: dict[str, str] = {
 }
 #: `module:ClassName` definitions left out of the one-name-per-class rule.
 PENDING_CLASSES = {
-    "kvgen.runtime.native_transfer:Description": "movers",
 }
 
 #: Public APIs whose parameters mirror another system's signature, so they keep its arity.

@@ -24,13 +24,15 @@ from harness import EXT, SCENARIOS, connector_load, connector_store, make_cache,
 from kvgen import generated
 from kvgen.oracle.scenarios import check_connector, clone_tree, same_bits
 from kvgen.plan.copy import CopyPlan, plan_library
-from kvgen.plan.kernel import make_kernel_plan
-from kvgen.plan.package import plan_package
+from kvgen.plan.kernel import make_kernel_plan, make_parts_kernel_plan
+from kvgen.plan.package import plan_connectors, plan_package
+from kvgen.plan.parts import PartsPlan
 from kvgen.runtime import KVLayoutError, available_devices, kernels, native
 from kvgen.spec.library import load_library
 
 LIBRARY = load_library()
 PLANS = {p.module: p for p in plan_library(LIBRARY)}
+PARTS = {p.module: p for p in plan_connectors(LIBRARY) if isinstance(p, PartsPlan)}
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if HAVE_TRITON and available_devices() == ["cpu"]:
     # Kernel modules are imported on first use, after collection: they see the interpreter.
@@ -91,6 +93,62 @@ def test_kernel_plans_of_known_layouts() -> None:
     sglang = make_kernel_plan(PLANS["sglang_mha__kv_2td"])
     assert (sglang.lists, sglang.slot, sglang.outer) == (("KV", "L"), ("S",), ("KV",))
     assert "tl.load(table + kv * E_L + layer)" in "\n".join(sglang.body)
+
+
+def test_launch_facts_are_the_plans() -> None:
+    """What a launch needs besides extents, strides and addresses is written into the twin's
+    KernelSpec at build time: whole-block programs over B x N caches, none over a folded slot
+    axis; at most 64 tokens a tile, one for a plane without slots, whose row starts the
+    alignment hint divides on both sides; the word of the views."""
+    nhd = make_kernel_plan(PLANS["vllm_flash_attn_nhd__kv_2ltd"])
+    assert dict(nhd.spec_fields) == {
+        "table": True, "layerwise": False, "extents": ("L",), "row": ("H", "C"), "outer": ("KV", "L"),
+        "cache_axes": ("KV", "B", "N", "H", "C"), "object_axes": ("KV", "L", "T", "H", "C"), "blocks": True,
+        "tile": 64, "slotless": False, "widen": True}
+    sglang = dict(make_kernel_plan(PLANS["sglang_mha__kv_2td"]).spec_fields)
+    assert (sglang["blocks"], sglang["tile"], sglang["table"]) == (False, 64, True)
+    scales = make_parts_kernel_plan(PARTS["vllm_fp8_tensor_scales__kv_planes"])
+    kv, k_scale = dict(scales.planes[0].spec_fields), dict(scales.planes[1].spec_fields)
+    assert (kv["blocks"], kv["tile"], kv["aligned"]) == (True, 64, True)
+    assert kv["cache_starts"] == ("B", "N") and "KV" not in kv["cache_starts"]
+    assert (k_scale["blocks"], k_scale["tile"], k_scale["slotless"]) == (False, 1, True)
+
+
+@needs_triton
+def test_a_launch_takes_its_tile_from_the_kernel_spec(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launch reads the plan's facts, not the layout: the same kernel with a KernelSpec of
+    one token a tile launches one program per token of the token path, and still moves what
+    the reference moves."""
+    _kernel_device(device)
+    plan = PLANS["vllm_flash_attn_nhd__kv_2ltd"]
+    base = kernels.kernel_of(generated.get(plan.paged.name, plan.obj.name).__module__)
+    one = kernels.Kernel(base.fn, replace(base.spec, tile=1))
+    launched: list[tuple[tuple[int, int], dict[str, object]]] = []
+    real = kernels._launch
+
+    def spy(fn: object, grid: tuple[int, int], args: dict[str, object], dev: torch.device) -> None:
+        launched.append((grid, args))
+        real(fn, grid, args, dev)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernels, "_launch", spy)
+    sc = SCENARIOS["partial_blocks"]
+    cache = make_cache(plan.paged, torch.float32, device)
+    mapping = torch.tensor(sc.mapping(random.Random(0), EXT), device=device)
+    results, runs = [], []
+    for kernel in (base, one):
+        c = generated.get(plan.paged.name, plan.obj.name)(device=device)
+        c._pin(torch.device(device), "triton", (c, kernel))
+        c.bind(cache)
+        objs = make_objects(c, [13], torch.float32, device, salt=3, fmt=c.format)
+        launched.clear()
+        connector_store(c, objs, sc, cache, mapping)
+        results.append([o.tensor.clone() for o in objs])
+        runs.append(list(launched))
+    assert runs[0] and all(args["TILE"] > 1 for _, args in runs[0])
+    assert runs[1] and all(args["TILE"] == 1 and grid[0] == args["num_blocks"] + args["num_tokens"]
+                           for grid, args in runs[1])
+    assert sum(grid[0] for grid, _ in runs[1]) > sum(grid[0] for grid, _ in runs[0])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
 # -- kernels against the reference -------------------------------------------------------------
@@ -176,7 +234,7 @@ def test_a_connector_without_kernel_module(device: str) -> None:
     """A connector class whose module has no `_triton` twin (a package built before kernels)."""
     _kernel_device(device)
     base = generated.get("vllm_flash_attn_nhd", "kv_2ltd")
-    mine = type("Mine", (base,), {"layout": base.layout, "__module__": "my_package.my_connector"})
+    mine = type("Mine", (base,), {"program": base.program, "__module__": "my_package.my_connector"})
     assert base(device=device, backend="triton").copy_backend_for(device) == "triton"
     with pytest.raises(KVLayoutError, match="no kernel module was generated for this connector"):
         mine(device=device, backend="triton").copy_backend_for(device)

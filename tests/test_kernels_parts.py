@@ -18,7 +18,7 @@ from harness import EXT, SCENARIOS, connector_load, connector_store, make_cache,
 
 from kvgen import generated
 from kvgen.oracle.scenarios import check_connector, clone_tree, same_bits
-from kvgen.plan.kernel_parts import make_parts_kernel_plan
+from kvgen.plan.kernel import make_parts_kernel_plan
 from kvgen.plan.package import plan_connectors
 from kvgen.plan.parts import PartsPlan
 from kvgen.runtime import KVLayoutError, available_devices, kernels
@@ -71,7 +71,7 @@ def test_kernel_plans_of_known_layouts() -> None:
     scales = make_parts_kernel_plan(PARTS["vllm_fp8_tensor_scales__kv_planes"])
     assert [(p.name, p.slotless, p.row, p.outer) for p in scales.planes] == [
         ("kv", False, ("KV", "H", "C"), ("L",)), ("k_scale", True, ("C",), ("L",)), ("v_scale", True, ("C",), ("L",))]
-    assert "0, 0, 0, BN, TILE" in "\n".join(scales.planes[1].body)  # every slot stride 0
+    assert "(0, 0, 0), (BN, TILE, VA)" in "\n".join(scales.planes[1].body)  # every slot stride 0
     assert scales.leaves == "[kvcaches[layer][plane] for layer in range(g.L)]"
     sglang = make_parts_kernel_plan(PARTS["sglang_mha_v_head__kv_planes_layer"])
     assert sglang.leaves == "[kvcaches[plane][layer] for layer in range(g.L)]"

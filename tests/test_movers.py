@@ -1,20 +1,27 @@
 """The movers execute the planner's description: PROGRAM in the generated module decides what
-the compiled CPU kernel moves, and whether it moves a connector at all. A copy of a generated
-module with PROGRAM altered (and nothing else) makes the native mover move other bytes, in
-the way the alteration says; so no mover re-plans from the layout facts at run time.
+every mover moves (the compiled CPU kernel, the torch ops, the Triton kernel) and whether the
+compiled kernel moves a connector at all. A copy of a generated module with PROGRAM altered
+(and nothing else; its Triton twin copied unchanged) makes each mover move other bytes, in the
+way the alteration says; and no mover imports the spec or the planner, or reads the layout
+facts, so none re-plans at run time.
 
 Every cache value is its own flat position in the cache, so a K/V or layer swap, a transposition
 or a lost token shows."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import os
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import kvgen
 from kvgen import generated
 from kvgen.errors import KVLayoutError
 from kvgen.oracle.scenarios import EXT, make_cache
@@ -28,6 +35,10 @@ from kvgen.spec.library import load_library
 
 pytestmark = pytest.mark.skipif(bool(native.unavailable()), reason=f"no compiled kernel: {native.unavailable()}")
 
+if importlib.util.find_spec("triton") is not None and devices.available_devices() == ["cpu"]:
+    # Kernel modules are imported on first use, after collection: they see the interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 LIBRARY_SPECS = load_library()
 MODULE = "vllm_flash_attn_nhd__kv_2ltd"  # cache L x [KV B N H C], object [KV L T (H C)]
 #: Two layers and K/V, so that swapping the object's KV and L places keeps every address inside it.
@@ -36,17 +47,30 @@ L, KV, B, N, H, C = 2, 2, 6, 4, 2, 3
 MAPPING = torch.arange(2, 12)
 
 
-def _altered(tmp_path: Path, old: str, new: str) -> Any:
-    """The Connector of a copy of MODULE whose text has `old` (found once) replaced by `new`."""
-    text = (Path(generated.__file__).parent / f"{MODULE}.py").read_text()
+def _altered(tmp_path: Path, old: str, new: str, module: str = MODULE) -> Any:
+    """The Connector of a copy of `module` whose text has `old` (found once) replaced by `new`;
+    its Triton twin is copied unchanged next to it, where the Triton mover finds it."""
+    here = Path(generated.__file__).parent
+    text = (here / f"{module}.py").read_text()
     assert text.count(old) == 1, old
-    path = tmp_path / f"altered_{MODULE}.py"
+    name = f"altered_{tmp_path.name}_{module}"  # a module name of its own per test
+    path = tmp_path / f"{name}.py"
     path.write_text(text.replace(old, new))
-    spec = importlib.util.spec_from_file_location(f"altered_{MODULE}", path)
+    shutil.copy(here / f"{module}_triton.py", tmp_path / f"{name}_triton.py")
+    if str(tmp_path) not in sys.path:
+        sys.path.insert(0, str(tmp_path))
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module.Connector
+
+
+def _mover_here(backend: str) -> None:
+    why = kernels.unavailable(torch.device("cpu")) if backend == "triton" else None
+    if why:
+        pytest.skip(why)
 
 
 def _cache() -> list[torch.Tensor]:
@@ -66,22 +90,29 @@ SWAP_OLD = "    object_places=(\n        ('KV', 0, ()),\n        ('L', 1, ()),\n
 SWAP_NEW = "    object_places=(\n        ('KV', 1, ()),\n        ('L', 0, ()),\n"
 
 
-def test_the_object_places_of_program_decide_where_the_native_mover_writes(tmp_path: Path) -> None:
-    """PROGRAM with the object's KV and L places swapped: the native mover writes layer l's K or
-    V where the object's [kv=l, layer=kv] entry is, which is the reference object transposed."""
-    reference = _store(generated.get("vllm_flash_attn_nhd", "kv_2ltd"), "torch")
-    assert torch.equal(_store(generated.get("vllm_flash_attn_nhd", "kv_2ltd"), "native"), reference)
-    altered = _store(_altered(tmp_path, SWAP_OLD, SWAP_NEW), "native")
+@pytest.mark.parametrize("backend", ["native", "torch", "triton"])
+def test_the_object_places_of_program_decide_where_every_mover_writes(tmp_path: Path, backend: str) -> None:
+    """PROGRAM with the object's KV and L places swapped: every mover writes layer l's K or V
+    where the object's [kv=l, layer=kv] entry is, which is the reference object transposed."""
+    _mover_here(backend)
+    plain = generated.get("vllm_flash_attn_nhd", "kv_2ltd")
+    reference = _store(plain, "torch")
+    assert torch.equal(_store(plain, backend), reference)
+    cls = _altered(tmp_path, SWAP_OLD, SWAP_NEW)
+    assert cls(device="cpu", backend=backend).copy_backend_for("cpu") == backend
+    altered = _store(cls, backend)
     assert not torch.equal(altered, reference)
     assert torch.equal(altered, reference.transpose(0, 1))
 
 
-def test_loading_through_an_altered_program_reads_the_places_it_names(tmp_path: Path) -> None:
-    """The load direction follows the same places: the transposed object loaded through the
-    swapped PROGRAM puts every moved slot back as it was in the cache."""
+@pytest.mark.parametrize("backend", ["native", "torch", "triton"])
+def test_loading_through_an_altered_program_reads_the_places_it_names(tmp_path: Path, backend: str) -> None:
+    """The load direction follows the same places on every mover: the transposed object loaded
+    through the swapped PROGRAM puts every moved slot back as it was in the cache."""
+    _mover_here(backend)
     reference = _store(generated.get("vllm_flash_attn_nhd", "kv_2ltd"), "torch")
     cls = _altered(tmp_path, SWAP_OLD, SWAP_NEW)
-    c = cls(device="cpu", backend="native")
+    c = cls(device="cpu", backend=backend)
     target = [torch.zeros(KV, B, N, H, C) for _ in range(L)]
     c.to_gpu(MemoryObj(reference.transpose(0, 1).contiguous(), c.format), 0, len(MAPPING), kvcaches=target,
              slot_mapping=MAPPING)
@@ -91,6 +122,81 @@ def test_loading_through_an_altered_program_reads_the_places_it_names(tmp_path: 
         got, want = got.view(KV, B * N, H, C), want.view(KV, B * N, H, C)
         assert torch.equal(got[:, moved], want[:, moved]), layer
         assert not got[:, ~moved].any(), layer
+
+
+#: The cache's N and H places swapped: an NHD leaf read as HND.
+HN_OLD = "('N', 2, ()), ('H', 3, ())"
+HN_NEW = "('N', 3, ()), ('H', 2, ())"
+
+
+@pytest.mark.parametrize("backend", ["native", "torch", "triton"])
+def test_the_cache_places_of_program_decide_where_every_mover_reads(tmp_path: Path, backend: str) -> None:
+    """PROGRAM with the cache's N and H places swapped (blocks of 4 slots by 4 heads): every
+    mover reads slot n's head h where the cache holds slot h's head n, so each whole block of
+    the object comes out with its tokens and heads transposed."""
+    _mover_here(backend)
+    heads = N
+    per = KV * B * N * heads * C
+    cache = [(torch.arange(per, dtype=torch.float32) + layer * per).view(KV, B, N, heads, C) for layer in range(L)]
+    mapping = torch.arange(N, 3 * N)  # blocks 1 and 2, whole
+
+    def store(cls: Any) -> torch.Tensor:
+        c = cls(device="cpu", backend=backend)
+        o = torch.full(tuple(c.get_shape(len(mapping), cache)), -1.0)
+        c.from_gpu(MemoryObj(o), 0, len(mapping), kvcaches=cache, slot_mapping=mapping)
+        return o.view(KV, L, 2, N, heads, C)
+
+    reference = store(generated.get("vllm_flash_attn_nhd", "kv_2ltd"))
+    altered = store(_altered(tmp_path, HN_OLD, HN_NEW))
+    assert not torch.equal(altered, reference)
+    assert torch.equal(altered, reference.transpose(3, 4))
+
+
+#: The source files of everything that moves a chunk: the movers, the Triton launcher and tile
+#: mover, the compiled kernel's loader, and the torch helpers the generated copies call.
+RUNTIME = Path(kvgen.__file__).parent / "runtime"
+MOVER_SOURCES = (*sorted((RUNTIME / "movers").glob("*.py")),
+                 *(RUNTIME / f for f in ("kernels.py", "tiles.py", "ops.py", "native.py")))
+
+
+def _layout_reads(path: Path) -> list[str]:
+    """Where `path` imports the spec, the planner or the oracle, names PagedLayout or
+    ObjectLayout, or reads a `layout` or `memory` attribute (a connector's layout facts)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom | ast.Import):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            found += [f"{path.name}:{node.lineno}: imports {n}" for n in names
+                      if n.startswith(("kvgen.spec", "kvgen.plan", "kvgen.oracle"))]
+            if isinstance(node, ast.ImportFrom) and node.module == "kvgen.runtime.layout":
+                found += [f"{path.name}:{node.lineno}: imports {a.name} of kvgen.runtime.layout"
+                          for a in node.names if a.name != "Geometry"]
+        elif isinstance(node, ast.Name) and node.id in ("PagedLayout", "ObjectLayout"):
+            found.append(f"{path.name}:{node.lineno}: names {node.id}")
+        elif isinstance(node, ast.Attribute) and node.attr in ("layout", "memory", "PagedLayout", "ObjectLayout"):
+            found.append(f"{path.name}:{node.lineno}: reads .{node.attr}")
+    return found
+
+
+def test_no_mover_imports_the_planner_or_reads_the_layout_facts() -> None:
+    """What a mover decides comes from PROGRAM (and the Triton twin's KernelSpec) and the live
+    tensors: no mover imports kvgen.spec, kvgen.plan or kvgen.oracle, none names PagedLayout or
+    ObjectLayout, and none reads a connector's `layout` or `memory`, so none can re-plan from
+    the layout facts at run time."""
+    assert len(MOVER_SOURCES) == 11 and all(p.is_file() for p in MOVER_SOURCES)
+    found = [line for path in MOVER_SOURCES for line in _layout_reads(path)]
+    assert not found, "\n".join(found)
+
+
+def test_the_layout_read_check_finds_each_kind_of_read(tmp_path: Path) -> None:
+    """The check above is not blind: each kind of read it forbids, in a source of its own, is found."""
+    source = tmp_path / "mover.py"
+    source.write_text("from kvgen.plan.copy import Mode\nimport kvgen.spec.model\n"
+                      "from kvgen.runtime.layout import Geometry, PagedLayout\n"
+                      "def f(c):\n    return c.layout, c.memory, PagedLayout\n")
+    assert [line.split(": ", 1)[1] for line in _layout_reads(source)] == [
+        "imports kvgen.plan.copy", "imports kvgen.spec.model", "imports PagedLayout of kvgen.runtime.layout",
+        "reads .layout", "reads .memory", "names PagedLayout"]
 
 
 def test_the_run_merge_is_the_plans(tmp_path: Path) -> None:
@@ -188,10 +294,13 @@ KV_OLD = "            cache_places=(('KV', 0, ()), ('B', 1, ()), ('N', 2, ()), (
 KV_NEW = "            cache_places=(('KV', 3, ()), ('B', 1, ()), ('N', 2, ()), ('H', 0, ()), ('C', 4, ())),\n"
 
 
-def test_each_plane_moves_as_its_own_program_says(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["native", "triton"])
+def test_each_plane_moves_as_its_own_program_says(tmp_path: Path, backend: str) -> None:
     """The kv plane's program with the cache's KV and H places swapped (two of each): the native
-    mover fills the kv region with K/V and heads transposed; the scale planes, whose programs
-    are unchanged, land as the reference puts them."""
+    mover and the Triton kernels fill the kv region with K/V and heads transposed; the scale
+    planes, whose programs are unchanged, land as the reference puts them. (The torch copies of
+    planes view them as the module writes, not yet at PROGRAM's places.)"""
+    _mover_here(backend)
     paged = LIBRARY_SPECS["vllm_fp8_tensor_scales"]
     assert EXT["KV"] == EXT["H"] == 2
     cache = make_cache(paged, torch.float32, "cpu")
@@ -205,16 +314,8 @@ def test_each_plane_moves_as_its_own_program_says(tmp_path: Path) -> None:
 
     plain = generated.get("vllm_fp8_tensor_scales", "kv_planes")
     reference = store(plain, "torch")
-    assert torch.equal(store(plain, "native"), reference)
-    text = (Path(generated.__file__).parent / f"{PLANES_MODULE}.py").read_text()
-    assert text.count(KV_OLD) == 1
-    path = tmp_path / f"altered_{PLANES_MODULE}.py"
-    path.write_text(text.replace(KV_OLD, KV_NEW))
-    spec = importlib.util.spec_from_file_location(f"altered_{PLANES_MODULE}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    altered = store(module.Connector, "native")
+    assert torch.equal(store(plain, backend), reference)
+    altered = store(_altered(tmp_path, KV_OLD, KV_NEW, PLANES_MODULE), backend)
     size = EXT["KV"] * tokens * EXT["H"] * EXT["C"]  # the kv region of a layer: fp8, one byte a value
     shape = (EXT["L"], EXT["KV"], tokens, EXT["H"], EXT["C"])
     assert torch.equal(altered[:, :size].reshape(shape), reference[:, :size].reshape(shape).transpose(1, 3))

@@ -281,7 +281,13 @@ def _views(paged: Spec, obj: Spec, source: Source | None, fixed: dict[str, str]
         widen = ends_in_c(paged) and ends_in_c(obj)
         extent = {**EXTENT, "C": "w.C"} if widen else EXTENT
         raw = "{}.view(w.dtype)" if widen else "runtime.bits({})"
-        leaf, tensor = raw.format("kvcaches" + "".join(f"[{LOOP_VARS[a]}]" for a in paged.lists)), raw.format("tensor")
+        leaf = raw.format("kvcaches" + "".join(f"[{LOOP_VARS[a]}]" for a in paged.lists))
+        # The views take every axis's place from the module's PROGRAM (kvgen.plan.program), the
+        # description every mover executes: the torch code too moves what PROGRAM says.
+        cache = View(f"runtime.placed({leaf}, self.program.cache_places, g)", canonical(leaf, paged.dims).axes)
+        whole = View(f"runtime.placed({raw.format('tensor')}, self.program.object_places, g)",
+                     canonical("tensor", obj.dims).axes)
+        return widen, extent, select(cache, fixed), whole
     return widen, extent, select(canonical(leaf, paged.dims, extent), fixed), canonical(tensor, obj.dims, extent)
 
 

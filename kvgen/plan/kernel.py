@@ -14,6 +14,19 @@ layers). Its grid is (whole blocks + token tiles, outer parts):
   rows of a block are contiguous where the cache keeps them so) and then its remaining
   tokens by slot, slots < 0 masked (`kvgen.runtime.tiles.move_chunk`).
 
+A format-2 cache (several planes: parts, or typed fields of a part, each planned by
+kvgen.plan.parts as a format-1 copy over byte views) gets the same kernel per plane, over the
+plane's views, with its bytes moved in the widest word its offsets and strides allow at run
+time: one launch per plane, every layer's leaf of the plane reached through a table. A plane
+without slots (a per-layer scale) is one row per layer, moved whole as a single token at slot
+0 with every chunk that moves a token, as the torch code does.
+
+Every launch fact that depends on the plan alone is decided here and written into the
+twin's `KernelSpec` (kvgen.runtime.kernels): the row and outer axes, whether programs step
+over whole blocks, the most tokens per tile, the axes whose strides a row's alignment
+divides. A format-1 kernel's views are the connector's PROGRAM places (the launch makes
+them), a plane's the byte views written here.
+
 Everything here is string work; the kernel module imports Triton, the generator never does.
 """
 
@@ -21,32 +34,76 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgen.plan.copy import EXTENT, SLOT, CopyPlan, Mode, View, canonical
-from kvgen.spec.model import Spec
+from kvgen.plan.copy import LOOP_VARS, SLOT, CopyPlan, Mode, View, canonical
+from kvgen.plan.parts import PartsPlan, PlaneCopy
+from kvgen.spec.model import PART_LEVEL, Pack, Spec
+
+#: The most tokens one program moves per tile (a plane without slots moves one row).
+MAX_TILE = 64
 
 #: Coordinate variable of each value axis inside a kernel.
 COORD = {"L": "layer", "KV": "kv", "H": "h", "C": "c"}
 
 
 @dataclass(frozen=True)
-class KernelPlan:
-    copy: CopyPlan
-    #: Canonical view of one cache leaf (`leaf`), and of the object tensor (`tensor`).
+class Axes:
+    """How one kernel sees its copy: the canonical cache leaf and object views, the cache's
+    list levels (reached through a table when any), the leaf's slot axes (("B", "N"), ("S",)
+    for a folded slot axis, () for a plane without slots) and whether L is the launch's."""
+
     leaf: View
     obj: View
-    #: The cache's list levels: the kernel reaches its leaves through a table when any.
     lists: tuple[str, ...]
-    #: Slot axes of the leaf: ("B", "N"), or ("S",) for a folded slot axis.
     slot: tuple[str, ...]
+    layerwise: bool
+
+    @property
+    def split(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+        """(row, outer, extents): the row is what both views keep last in one order, outer
+        every other value (the object's order first), extents what the kernel reads."""
+        return kernel_axes(self.leaf, self.obj, self.lists, self.slot, self.layerwise)
+
+
+def launch_fields(axes: Axes, aligned: bool) -> tuple[tuple[str, object], ...]:
+    """The `kernels.KernelSpec` fields of a kernel over `axes`: every launch fact the plan
+    alone decides (the launch reads only extents, strides and addresses besides)."""
+    row, outer, extents = axes.split
+    slotless = not axes.slot
+    fields: tuple[tuple[str, object], ...] = (
+        ("table", bool(axes.lists)), ("layerwise", axes.layerwise), ("extents", extents), ("row", row),
+        ("outer", outer), ("cache_axes", axes.leaf.axes), ("object_axes", axes.obj.axes),
+        ("blocks", axes.slot == ("B", "N")), ("tile", 1 if slotless else MAX_TILE), ("slotless", slotless))
+    if aligned:  # every stride that places a token's row, on both sides: VA divides them
+        fields += (("aligned", True), ("cache_starts", tuple(a for a in axes.leaf.axes if a not in row)),
+                   ("object_starts", tuple(a for a in axes.obj.axes if a not in row)))
+    return fields
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    copy: CopyPlan
+    axes: Axes
     row: tuple[str, ...]
     outer: tuple[str, ...]
-    #: Axes whose extents the kernel reads at run time (`E_<axis>`).
-    extents: tuple[str, ...]
     #: The kernel's parameters and body (unindented lines).
     params: tuple[str, ...]
     body: tuple[str, ...]
-    #: Body of the module's `_views(tensor, leaf, g, w)`.
-    views: tuple[str, ...]
+
+    @property
+    def lists(self) -> tuple[str, ...]:
+        return self.axes.lists
+
+    @property
+    def leaf(self) -> View:
+        return self.axes.leaf
+
+    @property
+    def obj(self) -> View:
+        return self.axes.obj
+
+    @property
+    def slot(self) -> tuple[str, ...]:
+        return self.axes.slot
 
     @property
     def module(self) -> str:
@@ -62,8 +119,7 @@ class KernelPlan:
 
     @property
     def decorator(self) -> str:
-        # A layer index of 1 must stay a run-time value: the kernel widens it to 64 bits.
-        return '@triton.jit(do_not_specialize=("layer",))' if self.layerwise else "@triton.jit"
+        return _decorator(self.layerwise)
 
     @property
     def summary(self) -> tuple[str, str]:
@@ -79,10 +135,14 @@ class KernelPlan:
 
     @property
     def spec_fields(self) -> tuple[tuple[str, object], ...]:
-        """The fields of the module's `kernels.KernelSpec`."""
-        return (("table", bool(self.lists)), ("folded", self.slot == (SLOT,)), ("layerwise", self.layerwise),
-                ("extents", self.extents), ("row", self.row), ("outer", self.outer), ("cache_axes", self.leaf.axes),
-                ("object_axes", self.obj.axes))
+        """The fields of the module's `kernels.KernelSpec`: the launch facts, and the word the
+        views (made from the connector's PROGRAM places) are in."""
+        return (*launch_fields(self.axes, False), ("widen", self.copy.widen))
+
+
+def _decorator(layerwise: bool) -> str:
+    # A layer index of 1 must stay a run-time value: the kernel widens it to 64 bits.
+    return '@triton.jit(do_not_specialize=("layer",))' if layerwise else "@triton.jit"
 
 
 def _common_suffix(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
@@ -105,54 +165,78 @@ def _offsets(axes: tuple[str, ...], prefix: str) -> str:
     return " + ".join(terms) if terms else "0"
 
 
-def kernel_text(layerwise: bool, leaf: View, obj: View, lists: tuple[str, ...], slot: tuple[str, ...],
-                aligned: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The kernel's parameters and body (its row, outer and extent axes: kernel_axes). `slot`
-    () is a plane without slots (a per-layer scale): its one row moves as a single token at
-    slot 0 with every slot stride 0. `aligned`: the launch passes VA, the power of two every
-    token row starts at a multiple of."""
-    row, outer, extents = kernel_axes(leaf, obj, lists, slot, layerwise)
-    params = ["cache", "obj", *(["table"] if lists else []), "ids", "slots", "tok",
-              *(["layer"] if layerwise else []), "first_id", "first_slot", "block_start", "num_blocks",
-              "num_tokens", *(f"E_{a}" for a in extents), *(f"cs_{a}" for a in leaf.axes),
-              *(f"os_{a}" for a in obj.axes), *(f"R_{a}: tl.constexpr" for a in row),
-              *(["TA: tl.constexpr"] if lists else []),
-              *(f"{c}: tl.constexpr" for c in ("ROW", "RB", "BN", "TILE", "IDS", "SLOTS", "TOK", "STORE")),
-              *(["VA: tl.constexpr"] if aligned else [])]
-    # Grid axis 1: the outer part, and which RB-word piece of a token's row (a launch with
-    # few tokens and parts still fills the device).
-    body = ["q = tl.program_id(1)",
-            f"j = (q % (ROW // RB)) * RB + tl.arange(0, RB)  # words of one token's row: [{' '.join(row)}]"]
+def _params(axes: Axes, aligned: bool) -> list[str]:
+    """The kernel's parameters: pointers, the chunk's indices, extents, strides, constexprs."""
+    row, _, extents = axes.split
+    lists, layerwise = axes.lists, axes.layerwise
+    return ["cache", "obj", *(["table"] if lists else []), "ids", "slots", "tok",
+            *(["layer"] if layerwise else []), "first_id", "first_slot", "block_start", "num_blocks",
+            "num_tokens", *(f"E_{a}" for a in extents), *(f"cs_{a}" for a in axes.leaf.axes),
+            *(f"os_{a}" for a in axes.obj.axes), *(f"R_{a}: tl.constexpr" for a in row),
+            *(["TA: tl.constexpr"] if lists else []),
+            *(f"{c}: tl.constexpr" for c in ("ROW", "RB", "BN", "TILE", "IDS", "SLOTS", "TOK", "STORE")),
+            *(["VA: tl.constexpr"] if aligned else [])]
+
+
+def _outer_lines(row: tuple[str, ...], outer: tuple[str, ...], layerwise: bool) -> list[str]:
+    """Grid axis 1: the outer part, and which RB-word piece of a token's row (a launch with
+    few tokens and parts still fills the device)."""
+    lines = ["q = tl.program_id(1)",
+             f"j = (q % (ROW // RB)) * RB + tl.arange(0, RB)  # words of one token's row: [{' '.join(row)}]"]
     if outer:
-        body.append("q = (q // (ROW // RB)).to(tl.int64)  # the outer part: " + " x ".join(outer))
+        lines.append("q = (q // (ROW // RB)).to(tl.int64)  # the outer part: " + " x ".join(outer))
         for axis in reversed(outer[1:]):
-            body += [f"{COORD[axis]} = q % E_{axis}", f"q = q // E_{axis}"]
-        body.append(f"{COORD[outer[0]]} = q")
+            lines += [f"{COORD[axis]} = q % E_{axis}", f"q = q // E_{axis}"]
+        lines.append(f"{COORD[outer[0]]} = q")
     if layerwise:
-        body.append("layer = layer.to(tl.int64)")
-    in_leaf = tuple(a for a in leaf.axes if a not in slot and a not in row)
+        lines.append("layer = layer.to(tl.int64)")
+    return lines
+
+
+def _base_lines(axes: Axes, row: tuple[str, ...]) -> list[str]:
+    """Where the program's part starts in the cache (through the table, when the cache is a
+    list) and in the object, in words."""
+    in_leaf = tuple(a for a in axes.leaf.axes if a not in axes.slot and a not in row)
     c_base = _offsets(in_leaf, "cs")
-    if lists:
+    if axes.lists:
         # TA: a power of two dividing every leaf's offset, so the compiler may use vector accesses.
-        leaf = f"tl.multiple_of(tl.load(table + {_table_index(lists)}), TA)"
+        leaf = f"tl.multiple_of(tl.load(table + {_table_index(axes.lists)}), TA)"
         c_base = leaf if c_base == "0" else f"{leaf} + {c_base}"
-    o_outer = tuple(a for a in obj.axes if a != "T" and a not in row)
-    body += ["# where this part starts in the cache and in the object, in words",
-             f"c_base = {c_base}", f"o_base = {_offsets(o_outer, 'os')}"]
+    o_outer = tuple(a for a in axes.obj.axes if a != "T" and a not in row)
+    return ["# where this part starts in the cache and in the object, in words",
+            f"c_base = {c_base}", f"o_base = {_offsets(o_outer, 'os')}"]
+
+
+def _row_lines(row: tuple[str, ...]) -> list[str]:
+    """The coordinates of the words of one token's row, and their offsets on each side."""
+    lines: list[str] = []
     for axis in reversed(row[1:]):
-        body += [f"{COORD[axis]} = j % R_{axis}", f"j = j // R_{axis}"]
+        lines += [f"{COORD[axis]} = j % R_{axis}", f"j = j // R_{axis}"]
     if row:
-        body += [f"{COORD[row[0]]} = j", f"row_mask = {COORD[row[0]]} < R_{row[0]}"]
+        lines += [f"{COORD[row[0]]} = j", f"row_mask = {COORD[row[0]]} < R_{row[0]}"]
     else:
-        body.append("row_mask = j < 1")
-    body.append(f"c_row = {_offsets(row, 'cs')}")
-    body.append(f"o_row = {_offsets(row, 'os')}")
+        lines.append("row_mask = j < 1")
+    return [*lines, f"c_row = {_offsets(row, 'cs')}", f"o_row = {_offsets(row, 'os')}"]
+
+
+def _move_lines(slot: tuple[str, ...], aligned: bool) -> list[str]:
+    """The call of the shared tile mover: the pointers, the part's starts and row, the chunk's
+    indices, the cache's slot strides and the object's token stride, then the constexprs."""
     slot_strides = "cs_S, 0" if slot == (SLOT,) else "cs_B, cs_N" if slot else "0, 0"
-    body += ["move_chunk(cache, obj, c_base, o_base, c_row, o_row, row_mask,",
-             "           ids, slots, tok, first_id, first_slot, block_start, num_blocks, num_tokens,",
-             f"           {slot_strides}, {'os_T' if slot else '0'}, BN, TILE, IDS, SLOTS, TOK, STORE"
-             + (", VA)" if aligned else ")")]
-    return tuple(params), tuple(body)
+    return ["move_chunk((cache, obj), (c_base, o_base, c_row, o_row, row_mask),",
+            "           (ids, slots, tok, first_id, first_slot, block_start, num_blocks, num_tokens),",
+            f"           ({slot_strides}, {'os_T' if slot else '0'}), (BN, TILE, {'VA' if aligned else '1'}),"
+            " (IDS, SLOTS, TOK, STORE))"]
+
+
+def kernel_text(axes: Axes, aligned: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The kernel's parameters and body. A plane without slots (`axes.slot` ()) moves its one
+    row as a single token at slot 0 with every slot stride 0. `aligned`: the launch passes VA,
+    the power of two every token row starts at a multiple of."""
+    row, outer, _ = axes.split
+    body = [*_outer_lines(row, outer, axes.layerwise), *_base_lines(axes, row), *_row_lines(row),
+            *_move_lines(axes.slot, aligned)]
+    return tuple(_params(axes, aligned)), tuple(body)
 
 
 def kernel_axes(leaf: View, obj: View, lists: tuple[str, ...], slot: tuple[str, ...], layerwise: bool
@@ -171,16 +255,163 @@ def kernel_axes(leaf: View, obj: View, lists: tuple[str, ...], slot: tuple[str, 
 
 
 def make_kernel_plan(plan: CopyPlan) -> KernelPlan:
+    """The kernel of a format-1 connector: its views are the connector's PROGRAM places, in the
+    call's word (C in words) where the copy widens, else as same-width integers."""
     paged = plan.paged
-    raw = "{}.view(w.dtype)" if plan.widen else "runtime.bits({})"
-    extent = {**EXTENT, "C": "w.C"} if plan.widen else EXTENT
-    leaf = canonical(raw.format("leaf"), paged.dims, extent)
-    obj = plan.object_view
+    leaf = View("leaf", canonical("leaf", paged.dims).axes)
+    obj = View("tensor", canonical("tensor", plan.obj.dims).axes)
     slot = (SLOT,) if SLOT in leaf.axes else ("B", "N")
-    layerwise = plan.mode is Mode.LAYERWISE
-    row, outer, extents = kernel_axes(leaf, obj, paged.lists, slot, layerwise)
-    params, body = kernel_text(layerwise, leaf, obj, paged.lists, slot)
-    views = (f"x = {leaf.expr}  # one cache leaf: [{' '.join(leaf.axes)}]",
-             f"o = {obj.expr}  # the object: [{' '.join(obj.axes)}]",
-             "return x, o")
-    return KernelPlan(plan, leaf, obj, paged.lists, slot, row, outer, extents, params, body, views)
+    axes = Axes(leaf, obj, paged.lists, slot, plan.mode is Mode.LAYERWISE)
+    row, outer, _ = axes.split
+    params, body = kernel_text(axes)
+    return KernelPlan(plan, axes, row, outer, params, body)
+
+
+# -- caches of several planes (spec format 2): one kernel per plane ------------------------------------------------
+
+@dataclass(frozen=True)
+class PlaneKernelPlan:
+    """The kernel of one plane: its views, its axes and its text."""
+
+    index: int
+    name: str
+    axes: Axes
+    params: tuple[str, ...]
+    body: tuple[str, ...]
+    #: Body of the module's `_views_<name>(tensor, leaf, g, w, num_tokens)`.
+    views: tuple[str, ...]
+
+    @property
+    def slotless(self) -> bool:
+        return not self.axes.slot
+
+    @property
+    def leaf(self) -> View:
+        return self.axes.leaf
+
+    @property
+    def obj(self) -> View:
+        return self.axes.obj
+
+    @property
+    def slot(self) -> tuple[str, ...]:
+        return self.axes.slot
+
+    @property
+    def row(self) -> tuple[str, ...]:
+        return self.axes.split[0]
+
+    @property
+    def outer(self) -> tuple[str, ...]:
+        return self.axes.split[1]
+
+    @property
+    def ident(self) -> str:
+        """The plane's suffix in the module's function names: its index, since a plane's
+        name comes from a spec and must never become code."""
+        return str(self.index)
+
+    @property
+    def spec_fields(self) -> tuple[tuple[str, object], ...]:
+        """The fields of this plane's `kernels.KernelSpec`."""
+        return launch_fields(self.axes, True)
+
+    @property
+    def summary(self) -> str:
+        what = "no slots: one row per layer" if self.slotless else f"rows [{' '.join(self.row)}]"
+        return f"{self.name}: {what}" + (f", outer {' x '.join(self.outer)}" if self.outer else "")
+
+
+@dataclass(frozen=True)
+class PartsKernelPlan:
+    """The Triton kernels of one format-2 connector, one per plane, in plane order."""
+
+    parts: PartsPlan
+    planes: tuple[PlaneKernelPlan, ...]
+    #: Body of the module's `_leaves(kvcaches, g, plane)`: every layer's leaf of one plane.
+    leaves: str
+
+    @property
+    def module(self) -> str:
+        return f"{self.parts.module}_triton"
+
+    @property
+    def sizes(self) -> tuple[str, ...]:
+        """A regions object's region bytes per layer, over `g` and `num_tokens` (() for rows)."""
+        return self.parts.sizes
+
+    @property
+    def layerwise(self) -> bool:
+        return self.parts.mode is Mode.LAYERWISE
+
+    @property
+    def rows(self) -> bool:
+        return self.parts.obj.pack is Pack.ROWS
+
+    @property
+    def sources(self) -> tuple[Spec, Spec]:
+        return (self.parts.paged, self.parts.obj)
+
+    @property
+    def decorator(self) -> str:
+        return _decorator(self.layerwise)
+
+    @property
+    def summary(self) -> tuple[str, str]:
+        """For people: what a chunk costs, and how the kernels reach the cache."""
+        per = "per layer and chunk" if self.layerwise else "per chunk"
+        return (f"one launch per plane {per} ({len(self.planes)} planes), grid (whole blocks + token tiles, outer)",
+                "leaves by a table over L; " + "; ".join(p.summary for p in self.planes))
+
+    @property
+    def grid(self) -> str:
+        return "; ".join(self.summary)
+
+
+def _leaf_source(paged: Spec, plane: int) -> str:
+    """The plane's leaf expression inside the torch copy's layer loop."""
+    return "kvcaches" + "".join(f"[{plane}]" if a == PART_LEVEL else f"[{LOOP_VARS[a]}]" for a in paged.lists)
+
+
+def _rewrite(expr: str, i: int, swaps: dict[str, str]) -> str:
+    """A torch-copy view expression of plane `i` in the kernel's terms: the word of the
+    kernel's own call (`w`) for the plane's word of the torch call (`wd[i]`)."""
+    swaps = {f"(g.planes[{i}].C // wd[{i}])": "w.C", f"wd[{i}]": "w.dtype.itemsize", **swaps}
+    for old, new in swaps.items():
+        expr = expr.replace(old, new)
+    return expr
+
+
+def _plane_kernel(parts: PartsPlan, pc: PlaneCopy, index: int) -> PlaneKernelPlan:
+    copy, layerwise = pc.copy, parts.mode is Mode.LAYERWISE
+    source = _leaf_source(parts.paged, pc.plane.index)
+    if source not in copy.cache_view.expr:
+        raise ValueError(f"{parts.module}: plane {pc.plane.name}'s cache view does not read {source}")
+    leaf = View(_rewrite(copy.cache_view.expr, index, {source: "leaf"}), copy.cache_view.axes)
+    obj = View(_rewrite(copy.object_view.expr, index, {"ck.num_tokens": "num_tokens"}), copy.object_view.axes)
+    left = [name for name in ("wd[", "ck.", "kvcaches") if name in leaf.expr + obj.expr]
+    if left:  # the torch copy's views name something the kernel's views do not have
+        raise ValueError(f"{parts.module}: plane {pc.plane.name}'s views still use {', '.join(left)}")
+    slot = () if pc.slotless else (SLOT,) if SLOT in leaf.axes else ("B", "N")
+    axes = Axes(leaf, obj, ("L",), slot, layerwise)
+    params, body = kernel_text(axes, aligned=True)
+    views = ["rows = runtime.bytes_of(tensor)"]
+    if parts.sizes:
+        views.append("at = runtime.region_starts(_region_sizes(g, num_tokens))  # each region in a layer")
+    views += [f"# this plane of one cache leaf: [{' '.join(leaf.axes)}], and of the object: [{' '.join(obj.axes)}]",
+              f"x = {leaf.expr}", f"o = {obj.expr}", "return x, o"]
+    return PlaneKernelPlan(index, pc.plane.name, axes, params, body, tuple(views))
+
+
+def make_parts_kernel_plan(parts: PartsPlan) -> PartsKernelPlan:
+    planes = tuple(_plane_kernel(parts, pc, i) for i, pc in enumerate(parts.planes))
+    leaf = "kvcaches" + "".join("[plane]" if a == PART_LEVEL else "[layer]" for a in parts.paged.lists)
+    return PartsKernelPlan(parts, planes, f"[{leaf} for layer in range(g.L)]")
+
+
+def kernel_grid(plan: object) -> str | None:
+    """The launch grid of a connector's kernel, for people; None for anything that is not a
+    connector's plan."""
+    if isinstance(plan, PartsPlan):
+        return make_parts_kernel_plan(plan).grid
+    return make_kernel_plan(plan).grid if isinstance(plan, CopyPlan) else None

@@ -15,8 +15,7 @@ from kvgen.plan.code import Method, copy_methods, parts_methods, parts_shape_bod
 from kvgen.plan.convert import Converter, plan_converters
 from kvgen.plan.copy import CopyPlan, Mode, plan_library
 from kvgen.plan.geometry import geometry_body, parts_geometry_body
-from kvgen.plan.kernel import KernelPlan, make_kernel_plan
-from kvgen.plan.kernel_parts import PartsKernelPlan, make_parts_kernel_plan
+from kvgen.plan.kernel import KernelPlan, PartsKernelPlan, make_kernel_plan, make_parts_kernel_plan
 from kvgen.plan.layouts import Fields, layout_fields
 from kvgen.plan.models import ModelPlan, plan_models
 from kvgen.plan.parts import PartsPlan, compatible_parts, plan_parts

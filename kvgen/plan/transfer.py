@@ -42,8 +42,9 @@ from kvgen.spec.model import Spec
 from kvgen.spec.transfers import TransferPair
 
 #: Parameters of the generated copy methods, after `self` (and `layer`).
-COPY_PARAMS = ("src_caches: Any", "dst_caches: Any", "gs: runtime.Geometry", "gd: runtime.Geometry",
-               "p: runtime.Pairs", "w: runtime.Words")
+COPY_PARAMS = ("call: runtime.TransferCall",)
+#: The first statement of each copy: what it works with, by the names its lines use.
+UNPACK = "src_caches, dst_caches, gs, gd, p, w = call.src, call.dst, call.gs, call.gd, call.pairs, call.words"
 #: Extents of the geometry of each side, by the name the generated code gives it.
 AXES = ("L", "KV", "H", "C", "N")
 
@@ -186,11 +187,11 @@ def copy_body(src: Spec, dst: Spec, widen: bool, layerwise: bool) -> tuple[str, 
         (xe, xa), (ye, ya) = _blocks_of(x, "x"), _blocks_of(y, "y")
         order = ", ".join(str(xa.index(a)) for a in ya)
         inner += ["if p.has_blocks:  # whole blocks onto whole blocks, x's blocks in y's dim order",
-                  f"{INDENT}runtime.move_blocks({xe}, {xa.index('B')}, p.src_blocks,",
-                  f"{INDENT}                    {ye}, {ya.index('B')}, p.dst_blocks, ({order}), p.scratch)"]
+                  f"{INDENT}runtime.move_blocks(({xe}, {xa.index('B')}, p.src_blocks),",
+                  f"{INDENT}                    ({ye}, {ya.index('B')}, p.dst_blocks), ({order}), p.scratch)"]
     inner += _token_copy(x, y)
     head = [INDENT * i + f"for {lp.var} in range({lp.extent}):" for i, lp in enumerate(loops)]
-    return tuple(_fit(head + [INDENT * len(loops) + line for line in inner]))
+    return tuple(_fit([UNPACK, *head, *(INDENT * len(loops) + line for line in inner)]))
 
 
 def plan_transfer(pair: TransferPair) -> TransferPlan:

@@ -16,6 +16,7 @@ from kvgen.runtime.movers.program import CopyPath, CopyProgram, TransferPath, Tr
 from kvgen.runtime.ops import (
     bits,
     gather_slots,
+    placed,
     put_index,
     put_rows,
     put_tokens,
@@ -41,7 +42,7 @@ from kvgen.runtime.planes import (
 )
 from kvgen.runtime.registry import DEVICES, Registry, check_transition, convert
 from kvgen.runtime.slots import Chunk, plan_chunk
-from kvgen.runtime.transfer import TransferBase
+from kvgen.runtime.transfer import TransferBase, TransferCall
 from kvgen.runtime.whole import ChunkConnector
 from kvgen.runtime.words import Words
 
@@ -60,11 +61,11 @@ __all__ = [
     "backend_for", "bits", "format_name", "plan_chunk", "put_tokens", "register_backend", "CacheReader",
     "DEVICES", "Registry", "check_transition", "convert",
     "require_abi", "take_tokens", "Words", "gather_slots", "scatter_slots", "take_rows", "put_rows",
-    "take_index", "put_index",
+    "take_index", "put_index", "placed",
     "PlaneGeometry", "block_field", "bytes_of", "cell_field", "kv_row_field", "copy_into", "region", "region_bytes",
     "region_starts", "row_field",
     "units", "as_words", "plane_words",
     "ModelConnector", "GroupTable", "StateTable", "Section",
-    "Pairs", "TransferBase", "TransferPath", "TransferProgram", "carry", "move_blocks", "pick", "pick_slots",
-    "put_slots",
+    "Pairs", "TransferBase", "TransferCall", "TransferPath", "TransferProgram", "carry", "move_blocks", "pick",
+    "pick_slots", "put_slots",
 ]

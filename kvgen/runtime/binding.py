@@ -123,12 +123,23 @@ def leaf_names(tree: Any, prefix: str = "kvcaches") -> list[str]:
     return [name for i, sub in enumerate(tree) for name in leaf_names(sub, f"{prefix}[{i}]")]
 
 
-def new_binding(kvcaches: Any, tree: Any, key: Key, geometry: Geometry, names: tuple[str, ...], *,
-                word_limit: int | None, owner: str, argument: str) -> Binding:
+@dataclass(frozen=True)
+class Snapshot:
+    """A cache as a call received it: the caller's object, its frozen tree and their fingerprint
+    (`snapshot`), checked together before a binding is made."""
+
+    kvcaches: Any
+    tree: Any
+    key: Key
+
+
+def new_binding(snap: Snapshot, geometry: Geometry, names: tuple[str, ...], *, word_limit: int | None, owner: str,
+                argument: str) -> Binding:
     """The checks a cache gets once its geometry is read, then its binding: its tensors'
     memory (nothing shared), the widest copy word they allow (`word_limit` bytes at most;
     None: the element size), and that the cache did not change while it was checked.
     `owner` prefixes a memory problem; `argument` names the cache when it changed."""
+    kvcaches, tree, key = snap.kvcaches, snap.tree, snap.key
     tensors = leaves(tree)
     try:
         memory = check_cache_memory(tensors, names)

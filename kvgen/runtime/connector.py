@@ -27,7 +27,7 @@ import torch
 
 from kvgen.runtime import calls
 from kvgen.runtime.aliasing import check_objects_apart, check_unique_slots
-from kvgen.runtime.binding import Binding, leaf_names, new_binding, snapshot
+from kvgen.runtime.binding import Binding, Snapshot, leaf_names, new_binding, snapshot
 from kvgen.runtime.devices import Backend, backend_for, check_device, device_kind
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, ObjectLayout, PagedLayout, broadcast_dims, describe
@@ -128,7 +128,7 @@ class ConnectorBase(MoverChoice):
             raise KVLayoutError(f"{self.layout.name}: kvcaches must be lists or tuples of tensors, got "
                                 f"{describe(kvcaches)}")
         limit = max_word(geometry.device) if self.widen else None
-        binding = new_binding(kvcaches, tree, key, geometry, tuple(leaf_names(tree)), word_limit=limit,
+        binding = new_binding(Snapshot(kvcaches, tree, key), geometry, tuple(leaf_names(tree)), word_limit=limit,
                               owner=self.layout.name, argument=f"{self.layout.name}: kvcaches")
         with self._lock:
             if len(self._bindings) >= _BINDINGS_KEPT:

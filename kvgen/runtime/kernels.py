@@ -2,8 +2,12 @@
 
 Every connector module `<layout>__<object>.py` has a twin `<layout>__<object>_triton.py`
 holding one Triton kernel (both directions) and a `Kernel` that launches it; for a cache of
-several planes, one kernel per plane and a `kernels_parts.PlanesKernel` over them. The Triton
-mover (kvgen.runtime.movers.triton) calls them; which devices they run on is the device
+several planes, one kernel per plane and a `PlanesKernel` over them. Every launch fact that
+depends on the plan alone (row and outer axes, whether programs step over blocks, the most
+tokens per tile, the strides a row's alignment divides) is the twin's `KernelSpec`, written by
+kvgen.plan.kernel; a launch reads the connector's PROGRAM for the places of the views and the
+live extents, strides and addresses for the rest. The Triton mover
+(kvgen.runtime.movers.triton) calls them; which devices they run on is the device
 registry's fact (kvgen.runtime.devices). On the CPU, Triton runs only in its interpreter
 (`TRITON_INTERPRET=1`), which the tests and `kvgen verify --backend triton` use to check
 every kernel against the reference; auto never picks it there.
@@ -19,7 +23,7 @@ import importlib.util
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +33,9 @@ from kvgen.runtime.binding import leaves
 from kvgen.runtime.devices import device_kind
 from kvgen.runtime.layout import Geometry
 from kvgen.runtime.movers.base import Unsupported
+from kvgen.runtime.movers.program import CopyProgram
+from kvgen.runtime.ops import bits, placed
+from kvgen.runtime.planes import plane_words
 from kvgen.runtime.slots import Chunk
 from kvgen.runtime.words import Words, words
 
@@ -60,7 +67,7 @@ def triton_installed() -> bool:
 def _triton_target() -> str | None:
     """The GPU backend Triton's active driver targets ("cuda", "hip", "xpu"), None without one."""
     try:
-        import triton
+        import triton  # deferred: Triton is optional, needed only where a kernel may run
 
         return str(triton.runtime.driver.active.get_current_target().backend)
     except Exception:  # no driver, no device, a broken install: no kernels
@@ -87,26 +94,49 @@ def unavailable(device: torch.device) -> str | None:
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """What a generated kernel expects besides its views (written by kvgen.plan.kernel)."""
+    """What a generated kernel expects besides its pointers, strides and extents: every launch
+    fact that depends on the plan alone, decided by kvgen.plan.kernel at build time."""
 
     table: bool
-    folded: bool
     layerwise: bool
     #: Axes whose extents the kernel reads (E_<axis>), and the row's axes (R_<axis>).
     extents: tuple[str, ...]
     row: tuple[str, ...]
     #: Axes that grid axis 1 enumerates.
     outer: tuple[str, ...]
-    #: Axes of the canonical cache leaf and object views: their strides, in this order.
+    #: Axes of the cache leaf and object views: their strides, by these names.
     cache_axes: tuple[str, ...]
     object_axes: tuple[str, ...]
+    #: Programs of whole blocks step over BN = N slots per block (False: a folded slot axis, or
+    #: a plane without slots: BN 1), and a token tile never spans more than a block.
+    blocks: bool = True
+    #: The most tokens one program moves per tile (1: a plane without slots, one row).
+    tile: int = 64
     #: A plane without slots (a per-layer scale of a format-2 cache): one row per leaf.
     slotless: bool = False
-    #: The kernel takes VA, the power of two (words) every token row starts at a multiple of.
+    #: The kernel takes VA, the power of two (words) every token row starts at a multiple of;
+    #: the axes (cache's, object's) whose strides place a row: VA divides each.
     aligned: bool = False
+    cache_starts: tuple[str, ...] = ()
+    object_starts: tuple[str, ...] = ()
+    #: Views in the call's copy word (C counted in words), else as same-width integers.
+    widen: bool = False
 
 
-Views = Callable[[torch.Tensor, torch.Tensor, Geometry, Words], tuple[torch.Tensor, torch.Tensor]]
+@dataclass(frozen=True)
+class Step:
+    """One move a mover hands a kernel: the direction, the object's tensor, the call (its frozen
+    cache tree and geometry), the chunk, the layer of a per-layer object and the copy word."""
+
+    store: bool
+    tensor: torch.Tensor
+    call: Any
+    ck: Chunk
+    layer: int | None
+    w: Words
+
+
+Views = Callable[[torch.Tensor, torch.Tensor, Geometry, Words, int], tuple[torch.Tensor, torch.Tensor]]
 
 _dummies: dict[torch.device, torch.Tensor] = {}
 _tables: dict[tuple[Any, ...], tuple[torch.Tensor, int]] = {}
@@ -123,10 +153,6 @@ def _dummy(device: torch.device) -> torch.Tensor:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, n))))
-
-
-def _extent(axis: str, g: Geometry, w: Words) -> int:
-    return w.C if axis == "C" else int(getattr(g, axis))
 
 
 def leaf_words(w: Words, element: int, tensors: list[torch.Tensor], table: bool) -> Words:
@@ -180,6 +206,17 @@ class Operands:
     o: torch.Tensor
     leaves: list[torch.Tensor]
     g: Geometry
+    #: The axes of `x`'s and of `o`'s dims.
+    cache_axes: tuple[str, ...] = ()
+    object_axes: tuple[str, ...] = ()
+
+    def extent(self, axis: str) -> int:
+        """An axis's extent: its dim in the views (so the kernel indexes only what they hold),
+        else the geometry's (a list level of the cache)."""
+        for axes, t in ((self.cache_axes, self.x), (self.object_axes, self.o)):
+            if axis in axes:
+                return int(t.shape[axes.index(axis)])
+        return int(getattr(self.g, axis))
 
 
 def _index_arguments(spec: KernelSpec, ck: Chunk, bn: int, dummy: torch.Tensor) -> dict[str, Any]:
@@ -198,54 +235,87 @@ def _index_arguments(spec: KernelSpec, ck: Chunk, bn: int, dummy: torch.Tensor) 
                 tok=tok if tok is not None else dummy, TOK=tok is not None, num_tokens=count)
 
 
+def _tile(spec: KernelSpec, width: int, bn: int) -> int:
+    """Tokens per program tile: the plan's most, fewer for long rows (TILE_WORDS in flight),
+    and never more than a block where programs step over blocks."""
+    tile = max(1, min(spec.tile, TILE_WORDS // width))
+    return min(tile, _pow2(bn)) if spec.blocks else tile
+
+
+def _piece(width: int, programs: int, outer: int) -> int:
+    """Words of a token's row one program moves: the whole row, split in halves (of at least
+    MIN_PIECE words) while the launch has fewer than MIN_PROGRAMS programs."""
+    piece = width
+    while piece > MIN_PIECE and programs * outer * (width // piece) < MIN_PROGRAMS:
+        piece //= 2  # few tokens and parts: split rows so that every compute unit has work
+    return piece
+
+
+def _starts(spec: KernelSpec, ops: Operands) -> list[int]:
+    """The strides (in words) that place a token's row: the planned axes of each view, where
+    their extent is above 1."""
+    return [s for axes, names, t in ((spec.cache_axes, spec.cache_starts, ops.x),
+                                     (spec.object_axes, spec.object_starts, ops.o))
+            for a, s, n in zip(axes, t.stride(), t.shape, strict=True) if a in names and n > 1]
+
+
 class Kernel:
-    """One generated kernel and what launching it needs."""
+    """One generated kernel and what launching it needs. `views`: the generated views of a
+    plane of a format-2 cache (`views(tensor, leaf, g, w, num_tokens)`); None: the views come
+    from the connector's PROGRAM (its cache and object places), as every mover's do."""
 
-    def __init__(self, fn: Any, views: Views, spec: KernelSpec):
-        self.fn, self.views, self.spec = fn, views, spec
+    def __init__(self, fn: Any, spec: KernelSpec, views: Views | None = None):
+        self.fn, self.spec, self.views = fn, spec, views
 
-    def __call__(self, store: bool, layer: int | None, tensor: torch.Tensor, call: Any, ck: Chunk, w: Words) -> None:
-        """Move one chunk of `call` (its frozen cache tree and geometry; of one layer, when
-        layerwise) between `tensor` and the cache."""
+    def __call__(self, program: CopyProgram, step: Step) -> None:
+        """Move one chunk of `step.call` (of one layer, when layerwise) between `step.tensor`
+        and the cache, at the places `program` gives every axis."""
+        ck = step.ck
         if not ck.has_blocks and not ck.has_tokens:
             return
-        cache_leaves = leaves(call.kvcaches)
-        w = leaf_words(w, cache_leaves[0].element_size(), cache_leaves, self.spec.table)
-        x, o = self.views(tensor, cache_leaves[0], call.g, w)
-        self.launch(*self.arguments(store, layer, Operands(x, o, cache_leaves, call.g), ck, w))
+        cache_leaves = leaves(step.call.kvcaches)
+        w = leaf_words(step.w, cache_leaves[0].element_size(), cache_leaves, self.spec.table)
+        x, o = self.placed(program, step.tensor, cache_leaves[0], step.call.g, w)
+        self.launch(*self.arguments(step, self.operands(x, o, cache_leaves, step.call.g), w))
 
-    def arguments(self, store: bool, layer: int | None, ops: Operands, ck: Chunk, w: Words
-                  ) -> tuple[tuple[int, int], dict[str, Any], torch.device]:
+    def placed(self, program: CopyProgram, tensor: torch.Tensor, leaf: torch.Tensor, g: Geometry, w: Words
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache leaf's and the object's views in the kernel's word, one dim per place."""
+        def raw(t: torch.Tensor) -> torch.Tensor:
+            return t.view(w.dtype) if self.spec.widen else bits(t)
+
+        return placed(raw(leaf), program.cache_places, g), placed(raw(tensor), program.object_places, g)
+
+    def operands(self, x: torch.Tensor, o: torch.Tensor, tensors: list[torch.Tensor], g: Geometry) -> Operands:
+        if x.dim() != len(self.spec.cache_axes) or o.dim() != len(self.spec.object_axes):
+            raise Unsupported(f"views of {x.dim()} and {o.dim()} dims for a kernel over "
+                              f"{len(self.spec.cache_axes)} and {len(self.spec.object_axes)}")
+        return Operands(x, o, tensors, g, self.spec.cache_axes, self.spec.object_axes)
+
+    def arguments(self, step: Step, ops: Operands, w: Words) -> tuple[tuple[int, int], dict[str, Any], torch.device]:
         """(grid, arguments, device) of one launch over `ops`; Unsupported where the launch
         cannot be made."""
-        spec, x, o, g = self.spec, ops.x, ops.o, ops.g
+        spec, x, o = self.spec, ops.x, ops.o
         device = x.device
         args: dict[str, Any] = {"cache": x, "obj": o}
         if spec.table:
             args["table"], args["TA"] = _table(ops.leaves, w.dtype.itemsize, device)
         if spec.layerwise:
-            args["layer"] = layer
-        bn = 1 if spec.folded or spec.slotless else int(g.N or 1)
-        args.update(_index_arguments(spec, ck, bn, _dummy(device)))
-        count = args["num_tokens"]
-        args.update({f"E_{a}": _extent(a, g, w) for a in spec.extents})
+            args["layer"] = step.layer
+        bn = int(ops.g.N or 1) if spec.blocks else 1
+        args.update(_index_arguments(spec, step.ck, bn, _dummy(device)))
+        args.update({f"E_{a}": ops.extent(a) for a in spec.extents})
         args.update({f"cs_{a}": s for a, s in zip(spec.cache_axes, x.stride(), strict=True)})
         args.update({f"os_{a}": s for a, s in zip(spec.object_axes, o.stride(), strict=True)})
-        row = {f"R_{a}": _extent(a, g, w) for a in spec.row}
+        row = {f"R_{a}": ops.extent(a) for a in spec.row}
         width = _pow2(math.prod(row.values()))
-        tile = 1 if spec.slotless else max(1, min(64, TILE_WORDS // width))
-        if not spec.folded:
-            tile = min(tile, _pow2(bn))
-        programs = args["num_blocks"] + -(-count // tile)
-        outer = math.prod(_extent(a, g, w) for a in spec.outer)
-        piece = width
-        while piece > MIN_PIECE and programs * outer * (width // piece) < MIN_PROGRAMS:
-            piece //= 2  # few tokens and parts: split rows so that every compute unit has work
-        args.update(row, ROW=width, RB=piece, BN=bn, TILE=tile, STORE=store)
+        tile = _tile(spec, width, bn)
+        programs = args["num_blocks"] + -(-args["num_tokens"] // tile)
+        outer = math.prod(ops.extent(a) for a in spec.outer)
+        piece = _piece(width, programs, outer)
+        args.update(row, ROW=width, RB=piece, BN=bn, TILE=tile, STORE=step.store)
         if spec.aligned:
-            placing = [s for axes, t in ((spec.cache_axes, x), (spec.object_axes, o))
-                       for a, s, n in zip(axes, t.stride(), t.shape, strict=True) if a not in spec.row and n > 1]
-            args["VA"] = _row_alignment(w, args.get("TA", MAX_ALIGN), placing)
+            args["VA"] = _row_alignment(w, args.get("TA", MAX_ALIGN), _starts(spec, ops))
         grid = (programs, outer * (width // piece))
         if grid[1] > 65535:
             raise Unsupported(f"{grid[1]} outer parts exceed Triton's grid")
@@ -264,6 +334,42 @@ def _launch(fn: Any, grid: tuple[int, int], args: dict[str, Any], device: torch.
         fn[grid](**args)
 
 
+Leaves = Callable[[Any, Geometry, int], list[torch.Tensor]]
+
+
+class PlanesKernel:
+    """The kernels of one format-2 connector, one per plane (kvgen.plan.kernel plans each as the
+    format-1 kernel over the plane's byte views, which the twin writes; each axis is read at the
+    place the plane's program in PROGRAM gives it there, as the native mover reads the module's
+    byte views), launched like one `Kernel`: each plane moves
+    as bytes in the widest word (at most 8 bytes) that this call's object and the cache allow
+    for it (`runtime.plane_words`, the torch code's choice) and that divides the distance
+    between its leaves, so one table of leaf offsets in words reaches every layer. Every
+    plane's launch is prepared before the first runs: a cache the kernels cannot address
+    raises Unsupported with nothing written."""
+
+    def __init__(self, leaves: Leaves, rows: bool, planes: Sequence[Kernel]):
+        #: `leaves(kvcaches, g, plane)`: every layer's leaf holding the plane, in layer order.
+        self.leaves, self.rows, self.planes = leaves, rows, tuple(planes)
+
+    def __call__(self, program: CopyProgram, step: Step) -> None:
+        """Move one chunk (of one layer, when layerwise): every plane, one launch each."""
+        ck, tensor = step.ck, step.tensor
+        if not ck.has_blocks and not ck.has_tokens:
+            return  # nothing moves, so neither do the planes without slots
+        kvcaches, g = step.call.kvcaches, step.call.g
+        wd = plane_words(g, tensor, self.rows)
+        launches = []
+        for i, kernel in enumerate(self.planes):
+            tensors = self.leaves(kvcaches, g, i)
+            pw = leaf_words(words(min(wd[i], KERNEL_WORD), 1, g.planes[i].C), 1, tensors, True)
+            x, o = kernel.views(tensor, tensors[0], g, pw, ck.num_tokens)  # type: ignore[misc]
+            if program.planes:  # each axis at the place the plane's program gives it in those views
+                plane = program.planes[i]
+                x, o = placed(x, plane.cache_places, g), placed(o, plane.object_places, g)
+            launches.append((kernel, kernel.arguments(step, kernel.operands(x, o, tensors, g), pw)))
+        for kernel, (grid, args, device) in launches:
+            kernel.launch(grid, args, device)
 
 
 _MODULES: dict[str, Any] = {}

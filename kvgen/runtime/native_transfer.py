@@ -29,7 +29,7 @@ import torch
 from kvgen.runtime import host, native
 from kvgen.runtime.layout import Geometry
 from kvgen.runtime.movers.native import address, leaf_set
-from kvgen.runtime.movers.program import TransferProgram
+from kvgen.runtime.movers.program import TransferPath, TransferProgram
 from kvgen.runtime.pairs import Index, Pairs
 from kvgen.runtime.threads import PARALLEL_BYTES, TEAM_PARALLEL_BYTES, cpu_threads
 
@@ -47,7 +47,7 @@ class _Part:
 
 
 @dataclass
-class Description:
+class TransferDescription:
     """The kernel calls of one transfer call; holds the pairs, so the index tensors it points
     at live as long as it does."""
 
@@ -136,7 +136,7 @@ def _shared_rows(program: TransferProgram, sides: tuple[_Side, _Side], p: Pairs,
     return rows
 
 
-def describe(program: TransferProgram, call: Any, layerwise: bool) -> Description:
+def describe(program: TransferProgram, call: Any, layerwise: bool) -> TransferDescription:
     """The kernel calls that move the pairs of `call`, as `program` plans them; Unsupported
     (nothing written) where the kernel cannot move these caches."""
     gs, gd, p = call.gs, call.gd, call.pairs
@@ -148,36 +148,48 @@ def describe(program: TransferProgram, call: Any, layerwise: bool) -> Descriptio
     sides = (_Side(leaf_set(call.bindings[0], lambda: call.src, program.src_places, program.src_lists, es), gs),
              _Side(leaf_set(call.bindings[1], lambda: call.dst, program.dst_places, program.dst_lists, ed), gd))
     item = gs.dtype.itemsize
-    out, keep = [], []
+    out: list[_Part] = []
+    keep: list[Any] = []
     for path in program.paths:
-        if not (p.has_blocks if path.name == "blocks" else p.has_tokens):
-            continue
-        dims = path.layer if layerwise else path.whole
-        for side in sides:
-            side.shift = 0
-        rows = _shared_rows(program, sides, p, dims)
-        if path.name == "blocks":
-            (b0, n0), (b1, n1) = sides[0].blocks(p.src.blocks, p.block, "src_blocks"), \
-                sides[1].blocks(p.dst.blocks, p.block, "dst_blocks")
-            rows.update(B=[_count(p.src.blocks), *b0, *b1], N=[p.block, *n0, *n1])
-            keep += [p.src.blocks, p.dst.blocks]
-        else:
-            rows["T"] = [_count(p.src.slots), *sides[0].tokens(p.src.slots, "src_slots"),
-                         *sides[1].tokens(p.dst.slots, "dst_slots")]
-            keep += [p.src.slots, p.dst.slots]
-        names = [d for d in dims if d in rows]
-        run, kept = _merge([rows[d] for d in names], names, path.layer_run if layerwise else path.whole_run, item)
-        if not kept:  # one run: a dim of one entry carries it
-            kept = [[1, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0]]
-        if len(kept) > native.MAX_DIMS:
-            raise native.Unsupported(f"{len(kept)} dims exceed the kernel's {native.MAX_DIMS}")
-        out.append(_Part(array.array("q", [v for d in kept for v in d]), len(kept), run,
-                         (sides[0].shift, sides[1].shift)))
+        if p.has_blocks if path.name == "blocks" else p.has_tokens:
+            out.append(_path_part(program, path, sides, call, layerwise, keep))
     layer = tuple((s.c.ls.get("L", 0), 0 if "L" in s.c.ls else s.c.strides.get("L", 0)) for s in sides)
     per_call = p.moved * gs.KV * p.heads * gs.C * item
     total = per_call * gs.L
-    return Description(out, (sides[0].c.base, sides[1].c.base), layer, p,  # type: ignore[arg-type]
-                       (sides[0].c, sides[1].c, *keep), per_call if layerwise else total, total)
+    return TransferDescription(out, (sides[0].c.base, sides[1].c.base), layer, p,  # type: ignore[arg-type]
+                               (sides[0].c, sides[1].c, *keep), per_call if layerwise else total, total)
+
+
+def _token_rows(path: TransferPath, sides: tuple[_Side, _Side], p: Pairs, keep: list[Any]) -> dict[str, list[int]]:
+    """The rows of a path's token dims: B (whole blocks by id) and N (their slots), or T (single
+    tokens by slot); the index tensors they point at are kept in `keep`."""
+    if path.name == "blocks":
+        (b0, n0), (b1, n1) = sides[0].blocks(p.src.blocks, p.block, "src_blocks"), \
+            sides[1].blocks(p.dst.blocks, p.block, "dst_blocks")
+        keep += [p.src.blocks, p.dst.blocks]
+        return {"B": [_count(p.src.blocks), *b0, *b1], "N": [p.block, *n0, *n1]}
+    keep += [p.src.slots, p.dst.slots]
+    return {"T": [_count(p.src.slots), *sides[0].tokens(p.src.slots, "src_slots"),
+                  *sides[1].tokens(p.dst.slots, "dst_slots")]}
+
+
+def _path_part(program: TransferProgram, path: TransferPath, sides: tuple[_Side, _Side], call: Any,
+               layerwise: bool, keep: list[Any]) -> _Part:
+    """One kernel call of `path`: its dims in the planned order, the planned run dims merged
+    where the live strides are contiguous."""
+    p = call.pairs
+    dims = path.layer if layerwise else path.whole
+    for side in sides:
+        side.shift = 0
+    rows = {**_shared_rows(program, sides, p, dims), **_token_rows(path, sides, p, keep)}
+    names = [d for d in dims if d in rows]
+    run, kept = _merge([rows[d] for d in names], names, path.layer_run if layerwise else path.whole_run,
+                       call.gs.dtype.itemsize)
+    if not kept:  # one run: a dim of one entry carries it
+        kept = [[1, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0]]
+    if len(kept) > native.MAX_DIMS:
+        raise native.Unsupported(f"{len(kept)} dims exceed the kernel's {native.MAX_DIMS}")
+    return _Part(array.array("q", [v for d in kept for v in d]), len(kept), run, (sides[0].shift, sides[1].shift))
 
 
 def _count(ids: Index | None) -> int:
@@ -206,7 +218,7 @@ def _merge(dims: list[list[int]], names: list[str], run_dims: tuple[str, ...], i
     return run, dims
 
 
-def move(d: Description, layer: int | None) -> None:
+def move(d: TransferDescription, layer: int | None) -> None:
     """Run the description (one layer of it when `layer` is given)."""
     fn = _fn()
     if d.picked is None:

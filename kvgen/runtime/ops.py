@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from typing import Any
+
 import torch
+
+from kvgen.runtime.movers.program import Place
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -13,6 +19,28 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     if not t.dtype.is_floating_point and not t.dtype.is_complex:
         return t
     return t.view(_SAME_WIDTH_INT[t.element_size()])
+
+
+def placed(t: torch.Tensor, places: Sequence[Place], g: Any) -> torch.Tensor:
+    """`t` with one dim per planned place (a PROGRAM's `cache_places` or `object_places`), in
+    their order: each axis steps by the stride of its tensor dim times the extents of the axes
+    after it there. In a fused dim every axis but the last has its extent on the geometry `g`
+    and the last the rest of the dim (so C counts the words `t` is viewed in); an axis alone
+    in its dim is the dim. Singleton dims hold no place and drop out. A view of `t` (torch
+    refuses one reaching past its storage), so the movers index only what `places` name."""
+    shape, stride = t.shape, t.stride()
+    size: dict[str, int] = {}
+    i = 0
+    while i < len(places):  # the extents of each run of places in one dim
+        dim, j = places[i][1], i
+        while j < len(places) and places[j][1] == dim:
+            j += 1
+        outer = [int(getattr(g, p[0])) for p in places[i:j - 1]]
+        size.update(zip((p[0] for p in places[i:j]), [*outer, shape[dim] // max(1, math.prod(outer))], strict=True))
+        i = j
+    sizes = [size[a] for a, _, _ in places]
+    steps = [stride[dim] * math.prod(size[b] for b in inner) for _, dim, inner in places]
+    return t.as_strided(sizes, steps, t.storage_offset())
 
 
 def put_tokens(dst: torch.Tensor, dim: int, tok: torch.Tensor | None, src: torch.Tensor) -> None:

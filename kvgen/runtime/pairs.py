@@ -231,13 +231,17 @@ def put_slots(y: torch.Tensor, b: int, side: Side, value: torch.Tensor) -> None:
         put_index(merged, b, side.slots, value)
 
 
-def move_blocks(x: torch.Tensor, dx: int, xs: Index, y: torch.Tensor, dy: int, ys: Index,
-                order: tuple[int, ...], scratch: Scratch | None = None) -> None:
-    """y's blocks `ys` (over dim dy) = x's blocks `xs` (over dim dx), x's dims permuted by
-    `order` into y's: one pass when either side's blocks are consecutive (a view on that side),
-    else a gather into scratch (memory already mapped, often still in cache) and a scatter.
-    (One copy per block pair would be one pass too, but single-threaded per call: slower on a
-    quiet CPU and far slower on a GPU.)"""
+#: One side of a block move: (tensor, its block dim, the blocks).
+Blocks = tuple[torch.Tensor, int, Index]
+
+
+def move_blocks(src: Blocks, dst: Blocks, order: tuple[int, ...], scratch: Scratch | None = None) -> None:
+    """For src = (x, dx, xs) and dst = (y, dy, ys): y's blocks `ys` (over dim dy) = x's blocks
+    `xs` (over dim dx), x's dims permuted by `order` into y's: one pass when either side's
+    blocks are consecutive (a view on that side), else a gather into scratch (memory already
+    mapped, often still in cache) and a scatter. (One copy per block pair would be one pass
+    too, but single-threaded per call: slower on a quiet CPU and far slower on a GPU.)"""
+    (x, dx, xs), (y, dy, ys) = src, dst
     if isinstance(ys, slice) and not isinstance(xs, slice) and x.device == y.device:
         # Gather straight into y's consecutive blocks, seen in x's dim order.
         inverse = tuple(order.index(i) for i in range(len(order)))

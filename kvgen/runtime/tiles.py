@@ -24,17 +24,20 @@ import triton.language as tl
 
 
 @triton.jit
-def _move(cache, obj, c_off, o_off, c_row, o_row, tokens, row_mask, STORE: tl.constexpr,  # noqa: ANN001
-          VA: tl.constexpr):
+def _move(ptrs, offsets, rows, masks, STORE: tl.constexpr, VA: tl.constexpr):  # noqa: ANN001
+    """Move a tile of [tokens, row]: ptrs (cache, obj); offsets (cache, object) of each token's
+    row start; rows (cache, object) offsets of the words of a row; masks (tokens, row words)."""
+    c_off = offsets[0]
+    o_off = offsets[1]
     if VA > 1:
         # Every token's row starts at a multiple of VA words (the launch checked the strides).
         # Rounding down changes no valid offset and shows the compiler the alignment, which
         # lets it use vector accesses; a tl.multiple_of hint does not survive canonicalization.
         c_off = (c_off // VA) * VA
         o_off = (o_off // VA) * VA
-    mask = tokens[:, None] & row_mask[None, :]
-    c_ptr = cache + (c_off[:, None] + c_row[None, :])
-    o_ptr = obj + (o_off[:, None] + o_row[None, :])
+    mask = masks[0][:, None] & masks[1][None, :]
+    c_ptr = ptrs[0] + (c_off[:, None] + rows[0][None, :])
+    o_ptr = ptrs[1] + (o_off[:, None] + rows[1][None, :])
     if STORE:
         tl.store(o_ptr, tl.load(c_ptr, mask=mask), mask=mask)
     else:
@@ -42,42 +45,55 @@ def _move(cache, obj, c_off, o_off, c_row, o_row, tokens, row_mask, STORE: tl.co
 
 
 @triton.jit
-def move_chunk(cache, obj, c_base, o_base, c_row, o_row, row_mask,  # noqa: ANN001
-               ids, slots, tok, first_id, first_slot, block_start, num_blocks, num_tokens,
-               cs_b, cs_n, os_t,
-               BN: tl.constexpr, TILE: tl.constexpr, IDS: tl.constexpr, SLOTS: tl.constexpr,
-               TOK: tl.constexpr, STORE: tl.constexpr, VA: tl.constexpr = 1):
-    """Move one chunk for one grid-axis-1 program. IDS / SLOTS / TOK: block ids, slots and
-    token positions come from tensors; otherwise they count up from first_id, first_slot
-    and 0 (the chunk's consecutive blocks, a folded axis's consecutive slots, all tokens).
-    BN: slots per block (1 for a folded slot axis, whose slot is its own row index).
-    VA: a power of two (in words) that every token row's start is a multiple of, for
-    strides the compiler cannot see are (82 8-byte words: a 656-byte row)."""
+def move_chunk(ptrs, part, chunk, steps, SIZES: tl.constexpr, FLAGS: tl.constexpr):  # noqa: ANN001
+    """Move one chunk for one grid-axis-1 program.
+
+    ptrs: (cache, obj). part: (c_base, o_base, c_row, o_row, row_mask), where the program's
+    part starts on each side and the offsets of a row's words. chunk: (ids, slots, tok,
+    first_id, first_slot, block_start, num_blocks, num_tokens). steps: (cs_b, cs_n, os_t), the
+    cache's block and slot strides and the object's token stride. SIZES: (BN, TILE, VA).
+    FLAGS: (IDS, SLOTS, TOK, STORE).
+
+    IDS / SLOTS / TOK: block ids, slots and token positions come from tensors; otherwise they
+    count up from first_id, first_slot and 0 (the chunk's consecutive blocks, a folded axis's
+    consecutive slots, all tokens). BN: slots per block (1 for a folded slot axis, whose slot
+    is its own row index). VA: a power of two (in words) that every token row's start is a
+    multiple of, for strides the compiler cannot see are (82 8-byte words: a 656-byte row)."""
+    BN: tl.constexpr = SIZES[0]
+    TILE: tl.constexpr = SIZES[1]
+    VA: tl.constexpr = SIZES[2]
+    STORE: tl.constexpr = FLAGS[3]
+    c_base = part[0]
+    o_base = part[1]
+    rows = (part[2], part[3])
+    ids = chunk[0]
+    num_blocks = chunk[6]
+    cs_b = steps[0]
+    cs_n = steps[1]
+    os_t = steps[2]
     pid = tl.program_id(0)
     n = tl.arange(0, TILE)
     if pid < num_blocks:
-        if IDS:
+        if FLAGS[0]:
             block = tl.load(ids + pid).to(tl.int64)
         else:
-            block = (first_id + pid).to(tl.int64)
+            block = (chunk[3] + pid).to(tl.int64)
         c_block = c_base + block * cs_b
-        t_block = (block_start + pid * BN).to(tl.int64)
+        t_block = (chunk[5] + pid * BN).to(tl.int64)
         for n0 in range(0, BN, TILE):
             k = n0 + n
-            inside = k < BN
-            _move(cache, obj, c_block + k * cs_n, o_base + (t_block + k) * os_t, c_row, o_row, inside, row_mask,
-                  STORE, VA)
+            _move(ptrs, (c_block + k * cs_n, o_base + (t_block + k) * os_t), rows, (k < BN, part[4]), STORE, VA)
     else:
         i = (pid - num_blocks) * TILE + n
-        inside = i < num_tokens
-        if SLOTS:
-            slot = tl.load(slots + i, mask=inside, other=-1).to(tl.int64)
+        inside = i < chunk[7]
+        if FLAGS[1]:
+            slot = tl.load(chunk[1] + i, mask=inside, other=-1).to(tl.int64)
         else:
-            slot = (first_slot + i).to(tl.int64)
+            slot = (chunk[4] + i).to(tl.int64)
         inside = inside & (slot >= 0)
-        if TOK:
-            t = tl.load(tok + i, mask=inside, other=0).to(tl.int64)
+        if FLAGS[2]:
+            t = tl.load(chunk[2] + i, mask=inside, other=0).to(tl.int64)
         else:
             t = i.to(tl.int64)
         c_off = c_base + (slot // BN) * cs_b + (slot % BN) * cs_n
-        _move(cache, obj, c_off, o_base + t * os_t, c_row, o_row, inside, row_mask, STORE, VA)
+        _move(ptrs, (c_off, o_base + t * os_t), rows, (inside, part[4]), STORE, VA)

@@ -27,7 +27,16 @@ import torch
 
 from kvgen.runtime import calls, native, native_transfer
 from kvgen.runtime.aliasing import CacheMemory, share_elements
-from kvgen.runtime.binding import Binding, check_layer_leaves, layer_leaves, leaf_names, leaves, new_binding, snapshot
+from kvgen.runtime.binding import (
+    Binding,
+    Snapshot,
+    check_layer_leaves,
+    layer_leaves,
+    leaf_names,
+    leaves,
+    new_binding,
+    snapshot,
+)
 from kvgen.runtime.connector import max_word
 from kvgen.runtime.devices import Backend, backend_for, on_stream
 from kvgen.runtime.errors import KVLayoutError
@@ -106,7 +115,7 @@ class TransferBase:
             if compiled is not None:
                 native_transfer.move(compiled, None)
             else:
-                self._copy(call.src, call.dst, call.gs, call.gd, call.pairs, call.words)
+                self._copy(call)
         for device in dict.fromkeys((call.gs.device, call.gd.device)):
             backend = self._backend_for(device)
             backend.synchronize(backend.current_stream())
@@ -137,7 +146,7 @@ class TransferBase:
                 native_transfer.move(compiled, layer)
             elif call.pairs.moved:
                 with on_stream(backend, stream):
-                    self._copy_layer(layer, call.src, call.dst, call.gs, call.gd, call.pairs, call.words)
+                    self._copy_layer(layer, call)
             yield
         if sync:
             backend.synchronize(stream)
@@ -145,7 +154,7 @@ class TransferBase:
             backend.wait_stream(backend.current_stream(), stream)
         yield
 
-    def _compiled(self, call: TransferCall, *, layerwise: bool) -> native_transfer.Description | None:
+    def _compiled(self, call: TransferCall, *, layerwise: bool) -> native_transfer.TransferDescription | None:
         """The compiled kernel's description of this call, or None for the torch copies (a
         device other than the CPU, a cache the kernel cannot describe, copy_backend='torch')."""
         if self.copy_backend == "torch":
@@ -208,7 +217,7 @@ class TransferBase:
             raise KVLayoutError(f"{side}_caches: {layout.name} caches are lists or tuples of tensors, got "
                                 f"{describe(kvcaches)}")
         limit = max_word(geometry.device) if self.widen else None
-        binding = new_binding(kvcaches, tree, key, geometry, tuple(leaf_names(tree, f"{side}_caches")),
+        binding = new_binding(Snapshot(kvcaches, tree, key), geometry, tuple(leaf_names(tree, f"{side}_caches")),
                               word_limit=limit, owner=layout.name, argument=f"{side}_caches")
         with self._lock:
             mine = [k for k in self._bindings if k[0] == side]
@@ -259,11 +268,12 @@ class TransferBase:
 
     # -- the generated copies ---------------------------------------------------------------------
 
-    def _copy(self, src_caches: Any, dst_caches: Any, gs: Geometry, gd: Geometry, p: Pairs, w: Words) -> None:
+    def _copy(self, call: TransferCall) -> None:
+        """Every layer of `call` (generated: the torch copy, the transfer's readable reference)."""
         raise NotImplementedError
 
-    def _copy_layer(self, layer: int, src_caches: Any, dst_caches: Any, gs: Geometry, gd: Geometry, p: Pairs,
-                    w: Words) -> None:
+    def _copy_layer(self, layer: int, call: TransferCall) -> None:
+        """Layer `layer` of `call` (generated)."""
         raise NotImplementedError
 
 

@@ -14,7 +14,7 @@ from kvgen import __version__
 from kvgen.emit.build import build, check
 from kvgen.errors import KVGenError, SpecError, display_path
 from kvgen.oracle.address import explain_lines, symbolic_address
-from kvgen.plan.kernel_parts import kernel_grid
+from kvgen.plan.kernel import kernel_grid
 from kvgen.plan.package import plan_connectors as plan_library
 from kvgen.spec.describe import format2_facts
 from kvgen.spec.library import BUILTIN_SPECS

@@ -1,8 +1,9 @@
 """What every mover is: the protocol the connectors call, and the one refusal they share.
 
 A mover moves one chunk (or one layer of it) between a memory object's tensor and a bound
-cache by executing the connector's planned copy (the generated module's PROGRAM, or for the
-torch mover the generated `_store` / `_load` written from the same plan). It is chosen once
+cache by executing the connector's planned copy: the generated module's PROGRAM (for the torch
+mover through the generated `_store` / `_load`, written from the same plan, whose views PROGRAM
+places; for the Triton mover with the kernel and launch facts of the module's `_triton` twin). It is chosen once
 per (connector, device) by kvgen.runtime.movers.choose; `prepare` does, once, what does not
 depend on a call (is the mover here, does it move this connector, its kernel), and `move`
 runs a call with the live tensors.

@@ -1,8 +1,9 @@
 """The Triton mover: launches the connector's generated kernel (its `_triton` twin, planned
-by kvgen.plan.kernel / kernel_parts from the same copy plan), imported on first use so kvgen
-needs Triton for nothing else. Where Triton runs is the device registry's fact
-(kvgen.runtime.devices: the driver targets of each device type); on CPU tensors only in
-Triton's interpreter (TRITON_INTERPRET=1, which the tests use), and auto never picks it there.
+by kvgen.plan.kernel from the same copy plan) over the views the connector's PROGRAM places,
+imported on first use so kvgen needs Triton for nothing else. Where Triton runs is the device
+registry's fact (kvgen.runtime.devices: the driver targets of each device type); on CPU
+tensors only in Triton's interpreter (TRITON_INTERPRET=1, which the tests use), and auto never
+picks it there.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from kvgen.runtime.slots import Chunk
 def generated_module(connector: Any) -> str:
     """The generated module a connector class comes from (a subclass of it may live elsewhere)."""
     for cls in type(connector).__mro__:
-        if "layout" in cls.__dict__:
+        if "program" in cls.__dict__:
             return cls.__module__
     return type(connector).__module__
 
 
 class TritonMover:
-    """Moves chunks with the connector's generated Triton kernel."""
+    """Moves chunks with the connector's generated Triton kernel, as its PROGRAM places them."""
 
     name = "triton"
     stats = kernels.stats
@@ -43,4 +44,4 @@ class TritonMover:
     def move(self, prepared: tuple[Any, Any], store: bool, tensor: torch.Tensor, call: Any, ck: Chunk,
              layer: int | None) -> None:
         connector, kernel = prepared
-        kernel(store, layer, tensor, call, ck, connector._words(tensor, call.binding))
+        kernel(connector.program, kernels.Step(store, tensor, call, ck, layer, connector._words(tensor, call.binding)))
