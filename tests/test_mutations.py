@@ -1,8 +1,9 @@
 """The checks can see what a broken compiled path would do. Each mutant below changes the
-native mover the way a planning or kernel bug would (a layer, a plane or the tail of a chunk
-left unmoved); the reference comparison every connector test and `kvgen verify` make
-(oracle.scenarios.check_pair) must then fail on connectors of that kind, and pass on the
-same cases without the mutant."""
+native mover (or the compiled transfer) the way a planning or kernel bug would (a layer, a
+plane or the tail of a chunk left unmoved); the reference comparisons every connector and
+transfer test and `kvgen verify` make (oracle.scenarios.check_pair,
+oracle.transfer_scenarios.check_transfer) must then fail on every case of that kind, and
+pass on the same cases without the mutant."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from harness import SCENARIOS
 
 from kvgen import generated
 from kvgen.oracle.scenarios import check_pair
-from kvgen.runtime import native
+from kvgen.oracle.transfer_scenarios import SCENARIOS as TRANSFER_SCENARIOS
+from kvgen.oracle.transfer_scenarios import TransferRun, check_transfer
+from kvgen.runtime import native, native_transfer
 from kvgen.runtime.movers.native import NativeMover
 from kvgen.spec.library import load_library
 
@@ -81,4 +84,38 @@ def test_the_reference_check_fails_every_case_of_a_mutant(name: str, monkeypatch
     seen = dict(_results(cases))
     assert native.stats["calls"] > calls, "the mutated compiled path did not run"
     missed = [case for case, ok in seen.items() if ok == (True, True)]
+    assert not missed, f"{name}: the reference check passed {missed}"
+
+
+# ---------------------------------------------------------------- layout-to-layout transfers
+
+TRANSFER_PAIRS = [("vllm_flash_attn_hnd", "vllm_flash_attn_nhd"), ("vllm_flash_attn_nhd", "hicache_page_first"),
+                  ("vllm_mla", "sglang_mla")]
+
+
+def _transfer_mutant(name: str, move: Callable[..., None]) -> Callable[..., None]:
+    def mutant(d: Any, layer: int | None) -> None:
+        if name == "drops a layer" and layer == 1:
+            return
+        if name == "drops the token path" and len(d.parts) > 1:
+            d = dataclasses.replace(d, parts=d.parts[:-1])
+        move(d, layer)
+    return mutant
+
+
+@pytest.mark.parametrize(("name", "scenario", "layerwise"), [("drops a layer", "whole_blocks", True),
+                                                            ("drops the token path", "partial_ends", False)])
+def test_the_transfer_reference_check_fails_every_pair_under_a_mutant(name: str, scenario: str, layerwise: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    run = TransferRun(layerwise=layerwise)
+    sc = TRANSFER_SCENARIOS[scenario]
+
+    def results() -> dict[tuple[str, str], bool]:
+        return {(s, d): check_transfer(generated, LIBRARY[s], LIBRARY[d], "cpu", sc, run) for s, d in TRANSFER_PAIRS}
+
+    assert all(results().values()), "the pairs must pass without the mutant"
+    monkeypatch.setattr(native_transfer, "move", _transfer_mutant(name, native_transfer.move))
+    calls = native.stats["calls"]
+    missed = [pair for pair, ok in results().items() if ok]
+    assert native.stats["calls"] > calls, "the mutated compiled transfer did not run"
     assert not missed, f"{name}: the reference check passed {missed}"
