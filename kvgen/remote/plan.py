@@ -28,6 +28,11 @@ from kvgen.runtime.binding import leaves
 from kvgen.runtime.errors import KVLayoutError
 
 STRATEGIES = ("direct", "staged")
+#: A staged read is cut into up to this many chunks of consecutive source blocks, each with
+#: its own staging and permute: a transport permutes chunk c while chunk c + 1 is read.
+STAGE_CHUNKS = 4
+#: Source blocks a chunk holds at least (smaller chunks cost more in calls than they overlap).
+CHUNK_BLOCKS = 16
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,8 @@ class Read:
     src_rank: int
     src_descs: np.ndarray  # int64 [n, 3]: address, bytes, device id (NIXL's get_xfer_descs takes it)
     dst_descs: np.ndarray
+    #: The staging chunk this read fills (0 for a direct plan): Plan.finish(..., chunk=) after it.
+    chunk: int = 0
 
     @property
     def bytes(self) -> int:
@@ -54,6 +61,8 @@ class Staging:
     dst_slots: torch.Tensor
     src_heads: Heads
     dst_heads: Heads
+    #: The chunk whose reads fill `caches`.
+    chunk: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,8 +89,15 @@ class Plan:
     def count(self) -> int:
         return sum(len(r.dst_descs) for r in self.reads)
 
-    def finish(self, dst_caches: Any) -> None:
-        """Run the staging permutes into `dst_caches` (the cache `dst` describes), after the reads."""
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """The chunks in order: after every read of chunk c, finish(..., chunk=c) may run while
+        later chunks are read."""
+        return tuple(sorted({r.chunk for r in self.reads} | {st.chunk for st in self.staging}))
+
+    def finish(self, dst_caches: Any, chunk: int | None = None) -> None:
+        """Run the staging permutes (of `chunk`, or all) into `dst_caches` (the cache `dst`
+        describes), after the reads (of that chunk)."""
         if not self.staging:
             return
         found = tuple(t.data_ptr() for t in leaves(dst_caches))
@@ -89,8 +105,9 @@ class Plan:
             raise KVLayoutError(f"dst_caches are not the cache this plan was made for ({self.dst}): its tensors "
                                 "start at other addresses")
         for st in self.staging:
-            _transfer(st.pair).copy(st.caches, st.src_slots, dst_caches, st.dst_slots, src_heads=st.src_heads,
-                                    dst_heads=st.dst_heads)
+            if chunk is None or st.chunk == chunk:
+                _transfer(st.pair).copy(st.caches, st.src_slots, dst_caches, st.dst_slots, src_heads=st.src_heads,
+                                        dst_heads=st.dst_heads)
 
 
 _transfers: dict[tuple[str, str], Any] = {}
@@ -145,8 +162,22 @@ def _sources(src: CacheDescription | Sequence[CacheDescription], dst: CacheDescr
 
 
 def _staged(s: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray, np.ndarray], route: tp.Route,
-            narrow: bool) -> tuple[Layout, Staging]:
-    """The whole source blocks of the route's tokens into a staging cache, then the permute:
+            narrow: bool) -> list[tuple[Layout, Staging]]:
+    """The route's tokens in chunks of consecutive source blocks (STAGE_CHUNKS), each chunk's
+    whole source blocks read into a staging cache of its own, then permuted."""
+    n = s.block or 1
+    blocks = np.unique(pairs[0] // n)
+    k = max(1, min(STAGE_CHUNKS, blocks.size // CHUNK_BLOCKS))
+    if k == 1:
+        return [_staged_chunk(s, dst, pairs, route, narrow, 0)]
+    bounds = blocks[np.linspace(0, blocks.size, k + 1).astype(np.int64)[1:-1]]  # first block of chunks 1..k-1
+    which = np.searchsorted(bounds, pairs[0] // n, side="right")
+    return [_staged_chunk(s, dst, (pairs[0][which == c], pairs[1][which == c]), route, narrow, c) for c in range(k)]
+
+
+def _staged_chunk(s: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray, np.ndarray], route: tp.Route,
+                  narrow: bool, chunk: int) -> tuple[Layout, Staging]:
+    """The whole source blocks of the tokens `pairs` into a staging cache, then the permute:
     with every head of the source rank, or (`narrow`) only the route's heads."""
     s_slots, d_slots = pairs
     n = s.block or 1
@@ -162,18 +193,18 @@ def _staged(s: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray,
     read = (route.src_heads, (0, heads)) if narrow else ((0, heads), (0, heads))
     cut = layout(s, here, (read_src, np.arange(read_src.size)), read)
     return cut, Staging((s.spec, dst.spec), caches, torch.from_numpy(staged), torch.from_numpy(d_slots),
-                        (0, heads) if narrow else route.src_heads, route.dst_heads)
+                        (0, heads) if narrow else route.src_heads, route.dst_heads, chunk)
 
 
 def _cheaper_staging(s: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray, np.ndarray], route: tp.Route,
-                     c: Costs) -> tuple[Layout, Staging]:
+                     c: Costs) -> list[tuple[Layout, Staging]]:
     """Staging every head of the source rank (whole blocks: the longest runs) or only the
     route's (fewer bytes; runs as long where the heads are outside the tokens, as in HND)."""
     whole = _staged(s, dst, pairs, route, False)
     if s.mla or route.count == s.extent("H"):
         return whole
     narrow = _staged(s, dst, pairs, route, True)
-    return min((whole, narrow), key=lambda m: c.read(m[0].merged, m[0].bytes))
+    return min((whole, narrow), key=lambda m: sum(c.read(x[0].merged, x[0].bytes) for x in m))
 
 
 def _routes(sources: dict[int, CacheDescription], dst: CacheDescription) -> list[tp.Route]:
@@ -217,8 +248,14 @@ def plan(src: CacheDescription | Sequence[CacheDescription], dst: CacheDescripti
         why = "forced" if strategy == "direct" else \
             f"no generated transfer {pair[0]} -> {pair[1]} to stage through" if not stageable else "nothing moves"
         return _made("direct", why, dst, direct)
-    return _choose(direct, [_cheaper_staging(sources[r.src_rank], dst, pairs, r, c) for r in routes],
-                   dst, c, _moved_bytes(dst, pairs[0].size, routes))
+    return _choose(direct, _staged_routes(sources, dst, pairs, routes, c), dst, c,
+                   _moved_bytes(dst, pairs[0].size, routes))
+
+
+def _staged_routes(sources: dict[int, CacheDescription], dst: CacheDescription, pairs: tuple[np.ndarray, np.ndarray],
+                   routes: list[tp.Route], c: Costs) -> list[tuple[Layout, Staging]]:
+    """Every route's staged chunks, route by route."""
+    return [m for r in routes for m in _cheaper_staging(sources[r.src_rank], dst, pairs, r, c)]
 
 
 def _choose(direct: list[Layout], made: list[tuple[Layout, Staging]], dst: CacheDescription, c: Costs,
@@ -252,8 +289,10 @@ def _made(strategy: str, why: str, dst: CacheDescription, cuts: list[Layout],
             if outside(descs, side):
                 raise KVLayoutError(f"{outside(descs, side)} descriptors would fall outside the tensors of {side} "
                                     f"(its strides and extents do not fit its leaves of {side.span} bytes)")
-    reads = tuple(Read(cut.src.tp_rank, *cut.descs) for cut in cuts)
-    return Plan(strategy, why, dst, reads, staging)
+    chunks = [st.chunk for st in staging] if staging else [0] * len(cuts)
+    reads = tuple(sorted((Read(cut.src.tp_rank, *cut.descs, chunk) for cut, chunk in zip(cuts, chunks, strict=True)),
+                         key=lambda r: r.chunk))
+    return Plan(strategy, why, dst, reads, tuple(sorted(staging, key=lambda st: st.chunk)))
 
 
 __all__ = ["STRATEGIES", "Plan", "Read", "Staging", "plan"]
