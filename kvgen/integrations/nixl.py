@@ -155,7 +155,8 @@ class Worker:
         if p.dst != self.description:
             raise KVLayoutError(f"{self.name}: the plan is for another cache ({p.dst})")
         if p.staging and id(p) not in self._staging:
-            self._staging[id(p)] = (p, [self.agent.register_memory(leaves(st.caches)) for st in p.staging])
+            distinct = {id(st.caches): st.caches for st in p.staging}  # a route's chunks share one staging
+            self._staging[id(p)] = (p, [self.agent.register_memory(leaves(c)) for c in distinct.values()])
         if self._pool is None:
             self._run_here(p)
         else:
