@@ -189,3 +189,54 @@ def test_staging_takes_every_source_head_or_only_the_routes_as_the_cost_model_sa
         assert p.bytes == blocks * n * SRC_EXT["L"] * 2 * staged_heads * SRC_EXT["C"] * 4, (layout, cost)
         run_by_memmove(p, dst)
         assert same_bits(dst, want)
+
+
+def _many_blocks(tp_sizes: tuple[int, int] = (1, 1)) -> tuple[Case, list[int], list[int]]:
+    """NHD into HND, 2 layers, block 4, 80 source blocks in a scattered block table: a staged
+    read of 4 chunks of 20 consecutive source blocks each."""
+    ext = {"L": 2, "KV": 2, "B": 96, "N": 4, "H": 2, "C": 8}
+    case = Case("vllm_flash_attn_nhd", "vllm_flash_attn_hnd", dict(ext), dict(ext), *tp_sizes, 0, 2 * tp_sizes[0])
+    rng = random.Random("many blocks")
+    table = rng.sample(range(96), 80)
+    src = [b * 4 + k for b in table for k in range(4)]
+    dst = rng.sample(range(96 * 4), len(src))
+    return case, src, dst
+
+
+def test_a_staged_read_of_many_blocks_is_cut_into_chunks_that_each_finish_on_their_own() -> None:
+    """Chunk c's permute needs only chunk c's reads: after reading chunk 0 and finishing it, the
+    destination holds exactly the tokens whose source blocks are in chunk 0 (the rest untouched);
+    all chunks then give the reference's destination."""
+    case, s, d = _many_blocks()
+    srcs, dst = case.caches()
+    sd, dd = case.describe(srcs, dst)
+    want = case.expected(srcs, dst, s, d)
+    p = remote.plan(sd, dd, torch.tensor(s), torch.tensor(d), strategy="staged")
+    assert p.chunks == (0, 1, 2, 3) and [st.chunk for st in p.staging] == [0, 1, 2, 3]
+    assert [r.chunk for r in p.reads] == [0, 1, 2, 3]
+    before = [t.clone() for t in dst]
+    first = [r for r in p.reads if r.chunk == 0]
+    run_by_memmove(remote.Plan(p.strategy, p.why, p.dst, tuple(first)), dst)  # chunk 0's reads alone
+    p.finish(dst, chunk=0)
+    moved0 = set(p.staging[0].dst_slots.tolist())
+    assert len(moved0) == len(s) // 4
+    n = 4
+    for got, was, ref in zip(dst, before, want, strict=True):
+        for slot in range(96 * n):
+            block, k = divmod(slot, n)
+            expect = ref if slot in moved0 else was
+            assert torch.equal(got[:, block, :, k], expect[:, block, :, k]), slot
+    run_by_memmove(p, dst)
+    assert same_bits(dst, want)
+
+
+@pytest.mark.parametrize("sizes", [(2, 1), (1, 2)], ids=lambda s: f"tp{s[0]}->tp{s[1]}")
+def test_chunked_staging_moves_like_the_reference_across_tp(sizes: tuple[int, int]) -> None:
+    case, s, d = _many_blocks(sizes)
+    srcs, dst = case.caches()
+    sd, dd = case.describe(srcs, dst)
+    want = case.expected(srcs, dst, s, d)
+    p = remote.plan(sd, dd, torch.tensor(s), torch.tensor(d), strategy="staged")
+    assert len(p.chunks) == 4
+    run_by_memmove(p, dst)
+    assert same_bits(dst, want)

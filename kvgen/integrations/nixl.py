@@ -17,8 +17,11 @@ import base64
 import importlib
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from kvgen.errors import KVGenError
 from kvgen.remote import CacheDescription, Costs, Plan, check_pair, plan
@@ -29,6 +32,12 @@ from kvgen.runtime.errors import KVLayoutError
 MODULE = "nixl_cu12._api"
 #: Seconds a pull waits for its READs before giving up.
 TIMEOUT = 120.0
+#: UCX workers of an agent `new_agent` makes, and threads a Worker on it posts reads from: UCX
+#: copies a READ between processes of one host (CMA) inside the posting call, so reads cut
+#: into parts and posted side by side on several workers are what moves bytes in parallel.
+STREAMS = 2
+#: A read of fewer descriptors is posted whole (threads cost more than they overlap).
+SPLIT_AT = 64
 
 
 class TransportError(KVGenError, RuntimeError):
@@ -53,6 +62,25 @@ def unavailable() -> str | None:
     return None
 
 
+def new_agent(name: str, streams: int = STREAMS) -> Any:
+    """A NIXL agent with a UCX backend of `streams` workers, safe to post from several threads
+    (a Worker given it takes `streams=` as many)."""
+    nixl = api()
+    conf = nixl.nixl_agent_config(backends=[], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    agent = nixl.nixl_agent(name, conf)
+    agent.create_backend("UCX", {"num_workers": str(streams)})
+    return agent
+
+
+def parts(src: np.ndarray, dst: np.ndarray, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A read's descriptors cut into up to `n` parts of about equal bytes (rows stay paired)."""
+    if n <= 1 or len(dst) < SPLIT_AT:
+        return [(src, dst)]
+    ends = np.cumsum(dst[:, 1])
+    cuts = np.searchsorted(ends, ends[-1] * np.arange(1, n) / n, side="right")
+    return [(a, b) for a, b in zip(np.split(src, cuts), np.split(dst, cuts), strict=True) if len(a)]
+
+
 @dataclass(frozen=True)
 class Peer:
     agent: str
@@ -60,18 +88,23 @@ class Peer:
 
 
 class Worker:
-    """One rank's cache registered with a NIXL agent: its own (named `name`), or `agent`, one
-    the caller made and keeps (several caches may share one: an agent costs ~0.5 s to start)."""
+    """One rank's cache registered with a NIXL agent: its own (named `name`, STREAMS workers),
+    or `agent`, one the caller made and keeps (several caches may share one: an agent costs
+    ~0.5 s to start). `streams`: threads reads are posted from (default: STREAMS on its own
+    agent, 1 on a given one; more than 1 needs an agent safe across threads, as new_agent's)."""
 
-    def __init__(self, name: str, caches: Any, description: CacheDescription, agent: Any = None):
+    def __init__(self, name: str, caches: Any, description: CacheDescription, agent: Any = None,
+                 streams: int | None = None):
         found = tuple(t.data_ptr() for t in leaves(caches))
         if found != description.leaves:
             raise KVLayoutError(f"{name}: the description is not of these caches ({description})")
-        nixl = api()
         self.name, self.caches, self.description = name, caches, description
         self._own = agent is None
-        self.agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"])) if agent is None else agent
+        self.streams = streams or (STREAMS if agent is None else 1)
+        self.agent = new_agent(name, self.streams) if agent is None else agent
         self.name = self.agent.name
+        self._pool = ThreadPoolExecutor(self.streams, thread_name_prefix=f"kvgen-nixl-{self.name}") \
+            if self.streams > 1 else None
         self._registered = self.agent.register_memory(
             [(a, n, d, "") for a, n, d in description.regions()], "DRAM")
         self.peers: dict[int, Peer] = {}
@@ -116,14 +149,45 @@ class Worker:
 
     def run(self, p: Plan) -> None:
         """Carry out a plan made for this worker's cache (again, if need be: a plan's staging
-        stays registered until forget(plan) or close())."""
+        stays registered until forget(plan) or close()). Every read is posted at once (cut into
+        parts over the worker's streams); chunk c's permutes run as soon as its reads are done,
+        while later chunks are still read."""
         if p.dst != self.description:
             raise KVLayoutError(f"{self.name}: the plan is for another cache ({p.dst})")
         if p.staging and id(p) not in self._staging:
-            self._staging[id(p)] = (p, [self.agent.register_memory(leaves(st.caches)) for st in p.staging])
-        handles = [self._post(r.src_rank, r.src_descs, r.dst_descs) for r in p.reads if len(r.dst_descs)]
-        self._wait(handles)
-        p.finish(self.caches)
+            distinct = {id(st.caches): st.caches for st in p.staging}  # a route's chunks share one staging
+            self._staging[id(p)] = (p, [self.agent.register_memory(leaves(c)) for c in distinct.values()])
+        if self._pool is None:
+            self._run_here(p)
+        else:
+            self._run_streams(p, self._pool)
+
+    def _jobs(self, p: Plan, chunk: int, n: int) -> list[tuple[int, Any, Any]]:
+        """(source rank, src_descs, dst_descs) of chunk `chunk`'s reads, each cut into up to n parts."""
+        return [(r.src_rank, *x) for r in p.reads if r.chunk == chunk and len(r.dst_descs)
+                for x in parts(r.src_descs, r.dst_descs, n)]
+
+    def _run_here(self, p: Plan) -> None:
+        """One stream: post and wait in this thread, chunk by chunk, each chunk's permutes after it."""
+        for chunk in p.chunks:
+            self._wait([self._post(*job) for job in self._jobs(p, chunk, 1)])
+            p.finish(self.caches, chunk)
+
+    def _run_streams(self, p: Plan, pool: ThreadPoolExecutor) -> None:
+        """Every chunk's reads queued at once on the streams' threads (in chunk order); chunk c's
+        permutes run here as soon as its reads are done."""
+        posted = {c: [pool.submit(self._read, *job) for job in self._jobs(p, c, self.streams)] for c in p.chunks}
+        try:
+            for chunk in p.chunks:
+                for f in posted[chunk]:
+                    f.result()
+                p.finish(self.caches, chunk)
+        finally:  # a failure: let the other reads end before the caller sees it
+            wait([f for fs in posted.values() for f in fs])
+
+    def _read(self, rank: int, src_descs: Any, dst_descs: Any) -> None:
+        """One READ, posted and waited for (on a stream's thread)."""
+        self._wait([self._post(rank, src_descs, dst_descs)])
 
     def forget(self, p: Plan) -> None:
         """Release a plan's staging registration."""
@@ -154,6 +218,9 @@ class Worker:
                 raise TransportError(f"{self.name}: {len(pending)} NIXL READs not done after {TIMEOUT:.0f} s")
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for p, _ in list(self._staging.values()):
             self.forget(p)
         if self._own:  # a shared agent may still read from these peers for another cache
@@ -163,4 +230,4 @@ class Worker:
         self.agent.deregister_memory(self._registered)
 
 
-__all__ = ["MODULE", "Peer", "TransportError", "Worker", "api", "unavailable"]
+__all__ = ["MODULE", "STREAMS", "Peer", "TransportError", "Worker", "api", "new_agent", "parts", "unavailable"]

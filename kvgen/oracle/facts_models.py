@@ -54,6 +54,8 @@ class TensorFact:
     shape: tuple[int, ...]
     dtypes: tuple[str, ...]
     split: int | None
+    #: Sizes at TP 1 of the sections the split dim concatenates, each split on its own.
+    sections: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,9 @@ def _qwen3_next() -> ModelFact:
     # q and k projections of every key head, v of every value head, all through the short conv.
     conv_dim = 2 * v["linear_num_key_heads"] * v["linear_key_head_dim"] + \
         v["linear_num_value_heads"] * v["linear_value_head_dim"]
-    conv = TensorFact("conv", (v["linear_conv_kernel_dim"] - 1, conv_dim), ("bfloat16",), 1)
+    key_dim = v["linear_num_key_heads"] * v["linear_key_head_dim"]
+    sections = (key_dim, key_dim, v["linear_num_value_heads"] * v["linear_value_head_dim"])  # q | k | v
+    conv = TensorFact("conv", (v["linear_conv_kernel_dim"] - 1, conv_dim), ("bfloat16",), 1, sections)
     recurrent = TensorFact("recurrent", (v["linear_num_value_heads"], v["linear_value_head_dim"],
                                          v["linear_key_head_dim"]), ("bfloat16", "float32"), 0)
     return ModelFact("qwen3_next_80b_a3b", "Qwen/Qwen3-Next-80B-A3B-Instruct", v, n,
@@ -213,8 +217,8 @@ def _state_disagreement(s: Any, f: StateFact) -> str | None:
     """Where one state group of a spec differs from its facts, or None."""
     if tuple(s.layers) != f.layers:
         return f"state {s.name}: layers {_short(s.layers)}, the facts say {_short(f.layers)}"
-    got = [(t.name, tuple(t.shape), tuple(t.dtypes), t.split) for t in s.tensors]
-    want = [(t.name, t.shape, t.dtypes, t.split) for t in f.tensors]
+    got = [(t.name, tuple(t.shape), tuple(t.dtypes), t.split, t.sections) for t in s.tensors]
+    want = [(t.name, t.shape, t.dtypes, t.split, t.sections) for t in f.tensors]
     return f"state {s.name}: tensors {got}, the facts say {want}" if got != want else None
 
 

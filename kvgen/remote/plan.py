@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,11 @@ from kvgen.runtime.binding import leaves
 from kvgen.runtime.errors import KVLayoutError
 
 STRATEGIES = ("direct", "staged")
+#: A staged read is cut into up to this many chunks of consecutive source blocks, each with
+#: its own staging and permute: a transport permutes chunk c while chunk c + 1 is read.
+STAGE_CHUNKS = 4
+#: Source blocks a chunk holds at least (smaller chunks cost more in calls than they overlap).
+CHUNK_BLOCKS = 16
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,8 @@ class Read:
     src_rank: int
     src_descs: np.ndarray  # int64 [n, 3]: address, bytes, device id (NIXL's get_xfer_descs takes it)
     dst_descs: np.ndarray
+    #: The staging chunk this read fills (0 for a direct plan): Plan.finish(..., chunk=) after it.
+    chunk: int = 0
 
     @property
     def bytes(self) -> int:
@@ -54,6 +62,8 @@ class Staging:
     dst_slots: torch.Tensor
     src_heads: Heads
     dst_heads: Heads
+    #: The chunk whose reads fill `caches`.
+    chunk: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,8 +90,15 @@ class Plan:
     def count(self) -> int:
         return sum(len(r.dst_descs) for r in self.reads)
 
-    def finish(self, dst_caches: Any) -> None:
-        """Run the staging permutes into `dst_caches` (the cache `dst` describes), after the reads."""
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """The chunks in order: after every read of chunk c, finish(..., chunk=c) may run while
+        later chunks are read."""
+        return tuple(sorted({r.chunk for r in self.reads} | {st.chunk for st in self.staging}))
+
+    def finish(self, dst_caches: Any, chunk: int | None = None) -> None:
+        """Run the staging permutes (of `chunk`, or all) into `dst_caches` (the cache `dst`
+        describes), after the reads (of that chunk)."""
         if not self.staging:
             return
         found = tuple(t.data_ptr() for t in leaves(dst_caches))
@@ -89,8 +106,9 @@ class Plan:
             raise KVLayoutError(f"dst_caches are not the cache this plan was made for ({self.dst}): its tensors "
                                 "start at other addresses")
         for st in self.staging:
-            _transfer(st.pair).copy(st.caches, st.src_slots, dst_caches, st.dst_slots, src_heads=st.src_heads,
-                                    dst_heads=st.dst_heads)
+            if chunk is None or st.chunk == chunk:
+                _transfer(st.pair).copy(st.caches, st.src_slots, dst_caches, st.dst_slots, src_heads=st.src_heads,
+                                        dst_heads=st.dst_heads)
 
 
 _transfers: dict[tuple[str, str], Any] = {}
@@ -144,15 +162,50 @@ def _sources(src: CacheDescription | Sequence[CacheDescription], dst: CacheDescr
     return by_rank
 
 
+@dataclass(frozen=True)
+class _Stage:
+    """One route's staging: the whole source blocks of its tokens read into one staging cache
+    (`caches`, described by `here`), then permuted into the destination."""
+
+    src: CacheDescription
+    here: CacheDescription
+    caches: Any
+    pair: tuple[str, str]
+    blocks: np.ndarray  # the source blocks, ascending: staged block i is blocks[i]
+    where: np.ndarray  # each token's staged block
+    slots: tuple[np.ndarray, np.ndarray]  # each token's staged slot, destination slot
+    heads: tuple[Heads, Heads, Heads]  # read from the source, read into the staging; permuted from
+
+    def chunks(self, k: int, dst_heads: Heads) -> list[tuple[Layout, Staging]]:
+        """The read and the permute cut into k chunks of consecutive staged blocks, each read and
+        permuted on its own."""
+        n = self.src.block or 1
+        bounds = np.linspace(0, self.blocks.size, k + 1).astype(np.int64)
+        out = []
+        for c in range(k):
+            lo, hi = int(bounds[c]), int(bounds[c + 1])
+            mine = (self.where >= lo) & (self.where < hi)
+            read = ((self.blocks[lo:hi, None] * n + np.arange(n)).reshape(-1), np.arange(lo * n, hi * n))
+            cut = layout(self.src, self.here, read, self.heads[:2])
+            out.append((cut, Staging(self.pair, self.caches, torch.from_numpy(self.slots[0][mine]),
+                                     torch.from_numpy(self.slots[1][mine]), self.heads[2], dst_heads, c)))
+        return out
+
+    @cached_property
+    def whole(self) -> Layout:
+        """The read in one piece (what the cost model weighs)."""
+        n = self.src.block or 1
+        read = ((self.blocks[:, None] * n + np.arange(n)).reshape(-1), np.arange(self.blocks.size * n))
+        return layout(self.src, self.here, read, self.heads[:2])
+
+
 def _staged(s: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray, np.ndarray], route: tp.Route,
-            narrow: bool) -> tuple[Layout, Staging]:
-    """The whole source blocks of the route's tokens into a staging cache, then the permute:
-    with every head of the source rank, or (`narrow`) only the route's heads."""
+            narrow: bool) -> _Stage:
+    """The route's staging: with every head of the source rank, or (`narrow`) only the route's."""
     s_slots, d_slots = pairs
     n = s.block or 1
     blocks, where = np.unique(s_slots // n, return_inverse=True)
-    staged = where.reshape(-1) * n + s_slots % n
-    read_src = (blocks[:, None] * n + np.arange(n)).reshape(-1)
+    where = where.reshape(-1)
     heads = route.count if narrow else s.extent("H")
     ext = {"L": s.extent("L"), "KV": s.extent("KV"), "H": heads, "C": s.extent("C")}
     ext.update({"B": blocks.size, "N": n, "S": blocks.size * n} if s.block else {"S": blocks.size})
@@ -160,20 +213,19 @@ def _staged(s: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray,
     here = describe(caches, s.spec, tp_rank=s.tp_rank, tp_size=s.tp_size, num_kv_heads=s.num_kv_heads,
                     device_id=dst.device_id)
     read = (route.src_heads, (0, heads)) if narrow else ((0, heads), (0, heads))
-    cut = layout(s, here, (read_src, np.arange(read_src.size)), read)
-    return cut, Staging((s.spec, dst.spec), caches, torch.from_numpy(staged), torch.from_numpy(d_slots),
-                        (0, heads) if narrow else route.src_heads, route.dst_heads)
+    return _Stage(s, here, caches, (s.spec, dst.spec), blocks, where, (where * n + s_slots % n, d_slots),
+                  (*read, (0, heads) if narrow else route.src_heads))
 
 
 def _cheaper_staging(s: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray, np.ndarray], route: tp.Route,
-                     c: Costs) -> tuple[Layout, Staging]:
+                     c: Costs) -> _Stage:
     """Staging every head of the source rank (whole blocks: the longest runs) or only the
     route's (fewer bytes; runs as long where the heads are outside the tokens, as in HND)."""
     whole = _staged(s, dst, pairs, route, False)
     if s.mla or route.count == s.extent("H"):
         return whole
     narrow = _staged(s, dst, pairs, route, True)
-    return min((whole, narrow), key=lambda m: c.read(m[0].merged, m[0].bytes))
+    return min((whole, narrow), key=lambda st: c.read(*_estimate([st.whole])))
 
 
 def _routes(sources: dict[int, CacheDescription], dst: CacheDescription) -> list[tp.Route]:
@@ -217,29 +269,44 @@ def plan(src: CacheDescription | Sequence[CacheDescription], dst: CacheDescripti
         why = "forced" if strategy == "direct" else \
             f"no generated transfer {pair[0]} -> {pair[1]} to stage through" if not stageable else "nothing moves"
         return _made("direct", why, dst, direct)
-    return _choose(direct, [_cheaper_staging(sources[r.src_rank], dst, pairs, r, c) for r in routes],
-                   dst, c, _moved_bytes(dst, pairs[0].size, routes))
+    stages = [(_cheaper_staging(sources[r.src_rank], dst, pairs, r, c), r.dst_heads) for r in routes]
+    return _choose(direct, stages, dst, c, _moved_bytes(dst, pairs[0].size, routes))
 
 
-def _choose(direct: list[Layout], made: list[tuple[Layout, Staging]], dst: CacheDescription, c: Costs,
+def _choose(direct: list[Layout], stages: list[tuple[_Stage, Heads]], dst: CacheDescription, c: Costs,
             moved: int) -> Plan:
     """The cheaper of the direct reads and the staged ones (staged alone when direct is empty:
-    forced), by the cost model, with both estimates in the plan's why."""
-    cuts = [m[0] for m in made]
-    t_staged = c.read(sum(x.merged for x in cuts), sum(x.bytes for x in cuts)) + c.permute(len(made), moved)
+    forced), by the cost model, with both estimates in the plan's why; a staged plan's reads
+    and permutes cut into chunks (STAGE_CHUNKS) once it is chosen."""
+    cuts = [st.whole for st, _ in stages]
+    t_staged = c.read(*_estimate(cuts)) + c.permute(len(stages), moved)
+    k = max(1, min(STAGE_CHUNKS, min(st.blocks.size for st, _ in stages) // CHUNK_BLOCKS))
     if not direct:
-        return _made("staged", f"forced; estimated {t_staged * 1e3:.3f} ms", dst, cuts, tuple(m[1] for m in made))
-    t_direct = c.read(sum(x.merged for x in direct), sum(x.bytes for x in direct))
-    words = f"direct {_words(direct)}, est. {t_direct * 1e3:.3f} ms; staged {_words(cuts)} + {len(made)} local " \
+        return _staged_plan(f"forced; estimated {t_staged * 1e3:.3f} ms", dst, stages, k)
+    t_direct = c.read(*_estimate(direct))
+    words = f"direct {_words(direct)}, est. {t_direct * 1e3:.3f} ms; staged {_words(cuts)} + {len(stages)} local " \
         f"permutes, est. {t_staged * 1e3:.3f} ms"
     if t_direct <= t_staged:
         return _made("direct", words, dst, direct)
-    return _made("staged", words, dst, cuts, tuple(m[1] for m in made))
+    return _staged_plan(words, dst, stages, k)
+
+
+def _staged_plan(why: str, dst: CacheDescription, stages: list[tuple[_Stage, Heads]], k: int) -> Plan:
+    made = [m for st, heads in stages for m in st.chunks(k, heads)]
+    return _made("staged", why + (f"; read and permuted in {k} chunks" if k > 1 else ""), dst, [m[0] for m in made],
+                 tuple(m[1] for m in made))
+
+
+def _estimate(cuts: list[Layout]) -> tuple[int, int]:
+    """(descriptors, bytes) of reads cut so: merged, where their descriptors before merging are
+    at most EXACT together (cheap to cut for real), else that count (an upper bound)."""
+    exact = sum(x.count for x in cuts) <= EXACT
+    return sum(x.merged if exact else x.count for x in cuts), sum(x.bytes for x in cuts)
 
 
 def _words(cuts: list[Layout]) -> str:
-    count, nbytes = sum(x.merged for x in cuts), sum(x.bytes for x in cuts)
-    exact = all(x.count <= EXACT for x in cuts)
+    count, nbytes = _estimate(cuts)
+    exact = sum(x.count for x in cuts) <= EXACT
     return f"{'' if exact else 'up to '}{count} descriptors of {nbytes / max(count, 1):.0f} B mean"
 
 
@@ -252,8 +319,10 @@ def _made(strategy: str, why: str, dst: CacheDescription, cuts: list[Layout],
             if outside(descs, side):
                 raise KVLayoutError(f"{outside(descs, side)} descriptors would fall outside the tensors of {side} "
                                     f"(its strides and extents do not fit its leaves of {side.span} bytes)")
-    reads = tuple(Read(cut.src.tp_rank, *cut.descs) for cut in cuts)
-    return Plan(strategy, why, dst, reads, staging)
+    chunks = [st.chunk for st in staging] if staging else [0] * len(cuts)
+    reads = tuple(sorted((Read(cut.src.tp_rank, *cut.descs, chunk) for cut, chunk in zip(cuts, chunks, strict=True)),
+                         key=lambda r: r.chunk))
+    return Plan(strategy, why, dst, reads, tuple(sorted(staging, key=lambda st: st.chunk)))
 
 
 __all__ = ["STRATEGIES", "Plan", "Read", "Staging", "plan"]

@@ -169,7 +169,7 @@ def descriptors(cut: Layout) -> tuple[np.ndarray, np.ndarray]:
         base = np.asarray(desc.leaves, dtype=np.int64)[leaf]
         addrs.append(np.broadcast_to(base + off + _token_offsets(desc, slots).reshape(view), shape).reshape(-1))
     sizes = np.broadcast_to((lengths * cut.run).reshape(view), shape).reshape(-1)
-    return _merge(addrs[0], addrs[1], sizes, (cut.src.device_id, cut.dst.device_id))
+    return merge(addrs[0], addrs[1], sizes, (cut.src.device_id, cut.dst.device_id))
 
 
 def outside(descs: np.ndarray, d: CacheDescription) -> int:
@@ -182,7 +182,7 @@ def outside(descs: np.ndarray, d: CacheDescription) -> int:
     return int((~ok).sum())
 
 
-def _merge(a: np.ndarray, b: np.ndarray, sizes: np.ndarray, devices: tuple[int, int]
+def merge(a: np.ndarray, b: np.ndarray, sizes: np.ndarray, devices: tuple[int, int]
            ) -> tuple[np.ndarray, np.ndarray]:
     """Neighbouring runs that continue each other on both sides, as one descriptor."""
     if a.size == 0:
@@ -200,4 +200,4 @@ def _merge(a: np.ndarray, b: np.ndarray, sizes: np.ndarray, devices: tuple[int, 
     return out[0], out[1]
 
 
-__all__ = ["EXACT", "Heads", "Layout", "descriptors", "layout", "outside"]
+__all__ = ["EXACT", "Heads", "Layout", "descriptors", "layout", "merge", "outside"]

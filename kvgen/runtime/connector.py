@@ -31,7 +31,7 @@ from kvgen.runtime.binding import Binding, Snapshot, leaf_names, new_binding, sn
 from kvgen.runtime.devices import Backend, backend_for, check_device, device_kind
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, ObjectLayout, PagedLayout, broadcast_dims, describe
-from kvgen.runtime.memory import Format, check_relabel, format_name
+from kvgen.runtime.memory import Format, check_fingerprint, check_relabel, format_name
 from kvgen.runtime.movers.choose import MoverChoice
 from kvgen.runtime.movers.program import CopyProgram
 from kvgen.runtime.slots import Chunk, plan_chunk, signed_integers
@@ -100,6 +100,9 @@ class ConnectorBase(MoverChoice):
         self._local = threading.local()
         self._words_of: dict[tuple[Any, ...], Words] = {}
         self.format = Format(self.memory.format, self.memory.code)
+        #: The loading cache's layout fingerprint (kvgen.remote.check_loads sets it): a load
+        #: refuses an object stamped with another. None: loads check no stamp.
+        self.layout_fingerprint: str | None = None
 
     # -- binding ---------------------------------------------------------------------
 
@@ -234,6 +237,8 @@ class ConnectorBase(MoverChoice):
         elif current != self.memory.format:
             raise KVLayoutError(f"cannot load an object labelled {current}: this connector reads "
                                 f"{self.memory.format} ({expected()})")
+        else:
+            check_fingerprint(metadata, self.layout_fingerprint)
         return tensor
 
     @staticmethod

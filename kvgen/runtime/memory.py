@@ -63,6 +63,17 @@ def check_relabel(metadata: Any, what: str) -> None:
                             "set") from None
 
 
+def check_fingerprint(metadata: Any, expected: str | None) -> None:
+    """Refuse, before a load writes anything, an object stamped (`.metadata.fingerprint`) from a
+    cache of another layout fingerprint than `expected` (kvgen.remote's CacheDescription
+    fingerprint of the loading cache). One comparison: None on either side checks nothing."""
+    found = getattr(metadata, "fingerprint", None)
+    if expected is not None and found is not None and found != expected:
+        raise KVLayoutError(f"the object was stored from a cache of layout fingerprint {found}, this cache's is "
+                            f"{expected}: another layout, dtype, TP split or spec version; it cannot be loaded "
+                            "here as it is")
+
+
 @dataclass
 class Metadata:
     fmt: Any = None

@@ -57,6 +57,9 @@ class StateTensor:
     dtypes: tuple[str, ...]
     #: The dim of `shape` that tensor parallelism divides (None: every rank holds all of it).
     split: int | None = None
+    #: Sizes at TP 1 of the sections the split dim concatenates, each divided by TP on its own
+    #: (a Mamba conv state's x|B|C); None: the split dim is one section.
+    sections: tuple[int, ...] | None = None
 
     def rank_shape(self, tp: int) -> tuple[int, ...]:
         if self.split is None or tp == 1:
@@ -150,13 +153,18 @@ def build_model(doc: Document, origin: str | None = None) -> ModelSpec:
                          tuple(body.get("dtypes", ())), body.get("window"))
                    for kind, name, body in raw if kind == "group")
     states = tuple(StateGroup(name, resolved[name],
-                              tuple(StateTensor(t["name"], tuple(t["shape"]), tuple(t["dtypes"]), t.get("split"))
+                              tuple(StateTensor(t["name"], tuple(t["shape"]), tuple(t["dtypes"]), t.get("split"),
+                                                _sections(t.get("sections")))
                                     for t in body["tensors"]))
                    for kind, name, body in raw if kind == "state")
     return ModelSpec(version=d["kvgen"], name=d["name"], kind=ModelKind(d["kind"]), summary=d["summary"],
                      config=d.get("config"), layers=d["layers"], groups=groups, states=states,
                      engines=tuple(d.get("engines", ())), source=doc.file, origin=origin or doc.file,
                      digest=hashlib.sha256(doc.text).hexdigest())
+
+
+def _sections(given: list[int] | None) -> tuple[int, ...] | None:
+    return tuple(given) if given is not None else None
 
 
 def _sizes(data: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
@@ -172,6 +180,7 @@ def model_facts(model: ModelSpec) -> dict[str, object]:
         "groups": [{"name": g.name, "layout": g.layout, "layers": list(g.layers), "sizes": dict(g.sizes),
                     "dtypes": list(g.dtypes), "window": g.window} for g in model.groups],
         "state": [{"name": s.name, "layers": list(s.layers),
-                   "tensors": [{"name": t.name, "shape": list(t.shape), "dtypes": list(t.dtypes), "split": t.split}
+                   "tensors": [{"name": t.name, "shape": list(t.shape), "dtypes": list(t.dtypes), "split": t.split,
+                                "sections": list(t.sections) if t.sections else None}
                                for t in s.tensors]} for s in model.states],
     }

@@ -71,7 +71,19 @@ def _tensor_problems(model: ModelSpec, doc: Document) -> list[Problem]:
             if t.split is not None and t.split >= len(t.shape):
                 out.append(doc.problem((*path, "split"), f"split {t.split} is not a dim of shape "
                                                          f"{list(t.shape)} (dims 0..{len(t.shape) - 1})"))
+            elif t.sections is not None:
+                out += _section_problems(t, doc, (*path, "sections"))
     return out
+
+
+def _section_problems(t: Any, doc: Document, path: tuple[Any, ...]) -> list[Problem]:
+    """A section list: over a split dim, and summing to its size."""
+    if t.split is None:
+        return [doc.problem(path, "sections divide the split dim; give the tensor a split")]
+    if sum(t.sections) != t.shape[t.split]:
+        return [doc.problem(path, f"the sections {list(t.sections)} sum to {sum(t.sections)}, not to the split "
+                                  f"dim's {t.shape[t.split]} (shape {list(t.shape)}, split {t.split})")]
+    return []
 
 
 def check_groups_object(spec: Spec, doc: Document) -> list[Problem]:

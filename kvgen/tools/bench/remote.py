@@ -74,7 +74,7 @@ def _memcpy(nbytes: int, repeats: int) -> float:
 def _rank(req: pd.Request, rank: int, agent: Any, prefill: list[nixl.Worker]) -> dict[str, Any]:
     tree = pd_run.caches(req, req.dst, rank, False)
     d = remote.describe(tree, req.dst.layout, tp_rank=rank, tp_size=req.dst.tp, num_kv_heads=req.heads)
-    w = nixl.Worker("decode", tree, d, agent=agent)
+    w = nixl.Worker("decode", tree, d, agent=agent, streams=nixl.STREAMS)  # new_agent's: safe across threads
     for p in prefill:
         w.connect(p.handshake())
     s, t = pd_run.slots(req, req.src, 1), pd_run.slots(req, req.dst, 2)
@@ -163,8 +163,7 @@ def main(args: argparse.Namespace) -> int:
     if why:
         print(f"kvgen bench: {why}")
         return 2
-    api = nixl.api()
-    agents = tuple(api.nixl_agent(n, api.nixl_agent_config(backends=["UCX"])) for n in ("prefill", "decode"))
+    agents = tuple(nixl.new_agent(n) for n in ("prefill", "decode"))
     if args.costs:
         print("KVGEN_REMOTE_COSTS=" + json.dumps(vars(costs(agents, args.repeats))))
     rows = []
