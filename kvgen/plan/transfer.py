@@ -20,6 +20,7 @@ C, values move as wide integer words. String and tuple work only; torch is never
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvgen.plan.code import INDENT, Method
@@ -43,8 +44,15 @@ from kvgen.spec.transfers import TransferPair
 
 #: Parameters of the generated copy methods, after `self` (and `layer`).
 COPY_PARAMS = ("call: runtime.TransferCall",)
-#: The first statement of each copy: what it works with, by the names its lines use.
-UNPACK = "src_caches, dst_caches, gs, gd, p, w = call.src, call.dst, call.gs, call.gd, call.pairs, call.words"
+#: What a copy may work with: the name its lines use -> the field of the TransferCall.
+CALL_FIELDS = (("src_caches", "src"), ("dst_caches", "dst"), ("gs", "gs"), ("gd", "gd"), ("p", "pairs"),
+               ("w", "words"))
+
+
+def unpack(lines: list[str]) -> str:
+    """The first statement of a copy: the call's fields its `lines` use, under their names."""
+    used = [(name, attr) for name, attr in CALL_FIELDS if any(re.search(rf"\b{name}\b", line) for line in lines)]
+    return f"{', '.join(n for n, _ in used)} = {', '.join(f'call.{a}' for _, a in used)}"
 #: Extents of the geometry of each side, by the name the generated code gives it.
 AXES = ("L", "KV", "H", "C", "N")
 
@@ -191,7 +199,8 @@ def copy_body(src: Spec, dst: Spec, widen: bool, layerwise: bool) -> tuple[str, 
                   f"{INDENT}                    ({ye}, {ya.index('B')}, p.dst_blocks), ({order}), p.scratch)"]
     inner += _token_copy(x, y)
     head = [INDENT * i + f"for {lp.var} in range({lp.extent}):" for i, lp in enumerate(loops)]
-    return tuple(_fit([UNPACK, *head, *(INDENT * len(loops) + line for line in inner)]))
+    body = [*head, *(INDENT * len(loops) + line for line in inner)]
+    return tuple(_fit([unpack(body), *body]))
 
 
 def plan_transfer(pair: TransferPair) -> TransferPlan:
