@@ -192,7 +192,8 @@ class ModelConnector:
 
     def _member_shape(self, g: GroupTable, geometry: Geometry, num_tokens: int) -> tuple[tuple[int, ...], torch.dtype]:
         member = self.members[g.name]
-        return tuple(member._shape(geometry, num_tokens)), member._dtype(geometry)
+        slots = g.slots_of(num_tokens, "a chunk of") if g.tokens_per_slot != 1 else num_tokens
+        return tuple(member._shape(geometry, slots)), member._dtype(geometry)
 
     def _sections(self, b: ModelBinding, num_tokens: int) -> tuple[tuple[Section, ...], int]:
         pieces = []
@@ -302,12 +303,14 @@ class ModelConnector:
 
     def _group_calls(self, req: _Request, items: tuple[Any, ...]) -> list[Call]:
         """Each carried group's call on its member connector: its entries bound, its slots planned."""
-        maps = mappings(self.model, self.group_names, [g.name for g in self.groups], req.slot_mappings)
+        maps = mappings(self.model, self.group_names, [g.name for g in self.groups], req.slot_mappings,
+                        {g.name: g.tokens_per_slot for g in self.groups})
         out = []
         for g in self.groups:
             try:
-                out.append(self.members[g.name]._begin(self._group_entries(g, items), maps[g.name], req.starts,
-                                                       req.ends, req.offset, req.skip))
+                starts, ends, offset, skip = _in_slots(g, req)
+                out.append(self.members[g.name]._begin(self._group_entries(g, items), maps[g.name], starts,
+                                                       ends, offset, skip))
             except KVLayoutError as error:
                 raise KVLayoutError(f"{self.model}: {group_where(g)}: {error}") from None
         return out
@@ -377,8 +380,9 @@ class ModelConnector:
                 work.view(torch.uint8).view(-1).copy_(raw)
             piece = _Piece(work, raw)
         member = self.members[g.name]
+        slots = num_tokens // g.tokens_per_slot  # whole slots: _member_shape refused any other count
         try:
-            member._check_object(MemoryObj(piece.work, member.format), geometry, num_tokens, storing=storing)
+            member._check_object(MemoryObj(piece.work, member.format), geometry, slots, storing=storing)
         except KVLayoutError as error:
             raise KVLayoutError(f"{self.model}: {group_where(g)}, chunk {k}: {error}") from None
         return piece
@@ -408,6 +412,17 @@ class ModelConnector:
                     else:
                         src = raw if raw.storage_offset() % state.element_size() == 0 else raw.clone()
                         state[slot].copy_(src.view(state.dtype).view(state.shape[1:]))
+
+
+def _in_slots(g: GroupTable, req: _Request) -> tuple[Any, Any, int, int]:
+    """A request's starts, ends, offset and skipped prefix in the group's stored slots: the same
+    positions for one token per slot, divided by k (each a multiple of k) for k tokens per slot."""
+    if g.tokens_per_slot == 1:
+        return req.starts, req.ends, req.offset, req.skip
+    starts = [g.slots_of(int(s), "start") for s in _positions("starts", req.starts)]
+    ends = [g.slots_of(int(e), "end") for e in _positions("ends", req.ends)]
+    return (starts, ends, g.slots_of(_integer("offset", req.offset), "offset"),
+            g.slots_of(_integer("skip_prefix_n_tokens", req.skip), "skip_prefix_n_tokens"))
 
 
 def carried(connector: ModelConnector) -> Mapping[str, tuple[str, ...]]:

@@ -43,6 +43,9 @@ class Group:
     sizes: tuple[tuple[str, int], ...]
     dtypes: tuple[str, ...]
     window: int | None = None
+    #: Tokens one stored slot covers (vLLM's tokens_per_state > 1): the group's slot mapping has one
+    #: entry per k tokens of a chunk, and a chunk starts and ends at multiples of k.
+    tokens_per_slot: int = 1
 
     def size(self, axis: str) -> int | None:
         return dict(self.sizes).get(axis)
@@ -147,7 +150,7 @@ def build_model(doc: Document, origin: str | None = None) -> ModelSpec:
         resolved[name] = layer_indices(body["layers"], d["layers"], taken)
         taken.update(resolved[name])
     groups = tuple(Group(name, body["layout"], resolved[name], _sizes(body.get("sizes", {})),
-                         tuple(body.get("dtypes", ())), body.get("window"))
+                         tuple(body.get("dtypes", ())), body.get("window"), body.get("tokens_per_slot", 1))
                    for kind, name, body in raw if kind == "group")
     states = tuple(StateGroup(name, resolved[name],
                               tuple(StateTensor(t["name"], tuple(t["shape"]), tuple(t["dtypes"]), t.get("split"))
@@ -170,7 +173,8 @@ def model_facts(model: ModelSpec) -> dict[str, object]:
         "name": model.name, "kind": str(model.kind), "summary": model.summary, "config": model.config,
         "layers": model.layers,
         "groups": [{"name": g.name, "layout": g.layout, "layers": list(g.layers), "sizes": dict(g.sizes),
-                    "dtypes": list(g.dtypes), "window": g.window} for g in model.groups],
+                    "dtypes": list(g.dtypes), "window": g.window, "tokens_per_slot": g.tokens_per_slot}
+                   for g in model.groups],
         "state": [{"name": s.name, "layers": list(s.layers),
                    "tensors": [{"name": t.name, "shape": list(t.shape), "dtypes": list(t.dtypes), "split": t.split}
                                for t in s.tensors]} for s in model.states],
