@@ -104,6 +104,9 @@ class ModelConnector:
     groups: ClassVar[tuple[GroupTable, ...]]
     states: ClassVar[tuple[StateTable, ...]]
     views: ClassVar[dict[str, str]] = {}
+    #: The groups overlay each other in one allocation (the model spec's `overlaid`): leaves of
+    #: different groups may share memory, leaves of one group never.
+    overlaid: ClassVar[bool] = False
 
     def __init__(self, device: torch.device | str | None = None, *, tp: int = 1, backend: Any = None):
         """`device`: where the caches live (default: the first cache's). `tp`: this rank's tensor
@@ -156,7 +159,7 @@ class ModelConnector:
             raise KVLayoutError(f"{self.model}: {group_where(g)}: {error}") from None
 
     def _new_binding(self, items: tuple[Any, ...], key: Any) -> ModelBinding:
-        geometries, tensors, names = [], [], []
+        geometries, tensors, names, apart = [], [], [], []
         device = None
         for g in self.groups:
             geometry = self._member_bind(g, items)
@@ -167,12 +170,15 @@ class ModelConnector:
                                     f"{device}: every group of a model's cache lives on one device")
             device = geometry.device
             geometries.append(geometry)
+            apart.append(len(tensors))
             for i in g.layers:
                 tensors += leaves(items[i])
                 names += leaf_names(items[i], f"kvcaches[{i}]")
         facts, state_tensors, state_names = check_states(self.model, self.states, items, self.tp, device)
         device = device if device is not None or not state_tensors else state_tensors[0].device
-        memory = check_cache_memory([*tensors, *state_tensors], [*names, *state_names])
+        # Overlaid groups may share memory with each other, never within one group (nor its state).
+        apart = [*apart, len(tensors)] if self.overlaid else []
+        memory = check_cache_memory([*tensors, *state_tensors], [*names, *state_names], apart)
         binding = ModelBinding(tuple(geometries), facts, memory, (*names, *state_names), device)
         if key is not None:
             with self._lock:

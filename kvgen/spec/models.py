@@ -99,6 +99,9 @@ class ModelSpec:
     source: str
     origin: str
     digest: str
+    #: The groups overlay each other in one allocation (each block id owned by one group at a
+    #: time): entries of different groups may share memory; entries of one group never do.
+    overlaid: bool = False
 
     # What the cross-file rules ask of every spec: a model has no aliases and no format.
     aliases: tuple[str, ...] = ()
@@ -159,7 +162,7 @@ def build_model(doc: Document, origin: str | None = None) -> ModelSpec:
     return ModelSpec(version=d["kvgen"], name=d["name"], kind=ModelKind(d["kind"]), summary=d["summary"],
                      config=d.get("config"), layers=d["layers"], groups=groups, states=states,
                      engines=tuple(d.get("engines", ())), source=doc.file, origin=origin or doc.file,
-                     digest=hashlib.sha256(doc.text).hexdigest())
+                     digest=hashlib.sha256(doc.text).hexdigest(), overlaid=d.get("overlaid", False))
 
 
 def _sizes(data: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
