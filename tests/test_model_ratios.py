@@ -15,7 +15,7 @@ from kvgen import oracle
 from kvgen.oracle import model_scenarios as ms
 from kvgen.oracle import models
 from kvgen.runtime import KVLayoutError
-from tests.model_harness import build_models
+from model_harness import build_models
 
 SPECS = Path(__file__).resolve().parent / "specs_ratio"
 

@@ -19,6 +19,12 @@ Sources (projects as named on Hugging Face / GitHub):
   conv_dim / tp) in the default "SD" layout, recurrent (num_v_heads / tp, head_v_dim, head_k_dim);
   gated_delta_net_state_dtype: conv in the model dtype, recurrent in mamba_ssm_cache_dtype;
   mamba1_state_shape: conv (kernel - 1, intermediate / tp), SSM (intermediate / tp, d_state)).
+- vLLM 0.33 for DeepSeek-V4: models/deepseek_v4/attention.py (DeepseekV4Attention.get_kv_cache_spec:
+  the compressed cache, tokens_per_state = compress ratio, 584-byte fp8_ds_mla states;
+  DeepseekV4IndexerCache: 132-byte keys), models/deepseek_v4/compressor.py (CompressorStateCache:
+  state_dim 2 * coff * head_dim float32, block size 4 or 8, window coff * ratio),
+  v1/attention/backends/mla/sparse_swa.py (DeepseekV4SWACache), v1/core/kv_cache_planning.py (the
+  grouping and the per-block slab), v1/worker/utils.py (allocate_kv_cache, bind_kv_cache).
 - vLLM-Gaudi (vllm-project/vllm-gaudi): per layer (key, value, key scales, value scales), values
   fp8, scales one bfloat16 per token and head.
 """
@@ -74,6 +80,8 @@ class ModelFact:
     entries: int
     groups: tuple[GroupFact, ...]
     states: tuple[StateFact, ...] = field(default=())
+    #: The groups share one allocation (vLLM's per-block slab): entries of different groups may alias.
+    overlaid: bool = False
 
     @property
     def source(self) -> str:
@@ -250,7 +258,7 @@ def _deepseek_v4_flash() -> ModelFact:
         GroupFact("csa", "vllm_dsv4_mla_fp8", tuple(at["csa"]), mla, tokens_per_slot=csa),
         state("hca_state", hca, v["head_dim"]),
         state("indexer_state", csa, v["index_head_dim"]),
-        state("csa_state", csa, v["head_dim"])))
+        state("csa_state", csa, v["head_dim"])), overlaid=True)
 
 
 _register(_deepseek_v4_flash())
@@ -292,6 +300,8 @@ def _comparisons(model: Any, fact: ModelFact) -> Iterator[str | None]:
     yield f"config is {model.config!r}, the facts come from {fact.config!r}" if model.config != fact.config else None
     yield (f"layers is {model.layers}, the engine's cache list has {fact.entries} entries"
            if model.layers != fact.entries else None)
+    yield (f"overlaid is {model.overlaid}, the facts say {fact.overlaid}"
+           if model.overlaid != fact.overlaid else None)
     yield _listed("groups", model.groups, fact.groups)
     for g, f in zip(model.groups, fact.groups, strict=True):
         yield _group_disagreement(g, f)
