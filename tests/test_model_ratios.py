@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 import torch
+from model_harness import build_models
 
 from kvgen import oracle
 from kvgen.oracle import model_scenarios as ms
 from kvgen.oracle import models
 from kvgen.runtime import KVLayoutError
-from model_harness import build_models
 
 SPECS = Path(__file__).resolve().parent / "specs_ratio"
 

@@ -119,6 +119,35 @@ _register(PartsFact(
      PlaneFact("scale", 1, "uint8", lambda g: MLA_DIM // 16, False, False, True, _pool(1, False, 1)))))
 
 
+# -- vLLM 0.33 DeepSeek-V4 (vllm/models/deepseek_v4/attention.py, xpu/xpu_sparse_decode_fp8.py) ---------
+# fp8_ds_mla pages, one head slot, logical [B, 1, N, 584] uint8: block b's bytes hold token n's 576
+# data bytes (448 fp8 NoPE, 64 bf16 RoPE) at n * 576, then its 8 scale bytes at N * 576 + n * 8.
+# Indexer keys [B, 1, N, 132]: values at n * 128, the fp32 scale at N * 128 + n * 4.
+DSV4_ROW, DSV4_DATA, DSV4_SCALE = 584, 576, 8
+DSV4_INDEX_ROW = 132
+
+
+def _dsv4(row: int, region: int, per_token: int):  # noqa: ANN202 (a PlaneAddress)
+    """Byte c of (slot, head) in its block, a run over every head's cells (vLLM keeps one head slot):
+    every cell's data, then every cell's scales."""
+    def where(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int):  # noqa: ANN202
+        byte = region * g.H * g.N + (h * g.N + slot % g.N) * per_token + c
+        return (layer,), (slot // g.N, byte // (g.N * row), byte % (g.N * row) // row, byte % row), 0
+    return where
+
+
+_register(PartsFact(
+    "vllm_dsv4_mla_fp8", (("list", "L"),), (PartFact("", lambda g: (g.B, g.H, g.N, DSV4_ROW), ("uint8",)),),
+    (PlaneFact("data", 0, "uint8", lambda g: DSV4_DATA, False, True, True, _dsv4(DSV4_ROW, 0, DSV4_DATA)),
+     PlaneFact("scale", 0, "uint8", lambda g: DSV4_SCALE, False, True, True, _dsv4(DSV4_ROW, DSV4_DATA, DSV4_SCALE))),
+    fixed={"H": 1}))
+_register(PartsFact(
+    "vllm_dsv4_indexer", (("list", "L"),), (PartFact("", lambda g: (g.B, g.H, g.N, DSV4_INDEX_ROW), ("uint8",)),),
+    (PlaneFact("values", 0, "float8_e4m3fn", lambda g: HEAD, False, True, True, _dsv4(DSV4_INDEX_ROW, 0, HEAD)),
+     PlaneFact("scale", 0, "float32", lambda g: 1, False, True, True, _dsv4(DSV4_INDEX_ROW, HEAD, SCALE))),
+    fixed={"H": 1}))
+
+
 # -- packed units: packing order and scale groups, from the same sources ------------------------------
 #: Per spec and plane: (packing of a sub-byte plane, the plane a scale plane scales, values per scale).
 #: vLLM: pack_int4_nibbles and break_fp4_bytes put value 2j low; the Triton modes keep one fp32 scale
