@@ -399,3 +399,10 @@ def test_all_selects_every_builtin_instead_of_the_short_default_set() -> None:
     assert {m.name for m in library.models} == set(args.models.split(",")) and len(library.models) > 2
     targets = select_targets(library, generated, args.layouts, args.objects)
     assert {(t.layout, t.obj) for t in targets} >= {("sglang_mha_v_head", "kv_planes_layer"), ("vllm_mla", "kv_mla")}
+
+
+def test_a_layout_of_a_fixed_head_count_is_measured_with_it() -> None:
+    """DeepSeek-V4's pages have one head slot whatever --heads says; other layouts take --heads."""
+    lib = load_library()
+    assert extents(lib["vllm_dsv4_mla_fp8"], 2, 8, 128, 64, 4)["H"] == 1
+    assert extents(lib["vllm_flash_attn_nhd"], 2, 8, 128, 64, 4)["H"] == 8

@@ -74,7 +74,7 @@ def test_list_shows_models(hybrid: Path, capsys: pytest.CaptureFixture[str]) -> 
     models = json.loads(capsys.readouterr().out)["models"]
     assert models["toy_hybrid"]["state"][0]["layers"] == [1, 3, 5, 7]
     assert models["toy_hybrid"]["groups"][1] == {"name": "mla", "layout": "vllm_mla_fp8", "layers": [2, 6],
-                                                 "sizes": {}, "dtypes": [], "window": None}
+                                                 "sizes": {}, "dtypes": [], "window": None, "tokens_per_slot": 1}
 
 
 @pytest.mark.parametrize(("layers", "text"), [

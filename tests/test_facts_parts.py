@@ -17,7 +17,7 @@ import torch
 
 from kvgen import generated
 from kvgen.oracle.facts import EngineGeometry
-from kvgen.oracle.facts_parts import PACKED_FACTS, PARTS_FACTS, values
+from kvgen.oracle.facts_parts import PACKED_FACTS, PARTS_FACTS, source_geometry, values
 from kvgen.oracle.parts_fact import FREE_DTYPE, ByteAddress, PartsFact, PlaneFact
 from kvgen.oracle.planes import Leaf, read_leaf
 from kvgen.oracle.scenarios import Scenario, connector_load, connector_store
@@ -152,32 +152,33 @@ def test_format2_connector_moves_values_where_the_facts_say(pair: tuple[str, str
     cache's facts say, every other byte stays zero; per-layer scales arrive once a token moves."""
     layout, obj = pair
     fact, packed = PARTS_FACTS[layout], PACKED_FACTS[obj]
+    g = source_geometry(fact, G)
     planes = list(fact.planes)
     rng = random.Random(f"{layout}/{obj}")
-    order = rng.sample(range(G.B), G.B)
-    mapping = [order[i // G.N] * G.N + i % G.N for i in range(G.T)]
+    order = rng.sample(range(g.B), g.B)
+    mapping = [order[i // g.N] * g.N + i % g.N for i in range(g.T)]
     mapping[3] = -1  # a skipped token inside a block: its values must not move
-    sc = Scenario("facts", (0,), (G.T,), lambda r, e: mapping)
+    sc = Scenario("facts", (0,), (g.T,), lambda r, e: mapping)
     slot_mapping = torch.tensor(mapping)
 
     def cache_at(plane: PlaneFact, layer: int, kv: int, slot: int, h: int, c: int) -> ByteAddress:
-        return plane.address(G, layer, kv, slot, h, c)
+        return plane.address(g, layer, kv, slot, h, c)
 
     def object_at(plane: PlaneFact, layer: int, kv: int, t: int, h: int, c: int) -> ByteAddress:
-        return packed.address(G, fact, plane, layer, kv, t, h, c)
+        return packed.address(g, fact, plane, layer, kv, t, h, c)
 
-    cache = _build(fact, G, lambda path, part: torch.zeros(fact.parts[part].shape(G), dtype=_dtype(fact, part)))
-    _fill(fact, G, cache, "cache", cache_at, G.B * G.N, planes)
+    cache = _build(fact, g, lambda path, part: torch.zeros(fact.parts[part].shape(g), dtype=_dtype(fact, part)))
+    _fill(fact, g, cache, "cache", cache_at, g.B * g.N, planes)
     connector = generated.get(layout, obj)(device="cpu")
     connector.bind(cache)
     dtype = torch.uint8 if obj.startswith("kv_planes") else _dtype(fact, 0)
-    assert tuple(connector.get_shape(G.T)) == packed.shape(G, fact)
+    assert tuple(connector.get_shape(g.T)) == packed.shape(g, fact)
     assert connector.get_dtype() == dtype
 
     def objects(fmt: Any) -> list[Any]:
-        shape = packed.shape(G, fact)
+        shape = packed.shape(g, fact)
         if packed.layerwise:
-            return [[MemoryObj(torch.zeros(shape, dtype=dtype), fmt) for _ in range(G.L)]]
+            return [[MemoryObj(torch.zeros(shape, dtype=dtype), fmt) for _ in range(g.L)]]
         return [MemoryObj(torch.zeros(shape, dtype=dtype), fmt)]
 
     stored = objects(None)
@@ -190,13 +191,13 @@ def test_format2_connector_moves_values_where_the_facts_say(pair: tuple[str, str
             return bytes(size)
         return code_bytes(f"cache/{_code(plane, layer, kv, slot, h, c)}", size)
 
-    assert _mismatches(fact, G, tree if packed.layerwise else [tree], _wrap(object_at, packed.layerwise),
-                       stored_want, G.T, planes)[:5] == []
+    assert _mismatches(fact, g, tree if packed.layerwise else [tree], _wrap(object_at, packed.layerwise),
+                       stored_want, g.T, planes)[:5] == []
 
     loaded = objects(connector.format)
     tree = [o.tensor for o in loaded[0]] if packed.layerwise else loaded[0].tensor
-    _fill(fact, G, tree if packed.layerwise else [tree], "object", _wrap(object_at, packed.layerwise), G.T, planes)
-    fresh = _build(fact, G, lambda path, part: torch.zeros(fact.parts[part].shape(G), dtype=_dtype(fact, part)))
+    _fill(fact, g, tree if packed.layerwise else [tree], "object", _wrap(object_at, packed.layerwise), g.T, planes)
+    fresh = _build(fact, g, lambda path, part: torch.zeros(fact.parts[part].shape(g), dtype=_dtype(fact, part)))
     connector_load(connector, loaded, sc, fresh, slot_mapping)
     token_of = {slot: t for t, slot in enumerate(mapping) if slot >= 0}
 
@@ -206,7 +207,7 @@ def test_format2_connector_moves_values_where_the_facts_say(pair: tuple[str, str
         t = token_of.get(slot)
         return bytes(size) if t is None else code_bytes(f"object/{_code(plane, layer, kv, t, h, c)}", size)
 
-    assert _mismatches(fact, G, fresh, cache_at, loaded_want, G.B * G.N, planes)[:5] == []
+    assert _mismatches(fact, g, fresh, cache_at, loaded_want, g.B * g.N, planes)[:5] == []
 
 
 def _wrap(where: Any, layerwise: bool) -> Any:

@@ -427,7 +427,8 @@ def _declared(layout: str, facts: Sequence[LayoutFacts], everything: Sequence[La
     if not own:
         raise _no_layout_for(layout, everything, version)
     mla = tuple(f for f in facts if f.given and f.planes == 1 and "vllm" in f.families() and f not in own)
-    quantized = tuple(f for f in facts if "vllm" in f.quant and f not in own)  # their strides decide the layout
+    # their strides decide the layout; a quantized cache of one plane (K and V in one slot) is listed once
+    quantized = tuple(f for f in facts if "vllm" in f.quant and f not in own and f not in mla)
     return own + mla + quantized
 
 

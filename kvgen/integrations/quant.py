@@ -25,6 +25,13 @@ VLLM_CACHE_DTYPES = {"int4_per_token_head": "INT4_PER_TOKEN_HEAD", "int8_per_tok
                      "ultraquant_4bit": "ULTRAQUANT_4BIT"}
 #: Modes whose scales live outside the cache (the layer's per-tensor scales), read as unquantized.
 UNQUANTIZED = ("NONE", "FP8_PER_TENSOR")
+#: Modes that pack a token's K and V into one slot per head (vLLM 0.33 KVQuantMode: "packed K+V per slot").
+PACKED_KV_PREFIXES = ("TURBOQUANT_", "OCTAVE_")
+
+
+def packs_k_and_v(mode: str) -> bool:
+    """Whether a KVQuantMode name keeps K and V in one slot (one plane of bytes, not two)."""
+    return str(mode).upper().startswith(PACKED_KV_PREFIXES)
 
 
 def vllm_mode(kv_cache_dtype: str) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 
 from kvgen.errors import KVLayoutError
 from kvgen.integrations.detect import Detection, _package, detect
+from kvgen.integrations.quant import packs_k_and_v
 
 __all__ = ["Pairing", "VllmGroup", "from_vllm"]
 
@@ -70,8 +71,11 @@ def _spec_hints(spec: Any, group: int) -> dict[str, Any]:
                             f"tokens_per_state={tokens}, {packed}); kvgen has no layout for that cell yet")
     mla = kind.startswith("MLA") or getattr(spec, "head_size_v", None) == 0
     if quant != "NONE":  # a quantized cell: its C is not the head size; the mode picks the spec
-        return {"num_kv_heads": spec.num_kv_heads, "block_size": spec.block_size, "use_mla": mla,
-                "dtype": str(spec.dtype).removeprefix("torch."), "kv_quant_mode": quant}
+        hints = {"num_kv_heads": spec.num_kv_heads, "block_size": spec.block_size, "use_mla": mla,
+                 "dtype": str(spec.dtype).removeprefix("torch."), "kv_quant_mode": quant}
+        if packs_k_and_v(quant):  # one slot holds K and V: whether MLA says nothing of the planes
+            del hints["use_mla"]
+        return hints
     if not mla and spec.head_size_v != spec.head_size:
         raise KVLayoutError(f"from_vllm: group {group} has K head size {spec.head_size} and V head size "
                             f"{spec.head_size_v}; the vLLM 0.33 layouts pack K and V halves of one width")

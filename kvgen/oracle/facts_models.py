@@ -19,6 +19,12 @@ Sources (projects as named on Hugging Face / GitHub):
   conv_dim / tp) in the default "SD" layout, recurrent (num_v_heads / tp, head_v_dim, head_k_dim);
   gated_delta_net_state_dtype: conv in the model dtype, recurrent in mamba_ssm_cache_dtype;
   mamba1_state_shape: conv (kernel - 1, intermediate / tp), SSM (intermediate / tp, d_state)).
+- vLLM 0.33 for DeepSeek-V4: models/deepseek_v4/attention.py (DeepseekV4Attention.get_kv_cache_spec:
+  the compressed cache, tokens_per_state = compress ratio, 584-byte fp8_ds_mla states;
+  DeepseekV4IndexerCache: 132-byte keys), models/deepseek_v4/compressor.py (CompressorStateCache:
+  state_dim 2 * coff * head_dim float32, block size 4 or 8, window coff * ratio),
+  v1/attention/backends/mla/sparse_swa.py (DeepseekV4SWACache), v1/core/kv_cache_planning.py (the
+  grouping and the per-block slab), v1/worker/utils.py (allocate_kv_cache, bind_kv_cache).
 - vLLM-Gaudi (vllm-project/vllm-gaudi): per layer (key, value, key scales, value scales), values
   fp8, scales one bfloat16 per token and head.
 """
@@ -46,6 +52,7 @@ class GroupFact:
     sizes: Mapping[str, int]
     dtypes: tuple[str, ...] = ()
     window: int | None = None
+    tokens_per_slot: int = 1
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,8 @@ class ModelFact:
     entries: int
     groups: tuple[GroupFact, ...]
     states: tuple[StateFact, ...] = field(default=())
+    #: The groups share one allocation (vLLM's per-block slab): entries of different groups may alias.
+    overlaid: bool = False
 
     @property
     def source(self) -> str:
@@ -198,6 +207,67 @@ def _jamba_v01() -> ModelFact:
 _register(_jamba_v01())
 
 
+# DeepSeek-V4-Flash: transformers 5.24's DeepseekV4Config defaults, documented as the config of
+# deepseek-ai/DeepSeek-V4-Flash-Base (its @auto_docstring checkpoint): 43 layers; layer_types two
+# heavily_compressed_attention layers, then compressed_sparse / heavily_compressed alternating from
+# layer 2 (HCA at 0, 1, 2 and every even layer, CSA at every odd layer from 3); compress_rates CSA 4,
+# HCA 128; head_dim 512 (qk_rope_head_dim 64 of it), index_head_dim 128, sliding_window 128.
+DEEPSEEK_V4_FLASH = {"num_hidden_layers": 43, "head_dim": 512, "qk_rope_head_dim": 64, "index_head_dim": 128,
+                     "sliding_window": 128, "compress_rates": {"csa": 4, "hca": 128},
+                     "layer_types": ("hca", "hca") + ("hca", "csa") * 20 + ("hca",)}
+#: fp8_ds_mla (vllm/models/deepseek_v4/attention.py): NoPE fp8 values, one UE8M0 scale per 64 of
+#: them padded to 8 bytes, RoPE bf16 values.
+DSV4_SCALE_GROUP, DSV4_SCALE_BYTES = 64, 8
+
+
+def _dsv4_entries(layer_types: Sequence[str]) -> dict[str, list[int]]:
+    """The cache-list entries of each kind of cache, in vLLM's order: by decoder layer, and a layer's
+    caches in allocation order (bind_kv_cache keeps kv_caches' order, which follows the KV cache
+    tensors: SWA, then the compressed caches (HCA, indexer keys, CSA), then the compressor states
+    (HCA, indexer, CSA)). A CSA layer has five caches, an HCA layer three."""
+    order = {"hca": ("swa", "hca", "hca_state"),
+             "csa": ("swa", "indexer", "csa", "indexer_state", "csa_state")}
+    out: dict[str, list[int]] = {}
+    at = 0
+    for i, kind in enumerate(layer_types):
+        for cache in order[kind]:
+            key = f"swa_{'even' if i % 2 == 0 else 'odd'}" if cache == "swa" else cache
+            out.setdefault(key, []).append(at)
+            at += 1
+    return out
+
+
+def _deepseek_v4_flash() -> ModelFact:
+    v = DEEPSEEK_V4_FLASH
+    at = _dsv4_entries(v["layer_types"])
+    nope = v["head_dim"] - v["qk_rope_head_dim"]
+    row = nope + v["qk_rope_head_dim"] * BF16_BYTES + DSV4_SCALE_BYTES  # 584: FlashMLA's packed record
+    assert nope // DSV4_SCALE_GROUP < DSV4_SCALE_BYTES
+    indexer = v["index_head_dim"] + v["index_head_dim"] // FP8_QUANT_BLOCK * FLOAT32_BYTES
+    csa, hca = v["compress_rates"]["csa"], v["compress_rates"]["hca"]
+
+    def state(name: str, ratio: int, dim: int) -> GroupFact:
+        """CompressorStateCache: kv and score states of coff * dim floats (coff 2 where ratio is 4,
+        overlapping windows), block size 4 (ratio 4) or 8 (ratio 128), window coff * ratio."""
+        coff = 1 + (ratio == 4)
+        return GroupFact(name, "vllm_mla_latent", tuple(at[name]), {"N": 4 if ratio == 4 else 8, "C": 2 * coff * dim},
+                         ("float32",), window=coff * ratio)
+
+    mla = {"C": row}
+    return ModelFact("deepseek_v4_flash", "deepseek-ai/DeepSeek-V4-Flash-Base", v, sum(map(len, at.values())), (
+        GroupFact("swa_even", "vllm_dsv4_mla_fp8", tuple(at["swa_even"]), mla, window=v["sliding_window"]),
+        GroupFact("swa_odd", "vllm_dsv4_mla_fp8", tuple(at["swa_odd"]), mla, window=v["sliding_window"]),
+        GroupFact("hca", "vllm_dsv4_mla_fp8", tuple(at["hca"]), mla, tokens_per_slot=hca),
+        GroupFact("indexer", "vllm_dsv4_indexer", tuple(at["indexer"]), {"C": indexer}, tokens_per_slot=csa),
+        GroupFact("csa", "vllm_dsv4_mla_fp8", tuple(at["csa"]), mla, tokens_per_slot=csa),
+        state("hca_state", hca, v["head_dim"]),
+        state("indexer_state", csa, v["index_head_dim"]),
+        state("csa_state", csa, v["head_dim"])), overlaid=True)
+
+
+_register(_deepseek_v4_flash())
+
+
 def _group_disagreement(g: Any, f: GroupFact) -> str | None:
     """Where one attention group of a spec differs from its facts, or None."""
     if g.layout != f.layout:
@@ -210,6 +280,8 @@ def _group_disagreement(g: Any, f: GroupFact) -> str | None:
         return f"group {g.name}: dtypes {list(g.dtypes)}, the facts say {list(f.dtypes)}"
     if g.window != f.window:
         return f"group {g.name}: window {g.window}, the facts say {f.window}"
+    if g.tokens_per_slot != f.tokens_per_slot:
+        return f"group {g.name}: tokens_per_slot {g.tokens_per_slot}, the facts say {f.tokens_per_slot}"
     return None
 
 
@@ -232,6 +304,8 @@ def _comparisons(model: Any, fact: ModelFact) -> Iterator[str | None]:
     yield f"config is {model.config!r}, the facts come from {fact.config!r}" if model.config != fact.config else None
     yield (f"layers is {model.layers}, the engine's cache list has {fact.entries} entries"
            if model.layers != fact.entries else None)
+    yield (f"overlaid is {model.overlaid}, the facts say {fact.overlaid}"
+           if model.overlaid != fact.overlaid else None)
     yield _listed("groups", model.groups, fact.groups)
     for g, f in zip(model.groups, fact.groups, strict=True):
         yield _group_disagreement(g, f)

@@ -339,7 +339,12 @@ def parts_disagreement(spec: Spec, g: EngineGeometry) -> str | None:
     fact = PARTS_FACTS.get(spec.name)
     if fact is None:
         return f"no fact entry for {spec.name}"
-    return next((why for why in _parts_comparisons(spec, fact, g) if why), None)
+    return next((why for why in _parts_comparisons(spec, fact, source_geometry(fact, g)) if why), None)
+
+
+def source_geometry(fact: PartsFact, g: EngineGeometry) -> EngineGeometry:
+    """`g` with the extents the source fixes (one head slot, say): the source has no other."""
+    return dataclasses.replace(g, **{k: v for k, v in fact.fixed.items() if k in {"L", "B", "N", "H", "C", "T"}})
 
 
 @functools.cache

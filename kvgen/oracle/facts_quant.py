@@ -119,6 +119,56 @@ _register(PartsFact(
      PlaneFact("scale", 1, "uint8", lambda g: MLA_DIM // 16, False, False, True, _pool(1, False, 1)))))
 
 
+# -- vLLM 0.33 TURBOQUANT_K8V4 (v1/attention/backends/turboquant_attn.py, ops/triton_turboquant_store.py) --
+# One slot per (token, head), K and V together, in LBNHC pages [B, N, H, slot]: the fp8 key (head_dim
+# bytes), the 4-bit values (two per byte, value 2j low), then the value scale and zero (fp16 each);
+# slot_size_aligned = 128 + 64 + 4 = 196 for head size 128 (quantization/turboquant/config.py).
+TQ_KEY, TQ_VALUES, TQ_HALF = HEAD, HEAD // 2, 2
+TQ_SLOT = TQ_KEY + TQ_VALUES + 2 * TQ_HALF
+
+
+def _turboquant(start: int, size: int):  # noqa: ANN202 (a PlaneAddress)
+    return lambda g, layer, kv, slot, h, c: ((layer,), (slot // g.N, slot % g.N, h, start + c * size), 0)
+
+
+_register(PartsFact(
+    "vllm_turboquant_k8v4", (("list", "L"),), (PartFact("", lambda g: (g.B, g.N, g.H, TQ_SLOT), ("uint8",)),),
+    (PlaneFact("key", 0, "float8_e4m3fn", lambda g: TQ_KEY, False, True, True, _turboquant(0, 1)),
+     PlaneFact("values", 0, "uint4", lambda g: TQ_VALUES, False, True, True, _turboquant(TQ_KEY, 1)),
+     PlaneFact("scale", 0, "float16", lambda g: 1, False, True, True, _turboquant(TQ_KEY + TQ_VALUES, TQ_HALF)),
+     PlaneFact("zero", 0, "float16", lambda g: 1, False, True, True,
+               _turboquant(TQ_KEY + TQ_VALUES + TQ_HALF, TQ_HALF)))))
+
+
+# -- vLLM 0.33 DeepSeek-V4 (vllm/models/deepseek_v4/attention.py, xpu/xpu_sparse_decode_fp8.py) ---------
+# fp8_ds_mla pages, one head slot, logical [B, 1, N, 584] uint8: block b's bytes hold token n's 576
+# data bytes (448 fp8 NoPE, 64 bf16 RoPE) at n * 576, then its 8 scale bytes at N * 576 + n * 8.
+# Indexer keys [B, 1, N, 132]: values at n * 128, the fp32 scale at N * 128 + n * 4.
+DSV4_ROW, DSV4_DATA, DSV4_SCALE = 584, 576, 8
+DSV4_INDEX_ROW = 132
+
+
+def _dsv4(row: int, region: int, per_token: int):  # noqa: ANN202 (a PlaneAddress)
+    """Byte c of (slot, head) in its block, a run over every head's cells (vLLM keeps one head slot):
+    every cell's data, then every cell's scales."""
+    def where(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int):  # noqa: ANN202
+        byte = region * g.H * g.N + (h * g.N + slot % g.N) * per_token + c
+        return (layer,), (slot // g.N, byte // (g.N * row), byte % (g.N * row) // row, byte % row), 0
+    return where
+
+
+_register(PartsFact(
+    "vllm_dsv4_mla_fp8", (("list", "L"),), (PartFact("", lambda g: (g.B, g.H, g.N, DSV4_ROW), ("uint8",)),),
+    (PlaneFact("data", 0, "uint8", lambda g: DSV4_DATA, False, True, True, _dsv4(DSV4_ROW, 0, DSV4_DATA)),
+     PlaneFact("scale", 0, "uint8", lambda g: DSV4_SCALE, False, True, True, _dsv4(DSV4_ROW, DSV4_DATA, DSV4_SCALE))),
+    fixed={"H": 1}))
+_register(PartsFact(
+    "vllm_dsv4_indexer", (("list", "L"),), (PartFact("", lambda g: (g.B, g.H, g.N, DSV4_INDEX_ROW), ("uint8",)),),
+    (PlaneFact("values", 0, "float8_e4m3fn", lambda g: HEAD, False, True, True, _dsv4(DSV4_INDEX_ROW, 0, HEAD)),
+     PlaneFact("scale", 0, "float32", lambda g: 1, False, True, True, _dsv4(DSV4_INDEX_ROW, HEAD, SCALE))),
+    fixed={"H": 1}))
+
+
 # -- packed units: packing order and scale groups, from the same sources ------------------------------
 #: Per spec and plane: (packing of a sub-byte plane, the plane a scale plane scales, values per scale).
 #: vLLM: pack_int4_nibbles and break_fp4_bytes put value 2j low; the Triton modes keep one fp32 scale
@@ -129,6 +179,9 @@ UNITS: dict[str, dict[str, tuple[str | None, str | None, int | None]]] = {
     "vllm_fp8_per_token_head": {"values": (None, None, None), "scale": (None, "values", HEAD)},
     "vllm_int4_per_token_head": {"values": ("low_first", None, None), "scale": (None, "values", HEAD)},
     "vllm_nvfp4": {"values": ("low_first", None, None), "scale": (None, "values", 16)},
+    # TurboQuant: one fp16 scale (and zero) per head's values; the fp8 keys carry no scale.
+    "vllm_turboquant_k8v4": {"key": (None, None, None), "values": ("low_first", None, None),
+                             "scale": (None, "values", HEAD), "zero": (None, None, None)},
     "sglang_mha_fp4": {"k.values": ("low_first", None, None), "v.values": ("low_first", None, None),
                        "k_scale": (None, None, None), "v_scale": (None, None, None)},
     "sglang_mla_fp4": {"kv.values": ("low_first", None, None), "scale": (None, None, None)},

@@ -6,6 +6,7 @@ per-group slot mappings, and one transfer run through a connector and through th
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
@@ -167,9 +168,21 @@ def make_objects(connector: Any, lengths: Sequence[int], kvcaches: Any, salt: st
 
 
 def group_mappings(case: models.ModelCase, sc: ModelScenario, seed: str) -> dict[str, list[int]]:
+    """Each group's slot mapping: one slot per token from the offset on, per k tokens for a group
+    of k tokens per slot."""
     rng = random.Random(seed)
     length = sc.seq_len - sc.offset
-    return {g.name: sc.mapping(rng, i, dict(g.ext), length) for i, g in enumerate(case.groups)}
+    return {g.name: sc.mapping(rng, i, dict(g.ext), length // g.tokens_per_slot) for i, g in enumerate(case.groups)}
+
+
+def in_whole_slots(model: ModelSpec, sc: ModelScenario) -> ModelScenario:
+    """The scenario in units of the model's widest slot: every position times the least common
+    multiple of its groups' tokens_per_slot, so each chunk starts and ends on whole slots."""
+    k = math.lcm(*(g.tokens_per_slot for g in model.groups)) if model.groups else 1
+    if k == 1:
+        return sc
+    return replace(sc, starts=tuple(s * k for s in sc.starts), ends=tuple(e * k for e in sc.ends),
+                   offset=sc.offset * k, skip=sc.skip * k)
 
 
 def state_slots(sc: ModelScenario, chunks: int, slot: int) -> list[int | None] | None:
@@ -213,9 +226,10 @@ def check_model(package: Any, library: Library, model: ModelSpec, obj: Spec, sc:
     """(store ok, load ok) of a model connector against the reference for one scenario."""
     available: Collection[tuple[str, str]] = set(package.CONNECTORS)
     sizes = models.CaseSizes(run.tp, run.blocks, run.block_size)
+    sc = in_whole_slots(model, sc)
     case = models.model_case(library, model, obj, available, sizes)
     # A group with small blocks needs more of them to hold the scenario's sequence.
-    need = max((-(-sc.seq_len // g.ext["N"]) for g in case.groups), default=0)
+    need = max((-(-sc.seq_len // g.tokens_per_slot // g.ext["N"]) for g in case.groups), default=0)
     if need > run.blocks:
         case = models.model_case(library, model, obj, available, replace(sizes, blocks=need))
     connector = run.connector or package.get_model(model.name, obj.name)(device=run.device, tp=run.tp)

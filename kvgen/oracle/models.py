@@ -39,6 +39,8 @@ class GroupCase:
     member: Spec
     #: Extents of the group's cache (L = its layer count), as kvgen.oracle.reference takes them.
     ext: Mapping[str, int]
+    #: Tokens per stored slot: the group's chunk is tokens [start / k, end / k) of its own slots.
+    tokens_per_slot: int = 1
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,8 @@ def model_case(library: Library, model: ModelSpec, obj: Spec, available: Collect
             continue
         paged = library[g.layout]
         member = next(library[m] for m in obj.members if (paged.name, library[m].name) in available)
-        groups.append(GroupCase(g.name, g.layers, paged, member, _group_ext(paged, g.sizes, len(g.layers), sizes)))
+        groups.append(GroupCase(g.name, g.layers, paged, member, _group_ext(paged, g.sizes, len(g.layers), sizes),
+                                g.tokens_per_slot))
     states = [StateCase(s.name, s.layers, tuple((t.name, t.rank_shape(sizes.tp)) for t in s.tensors))
               for s in model.states if s.name in _carried(obj.carries.state, model.state_names)]
     return ModelCase(model, obj, tuple(groups), tuple(states), sizes.tp)
@@ -113,7 +116,9 @@ def group_cache(case: ModelCase, g: GroupCase, kvcaches: Sequence[Any]) -> list[
 
 
 def member_object(g: GroupCase, cache: Any, num_tokens: int) -> tuple[tuple[int, ...], torch.dtype]:
-    """Shape and dtype of the group's member object for a chunk."""
+    """Shape and dtype of the group's member object for a chunk of `num_tokens` tokens (one row per stored slot)."""
+    assert num_tokens % g.tokens_per_slot == 0, (g.name, num_tokens, g.tokens_per_slot)
+    num_tokens //= g.tokens_per_slot
     ext = {**g.ext, "T": num_tokens}
     if g.member.pack == "regions":
         sizes = planes.value_sizes(g.paged, cache)
@@ -170,7 +175,9 @@ def _move_group(g: GroupCase, cache: list[Any], section: torch.Tensor, chunk: Mo
     shape, dtype = member_object(g, cache, chunk.end - chunk.start)
     work = section.clone().view(dtype).view(shape)  # a private typed copy of the section's bytes
     mapping = [int(s) for s in chunk.mappings[g.name]]
-    span = reference.Span(mapping, chunk.start, chunk.end, chunk.offset, chunk.skip)
+    k = g.tokens_per_slot  # a compressed group's chunk, in its own slots
+    start, end, offset, skip = chunk.start // k, chunk.end // k, chunk.offset // k, chunk.skip // k
+    span = reference.Span(mapping, start, end, offset, skip)
     pair = (g.paged, g.member, g.ext, cache, work)
     oracle = reference if g.paged.is_simple else planes
     (oracle.load if to_cache else oracle.store)(*pair, span)

@@ -287,8 +287,9 @@ __all__ = ["ITEMSIZE", "load", "nest_parts", "part_shape", "store", "fill_bytes"
 
 def parts_extents(spec: Spec, ext: Extents) -> dict[str, int]:
     """Test extents for a format-2 cache: each part of free width gets its own C
-    (ext["C"] + 2 * its index), so planes of one cache differ in width."""
-    out = dict(ext)
+    (ext["C"] + 2 * its index), so planes of one cache differ in width; the extents the spec
+    fixes (one head slot, say) hold."""
+    out = {**ext, **dict(spec.sizes)}
     for i, part in enumerate(spec.parts):
         out.setdefault(f"C.{part.name}", ext["C"] + 2 * i)
     return out

@@ -17,7 +17,7 @@ from typing import Any
 from kvgen.errors import KVLayoutError
 from kvgen.spec.library import Library
 from kvgen.spec.model import Pack, Spec
-from kvgen.spec.models import ModelSpec
+from kvgen.spec.models import Group, ModelSpec
 
 #: A runtime table entry's fields, in the order the runtime's dataclass declares them.
 Fields = tuple[tuple[str, Any], ...]
@@ -79,6 +79,14 @@ def _member(library: Library, obj: Spec, layout: str, pairs: dict[tuple[str, str
     return None
 
 
+def _group_fields(g: Group, layout: Spec, member: Spec, module: str) -> tuple[tuple[str, Any], ...]:
+    """The GroupTable fields of one carried group; a ratio only where there is one, so every
+    other module reads as before."""
+    fields = (("name", g.name), ("layers", g.layers), ("layout", layout.name), ("member", member.name),
+              ("module", module), ("sizes", g.sizes), ("dtypes", g.dtypes or layout.dtypes), ("window", g.window))
+    return fields + ((("tokens_per_slot", g.tokens_per_slot),) if g.tokens_per_slot != 1 else ())
+
+
 def plan_model(library: Library, model: ModelSpec, obj: Spec,
                pairs: dict[tuple[str, str], str]) -> ModelPlan | str:
     """The plan of one pair, or why it is not generated."""
@@ -101,9 +109,7 @@ def plan_model(library: Library, model: ModelSpec, obj: Spec,
             return (f"group {g.name!r} ({layout.name}) has no member: the build has no whole-chunk connector "
                     f"from {layout.name} to any of {', '.join(obj.members)}")
         members.append((g.name, member.name))
-        groups.append((("name", g.name), ("layers", g.layers), ("layout", layout.name), ("member", member.name),
-                       ("module", pairs[(layout.name, member.name)]), ("sizes", g.sizes),
-                       ("dtypes", g.dtypes or layout.dtypes), ("window", g.window)))
+        groups.append(_group_fields(g, layout, member, pairs[(layout.name, member.name)]))
     carried_states = set(obj.carries.pick(obj.carries.state, model.state_names))
     states = tuple((("name", s.name), ("layers", s.layers),
                     ("tensors", tuple((t.name, t.shape, t.dtypes, t.split) for t in s.tensors)))

@@ -164,11 +164,14 @@ class CacheMemory:
         return [k for k, leaf in enumerate(self.leaves) if leaf.device == device and leaf.lo < hi and lo < leaf.hi]
 
 
-def check_cache_memory(leaves: Sequence[torch.Tensor], names: Sequence[str]) -> CacheMemory:
+def check_cache_memory(leaves: Sequence[torch.Tensor], names: Sequence[str],
+                       overlaid: Sequence[int] = ()) -> CacheMemory:
     """Refuse a cache tensor whose view reaches past its storage, a negated view, one that
     overlaps itself, or two cache tensors with an element in common (the same tensor twice,
     say); tensors that interleave in one buffer without sharing an element (per-layer views
-    of one allocation) are fine. Runs once per binding."""
+    of one allocation) are fine. `overlaid`: where the leaves of overlaid groups start (a model
+    whose groups share one allocation): two leaves of different groups may then share elements,
+    two of one group still may not. Runs once per binding."""
     for t, name in zip(leaves, names, strict=True):
         check_storage(t, f"cache tensor {name}")
         check_plain(t, f"cache tensor {name}")
@@ -177,7 +180,10 @@ def check_cache_memory(leaves: Sequence[torch.Tensor], names: Sequence[str]) -> 
         if overlaps_itself(t):
             raise KVLayoutError(f"cache tensor {name} may address one element twice (shape {list(t.shape)}, "
                                 f"strides {list(t.stride())}): distinct slots would share memory")
-    _refuse_shared_leaves(extents, names)
+    bounds = [*overlaid, len(leaves)] if overlaid else [0, len(leaves)]
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        if lo < hi:
+            _refuse_shared_leaves(extents[lo:hi], names[lo:hi])
     return CacheMemory(extents, _union(extents))
 
 

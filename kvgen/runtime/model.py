@@ -104,6 +104,9 @@ class ModelConnector:
     groups: ClassVar[tuple[GroupTable, ...]]
     states: ClassVar[tuple[StateTable, ...]]
     views: ClassVar[dict[str, str]] = {}
+    #: The groups overlay each other in one allocation (the model spec's `overlaid`): leaves of
+    #: different groups may share memory, leaves of one group never.
+    overlaid: ClassVar[bool] = False
 
     def __init__(self, device: torch.device | str | None = None, *, tp: int = 1, backend: Any = None):
         """`device`: where the caches live (default: the first cache's). `tp`: this rank's tensor
@@ -156,7 +159,7 @@ class ModelConnector:
             raise KVLayoutError(f"{self.model}: {group_where(g)}: {error}") from None
 
     def _new_binding(self, items: tuple[Any, ...], key: Any) -> ModelBinding:
-        geometries, tensors, names = [], [], []
+        geometries, tensors, names, apart = [], [], [], []
         device = None
         for g in self.groups:
             geometry = self._member_bind(g, items)
@@ -167,12 +170,15 @@ class ModelConnector:
                                     f"{device}: every group of a model's cache lives on one device")
             device = geometry.device
             geometries.append(geometry)
+            apart.append(len(tensors))
             for i in g.layers:
                 tensors += leaves(items[i])
                 names += leaf_names(items[i], f"kvcaches[{i}]")
         facts, state_tensors, state_names = check_states(self.model, self.states, items, self.tp, device)
         device = device if device is not None or not state_tensors else state_tensors[0].device
-        memory = check_cache_memory([*tensors, *state_tensors], [*names, *state_names])
+        # Overlaid groups may share memory with each other, never within one group (nor its state).
+        apart = [*apart, len(tensors)] if self.overlaid else []
+        memory = check_cache_memory([*tensors, *state_tensors], [*names, *state_names], apart)
         binding = ModelBinding(tuple(geometries), facts, memory, (*names, *state_names), device)
         if key is not None:
             with self._lock:
@@ -192,7 +198,8 @@ class ModelConnector:
 
     def _member_shape(self, g: GroupTable, geometry: Geometry, num_tokens: int) -> tuple[tuple[int, ...], torch.dtype]:
         member = self.members[g.name]
-        return tuple(member._shape(geometry, num_tokens)), member._dtype(geometry)
+        slots = g.slots_of(num_tokens, "a chunk of") if g.tokens_per_slot != 1 else num_tokens
+        return tuple(member._shape(geometry, slots)), member._dtype(geometry)
 
     def _sections(self, b: ModelBinding, num_tokens: int) -> tuple[tuple[Section, ...], int]:
         pieces = []
@@ -302,12 +309,14 @@ class ModelConnector:
 
     def _group_calls(self, req: _Request, items: tuple[Any, ...]) -> list[Call]:
         """Each carried group's call on its member connector: its entries bound, its slots planned."""
-        maps = mappings(self.model, self.group_names, [g.name for g in self.groups], req.slot_mappings)
+        maps = mappings(self.model, self.group_names, [g.name for g in self.groups], req.slot_mappings,
+                        {g.name: g.tokens_per_slot for g in self.groups})
         out = []
         for g in self.groups:
             try:
-                out.append(self.members[g.name]._begin(self._group_entries(g, items), maps[g.name], req.starts,
-                                                       req.ends, req.offset, req.skip))
+                starts, ends, offset, skip = _in_slots(g, req)
+                out.append(self.members[g.name]._begin(self._group_entries(g, items), maps[g.name], starts,
+                                                       ends, offset, skip))
             except KVLayoutError as error:
                 raise KVLayoutError(f"{self.model}: {group_where(g)}: {error}") from None
         return out
@@ -377,8 +386,9 @@ class ModelConnector:
                 work.view(torch.uint8).view(-1).copy_(raw)
             piece = _Piece(work, raw)
         member = self.members[g.name]
+        slots = num_tokens // g.tokens_per_slot  # whole slots: _member_shape refused any other count
         try:
-            member._check_object(MemoryObj(piece.work, member.format), geometry, num_tokens, storing=storing)
+            member._check_object(MemoryObj(piece.work, member.format), geometry, slots, storing=storing)
         except KVLayoutError as error:
             raise KVLayoutError(f"{self.model}: {group_where(g)}, chunk {k}: {error}") from None
         return piece
@@ -408,6 +418,17 @@ class ModelConnector:
                     else:
                         src = raw if raw.storage_offset() % state.element_size() == 0 else raw.clone()
                         state[slot].copy_(src.view(state.dtype).view(state.shape[1:]))
+
+
+def _in_slots(g: GroupTable, req: _Request) -> tuple[Any, Any, int, int]:
+    """A request's starts, ends, offset and skipped prefix in the group's stored slots: the same
+    positions for one token per slot, divided by k (each a multiple of k) for k tokens per slot."""
+    if g.tokens_per_slot == 1:
+        return req.starts, req.ends, req.offset, req.skip
+    starts = [g.slots_of(int(s), "start") for s in _positions("starts", req.starts)]
+    ends = [g.slots_of(int(e), "end") for e in _positions("ends", req.ends)]
+    return (starts, ends, g.slots_of(_integer("offset", req.offset), "offset"),
+            g.slots_of(_integer("skip_prefix_n_tokens", req.skip), "skip_prefix_n_tokens"))
 
 
 def carried(connector: ModelConnector) -> Mapping[str, tuple[str, ...]]:

@@ -140,9 +140,11 @@ def _in_model_order(model: str, group_names: Sequence[str], carried: Sequence[st
     return {g: slot_mappings[group_names.index(g)] for g in carried}
 
 
-def mappings(model: str, group_names: Sequence[str], carried: Sequence[str], slot_mappings: Any) -> dict[str, Any]:
+def mappings(model: str, group_names: Sequence[str], carried: Sequence[str], slot_mappings: Any,
+             tokens_per_slot: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The slot mapping of each carried group: a mapping by group name, or a sequence in the
-    model's group order. Lengths are checked with each group's tensor (all the same)."""
+    model's group order. Lengths are checked with each group's tensor: all cover the same tokens,
+    a group of `tokens_per_slot` k with one entry per k of them."""
     if isinstance(slot_mappings, Mapping):
         out = _by_name(model, group_names, carried, slot_mappings)
     elif isinstance(slot_mappings, (list, tuple)):
@@ -150,9 +152,11 @@ def mappings(model: str, group_names: Sequence[str], carried: Sequence[str], slo
     else:
         raise KVLayoutError(f"{model}: slot_mappings must be a dict of group name -> slot mapping, or a list in "
                             f"the model's group order ({', '.join(group_names)}), got {describe(slot_mappings)}")
+    ratio = tokens_per_slot or {}
     lengths = {g: m.shape[0] for g, m in out.items() if isinstance(m, torch.Tensor) and m.dim() == 1}
-    if len(set(lengths.values())) > 1:
-        shown = ", ".join(f"{g}: {n}" for g, n in lengths.items())
+    if len({n * ratio.get(g, 1) for g, n in lengths.items()}) > 1:
+        shown = ", ".join(f"{g}: {n}" + (f" (x{ratio[g]} tokens)" if ratio.get(g, 1) != 1 else "")
+                          for g, n in lengths.items())
         raise KVLayoutError(f"{model}: every group's slot mapping covers the same tokens; lengths differ ({shown})")
     return out
 

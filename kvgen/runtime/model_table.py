@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.planes import REGION_ALIGN
 
 #: (name, shape at TP 1, dtypes, split dim or None) of one state tensor.
@@ -34,9 +35,20 @@ class GroupTable:
     sizes: tuple[tuple[str, int], ...]
     dtypes: tuple[str, ...]
     window: int | None = None
+    #: Tokens one stored slot covers: the group's slot mapping and member object hold one entry
+    #: per k tokens of a chunk (DeepSeek-V4's compressed caches).
+    tokens_per_slot: int = 1
 
     def size(self, axis: str) -> int | None:
         return dict(self.sizes).get(axis)
+
+    def slots_of(self, tokens: int, what: str) -> int:
+        """The stored slots of `tokens` tokens (a start, an end, a count); refused unless whole slots."""
+        k = self.tokens_per_slot
+        if tokens % k:
+            raise KVLayoutError(f"group {self.name!r} stores one slot per {k} tokens: {what} {tokens} is not a "
+                                f"multiple of {k}")
+        return tokens // k
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,9 @@ class Group:
     sizes: tuple[tuple[str, int], ...]
     dtypes: tuple[str, ...]
     window: int | None = None
+    #: Tokens one stored slot covers (vLLM's tokens_per_state > 1): the group's slot mapping has one
+    #: entry per k tokens of a chunk, and a chunk starts and ends at multiples of k.
+    tokens_per_slot: int = 1
 
     def size(self, axis: str) -> int | None:
         return dict(self.sizes).get(axis)
@@ -99,6 +102,9 @@ class ModelSpec:
     source: str
     origin: str
     digest: str
+    #: The groups overlay each other in one allocation (each block id owned by one group at a
+    #: time): entries of different groups may share memory; entries of one group never do.
+    overlaid: bool = False
 
     # What the cross-file rules ask of every spec: a model has no aliases and no format.
     aliases: tuple[str, ...] = ()
@@ -150,7 +156,7 @@ def build_model(doc: Document, origin: str | None = None) -> ModelSpec:
         resolved[name] = layer_indices(body["layers"], d["layers"], taken)
         taken.update(resolved[name])
     groups = tuple(Group(name, body["layout"], resolved[name], _sizes(body.get("sizes", {})),
-                         tuple(body.get("dtypes", ())), body.get("window"))
+                         tuple(body.get("dtypes", ())), body.get("window"), body.get("tokens_per_slot", 1))
                    for kind, name, body in raw if kind == "group")
     states = tuple(StateGroup(name, resolved[name],
                               tuple(StateTensor(t["name"], tuple(t["shape"]), tuple(t["dtypes"]), t.get("split"),
@@ -160,7 +166,7 @@ def build_model(doc: Document, origin: str | None = None) -> ModelSpec:
     return ModelSpec(version=d["kvgen"], name=d["name"], kind=ModelKind(d["kind"]), summary=d["summary"],
                      config=d.get("config"), layers=d["layers"], groups=groups, states=states,
                      engines=tuple(d.get("engines", ())), source=doc.file, origin=origin or doc.file,
-                     digest=hashlib.sha256(doc.text).hexdigest())
+                     digest=hashlib.sha256(doc.text).hexdigest(), overlaid=d.get("overlaid", False))
 
 
 def _sections(given: list[int] | None) -> tuple[int, ...] | None:
@@ -178,7 +184,8 @@ def model_facts(model: ModelSpec) -> dict[str, object]:
         "name": model.name, "kind": str(model.kind), "summary": model.summary, "config": model.config,
         "layers": model.layers,
         "groups": [{"name": g.name, "layout": g.layout, "layers": list(g.layers), "sizes": dict(g.sizes),
-                    "dtypes": list(g.dtypes), "window": g.window} for g in model.groups],
+                    "dtypes": list(g.dtypes), "window": g.window, "tokens_per_slot": g.tokens_per_slot}
+                   for g in model.groups],
         "state": [{"name": s.name, "layers": list(s.layers),
                    "tensors": [{"name": t.name, "shape": list(t.shape), "dtypes": list(t.dtypes), "split": t.split,
                                 "sections": list(t.sections) if t.sections else None}

@@ -169,6 +169,9 @@ def _group_problems(model: ModelSpec, name: str, doc: Document, specs: dict[str,
         if fixed is not None and fixed != value:
             out.append(doc.problem(at, f"{layout.name} fixes {key} = {fixed}"
                                        f"{' (its fields)' if owner.fields else ''}; this group says {value}"))
+    if group.tokens_per_slot != 1 and layout.token_ratio != (1, 1):
+        out.append(doc.problem((*path, "tokens_per_slot"), f"{layout.name} declares its own token-to-slot ratio; "
+                                                           "give the ratio in the layout or in the group, not both"))
     for i, dtype in enumerate(group.dtypes):
         if dtype not in layout.dtypes:
             out.append(doc.problem((*path, "dtypes", i), f"{layout.name} cannot hold {dtype}; it holds "

@@ -11,6 +11,7 @@ load). Geometry is the model's own (its declared heads, head sizes and layer cou
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -78,10 +79,17 @@ class _Chunk:
         package, device, block_size = ctx.package, ctx.device, ctx.args.block_size
         self.conn = package.get_model(model.name, obj.name)(device=device)
         blocks = -(-tokens * 5 // (4 * block_size))
-        self.case = oracle.model_case(ctx.library, model, obj, set(package.CONNECTORS),
-                                      oracle.CaseSizes(blocks=blocks, block_size=block_size))
+        sizes = oracle.CaseSizes(blocks=blocks, block_size=block_size)
+        self.case = oracle.model_case(ctx.library, model, obj, set(package.CONNECTORS), sizes)
+        # a group whose layout fixes a smaller block needs more of them for the chunk
+        need = max((-(-tokens // g.tokens_per_slot * 5 // (4 * g.ext["N"])) for g in self.case.groups), default=0)
+        if need > blocks:
+            self.case = oracle.model_case(ctx.library, model, obj, set(package.CONNECTORS),
+                                          dataclasses.replace(sizes, blocks=need))
         self.cache = make_kvcaches(self.case, str(device), dtype=ctx.args.dtype, slots=STATE_SLOTS)
-        self.maps = {g.name: torch.tensor(slot_mapping(tokens, g.ext["B"], g.ext["N"], "random", ctx.rng),
+        # a group of k tokens per slot names one slot per k tokens
+        self.slots = {g.name: tokens // g.tokens_per_slot for g in self.case.groups}
+        self.maps = {g.name: torch.tensor(slot_mapping(self.slots[g.name], g.ext["B"], g.ext["N"], "random", ctx.rng),
                                           device=device) for g in self.case.groups}
         self.T = tokens
         shape = self.conn.get_shape(tokens, self.cache)
@@ -113,8 +121,8 @@ class _Chunk:
         into = self.twin if into is None else into
         for g in self.case.groups:
             view = self.conn.member_view(into, g.name, self.T, self.cache)
-            self.members[g.name].from_gpu(MemoryObj(view), 0, self.T, kvcaches=[self.cache[i] for i in g.layers],
-                                          slot_mapping=self.maps[g.name])
+            self.members[g.name].from_gpu(MemoryObj(view), 0, self.slots[g.name],
+                                          kvcaches=[self.cache[i] for i in g.layers], slot_mapping=self.maps[g.name])
         for t, where in self.state_rows:
             into[where].copy_(t[STATE_SLOT].reshape(-1).view(torch.uint8))
 
@@ -123,7 +131,7 @@ class _Chunk:
         for g in self.case.groups:
             view = self.conn.member_view(self.obj.tensor, g.name, self.T, self.cache)
             member = self.members[g.name]
-            member.to_gpu(MemoryObj(view, member.format), 0, self.T, kvcaches=[cache[i] for i in g.layers],
+            member.to_gpu(MemoryObj(view, member.format), 0, self.slots[g.name], kvcaches=[cache[i] for i in g.layers],
                           slot_mapping=self.maps[g.name])
         rows = iter(self.state_rows)
         for s in self.case.states:

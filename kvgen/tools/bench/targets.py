@@ -173,8 +173,11 @@ def extents(spec: Spec, layers: int, heads: int, head_size: int, block_size: int
     else:
         axes = {a for part in spec.parts for d in part.dims for a in d.axes}
         kv, mla = "KV" in axes, "H" not in axes
-    return {"L": layers, "KV": 2 if kv else 1, "H": 1 if mla else heads,
-            "C": MLA_C if mla else head_size, "N": block_size, "B": num_blocks}
+    out = {"L": layers, "KV": 2 if kv else 1, "H": 1 if mla else heads,
+           "C": MLA_C if mla else head_size, "N": block_size, "B": num_blocks}
+    if "H" in dict(spec.sizes):  # a layout of a fixed head count (DeepSeek-V4's one head slot) keeps it
+        out["H"] = dict(spec.sizes)["H"]
+    return out
 
 
 def slot_mapping(num_tokens: int, num_blocks: int, block_size: int, alloc: str, rng: random.Random) -> list[int]:
