@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from harness import builtin_library
 
 from kvgen import generated
 from kvgen.errors import KVLayoutError
@@ -24,11 +25,10 @@ from kvgen.runtime import MemoryObj, devices, kernels, native
 from kvgen.runtime.connector import max_word
 from kvgen.runtime.movers import native as native_mover
 from kvgen.runtime.movers.choose import choose
-from kvgen.spec.library import load_library
 
 pytestmark = pytest.mark.skipif(bool(native.unavailable()), reason=f"no compiled kernel: {native.unavailable()}")
 
-LIBRARY_SPECS = load_library()
+LIBRARY_SPECS = builtin_library()
 MODULE = "vllm_flash_attn_nhd__kv_2ltd"  # cache L x [KV B N H C], object [KV L T (H C)]
 #: Two layers and K/V, so that swapping the object's KV and L places keeps every address inside it.
 L, KV, B, N, H, C = 2, 2, 6, 4, 2, 3
