@@ -119,3 +119,18 @@ def test_verify_checks_the_built_in_specs_facts_only_when_it_verifies_everything
     calls.clear()
     assert main(["verify", "--device", "cpu", "--jobs", "1"]) == 0
     assert calls[:2] == ["facts", "engines"] and calls[2].endswith(" rows") and calls[2] != "1 rows"
+
+
+def test_verify_in_tritons_interpreter_runs_every_scenario_on_two_layers() -> None:
+    """The interpreter's cost is per program instance, one per layer among others: that pass
+    takes 2 layers instead of 3, every scenario otherwise the same."""
+    from dataclasses import replace
+
+    from kvgen.oracle.scenarios import EXT, SCENARIOS
+    from kvgen.tools.verify_connectors import scenarios
+
+    interpreted = scenarios("triton", "cpu")
+    assert [s.name for s in interpreted] == list(SCENARIOS)
+    assert all(s == replace(SCENARIOS[s.name], ext={**EXT, "L": 2}) for s in interpreted)
+    everything = list(SCENARIOS.values())
+    assert scenarios(None, "cpu") == scenarios("torch", "cpu") == scenarios("triton", "cuda") == everything
