@@ -14,6 +14,7 @@ so one worker makes that fixture once.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,6 +42,22 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest without xdist never calls it
 def pytest_configure_node(node: Any) -> None:
     node.workerinput["kvgen_loadgroup"] = node.config.option.dist == "loadgroup"
+
+
+#: The one way a test becomes serial: the marker, written in its module.
+SERIAL_MARK = "mark.serial"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The serial pass (`-m serial`, scripts/dev test) imports only the modules that mark a test
+    serial: collecting every module (torch, vLLM, the library at import) cost that pass more
+    CPU time than its 31 tests. None: pytest's own rules decide (never False, which would
+    override them)."""
+    if config.getoption("markexpr", "") != SERIAL_GROUP or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_") or SERIAL_MARK in collection_path.read_text(encoding="utf-8"):
+        return None
+    return True
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups off the items

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from harness import builtin_library
 
 from kvgen import remote, tp
 from kvgen.oracle import transfer_reference
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.transfer_scenarios import DST_SALT, make_cache
-from kvgen.spec.library import load_library
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 #: A source rank's salt: codes of different ranks (and the destination's) never meet.
 RANK_SALT = 100000
 

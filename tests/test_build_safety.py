@@ -37,6 +37,20 @@ def files() -> dict[str, str]:
     return render()
 
 
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One build of the built-ins for this module; `previous_build` copies it where a test needs
+    an earlier build's output (a build costs seconds, a copy a fraction of one). Never changed."""
+    out = tmp_path_factory.mktemp("built") / "generated"
+    build(out)
+    return out
+
+
+def previous_build(built: Path, out: Path) -> None:
+    """`out` as `kvgen build --out out` leaves it: the module's build, copied."""
+    shutil.copytree(built, out)
+
+
 def snapshot(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 
@@ -67,10 +81,10 @@ def import_package(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("fail_at", [1, 5, "last"])
-def test_failed_write_keeps_previous_output(fail_at: int | str, files: dict[str, str], tmp_path: Path,
+def test_failed_write_keeps_previous_output(built: Path, fail_at: int | str, files: dict[str, str], tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "generated"
-    build(out)
+    previous_build(built, out)
     (out / "__pycache__").mkdir()  # a previous import's cache stays out of the way too
     before = snapshot(out)
     real_write = Path.write_text
@@ -92,9 +106,9 @@ def test_failed_write_keeps_previous_output(fail_at: int | str, files: dict[str,
     import_package(out, monkeypatch)
 
 
-def test_failed_render_keeps_previous_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_render_keeps_previous_output(built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "generated"
-    build(out)
+    previous_build(built, out)
     before = snapshot(out)
 
     def broken(*args: object, **kwargs: object) -> dict[str, str]:
@@ -107,9 +121,9 @@ def test_failed_render_keeps_previous_output(tmp_path: Path, monkeypatch: pytest
     assert leftovers(tmp_path, "generated") == []
 
 
-def test_invalid_spec_keeps_previous_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_invalid_spec_keeps_previous_output(built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "generated"
-    build(out)
+    previous_build(built, out)
     before = snapshot(out)
     bad = tmp_path / "specs"
     bad.mkdir()
@@ -150,9 +164,9 @@ def test_build_replaces_exactly(tmp_path: Path, files: dict[str, str]) -> None:
 # -- kvgen check ----------------------------------------------------------------------------
 
 
-def test_check_reports_each_kind_of_drift(tmp_path: Path) -> None:
+def test_check_reports_each_kind_of_drift(built: Path, tmp_path: Path) -> None:
     out = tmp_path / "generated"
-    build(out)
+    previous_build(built, out)
     assert check(out).ok and check(out).lines() == []
 
     sample = out / SAMPLE
@@ -295,12 +309,12 @@ def test_every_file_has_the_do_not_edit_header(files: dict[str, str]) -> None:
             assert {s.name for s in sources} == {s.name for s in library.objects}
 
 
-def test_generated_package_passes_ruff(tmp_path: Path) -> None:
+def test_generated_package_passes_ruff(built: Path, tmp_path: Path) -> None:
     ruff = shutil.which("ruff")
     if ruff is None:
         pytest.skip("ruff is not installed")
     out = tmp_path / "generated"
-    build(out)
+    previous_build(built, out)
     done = subprocess.run([ruff, "check", "--no-cache", "--config", str(REPO_ROOT / "pyproject.toml"), str(out)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

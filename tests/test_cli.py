@@ -98,3 +98,39 @@ def test_every_option_has_help() -> None:
                 missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
     assert not missing, missing
     assert all(c.help for c in sub._choices_actions)
+
+
+def test_verify_checks_the_built_in_specs_facts_only_when_it_verifies_everything(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--only is a quick look at some connectors: the fact and engine checks of the built-in
+    specs (tens of seconds, vLLM's import among them) are a whole verify's."""
+    from kvgen.tools import verify, verify_connectors, verify_engines, verify_models, verify_transfers
+
+    calls: list[str] = []
+    monkeypatch.setattr(verify, "_check_facts", lambda library: calls.append("facts") or 0)
+    monkeypatch.setattr(verify_engines, "run", lambda: calls.append("engines") or 0)
+    monkeypatch.setattr(verify_connectors, "run", lambda rows, chosen, *rest: calls.append(f"{len(chosen)} rows") or 0)
+    monkeypatch.setattr(verify_transfers, "run", lambda *args: (0, 0))
+    monkeypatch.setattr(verify_models, "run", lambda *args: (0, 0))
+    assert main(["verify", "--only", "vllm_flash_attn_nhd__kv_2ltd", "--device", "cpu", "--jobs", "1"]) == 0
+    assert calls == ["1 rows"]
+    assert "--only: the built-in specs' fact and engine checks are left to a whole `kvgen verify`" \
+        in capsys.readouterr().out
+    calls.clear()
+    assert main(["verify", "--device", "cpu", "--jobs", "1"]) == 0
+    assert calls[:2] == ["facts", "engines"] and calls[2].endswith(" rows") and calls[2] != "1 rows"
+
+
+def test_verify_in_tritons_interpreter_runs_every_scenario_on_two_layers() -> None:
+    """The interpreter's cost is per program instance, one per layer among others: that pass
+    takes 2 layers instead of 3, every scenario otherwise the same."""
+    from dataclasses import replace
+
+    from kvgen.oracle.scenarios import EXT, SCENARIOS
+    from kvgen.tools.verify_connectors import scenarios
+
+    interpreted = scenarios("triton", "cpu")
+    assert [s.name for s in interpreted] == list(SCENARIOS)
+    assert all(s == replace(SCENARIOS[s.name], ext={**EXT, "L": 2}) for s in interpreted)
+    everything = list(SCENARIOS.values())
+    assert scenarios(None, "cpu") == scenarios("torch", "cpu") == scenarios("triton", "cuda") == everything

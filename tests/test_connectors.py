@@ -22,6 +22,7 @@ from harness import (
     Scenario,
     at_odd_offsets,
     block_table_mapping,
+    builtin_library,
     clone_tree,
     connector_load,
     connector_store,
@@ -38,9 +39,8 @@ from kvgen import generated
 from kvgen.oracle.scenarios import check_connector
 from kvgen.plan.copy import plan_library
 from kvgen.runtime import KVLayoutError
-from kvgen.spec.library import load_library
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 PLANS = {p.module: p for p in plan_library(LIBRARY)}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 if hasattr(torch, "float8_e4m3fn"):

@@ -8,21 +8,20 @@ import time
 
 import pytest
 import torch
-from harness import SCENARIOS
+from harness import SCENARIOS, builtin_library
 
 from kvgen import generated
 from kvgen.errors import KVGenError
 from kvgen.oracle.scenarios import check_connector
 from kvgen.runtime import threads
 from kvgen.runtime.movers import torch as torch_mover
-from kvgen.spec.library import load_library
 from kvgen.tools.bench.busy import neighbour
 
 # Thread counts that depend on how busy the host is: run alone (conftest.py).
 pytestmark = pytest.mark.serial
 
 MB = 1 << 20
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 
 
 def test_small_ops_and_a_busy_host_run_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from harness import builtin_library
 
 import kvgen
 from kvgen import generated
@@ -28,9 +29,8 @@ from kvgen.integrations.shapes import map_leaves
 from kvgen.oracle import reference
 from kvgen.oracle.scenarios import EXT, make_cache
 from kvgen.runtime import KVLayoutError
-from kvgen.spec.library import load_library
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 PAGED = [s.name for s in LIBRARY.paged if detectable(generated.LAYOUTS[s.name])]
 #: Geometries where extents coincide, the only way two layouts can share a shape.
 TIES = [{}, {"N": 2}, {"B": 2}, {"N": 1}, {"H": 1}, {"B": 2, "N": 2, "H": 2}, {"L": 2}, {"H": 4},

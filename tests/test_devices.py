@@ -14,6 +14,7 @@ from harness import (
     EXT,
     SCENARIOS,
     block_table_mapping,
+    builtin_library,
     clone_tree,
     connector_store,
     make_cache,
@@ -26,9 +27,8 @@ from harness import (
 from kvgen import generated
 from kvgen.runtime import KVLayoutError, backend_for
 from kvgen.runtime.devices import CpuBackend
-from kvgen.spec.library import load_library
 
-LIB = load_library()
+LIB = builtin_library()
 
 
 class RecordingBackend(CpuBackend):

@@ -34,13 +34,15 @@ except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain 
                 "`scripts/dev engines` runs these tests in .venv-sglang (sglang 0.5.23, torch 2.14.1)",
                 allow_module_level=True)
 
+from harness import builtin_library  # noqa: E402
+
 import kvgen  # noqa: E402
 from kvgen.oracle.address import packed_value, plane_address  # noqa: E402
 from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
-from kvgen.spec.library import load_library, load_specs  # noqa: E402
+from kvgen.spec.library import load_specs  # noqa: E402
 from kvgen.spec.model import Packing, Spec  # noqa: E402
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 L, H, PAGE, SIZE, HEAD, LATENT = 2, 3, 16, 48, 128, 576
 ROWS = SIZE + PAGE
 SLOTS = torch.tensor([17, 3, 40, 16, 31, 63, 50, 5])

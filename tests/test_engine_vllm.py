@@ -25,6 +25,7 @@ import torch
 iface = pytest.importorskip("vllm.v1.kv_cache_interface",
                             reason="vllm 0.33.0 is not installed (scripts/dev installs it unless KVGEN_NO_ENGINES=1)")
 
+from harness import builtin_library  # noqa: E402
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
@@ -35,9 +36,8 @@ from kvgen.integrations.detect import AmbiguousLayout, NoLayout, detect  # noqa:
 from kvgen.integrations.vllm import Pairing  # noqa: E402
 from kvgen.oracle import facts_vllm, reference  # noqa: E402
 from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
-from kvgen.spec.library import load_library  # noqa: E402
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 #: No two extents equal: a swapped pair of axes changes a shape or a value.
 L, B, N, H, C = 2, 5, 4, 3, 6
 LAYOUTS = [layout.name for layout in KVCacheLayout]

@@ -29,6 +29,7 @@ import torch
 iface = pytest.importorskip("vllm.v1.kv_cache_interface",
                             reason="vllm 0.33.0 is not installed (scripts/dev installs it unless KVGEN_NO_ENGINES=1)")
 
+from harness import builtin_library  # noqa: E402
 from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim, nvfp4_split_data_scale  # noqa: E402
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl  # noqa: E402
 from vllm.v1.attention.ops.int4_per_token_head import pack_int4_nibbles  # noqa: E402
@@ -45,10 +46,9 @@ from kvgen.oracle.fact_table import EngineGeometry as Geometry  # noqa: E402
 from kvgen.oracle.facts_parts import PARTS_FACTS  # noqa: E402
 from kvgen.oracle.reference import Span  # noqa: E402
 from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
-from kvgen.spec.library import load_library  # noqa: E402
 from kvgen.spec.model import Dim, Packing, Spec  # noqa: E402
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 #: H == N, so a spec that reads a (head, slot) cell as (slot, head) still fits the tensors and
 #: only the values can tell.
 L, B, N, H, HS = 2, 5, 4, 4, 128

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from harness import builtin_library
 
 from kvgen import generated
 from kvgen.oracle import reference
@@ -33,9 +34,8 @@ from kvgen.oracle.facts_groups import GROUPS_FACTS
 from kvgen.oracle.facts_parts import PACKED_FACTS, PARTS_FACTS
 from kvgen.oracle.scenarios import Scenario, connector_load, connector_store
 from kvgen.runtime import MemoryObj
-from kvgen.spec.library import load_library
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 SPECS = {s.name: s for s in LIBRARY.specs}
 
 #: No two extents equal (KV is 2), so a swapped pair of axes changes a shape or an address.

@@ -8,13 +8,14 @@ from typing import Any
 
 import pytest
 import yaml
+from harness import builtin_library
 
 from kvgen.errors import SpecError
 from kvgen.oracle.facts import EngineGeometry, disagreement
 from kvgen.oracle.facts_groups import GROUPS_FACTS
-from kvgen.spec.library import load_library, load_specs
+from kvgen.spec.library import load_specs
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 GROUPS = {s.name: s for s in LIBRARY.objects if s.carries is not None}
 G = EngineGeometry(L=3, B=5, N=4, H=6, C=7, T=9)
 

@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 import yaml
+from harness import builtin_library
 
 from kvgen.errors import SpecError
 from kvgen.oracle.facts_quant import UNITS, units_disagreement
-from kvgen.spec.library import load_library, load_specs
+from kvgen.spec.library import load_specs
 from kvgen.tools.verify import _check_facts
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 PACKED = sorted(s.name for s in LIBRARY.paged if any(f.is_sub_byte or f.scales for p in s.parts for f in p.fields))
 
 

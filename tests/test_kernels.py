@@ -19,7 +19,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import EXT, SCENARIOS, connector_load, connector_store, make_cache, make_objects, reference_load
+from harness import (
+    EXT,
+    SCENARIOS,
+    builtin_library,
+    connector_load,
+    connector_store,
+    make_cache,
+    make_objects,
+    reference_load,
+)
 
 from kvgen import generated
 from kvgen.oracle.scenarios import check_connector, clone_tree, same_bits
@@ -28,9 +37,8 @@ from kvgen.plan.kernel import make_kernel_plan, make_parts_kernel_plan
 from kvgen.plan.package import plan_connectors, plan_package
 from kvgen.plan.parts import PartsPlan
 from kvgen.runtime import KVLayoutError, available_devices, kernels, native
-from kvgen.spec.library import load_library
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 PLANS = {p.module: p for p in plan_library(LIBRARY)}
 PARTS = {p.module: p for p in plan_connectors(LIBRARY) if isinstance(p, PartsPlan)}
 HAVE_TRITON = importlib.util.find_spec("triton") is not None

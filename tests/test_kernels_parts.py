@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import EXT, SCENARIOS, connector_load, connector_store, make_cache, make_objects
+from harness import EXT, SCENARIOS, builtin_library, connector_load, connector_store, make_cache, make_objects
 
 from kvgen import generated
 from kvgen.oracle.scenarios import check_connector, clone_tree, same_bits
@@ -22,9 +22,8 @@ from kvgen.plan.kernel import make_parts_kernel_plan
 from kvgen.plan.package import plan_connectors
 from kvgen.plan.parts import PartsPlan
 from kvgen.runtime import KVLayoutError, available_devices, kernels
-from kvgen.spec.library import load_library
 
-PARTS = {p.module: p for p in plan_connectors(load_library()) if isinstance(p, PartsPlan)}
+PARTS = {p.module: p for p in plan_connectors(builtin_library()) if isinstance(p, PartsPlan)}
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if HAVE_TRITON and available_devices() == ["cpu"]:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported

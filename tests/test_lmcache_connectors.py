@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("lmcache.v1.memory_allocators.pin_memory_allocator",
                     reason="lmcache 0.5.6 is not installed (scripts/dev installs it)")
 
+from harness import builtin_library  # noqa: E402
 from lmcache.v1.memory_allocators.pin_memory_allocator import PinMemoryAllocator  # noqa: E402
 from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
@@ -27,9 +28,8 @@ from kvgen.integrations.detect import detectable  # noqa: E402
 from kvgen.oracle import reference  # noqa: E402
 from kvgen.oracle.scenarios import EXT, block_table_mapping, clone_tree, make_cache, same_bits  # noqa: E402
 from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
-from kvgen.spec.library import load_library  # noqa: E402
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 STARTS, ENDS = [4, 9, 19], [8, 13, 25]
 SEQ = 25
 #: How each engine hands a layout over, and the hint a deployment gives where the cache alone

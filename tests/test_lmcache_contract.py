@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("lmcache.v1.gpu_connector.xpu_connectors",
                     reason="lmcache 0.5.6 is not installed (scripts/dev installs it)")
 
+from harness import builtin_library  # noqa: E402
 from lmcache.utils import EngineType  # noqa: E402
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 from lmcache.v1.gpu_connector import CreateGPUConnector, gpu_connectors, xpu_connectors  # noqa: E402
@@ -27,7 +28,6 @@ from kvgen.integrations.lmcache.base import LayerBufferAllocator, call_with  # n
 from kvgen.oracle import reference  # noqa: E402
 from kvgen.oracle.scenarios import EXT, block_table_mapping, clone_tree, make_cache, same_bits  # noqa: E402
 from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
-from kvgen.spec.library import load_library  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +37,7 @@ def _vllm_before_kv_cache_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kvgen_hints, "installed_version", lambda engine: "0.32.0" if engine == "vllm" else None)
 
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 NHD = LIBRARY["vllm_flash_attn_nhd"]
 CLASSES = [("gpu_connectors", n) for n in ("VLLMPagedMemGPUConnectorV2", "VLLMPagedMemGPUConnectorV3",
                                            "VLLMPagedMemLayerwiseGPUConnector", "SGLangGPUConnector",

@@ -14,15 +14,15 @@ import torch
 
 pytest.importorskip("lmcache.v1.metadata", reason="lmcache 0.5.6 is not installed (scripts/dev installs it)")
 
+from harness import builtin_library  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
 import kvgen.integrations.lmcache as kl  # noqa: E402
 from kvgen.integrations.detect import AmbiguousLayout, NoLayout  # noqa: E402
 from kvgen.oracle import reference  # noqa: E402
 from kvgen.runtime import MemoryObj  # noqa: E402
-from kvgen.spec.library import load_library  # noqa: E402
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 L, B, N, C = 2, 5, 4, 6
 SLOTS = [17, 3, 8, 9, 10, 11, 0]
 

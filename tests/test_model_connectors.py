@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from harness import builtin_library
 from model_harness import build_models
 
 import kvgen.generated as generated
@@ -27,7 +28,7 @@ from kvgen.spec.model import Pack
 # Under pytest-xdist one worker runs this file, so the toy models `toys` builds is made once (conftest.py).
 pytestmark = pytest.mark.xdist_group("model_connectors")
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 GROUPS_OBJECTS = [o.name for o in LIBRARY.objects if o.pack is Pack.GROUPS]
 #: A short chunk with per-group holes, for every built-in model (the reference is slow on real geometry).
 BUILTIN_SCENARIO = ms.ModelScenario("builtin", (1,), (4,), ms.SCENARIOS["minus1_per_group"].mapping)

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from harness import builtin_library
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from model_harness import build_models
 
 from kvgen.oracle import model_scenarios as ms
-from kvgen.spec.library import load_library
 
 #: Layouts whose lists start with L, with the sizes a group may declare for them.
 LAYOUTS = {
@@ -29,7 +29,7 @@ LAYOUTS = {
     "vllm_fp8_tensor_scales": ("H", "C.kv"),
     "vllm_gaudi_fp8": ("H",),
 }
-BASE = load_library()
+BASE = builtin_library()
 
 
 @st.composite

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from harness import builtin_library
 
 import kvgen
 from kvgen import generated
@@ -31,7 +32,6 @@ from kvgen.runtime import MemoryObj, devices, kernels, native
 from kvgen.runtime.connector import max_word
 from kvgen.runtime.movers import native as native_mover
 from kvgen.runtime.movers.choose import choose
-from kvgen.spec.library import load_library
 
 pytestmark = pytest.mark.skipif(bool(native.unavailable()), reason=f"no compiled kernel: {native.unavailable()}")
 
@@ -39,7 +39,7 @@ if importlib.util.find_spec("triton") is not None and devices.available_devices(
     # Kernel modules are imported on first use, after collection: they see the interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-LIBRARY_SPECS = load_library()
+LIBRARY_SPECS = builtin_library()
 MODULE = "vllm_flash_attn_nhd__kv_2ltd"  # cache L x [KV B N H C], object [KV L T (H C)]
 #: Two layers and K/V, so that swapping the object's KV and L places keeps every address inside it.
 L, KV, B, N, H, C = 2, 2, 6, 4, 2, 3

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import EXT, SCENARIOS, make_cache, obj_tensors, reference_load, reference_store, same_bits
+from harness import EXT, SCENARIOS, builtin_library, make_cache, obj_tensors, reference_load, reference_store, same_bits
 
 from kvgen import generated
 from kvgen.errors import KVLayoutError
@@ -34,9 +34,8 @@ from kvgen.runtime import MemoryObj, host, native
 from kvgen.runtime.connector import Call
 from kvgen.runtime.movers import native as native_mover
 from kvgen.runtime.slots import Chunk
-from kvgen.spec.library import load_library
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 PLANS = plan_connectors(LIBRARY)
 #: Connectors of one-tree caches (the compiled path's), and of caches of several planes (torch's).
 TREE = [p for p in PLANS if isinstance(p, CopyPlan)]

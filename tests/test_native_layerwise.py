@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from harness import EXT, SCENARIOS, make_cache
+from harness import EXT, SCENARIOS, builtin_library, make_cache
 
 from kvgen import generated
 from kvgen.errors import KVLayoutError
@@ -17,9 +17,8 @@ from kvgen.oracle.scenarios import connector_load, connector_store, make_objects
 from kvgen.runtime import native
 from kvgen.runtime.movers import native as native_mover
 from kvgen.runtime.movers import torch as torch_mover
-from kvgen.spec.library import load_library
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 NHD, KV_2TD = LIBRARY["vllm_flash_attn_nhd"], LIBRARY["kv_2td"]
 SC = SCENARIOS["partial_blocks"]
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from harness import builtin_library
 
 from kvgen.errors import KVGenError
 from kvgen.notation import NotationError, format_layout, parse_layout
-from kvgen.spec.library import load_library
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 
 
 # Format-2 arrows (parts, fields, packs) are printed for people only: docs/spec-language.md.

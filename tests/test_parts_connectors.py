@@ -20,6 +20,7 @@ from harness import (
     SCENARIOS,
     Scenario,
     block_table_mapping,
+    builtin_library,
     clone_tree,
     connector_load,
     connector_store,
@@ -38,9 +39,8 @@ from kvgen.oracle.scenarios import check_connector, check_pair
 from kvgen.plan.package import connector_plan, plan_connectors
 from kvgen.plan.parts import PartsPlan
 from kvgen.runtime import KVLayoutError, MemoryObj
-from kvgen.spec.library import load_library
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 PLANS = {p.module: p for p in plan_connectors(LIBRARY) if isinstance(p, PartsPlan)}
 
 

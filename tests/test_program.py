@@ -8,15 +8,15 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
+from harness import builtin_library
 
 from kvgen import generated
 from kvgen.plan.copy import CopyPlan
 from kvgen.plan.package import plan_connectors
 from kvgen.plan.program import KERNEL_DIMS, ProgramPlan, program_plan, transfer_program
 from kvgen.runtime import CopyPath, CopyProgram, TransferPath, native
-from kvgen.spec.library import load_library
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 PLANS = {p.module: p for p in plan_connectors(LIBRARY)}
 
 def _program_of(plan: ProgramPlan) -> CopyProgram:

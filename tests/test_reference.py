@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import EXT, make_cache, same_bits, tensors_of
+from harness import EXT, builtin_library, make_cache, same_bits, tensors_of
 
 from kvgen import generated
 from kvgen.oracle import planes, reference, transfer_reference
@@ -14,9 +14,8 @@ from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT
 from kvgen.oracle.transfer_scenarios import make_cache as transfer_cache
 from kvgen.plan.copy import plan_library
 from kvgen.runtime.ops import bits
-from kvgen.spec.library import load_library
 
-LIB = load_library()
+LIB = builtin_library()
 N, H, C = EXT["N"], EXT["H"], EXT["C"]
 SLOTS = [13, 2, 40, 7]
 

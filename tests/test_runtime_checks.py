@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import EXT, block_table_mapping, clone_tree, make_cache, make_objects, same_bits
+from harness import EXT, block_table_mapping, builtin_library, clone_tree, make_cache, make_objects, same_bits
 from harness import tensors_of as leaves
 
 from kvgen import generated
@@ -29,9 +29,8 @@ from kvgen.runtime import KVLayoutError, MemoryObj
 from kvgen.runtime.connector import _same_device
 from kvgen.runtime.memory import Format
 from kvgen.runtime.ops import bits
-from kvgen.spec.library import load_library
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 PAIRS = [
     ("vllm_flash_attn_nhd", "kv_2ltd"),
     ("vllm_kv_tuple", "kv_2ltd"),

@@ -16,15 +16,14 @@ from typing import Any
 
 import pytest
 import torch
-from harness import clone_tree, same_bits
+from harness import builtin_library, clone_tree, same_bits
 
 from kvgen import generated
 from kvgen.errors import KVGenError
 from kvgen.oracle import reference
 from kvgen.runtime import KVLayoutError, MemoryObj, available_devices
-from kvgen.spec.library import load_library
 
-LIB = load_library()
+LIB = builtin_library()
 NHD = "vllm_flash_attn_nhd"
 WHOLE, LAYERWISE = "kv_2ltd", "kv_t2d"
 #: bf16 with C=8: a head is 16 bytes, so a contiguous cache moves as 16-byte words.

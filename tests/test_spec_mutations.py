@@ -17,16 +17,17 @@ from typing import Any
 
 import pytest
 import yaml
+from harness import builtin_library
 
 from kvgen.errors import SpecError
 from kvgen.oracle.facts import EngineGeometry, disagreement
-from kvgen.spec.library import BUILTIN_SPECS, load_library, load_specs
+from kvgen.spec.library import BUILTIN_SPECS, load_specs
 
 #: No two extents equal (KV is 2), so no swap of two axes keeps every address.
 G = EngineGeometry(L=3, B=5, N=4, H=6, C=7, T=9)
 
 # Format-2 specs (parts, fields, packs) have mutants of their own: tests/test_spec_mutations_parts.py.
-FILES = {spec.name: Path(spec.source).resolve() for spec in load_library().specs if spec.is_simple}
+FILES = {spec.name: Path(spec.source).resolve() for spec in builtin_library().specs if spec.is_simple}
 
 #: The edits that passed every test and `kvgen verify` before the facts existed.
 NAMED_EDITS = {

@@ -15,14 +15,15 @@ from typing import Any
 
 import pytest
 import yaml
+from harness import builtin_library
 
 from kvgen.errors import SpecError
 from kvgen.oracle.facts import EngineGeometry, disagreement
-from kvgen.spec.library import load_library, load_specs
+from kvgen.spec.library import load_specs
 
 G = EngineGeometry(L=3, B=5, N=4, H=6, C=7, T=9)
 # Groups objects have no dims or parts to mutate: tests/test_facts_groups.py mutates them.
-FILES = {spec.name: Path(spec.source).resolve() for spec in load_library().specs
+FILES = {spec.name: Path(spec.source).resolve() for spec in builtin_library().specs
          if not spec.is_simple and spec.carries is None}
 OTHER_DTYPE = {"float32": "bfloat16", "bfloat16": "float32", "float8_e4m3fn": "float8_e5m2", "uint8": "int8",
                "float8_e5m2": "float8_e4m3fn", "float16": "float32", "int8": "uint8",

@@ -7,13 +7,12 @@ object's own."""
 from __future__ import annotations
 
 import pytest
-from harness import SCENARIOS
+from harness import SCENARIOS, builtin_library
 
 from kvgen import generated
 from kvgen.oracle.scenarios import check_connector
-from kvgen.spec.library import load_library
 
-LIB = load_library()
+LIB = builtin_library()
 MODULES = ["vllm_flash_attn_hnd__kv_2ltd", "sglang_mha__kv_t2d", "vllm_cross_layer__kv_2td", "vllm_mla__kv_mla_layer"]
 
 

@@ -11,15 +11,15 @@ from typing import Any
 
 import pytest
 import torch
+from harness import builtin_library
 
 from kvgen import generated
 from kvgen.oracle import transfer_reference
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT, make_cache
 from kvgen.runtime import KVLayoutError
-from kvgen.spec.library import load_library
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 HND, NHD = LIBRARY["vllm_flash_attn_hnd"], LIBRARY["vllm_flash_attn_nhd"]
 T = generated.transfer("vllm_flash_attn_hnd", "vllm_flash_attn_nhd")
 SLOTS = torch.tensor([4, 5, 6, 7, 9, 10, 30])

@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 import torch
+from harness import builtin_library
 
 from kvgen import generated, tp
 from kvgen.oracle import transfer_reference
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT, make_cache
-from kvgen.spec.library import load_library
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 PAIRS = sorted(generated.TRANSFERS)
 BOTH_WAYS = sorted((a, b) for a, b in PAIRS if a < b and (b, a) in PAIRS)
 #: A's slots (partial blocks, a -1) and B's, in blocks of 8 on B's side.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import builtin_library
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,10 +16,9 @@ from kvgen.oracle import transfer_reference
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.transfer_scenarios import make_cache, run_transfer
 from kvgen.runtime import native
-from kvgen.spec.library import load_library
 from kvgen.spec.transfers import load_transfers
 
-BUILTIN = load_transfers(load_library())
+BUILTIN = load_transfers(builtin_library())
 
 pytestmark = pytest.mark.skipif(bool(native.unavailable()), reason=f"no compiled kernel: {native.unavailable()}")
 

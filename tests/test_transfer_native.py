@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import builtin_library
 
 from kvgen import generated
 from kvgen.errors import KVLayoutError
@@ -13,9 +14,8 @@ from kvgen.oracle import transfer_reference
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT, make_cache
 from kvgen.runtime import native
-from kvgen.spec.library import load_library
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 HND, NHD = LIBRARY["vllm_flash_attn_hnd"], LIBRARY["vllm_flash_attn_nhd"]
 T = generated.transfer("vllm_flash_attn_hnd", "vllm_flash_attn_nhd")
 S, D = torch.tensor([0, 1, 2, 3, 9, 17]), torch.tensor([4, 5, 6, 7, 0, 30])

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from harness import builtin_library
 
 from kvgen import generated
 from kvgen.oracle.transfer_scenarios import (
@@ -22,11 +23,10 @@ from kvgen.oracle.transfer_scenarios import (
     make_cache,
     run_transfer,
 )
-from kvgen.spec.library import load_library
 from kvgen.spec.model import Spec
 from kvgen.spec.transfers import load_transfers
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 BUILTIN = load_transfers(LIBRARY)
 MODULES = {p.module: (p.src, p.dst) for p in BUILTIN}
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import builtin_library
 
 from kvgen.errors import SpecError
 from kvgen.oracle import transfer_reference
@@ -20,7 +21,7 @@ from kvgen.spec.library import BUILTIN_SPECS, load_library, spec_files
 from kvgen.spec.transfers import check_transfers, content_problem, load_transfers
 from kvgen.tools.cli import main
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 
 MY_LAYOUT = """\
 kvgen: 1

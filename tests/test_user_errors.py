@@ -9,15 +9,15 @@ import sys
 
 import pytest
 import torch
+from harness import builtin_library
 
 import kvgen.generated as generated
 from kvgen.errors import KVGenError, KVLayoutError
 from kvgen.integrations import lmcache as kl
 from kvgen.oracle.scenarios import EXT, clone_tree, make_cache, same_bits
 from kvgen.runtime import MemoryObj
-from kvgen.spec.library import load_library
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 NHD = LIBRARY["vllm_flash_attn_nhd"]
 
 

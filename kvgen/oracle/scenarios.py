@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
@@ -57,6 +57,8 @@ class Scenario:
     odd_objects: bool = False
     #: The prefix of each chunk a load leaves alone (skip_prefix_n_tokens).
     skip: int = 0
+    #: The cache's extents (EXT; Triton's interpreter pass of verify takes fewer layers).
+    ext: Mapping[str, int] = field(default_factory=lambda: EXT)
 
     @property
     def seq_len(self) -> int:
@@ -147,31 +149,33 @@ def allocate(shape: Sequence[int], dtype: torch.dtype, device: str, strided: boo
 
 
 @cache
-def _filled(paged: Spec, dtype: torch.dtype) -> Any:
-    """The coded cache of a layout, computed once (the reference fills it element by
-    element); make_cache copies it into freshly allocated leaves. Never written to."""
+def _filled(paged: Spec, dtype: torch.dtype, extents: tuple[tuple[str, int], ...]) -> Any:
+    """The coded cache of a layout at `extents` (sorted items), computed once (the reference
+    fills it element by element); make_cache copies it into freshly allocated leaves. Never
+    written to."""
+    ext = dict(extents)
     if not paged.is_simple:  # format 2: every byte carries a code of its part, leaf and place
-        return planes.make_parts_cache(paged, planes.parts_extents(paged, EXT), dtype, "cpu")
-    shape = reference.leaf_shape(paged, EXT)
-    cache = reference.nest(paged, EXT, lambda path: torch.zeros(shape, dtype=dtype))
-    reference.fill_cache(paged, EXT, cache, dtype)
+        return planes.make_parts_cache(paged, planes.parts_extents(paged, ext), dtype, "cpu")
+    shape = reference.leaf_shape(paged, ext)
+    cache = reference.nest(paged, ext, lambda path: torch.zeros(shape, dtype=dtype))
+    reference.fill_cache(paged, ext, cache, dtype)
     return cache
 
 
 def make_cache(paged: Spec, dtype: torch.dtype, device: str, strided: bool = False,
-               odd_offset: bool = False) -> Any:
+               odd_offset: bool = False, *, ext: Mapping[str, int] = EXT) -> Any:
+    template = _filled(paged, dtype, tuple(sorted(ext.items())))
     if not paged.is_simple:
-        return planes.copy_parts_cache(paged, planes.parts_extents(paged, EXT), _filled(paged, dtype), device,
-                                       strided, odd_offset)
-    shape = reference.leaf_shape(paged, EXT)
-    template = _filled(paged, dtype)
+        return planes.copy_parts_cache(paged, planes.parts_extents(paged, ext), template, device, strided,
+                                       odd_offset)
+    shape = reference.leaf_shape(paged, ext)
 
     def leaf(path: tuple[int, ...]) -> torch.Tensor:
         t = allocate(shape, dtype, device, strided, odd_offset)
         bits(t).copy_(bits(reference.leaf(template, path)))
         return t
 
-    return reference.nest(paged, EXT, leaf)
+    return reference.nest(paged, ext, leaf)
 
 
 def clone_tree(tree: Any) -> Any:
@@ -270,9 +274,9 @@ def reference_store(paged: Spec, obj: Spec, cache: Any, objs: list[Any], sc: Sce
                     mapping: Sequence[int]) -> None:
     for o, s, e in zip(objs, sc.starts, sc.ends, strict=False):
         if paged.is_simple:
-            reference.store(paged, obj, EXT, cache, obj_tensors(o), reference.Span(mapping, s, e, sc.offset))
+            reference.store(paged, obj, sc.ext, cache, obj_tensors(o), reference.Span(mapping, s, e, sc.offset))
         else:
-            planes.store(paged, obj, planes.parts_extents(paged, EXT), cache, obj_tensors(o),
+            planes.store(paged, obj, planes.parts_extents(paged, sc.ext), cache, obj_tensors(o),
                          reference.Span(mapping, s, e, sc.offset))
 
 
@@ -280,9 +284,10 @@ def reference_load(paged: Spec, obj: Spec, cache: Any, objs: list[Any], sc: Scen
                    mapping: Sequence[int]) -> None:
     for o, s, e in zip(objs, sc.starts, sc.ends, strict=False):
         if paged.is_simple:
-            reference.load(paged, obj, EXT, cache, obj_tensors(o), reference.Span(mapping, s, e, sc.offset, sc.skip))
+            reference.load(paged, obj, sc.ext, cache, obj_tensors(o),
+                           reference.Span(mapping, s, e, sc.offset, sc.skip))
         else:
-            planes.load(paged, obj, planes.parts_extents(paged, EXT), cache, obj_tensors(o),
+            planes.load(paged, obj, planes.parts_extents(paged, sc.ext), cache, obj_tensors(o),
                         reference.Span(mapping, s, e, sc.offset, sc.skip))
 
 
@@ -292,11 +297,11 @@ def check_pair(connector: Any, paged: Spec, obj: Spec, scenario: Scenario,
     against the reference."""
     device = str(connector.device)
     rng = random.Random(f"{paged.name}/{obj.name}/{scenario.name}")
-    mapping_list = scenario.mapping(rng, EXT)
+    mapping_list = scenario.mapping(rng, scenario.ext)
     mapping = torch.tensor(mapping_list, dtype=torch.long, device=device)
     lengths = [e - s for s, e in zip(scenario.starts, scenario.ends, strict=False)]
 
-    cache = make_cache(paged, dtype, device, scenario.strided, scenario.odd_cache)
+    cache = make_cache(paged, dtype, device, scenario.strided, scenario.odd_cache, ext=scenario.ext)
     connector.bind(cache)
     objs = make_objects(connector, lengths, dtype, device, salt=7)
     if scenario.odd_objects:

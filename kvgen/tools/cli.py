@@ -335,7 +335,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", action="append", default=None, metavar="TYPE",
                    help="device type to run on, e.g. cpu or cuda; repeatable (default: every one present)")
     p.add_argument("--only", default=None, metavar="TEXT",
-                   help="run only the connectors whose module name (LAYOUT__OBJECT) contains TEXT")
+                   help="run only the connectors whose module name (LAYOUT__OBJECT) contains TEXT (and no fact "
+                        "or engine checks of the built-in specs, which a whole verify runs)")
     p.add_argument("--backend", choices=("triton", "torch"), default=None,
                    help="force how connectors move data: the generated Triton kernels (on the CPU through "
                         "Triton's interpreter, TRITON_INTERPRET=1, set here) or the torch ops (default: each "

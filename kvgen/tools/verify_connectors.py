@@ -5,10 +5,27 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
 from kvgen.tools.verify_pool import Rows, each
+
+#: Layers of the cache in Triton's interpreter (CPU, --backend triton), which runs every program
+#: instance of a launch in Python, one per (layer, K/V, block or token tile): two layers
+#: instead of three cut that pass by a third and still move every layer's own table entry,
+#: layerwise one launch per layer. Every scenario still runs, store and load.
+INTERPRETER_LAYERS = 2
+
+
+def scenarios(backend: str | None, device: str) -> list[Any]:
+    """The slot scenarios a connector runs: all of them, on fewer layers in Triton's interpreter."""
+    # torch: only for a run
+    from kvgen.oracle.scenarios import SCENARIOS
+
+    if backend == "triton" and device == "cpu":
+        return [replace(s, ext={**s.ext, "L": INTERPRETER_LAYERS}) for s in SCENARIOS.values()]
+    return list(SCENARIOS.values())
 
 
 def check(package: ModuleType, plan: Any, device: str, backend: str | None) -> tuple[bool, bool, bool]:
@@ -16,13 +33,13 @@ def check(package: ModuleType, plan: Any, device: str, backend: str | None) -> t
     all through one connector, as an engine keeps one for every cache it meets; a scenario
     whose copy raises counts as failing both."""
     # torch: only for a run
-    from kvgen.oracle.scenarios import SCENARIOS, check_pair
+    from kvgen.oracle.scenarios import check_pair
     from kvgen.runtime import kernels
 
     launches = kernels.stats["launches"]
     connector = package.get(plan.paged.name, plan.obj.name)(device=device, backend=backend)
     store = load = True
-    for scenario in SCENARIOS.values():
+    for scenario in scenarios(backend, device):
         try:
             s, ld = check_pair(connector, plan.paged, plan.obj, scenario)
         except Exception as exc:  # a wrong connector may raise anything; report it and go on
@@ -50,7 +67,9 @@ def run(rows: Rows, selected: Sequence[Any], everything: Sequence[Any], devices:
         count += 1
         print(f"{plan.paged.name:<{wide[0]}} {plan.obj.name:<{wide[1]}} {plan.mode:<9} {device:<6} "
               f"{'yes' if store_ok else 'NO':<8} {'yes' if load_ok else 'NO':<8}", flush=True)
+    interpreted = backend == "triton" and "cpu" in devices
+    layers = f", {INTERPRETER_LAYERS} layers in Triton's interpreter" if interpreted else ""
     print(f"\n{count} connector runs on {', '.join(devices)} ({len(SCENARIOS)} slot scenarios each"
-          + (f", backend {backend}" if backend else "") + "): "
+          + (f", backend {backend}" if backend else "") + layers + "): "
           f"{count * 2 - failures} checks passed, {failures} failed")
     return failures

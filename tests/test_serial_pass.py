@@ -1,0 +1,33 @@
+"""The serial pass of scripts/dev test (`pytest -m serial`) imports only the modules that mark a
+test serial (tests/conftest.py): a module without the marker is never imported there, and every
+other pass collects it as before."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+SERIAL = "import pytest\n\n\n@pytest.mark.serial\ndef test_timed():\n    pass\n\n\ndef test_plain():\n    pass\n"
+#: Importing this module fails: a pass that imports it reports a collection error.
+UNMARKED = "raise RuntimeError('imported')\n\n\ndef test_other():\n    pass\n"
+
+
+def _collect(tmp_path: Path, marks: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+                           "-m", marks, str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+
+def test_the_serial_pass_imports_only_modules_that_mark_a_test_serial(tmp_path: Path) -> None:
+    shutil.copy(HERE / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_marked.py").write_text(SERIAL)
+    (tmp_path / "test_unmarked.py").write_text(UNMARKED)
+    serial = _collect(tmp_path, "serial")
+    assert serial.returncode == 0, serial.stdout + serial.stderr
+    assert "test_marked.py::test_timed" in serial.stdout and "test_unmarked" not in serial.stdout
+    others = _collect(tmp_path, "not serial")
+    assert "test_marked.py::test_plain" in others.stdout
+    assert "RuntimeError: imported" in others.stdout, others.stdout  # collected (and its error shown) here
