@@ -123,6 +123,9 @@ def _select(args: Any, ctx: Context) -> _Selection:
         raise KVGenError(problem)
     chosen = _Selection(*([p for p in found if not args.only or args.only in p.module]
                           for found in (plans, transfers, model_plans)))
+    if not args.only:
+        long = verify_models.left_to_only(model_plans)
+        chosen = _Selection(chosen.connectors, chosen.transfers, [p for p in chosen.models if p not in long])
     if not chosen.connectors and not chosen.transfers and not chosen.models:
         raise KVGenError(f"--only {args.only!r} matches no connector of the {len(plans)} in "
                          f"{display_path(args.out)} and no transfer (it is a part of a module name such as "

@@ -32,6 +32,24 @@ def mismatch(package: ModuleType, plans: Sequence[Any], out: Path, specs: Sequen
     return None
 
 
+#: A model whose groups store more tokens than this per slot runs every scenario at that many
+#: times the tokens (chunks must start and end on whole slots): DeepSeek-V4's 128 makes one
+#: scenario of its 43 layers about a minute of the element-by-element reference on 2 cores.
+#: A whole verify leaves such models to `--only` and says so; the suite checks them on one
+#: scenario (tests/test_model_connectors.py) and against the engine (tests/test_engine_vllm_dsv4.py).
+LONG_SLOTS = 16
+
+
+def long_slots(model: Any) -> int:
+    """The most tokens one slot of the model's groups stores (1: a slot per token)."""
+    return max((g.tokens_per_slot for g in model.groups), default=1)
+
+
+def left_to_only(plans: Sequence[Any]) -> list[Any]:
+    """The model connectors a whole verify leaves to `--only` (see LONG_SLOTS)."""
+    return [p for p in plans if long_slots(p.model) > LONG_SLOTS]
+
+
 def rank(model: Any) -> int:
     """The largest TP every group's heads and every state split divide: the smallest caches
     that still check the declared geometry (the reference works value by value)."""
@@ -64,6 +82,13 @@ def run(rows: Rows, selected: Sequence[Any], everything: Sequence[Any], devices:
         return 0, 0
     # torch: only for a run
     from kvgen.oracle.model_scenarios import SCENARIOS
+
+    if len(selected) < len(everything):
+        for plan in left_to_only(everything):
+            if plan not in selected:
+                print(f"kvgen verify: {plan.module} ({long_slots(plan.model)} tokens per slot, so every scenario "
+                      f"moves {long_slots(plan.model)}x the tokens) is left to `kvgen verify --only {plan.module}`; "
+                      "the suite checks it on one scenario and against vLLM's own DeepSeek-V4 caches")
 
     wide = max([24, *(len(p.model.name) for p in selected)]), max([22, *(len(p.obj.name) for p in selected)])
     print(f"\n{'model':<{wide[0]}} {'object':<{wide[1]}} {'device':<6} {'store ok':<8} load ok")
