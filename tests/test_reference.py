@@ -276,3 +276,15 @@ def test_objects_at_odd_offsets_keep_their_bits_and_label_one_element_into_their
     assert {m.metadata.fmt for m in moved} == {connector.format}
     assert all(m.tensor.untyped_storage().data_ptr() != o.tensor.untyped_storage().data_ptr()
                for m, o in zip(moved, flat, strict=True))
+
+
+def test_byte_write_back_of_wide_values_after_an_odd_number_of_bytes() -> None:
+    """A plane's tensors end to end: a float32 tensor after 6 bytes of bfloat16 starts at byte 6,
+    where a view as 4-byte words is not allowed; the write-back must still land every bit."""
+    small = torch.arange(3, dtype=torch.int16).view(torch.bfloat16)
+    wide = torch.arange(5, dtype=torch.int32).view(torch.float32)
+    found = planes.Bytes([small, wide])
+    found.data[6:].view(-1)[:] = torch.arange(20, dtype=torch.uint8) + 100
+    found.write_back()
+    assert wide.view(torch.uint8).tolist() == list(range(100, 120))
+    assert small.view(torch.int16).tolist() == [0, 1, 2]

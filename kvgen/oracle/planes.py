@@ -230,7 +230,10 @@ class Bytes:
     def write_back(self) -> None:
         for t, lo, hi, shape in zip(self.tensors, self.starts[:-1], self.starts[1:], self.shapes, strict=True):
             target = bits(t)
-            target.copy_(self.data[lo:hi].view(target.dtype).reshape(shape).to(target.device))
+            raw = self.data[lo:hi]
+            if raw.storage_offset() % target.element_size():  # a view as wider words needs them aligned
+                raw = raw.clone()
+            target.copy_(raw.view(target.dtype).reshape(shape).to(target.device))
 
 
 def _list_sizes(spec: Spec, ext: Extents) -> list[int]:
