@@ -111,6 +111,8 @@ class _Selection:
     connectors: list[Any]
     transfers: list[Any]
     models: list[Any]
+    #: Model connectors a whole verify leaves to `--only` (verify_models.LONG_SLOTS).
+    left: tuple[Any, ...] = ()
 
 
 def _select(args: Any, ctx: Context) -> _Selection:
@@ -124,8 +126,8 @@ def _select(args: Any, ctx: Context) -> _Selection:
     chosen = _Selection(*([p for p in found if not args.only or args.only in p.module]
                           for found in (plans, transfers, model_plans)))
     if not args.only:
-        long = verify_models.left_to_only(model_plans)
-        chosen = _Selection(chosen.connectors, chosen.transfers, [p for p in chosen.models if p not in long])
+        left = tuple(verify_models.left_to_only(model_plans))
+        chosen = _Selection(chosen.connectors, chosen.transfers, [p for p in chosen.models if p not in left], left)
     if not chosen.connectors and not chosen.transfers and not chosen.models:
         raise KVGenError(f"--only {args.only!r} matches no connector of the {len(plans)} in "
                          f"{display_path(args.out)} and no transfer (it is a part of a module name such as "
@@ -170,5 +172,5 @@ def main(args: Any) -> int:
     with Rows(ctx, args.jobs if args.jobs is not None else default_jobs(), check_row) as rows:
         failures += verify_connectors.run(rows, chosen.connectors, ctx.plans, devices, args.backend)
         failures += verify_transfers.run(rows, chosen.transfers, ctx.transfers, devices)[1]
-        failures += verify_models.run(rows, chosen.models, ctx.models, devices)[1]
+        failures += verify_models.run(rows, chosen, ctx.models, devices)[1]
     return 1 if failures else 0

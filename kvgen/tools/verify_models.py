@@ -76,19 +76,19 @@ def check(package: ModuleType, library: Any, plan: Any, device: str) -> tuple[bo
     return store, load
 
 
-def run(rows: Rows, selected: Sequence[Any], everything: Sequence[Any], devices: Sequence[str]) -> tuple[int, int]:
-    """Print one row per model connector and device (checked by `rows`); (checks, failures)."""
+def run(rows: Rows, chosen: Any, everything: Sequence[Any], devices: Sequence[str]) -> tuple[int, int]:
+    """Print one row per model connector of `chosen.models` and device (checked by `rows`), and
+    a line for each of `chosen.left`; (checks, failures)."""
+    for plan in chosen.left:
+        k = long_slots(plan.model)
+        print(f"kvgen verify: {plan.module} ({k} tokens per slot, so every scenario moves {k}x the tokens) is left "
+              f"to `kvgen verify --only {plan.module}`; the suite checks it on one scenario "
+              "(tests/test_model_connectors.py)")
+    selected = chosen.models
     if not selected:
         return 0, 0
     # torch: only for a run
     from kvgen.oracle.model_scenarios import SCENARIOS
-
-    if len(selected) < len(everything):
-        for plan in left_to_only(everything):
-            if plan not in selected:
-                print(f"kvgen verify: {plan.module} ({long_slots(plan.model)} tokens per slot, so every scenario "
-                      f"moves {long_slots(plan.model)}x the tokens) is left to `kvgen verify --only {plan.module}`; "
-                      "the suite checks it on one scenario and against vLLM's own DeepSeek-V4 caches")
 
     wide = max([24, *(len(p.model.name) for p in selected)]), max([22, *(len(p.obj.name) for p in selected)])
     print(f"\n{'model':<{wide[0]}} {'object':<{wide[1]}} {'device':<6} {'store ok':<8} load ok")
