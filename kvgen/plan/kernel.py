@@ -79,19 +79,11 @@ def launch_fields(axes: Axes, aligned: bool) -> tuple[tuple[str, object], ...]:
     return fields
 
 
-@dataclass(frozen=True)
-class KernelPlan:
-    copy: CopyPlan
-    axes: Axes
-    row: tuple[str, ...]
-    outer: tuple[str, ...]
-    #: The kernel's parameters and body (unindented lines).
-    params: tuple[str, ...]
-    body: tuple[str, ...]
+class OnAxes:
+    """What a kernel plan reads off its Axes: the cache leaf's and the object's views and the
+    slot axes (a kernel plan and a plane's kernel plan share them)."""
 
-    @property
-    def lists(self) -> tuple[str, ...]:
-        return self.axes.lists
+    axes: Axes
 
     @property
     def leaf(self) -> View:
@@ -104,6 +96,21 @@ class KernelPlan:
     @property
     def slot(self) -> tuple[str, ...]:
         return self.axes.slot
+
+
+@dataclass(frozen=True)
+class KernelPlan(OnAxes):
+    copy: CopyPlan
+    axes: Axes
+    row: tuple[str, ...]
+    outer: tuple[str, ...]
+    #: The kernel's parameters and body (unindented lines).
+    params: tuple[str, ...]
+    body: tuple[str, ...]
+
+    @property
+    def lists(self) -> tuple[str, ...]:
+        return self.axes.lists
 
     @property
     def module(self) -> str:
@@ -270,7 +277,7 @@ def make_kernel_plan(plan: CopyPlan) -> KernelPlan:
 # -- caches of several planes (spec format 2): one kernel per plane ------------------------------------------------
 
 @dataclass(frozen=True)
-class PlaneKernelPlan:
+class PlaneKernelPlan(OnAxes):
     """The kernel of one plane: its views, its axes and its text."""
 
     index: int
@@ -284,18 +291,6 @@ class PlaneKernelPlan:
     @property
     def slotless(self) -> bool:
         return not self.axes.slot
-
-    @property
-    def leaf(self) -> View:
-        return self.axes.leaf
-
-    @property
-    def obj(self) -> View:
-        return self.axes.obj
-
-    @property
-    def slot(self) -> tuple[str, ...]:
-        return self.axes.slot
 
     @property
     def row(self) -> tuple[str, ...]:
