@@ -66,8 +66,15 @@ def storage_reach(t: torch.Tensor) -> int:
     last element (strides are never negative in torch)."""
     if t.numel() == 0:
         return 0
+    if t.is_contiguous():
+        return (t.storage_offset() + t.numel()) * t.element_size()
     last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
     return (last + 1) * t.element_size()
+
+
+def within_storage(t: torch.Tensor) -> bool:
+    """Whether `t`'s view stays inside its storage (check_storage says why not; this is its cheap test)."""
+    return storage_reach(t) <= t.untyped_storage().nbytes()
 
 
 def check_storage(t: torch.Tensor, name: str, outcome: str = "nothing was moved") -> None:
@@ -250,7 +257,7 @@ def check_objects_apart(tensors: Sequence[torch.Tensor], name: Callable[[int], s
 def _object_range(t: torch.Tensor, k: int, name: Callable[[int], str]) -> tuple[int, int]:
     """The byte range of object tensor `k`, refused when its view reaches past its storage, is
     negated, or overlaps itself."""
-    if t.is_neg() or t.is_conj() or (t.numel() and t.untyped_storage().nbytes() < storage_reach(t)):
+    if t.is_neg() or t.is_conj() or not within_storage(t):
         check_storage(t, f"memory object {name(k)}")
         check_plain(t, f"memory object {name(k)}")
     if t.is_contiguous():  # the usual object: no overlap with itself, one byte range

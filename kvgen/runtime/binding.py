@@ -11,12 +11,13 @@ whole cache is checked again before anything is written.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvgen.runtime.aliasing import CacheMemory, check_cache_memory, check_storage
+from kvgen.runtime.aliasing import CacheMemory, check_cache_memory, check_storage, within_storage
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry
 from kvgen.runtime.words import widest
@@ -105,16 +106,21 @@ def layer_leaves(tree: Any, lists: tuple[str, ...], layers: int) -> list[list[in
 LAYERS_MOVED = "the layers before this one were moved, nothing more is"
 
 
-def check_layer_leaves(tensors: list[torch.Tensor], indices: list[int], binding: Binding, what: str) -> None:
+def check_layer_leaves(tensors: list[torch.Tensor], indices: list[int], binding: Binding,
+                       what: str | Callable[[], str]) -> None:
     """Refuse to go on with a layer whose cache tensors changed memory since the transfer
-    started (freed, resized or moved between two steps of a layerwise generator): a copy
-    would reach bytes that are no longer theirs. A few attribute reads per tensor."""
+    started (freed, resized or moved between two steps of a layerwise generator): a copy would
+    reach bytes that are no longer theirs. A few attribute reads per tensor; `what` names the
+    layer (a callable is called only for a refusal's message)."""
+    extents = binding.memory.leaves
     for k in indices:
-        t, name = tensors[k], binding.names[k]
-        check_storage(t, f"{what}: cache tensor {name}", LAYERS_MOVED)
-        if t.data_ptr() != binding.memory.leaves[k].lo:
-            raise KVLayoutError(f"{what}: cache tensor {name}: moved in memory since the transfer started (its "
-                                f"storage was freed, resized or replaced); {LAYERS_MOVED}")
+        t = tensors[k]
+        if within_storage(t) and t.data_ptr() == extents[k].lo:
+            continue
+        name = f"{what() if callable(what) else what}: cache tensor {binding.names[k]}"
+        check_storage(t, name, LAYERS_MOVED)
+        raise KVLayoutError(f"{name}: moved in memory since the transfer started (its storage was freed, resized "
+                            f"or replaced); {LAYERS_MOVED}")
 
 
 def leaf_names(tree: Any, prefix: str = "kvcaches") -> list[str]:

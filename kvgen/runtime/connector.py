@@ -233,7 +233,7 @@ class ConnectorBase(MoverChoice):
                 allowed = ", ".join([self.memory.format, *self.memory.accepts])
                 raise KVLayoutError(f"cannot store {self.memory.format} into an object labelled "
                                     f"{current}; allowed labels before a store: {allowed}")
-            check_relabel(metadata, f"memory object {expected()}")
+            check_relabel(metadata, lambda: f"memory object {expected()}")
         elif current != self.memory.format:
             raise KVLayoutError(f"cannot load an object labelled {current}: this connector reads "
                                 f"{self.memory.format} ({expected()})")

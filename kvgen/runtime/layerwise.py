@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kvgen.runtime import calls
-from kvgen.runtime.aliasing import check_storage
+from kvgen.runtime.aliasing import check_storage, within_storage
 from kvgen.runtime.binding import LAYERS_MOVED, check_layer_leaves, layer_leaves, leaves
 from kvgen.runtime.connector import _MISSING, Call, ConnectorBase, _positions
 from kvgen.runtime.devices import Backend, on_stream
@@ -105,11 +105,13 @@ class LayerwiseConnector(ConnectorBase):
         cache, per_layer = leaves(call.kvcaches), layer_leaves(call.kvcaches, self.layout.lists, g.L)
         for layer in range(g.L):
             if layer:  # what may have changed while the caller ran between two steps
-                check_layer_leaves(cache, per_layer[layer], call.binding, f"layer {layer}")
-                for chunk, tensor in enumerate(tensors[layer]):
-                    check_storage(tensor, f"layer {layer}: memory object for chunk {chunk}", LAYERS_MOVED)
-            with on_stream(backend, stream):
+                check_layer_leaves(cache, per_layer[layer], call.binding, partial("layer {}".format, layer))
+                _check_layer_objects(tensors[layer], layer)
+            if stream is None:  # a device without streams (the CPU): nothing to order
                 self._move_layer(layer, tensors[layer], call, True)
+            else:
+                with on_stream(backend, stream):
+                    self._move_layer(layer, tensors[layer], call, True)
             yield
         self._finish(backend, stream, sync)
         for objs in memory_objs:
@@ -127,7 +129,7 @@ class LayerwiseConnector(ConnectorBase):
         cache, per_layer = leaves(call.kvcaches), layer_leaves(call.kvcaches, self.layout.lists, g.L)
         objs = yield
         for layer in range(g.L):
-            check_layer_leaves(cache, per_layer[layer], call.binding, f"layer {layer}")
+            check_layer_leaves(cache, per_layer[layer], call.binding, partial("layer {}".format, layer))
             if not isinstance(objs, Sequence) or len(objs) != len(chunks):
                 raise KVLayoutError(f"layer {layer}: send() a list of one memory object per chunk "
                                     f"({len(chunks)}), got {describe(objs)}")
@@ -135,10 +137,13 @@ class LayerwiseConnector(ConnectorBase):
                        for o, ck in zip(objs, chunks, strict=True)]
             self._check_staging(tensors)
             self._check_apart(call, tensors, partial("for layer {}, chunk {}".format, layer))
-            with on_stream(backend, stream):
+            if stream is None:
                 self._move_layer(layer, tensors, call, False)
-            if sync:
-                backend.wait_stream(backend.current_stream(), stream)
+            else:
+                with on_stream(backend, stream):
+                    self._move_layer(layer, tensors, call, False)
+                if sync:
+                    backend.wait_stream(backend.current_stream(), stream)
             objs = yield
         self._finish(backend, stream, sync)
         if objs is not None:  # every layer is loaded; objects sent now would be dropped unseen
@@ -160,3 +165,11 @@ class LayerwiseConnector(ConnectorBase):
     def _load_layer(self, layer: int, tensor: torch.Tensor, kvcaches: Any, g: Geometry, ck: Chunk,
                     w: Words) -> None:
         raise NotImplementedError
+
+
+def _check_layer_objects(tensors: Sequence[torch.Tensor], layer: int) -> None:
+    """A store's objects of `layer`, checked again when it comes: the caller ran since the first
+    layer moved and may have freed or resized one."""
+    for chunk, tensor in enumerate(tensors):
+        if not within_storage(tensor):
+            check_storage(tensor, f"layer {layer}: memory object for chunk {chunk}", LAYERS_MOVED)

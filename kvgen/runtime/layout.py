@@ -129,6 +129,8 @@ def _placed(t: torch.Tensor) -> str:
 def broadcast_dims(t: torch.Tensor) -> list[int]:
     """Dims of `t` whose elements share memory (stride 0 over more than one element, as
     `expand` makes): writing through them would overwrite one element with another."""
+    if t.is_contiguous():  # the usual object: contiguous strides are never 0 over two elements
+        return []
     return [i for i, (n, s) in enumerate(zip(t.shape, t.stride(), strict=True)) if n > 1 and s == 0]
 
 

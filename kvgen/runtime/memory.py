@@ -8,6 +8,7 @@ None (fresh object), a kvgen `Format`, or any enum member: kvgen compares labels
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,13 +52,15 @@ def relabel(current: Any, target: Format) -> Any:
     return target
 
 
-def check_relabel(metadata: Any, what: str) -> None:
+def check_relabel(metadata: Any, what: str | Callable[[], str]) -> None:
     """Refuse, before a store writes anything, an object whose label cannot be set after it
     (a frozen or read-only metadata): setting it to the label it has is the one test that
-    every kind of read-only attribute fails, and changes nothing."""
+    every kind of read-only attribute fails, and changes nothing. `what` names the object
+    (a callable is called only for the message: spelling out a layout costs more than the check)."""
     try:
         metadata.fmt = metadata.fmt
     except (AttributeError, TypeError) as exc:
+        what = what() if callable(what) else what
         raise KVLayoutError(f"{what}: its format label (.metadata.fmt) cannot be set, which a store does after "
                             f"writing it ({type(exc).__name__}: {exc}); pass an object whose label can be "
                             "set") from None

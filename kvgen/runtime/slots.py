@@ -8,11 +8,13 @@ skip, are in neither and are never touched.
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvgen.runtime import native
 from kvgen.runtime.errors import KVLayoutError
 
 
@@ -91,22 +93,77 @@ def _check_window(have: int, start: int, end: int, offset: int, skip: int) -> No
         raise KVLayoutError(f"skip_prefix_n_tokens must be in [0, {n}] for a chunk of {n} tokens, got {skip}")
 
 
-def _moved(slots: torch.Tensor, low: int, skip: int) -> tuple[torch.Tensor | None, int, int, bool]:
-    """(which tokens move, or None for all; how many; the first; whether they are one run)."""
+@dataclass(frozen=True)
+class SlotFacts:
+    """What a chunk's slots say before any index tensor is made: their range, which tokens move,
+    and the longest run of whole in-order blocks (kvgen_slots in csrc/kvcopy.c says it in one
+    pass on the CPU; `_torch_facts` with tensor ops anywhere)."""
+
+    low: int
+    high: int
+    #: Tokens that move (slot >= 0, not skipped), the first of them, and whether they are consecutive.
+    moved: int
+    first: int
+    one_run: bool
+    #: (first token, token count, block ids: a slice when consecutive), or None.
+    run: tuple[int, int, torch.Tensor | slice] | None
+
+
+def _moved(slots: torch.Tensor, low: int, skip: int) -> tuple[int, int, bool]:
+    """(how many tokens move, the first, whether they are one run)."""
     n = slots.shape[0]
     if low >= 0 and not skip:  # the common case: every token moves
-        return None, n, 0, True
+        return n, 0, True
+    valid = _valid(slots, skip)
+    count = int(valid.sum())
+    if count == 0:
+        return 0, 0, True
+    lo = int(valid.to(torch.int8).argmax())
+    return count, lo, bool(valid[lo:lo + count].all())
+
+
+def _valid(slots: torch.Tensor, skip: int) -> torch.Tensor:
+    """Which tokens move: those with a slot, after the first `skip`."""
     valid = slots >= 0
     if skip:
         valid[:skip] = False
-    count = int(valid.sum())
-    if count == 0:
-        return valid, 0, 0, True
-    lo = int(valid.to(torch.int8).argmax())
-    return valid, count, lo, bool(valid[lo:lo + count].all())
+    return valid
 
 
-def _token_slots(slots: torch.Tensor, token_pos: torch.Tensor | None, valid: torch.Tensor | None,
+def _torch_facts(slots: torch.Tensor, skip: int, block_size: int | None) -> SlotFacts:
+    low, high = torch.stack(torch.aminmax(slots)).tolist()  # one host sync
+    count, lo, contiguous = _moved(slots, low, skip)
+    run = None
+    if count and contiguous and block_size:
+        run = _aligned_run(slots, lo, lo + count, block_size, int(slots[lo]))
+    return SlotFacts(low, high, count, lo, contiguous, run)
+
+
+def _native_facts(lib: Any, slots: torch.Tensor, skip: int, block_size: int | None) -> SlotFacts:
+    out = array.array("q", bytes(8 * 8))
+    lib.kvgen_slots(slots.data_ptr(), slots.shape[0], skip, block_size or 0, out.buffer_info()[0])
+    low, high, count, lo, contiguous, first, tokens, consecutive = out
+    run: tuple[int, int, torch.Tensor | slice] | None = None
+    if first >= 0:
+        n = block_size or 1
+        first_id = int(slots[first]) // n
+        ids: torch.Tensor | slice = slice(first_id, first_id + tokens // n) if consecutive \
+            else slots[first:first + tokens:n] // n
+        run = (first, tokens, ids)
+    return SlotFacts(low, high, count, lo, bool(contiguous), run)
+
+
+def slot_facts(slots: torch.Tensor, skip: int, block_size: int | None) -> SlotFacts:
+    """SlotFacts of a chunk's int64 contiguous slots: in one C pass where the compiled kernel is
+    loaded and the slots are on the CPU, else with tensor ops (the same facts; tests compare them)."""
+    if slots.device.type == "cpu":
+        lib = native.library()
+        if lib is not None:
+            return _native_facts(lib, slots, skip, block_size)
+    return _torch_facts(slots, skip, block_size)
+
+
+def _token_slots(slots: torch.Tensor, token_pos: torch.Tensor | None, every: bool,
                  span: tuple[int, int], block_size: int | None) -> tuple[Any, Any, Any]:
     """The token path's (slots, blocks, offsets in block): None where no token takes it, a slice
     for a folded axis's consecutive slots (`span`: the lowest and highest slot)."""
@@ -114,7 +171,7 @@ def _token_slots(slots: torch.Tensor, token_pos: torch.Tensor | None, valid: tor
     n = slots.shape[0]
     if token_pos is not None and token_pos.numel() == 0:
         return None, None, None
-    if block_size is None and valid is None and high - low == n - 1 and torch.equal(
+    if block_size is None and every and high - low == n - 1 and torch.equal(
             slots, torch.arange(low, high + 1, device=slots.device)):
         return slice(low, high + 1), None, None
     tok_slots = slots if token_pos is None else slots[token_pos]
@@ -136,21 +193,21 @@ def plan_chunk(slot_mapping: torch.Tensor, start: int, end: int, cache: Any, *, 
     empty = Chunk(n, 0, None, None, None, None, None, 0, 0)
     if n == 0:
         return empty
-    low, high = torch.stack(torch.aminmax(slots)).tolist()  # one host sync
+    facts = slot_facts(slots, skip, block_size)
+    low, high, count, lo = facts.low, facts.high, facts.moved, facts.first
     if high >= num_slots:
         raise KVLayoutError(f"slot {high} is outside the cache, which has {num_slots} slots "
                             f"(valid slots: 0..{num_slots - 1}, or < 0 to skip a token)")
-    valid, count, lo, contiguous = _moved(slots, low, skip)
     if count == 0:
         return empty
-    run = _aligned_run(slots, lo, lo + count, block_size, int(slots[lo])) if contiguous and block_size else None
-    if run is None:
-        token_pos = None if valid is None or count == n else valid.nonzero().squeeze(1)
+    every = low >= 0 and not skip  # no token is skipped
+    if facts.run is None:
+        token_pos = None if every or count == n else _valid(slots, skip).nonzero().squeeze(1)
         block_ids, block_start, block_tokens = None, 0, 0
     else:
-        block_start, block_tokens, block_ids = run
+        block_start, block_tokens, block_ids = facts.run
         ranges = [(lo, block_start), (block_start + block_tokens, lo + count)]
         parts = [torch.arange(a, b, device=slots.device) for a, b in ranges if b > a]
         token_pos = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=slots.device)
-    tok_slots, blk, off = _token_slots(slots, token_pos, valid, (low, high), block_size)
+    tok_slots, blk, off = _token_slots(slots, token_pos, every, (low, high), block_size)
     return Chunk(n, count, token_pos, tok_slots, blk, off, block_ids, block_start, block_tokens)

@@ -393,5 +393,54 @@ int kvgen_transfer(int nd, const int64_t *dims, int64_t run, char *const *src, i
     return 0;
 }
 
+/* What kvgen.runtime.slots.plan_chunk needs to know of one chunk's n slots, in one pass over
+ * them (on the CPU this replaces a dozen tensor ops). Fills out[0..7]:
+ *   0 low, 1 high          the smallest and largest slot (all n, skipped ones included)
+ *   2 moved, 3 first       how many tokens move (slot >= 0, not among the first `skip`) and the first
+ *   4 one_run              1 when the moved tokens are consecutive positions
+ *   5 run_first, 6 run_tokens  the longest run of whole in-order blocks of `block` slots in the
+ *                          moved tokens (block > 0 and one_run only): its first token and its
+ *                          token count, or -1 and 0 when there is none
+ *   7 consecutive          1 when that run's blocks are consecutive block ids
+ * The tests compare it with the torch path it stands for on random mappings. */
+void kvgen_slots(const int64_t *slots, int64_t n, int64_t skip, int64_t block, int64_t *out) {
+    int64_t low = n ? slots[0] : 0, high = low, moved = 0, first = -1, last = -1;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t v = slots[i];
+        if (v < low)
+            low = v;
+        if (v > high)
+            high = v;
+        if (i >= skip && v >= 0) {
+            if (first < 0)
+                first = i;
+            last = i;
+            moved++;
+        }
+    }
+    out[0] = low, out[1] = high, out[2] = moved, out[3] = first < 0 ? 0 : first;
+    out[4] = moved == 0 || last - first + 1 == moved;
+    out[5] = -1, out[6] = 0, out[7] = 0;
+    if (!out[4] || moved == 0 || block <= 0)
+        return;
+    int64_t rem = slots[first] % block;
+    int64_t start = first + (rem ? block - rem : 0);
+    int64_t count = start < first + moved ? (first + moved - start) / block : 0;
+    if (count <= 0)
+        return;
+    int consecutive = 1;
+    for (int64_t b = 0; b < count; b++) {
+        const int64_t *s = slots + start + b * block;
+        if (s[0] % block != 0)
+            return;
+        for (int64_t j = 1; j < block; j++)
+            if (s[j] != s[0] + j)
+                return;
+        if (s[0] != slots[start] + b * block)
+            consecutive = 0;
+    }
+    out[5] = start, out[6] = count * block, out[7] = consecutive;
+}
+
 /* The version of the calling convention above; the loader refuses a library with another. */
 int kvgen_abi(void) { return 4; }

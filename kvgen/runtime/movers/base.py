@@ -11,11 +11,12 @@ runs a call with the live tensors.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from kvgen.runtime.slots import Chunk
+if TYPE_CHECKING:  # slots needs the compiled kernel's module, which needs this one
+    from kvgen.runtime.slots import Chunk
 
 
 class Unsupported(Exception):

@@ -96,10 +96,11 @@ def address(t: torch.Tensor | None) -> int:
 class KernelCall:
     """One kernel call of a chunk: its dims (flat, native.FIELDS per dim), run bytes and object byte offset."""
 
-    __slots__ = ("dims", "nd", "run", "ooff")
+    __slots__ = ("dims", "address", "nd", "run", "ooff")
 
     def __init__(self, dims: list[list[int]], run: int, ooff: int):
         self.dims = array.array("q", [v for d in dims for v in d])
+        self.address = self.dims.buffer_info()[0]  # the array is never resized, so its buffer stays put
         self.nd, self.run, self.ooff = len(dims), run, ooff
 
 
@@ -123,7 +124,7 @@ class Prepared:
     #: make each plane's views.
     connector: Any = None
     #: (the call's serial, {object bytes: (threads, streaming)}): not the call, whose cache it would keep alive.
-    picked: tuple[int, dict[int, tuple[int, bool]]] = field(default=(0, {}))
+    picked: tuple[int, dict[int, tuple[int, int]]] = field(default=(0, {}))
 
 
 #: The last description of each program (of each plane), reused while the same chunk moves
@@ -267,14 +268,14 @@ class NativeMover:
         lib = native.library()
         if lib is None:
             raise Unsupported(native.unavailable() or "no compiled kernel")
-        threads, stream = self._pick(prepared, tensor, call, layer)
+        picked = self._pick(prepared, tensor, call, layer)
         program = prepared.program
         if program.planes:
             work = self._planes(prepared, store, tensor, call, ck)
         else:
             work = [describe(program, store, tensor, call, ck)]
         for d in work:
-            self._run(lib, d, store, tensor.data_ptr(), layer, (threads, stream))
+            self._run(lib, d, store, tensor.data_ptr(), layer, picked)
 
     @staticmethod
     def _planes(prepared: Prepared, store: bool, tensor: torch.Tensor, call: Any, ck: Chunk) -> list[Description]:
@@ -300,22 +301,23 @@ class NativeMover:
                 for i, (p, o) in enumerate(zip(planes, views, strict=True))]
 
     def _run(self, lib: Any, d: Description, store: bool, obj: int, layer: int | None,
-             picked: tuple[int, bool]) -> None:
+             picked: tuple[int, int]) -> None:
         """The kernel calls of `d` (of one layer, when `layer` is given)."""
-        leaf0, coff0 = 0, 0
+        leaves, coff0 = d.cache.base, 0
         if layer is not None:  # one layer of a per-layer object: L is fixed
             if "L" in d.cache.ls:
-                leaf0 = layer * d.cache.ls["L"]  # a cache whose layers are leaves: that layer's leaf
+                leaves += 8 * layer * d.cache.ls["L"]  # a cache whose layers are leaves: that layer's leaf
             else:
                 coff0 = layer * d.cache.strides.get("L", 0)
+        threads, stream = picked
+        move, direction = lib.kvgen_move, int(store)
+        self.stats["calls"] += len(d.calls)
         for c in d.calls:
-            self.stats["calls"] += 1
-            if lib.kvgen_move(int(store), c.nd, c.dims.buffer_info()[0], c.run, d.cache.base + 8 * leaf0, coff0,
-                              obj + c.ooff, picked[0], int(picked[1])) != 0:
+            if move(direction, c.nd, c.address, c.run, leaves, coff0, obj + c.ooff, threads, stream) != 0:
                 raise Unsupported("the kernel refused the description")
 
     @staticmethod
-    def _pick(prepared: Prepared, tensor: torch.Tensor, call: Any, layer: int | None) -> tuple[int, bool]:
+    def _pick(prepared: Prepared, tensor: torch.Tensor, call: Any, layer: int | None) -> tuple[int, int]:
         """Threads and streaming stores for this object size: picked once per call and size (a
         layerwise call at its first layer), from the whole chunk's bytes for streaming."""
         nbytes = tensor.numel() * tensor.element_size()
@@ -326,5 +328,5 @@ class NativeMover:
         found = sizes.get(nbytes)
         if found is None:
             found = sizes[nbytes] = (cpu_threads(nbytes, TEAM_PARALLEL_BYTES if native.team() else PARALLEL_BYTES),
-                                     host.streams(nbytes * (call.g.L if layer is not None else 1)))
+                                     int(host.streams(nbytes * (call.g.L if layer is not None else 1))))
         return found
