@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgen.runtime import native, slots
+from kvgen.runtime import aliasing, native, slots
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.slots import Chunk, plan_chunk
 
@@ -133,3 +133,18 @@ def comparable(facts: slots.SlotFacts) -> tuple[object, ...]:
     """`facts` as plain values (a run's block ids as a list)."""
     run = facts.run and (facts.run[0], facts.run[1], values(facts.run[2]))
     return facts.low, facts.high, facts.moved, facts.first, facts.one_run, run
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-2, 12), max_size=24))
+def test_the_c_search_for_a_slot_written_twice_finds_what_the_sort_finds(mapping: list[int]) -> None:
+    t = torch.tensor(mapping, dtype=torch.int64)
+    lib = native.library()
+    found = aliasing._repeated_slot(t)
+    try:
+        native._state["lib"] = None
+        assert aliasing._repeated_slot(t) == found
+    finally:
+        native._state["lib"] = lib
+    twice = sorted(s for s in set(mapping) if s >= 0 and mapping.count(s) > 1)
+    assert found == (twice[0] if twice else None)

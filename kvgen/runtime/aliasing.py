@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgen.runtime import native
 from kvgen.runtime.errors import KVLayoutError
 
 #: (stride, size) of each dim with more than one element, largest stride first.
@@ -64,10 +65,11 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
 def storage_reach(t: torch.Tensor) -> int:
     """Bytes of its storage that `t`'s view reaches: from the storage's start to one past its
     last element (strides are never negative in torch)."""
-    if t.numel() == 0:
+    nbytes = t.nbytes
+    if nbytes == 0:
         return 0
     if t.is_contiguous():
-        return (t.storage_offset() + t.numel()) * t.element_size()
+        return t.storage_offset() * t.element_size() + nbytes
     last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
     return (last + 1) * t.element_size()
 
@@ -257,12 +259,16 @@ def check_objects_apart(tensors: Sequence[torch.Tensor], name: Callable[[int], s
 def _object_range(t: torch.Tensor, k: int, name: Callable[[int], str]) -> tuple[int, int]:
     """The byte range of object tensor `k`, refused when its view reaches past its storage, is
     negated, or overlaps itself."""
+    if t.is_contiguous() and not t.is_neg() and not t.is_conj():  # the usual object: one byte range
+        lo, nbytes = t.data_ptr(), t.nbytes
+        if not nbytes or t.storage_offset() * t.element_size() + nbytes <= t.untyped_storage().nbytes():
+            return lo, lo + nbytes
     if t.is_neg() or t.is_conj() or not within_storage(t):
         check_storage(t, f"memory object {name(k)}")
         check_plain(t, f"memory object {name(k)}")
-    if t.is_contiguous():  # the usual object: no overlap with itself, one byte range
+    if t.is_contiguous():  # no overlap with itself
         lo = t.data_ptr()
-        return lo, lo + t.numel() * t.element_size()
+        return lo, lo + t.nbytes
     if overlaps_itself(t):
         raise KVLayoutError(f"memory object {name(k)} may address one element twice (shape {list(t.shape)}, "
                             f"strides {list(t.stride())}): distinct tokens would share memory; pass a tensor "
@@ -297,14 +303,28 @@ def check_unique_slots(slot_mapping: torch.Tensor, windows: Sequence[tuple[int, 
     if not parts:
         return
     slots = torch.cat(parts) if len(parts) > 1 else parts[0]
-    slots = slots[slots >= 0]
-    if slots.numel() < 2:
+    slot = _repeated_slot(slots)
+    if slot is None:
         return
-    ordered = torch.sort(slots).values
-    repeated = ordered[1:] == ordered[:-1]
-    if not bool(repeated.any()):
-        return
-    slot = int(ordered[1:][repeated][0])
     tokens = [i for lo, hi in windows for i in range(lo, hi) if int(slot_mapping[i - offset]) == slot]
     raise KVLayoutError(f"slot {slot} is written by more than one token of this load (tokens {tokens}): only one "
                         "would survive; give each token its own slot, or -1 to skip it")
+
+
+def _repeated_slot(slots: torch.Tensor) -> int | None:
+    """A slot >= 0 that two entries of `slots` hold, or None: one C pass over the sorted slots on
+    the CPU where the compiled kernel is loaded, else a sort with tensor ops."""
+    lib = native.library() if slots.device.type == "cpu" else None
+    if lib is not None:
+        flat = slots.to(torch.int64).contiguous()
+        scratch = torch.empty_like(flat)  # held until the call returns: the kernel writes into it
+        found = lib.kvgen_repeated_slot(flat.data_ptr(), flat.numel(), scratch.data_ptr())
+        return None if found < 0 else found
+    slots = slots[slots >= 0]
+    if slots.numel() < 2:
+        return None
+    ordered = torch.sort(slots).values
+    repeated = ordered[1:] == ordered[:-1]
+    if not bool(repeated.any()):
+        return None
+    return int(ordered[1:][repeated][0])

@@ -213,10 +213,10 @@ class ConnectorBase(MoverChoice):
                                 f"got {describe(obj)}"
                                 + (f" with .tensor {describe(tensor)}" if hasattr(obj, "tensor") else ""))
         shape = self._shape(g, num_tokens)
-        if tuple(tensor.shape) != shape or tensor.dtype != self._dtype(g):
+        if tensor.shape != shape or tensor.dtype != self._dtype(g):
             raise KVLayoutError(f"memory object must be {expected()} "
                                 f"(shape {list(shape)}), got {describe(tensor)}")
-        if tensor.device.type == "meta":
+        if tensor.is_meta:
             raise KVLayoutError(f"memory object {expected()} must have storage, got a tensor on {tensor.device}")
         shared = broadcast_dims(tensor)
         if shared:

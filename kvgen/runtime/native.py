@@ -116,6 +116,8 @@ def _load() -> tuple[Any, str | None]:
                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.kvgen_slots.restype = None
     lib.kvgen_slots.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.kvgen_repeated_slot.restype = ctypes.c_int64
+    lib.kvgen_repeated_slot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.kvgen_use_openmp.restype = None
     lib.kvgen_use_openmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     _state["team"] = _share_torch_team(lib)

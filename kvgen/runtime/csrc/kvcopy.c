@@ -21,6 +21,7 @@
  */
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -440,6 +441,26 @@ void kvgen_slots(const int64_t *slots, int64_t n, int64_t skip, int64_t block, i
             consecutive = 0;
     }
     out[5] = start, out[6] = count * block, out[7] = consecutive;
+}
+
+static int kv_cmp(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* A slot (>= 0) that two of the n entries of `slots` hold, or -1 when none does: what
+ * kvgen.runtime.aliasing.check_unique_slots refuses before a load writes anything. `scratch`
+ * holds n int64 and is overwritten (the slots' non-negative entries, sorted). */
+int64_t kvgen_repeated_slot(const int64_t *slots, int64_t n, int64_t *scratch) {
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (slots[i] >= 0)
+            scratch[m++] = slots[i];
+    qsort(scratch, (size_t)m, sizeof scratch[0], kv_cmp);
+    for (int64_t i = 1; i < m; i++)
+        if (scratch[i] == scratch[i - 1])
+            return scratch[i];
+    return -1;
 }
 
 /* The version of the calling convention above; the loader refuses a library with another. */

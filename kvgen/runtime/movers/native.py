@@ -125,6 +125,8 @@ class Prepared:
     connector: Any = None
     #: (the call's serial, {object bytes: (threads, streaming)}): not the call, whose cache it would keep alive.
     picked: tuple[int, dict[int, tuple[int, int]]] = field(default=(0, {}))
+    #: The last step moved: (its key, the library, the descriptions, the threads picked); see move().
+    step: tuple[Any, ...] | None = None
 
 
 #: The last description of each program (of each plane), reused while the same chunk moves
@@ -265,17 +267,28 @@ class NativeMover:
              layer: int | None) -> None:
         if not ck.has_blocks and not ck.has_tokens:
             return
+        # A layerwise call moves the same chunk into objects of one shape layer after layer: the
+        # step made for the previous layer serves. Its key holds the call's serial (never reused) and
+        # the chunk's id (the call keeps its chunks alive, so no other chunk has it meanwhile).
+        key = (call.serial, id(ck), store, tensor.shape, tensor.stride(), tensor.dtype)
+        step = prepared.step
+        if step is None or step[0] != key:
+            step = prepared.step = (key, *self._step(prepared, store, tensor, call, ck, layer))
+        _, lib, work, picked = step
+        for d in work:
+            self._run(lib, d, store, tensor.data_ptr(), layer, picked)
+
+    def _step(self, prepared: Prepared, store: bool, tensor: torch.Tensor, call: Any, ck: Chunk,
+              layer: int | None) -> tuple[Any, list[Description], tuple[int, int]]:
+        """(the library, the descriptions, threads and streaming) that move `ck` with `tensor`."""
         lib = native.library()
         if lib is None:
             raise Unsupported(native.unavailable() or "no compiled kernel")
         picked = self._pick(prepared, tensor, call, layer)
         program = prepared.program
         if program.planes:
-            work = self._planes(prepared, store, tensor, call, ck)
-        else:
-            work = [describe(program, store, tensor, call, ck)]
-        for d in work:
-            self._run(lib, d, store, tensor.data_ptr(), layer, picked)
+            return lib, self._planes(prepared, store, tensor, call, ck), picked
+        return lib, [describe(program, store, tensor, call, ck)], picked
 
     @staticmethod
     def _planes(prepared: Prepared, store: bool, tensor: torch.Tensor, call: Any, ck: Chunk) -> list[Description]:
