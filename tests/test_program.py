@@ -61,11 +61,23 @@ def test_an_nhd_block_is_one_run_and_a_split_content_is_not() -> None:
     blocks, tokens = nhd.path("blocks"), nhd.path("tokens")
     assert blocks is not None and tokens is not None
     assert blocks.store == ("KV", "L", "B", "N", "H", "C") and blocks.store_run == ("N", "H", "C")
-    assert blocks.load == ("L", "KV", "B", "N", "H", "C") and blocks.load_run == ("N", "H", "C")
+    assert blocks.load == ("KV", "L", "B", "N", "H", "C") and blocks.load_run == ("N", "H", "C")
     assert tokens.store == ("KV", "L", "T", "H", "C") and tokens.store_run == ("H", "C")
     lbnhc = _rendered("vllm_lbnhc__kv_2ltd")
     assert lbnhc.cache_places[-2:] == (("KV", 3, ("C",)), ("C", 3, ()))
     assert all(p.store_run == ("C",) and p.load_run == ("C",) for p in lbnhc.paths)
+
+def test_both_directions_walk_the_object_front_to_back() -> None:
+    """A store writes the object in its own axis order and a load reads it in that order too:
+    walking the cache's order instead reads a per-layer object in pieces a stride apart."""
+    for module in (m for m in PLANS if isinstance(PLANS[m], CopyPlan)):
+        program = _rendered(module)
+        objects = [place[0] for place in program.object_places]
+        for path in program.paths:
+            assert path.load == path.store, (module, path.name)
+            ranks = [objects.index("T" if d in ("B", "N") else d) for d in path.store if d != "L" or "L" in objects]
+            assert ranks == sorted(ranks), (module, path.name, path.store)
+
 
 def test_a_folded_slot_axis_has_the_token_path_only() -> None:
     """SGLang's [B N] page buffer is one slot dim S: tokens by slot, no block path."""

@@ -25,8 +25,9 @@ class CopyPath:
     Dim names: a shared axis (KV, L, H, C: the same entries on both sides); B (whole blocks
     by id, the object's tokens in steps of a block), N (the slots of those blocks, the
     object's tokens one by one); T (single tokens by slot, each side split by its own block
-    size). `store` and `load` list the dims outermost first in the destination's order (so
-    it is written front to back); `store_run` / `load_run` are the innermost of them that
+    size). `store` and `load` list the dims outermost first in the order a call walks them
+    (the planner gives both the object's order, so the object is written or read front to
+    back); `store_run` / `load_run` are the innermost of them that
     both layouts keep adjacent, which may merge into one memcpy run where the live strides
     are contiguous too."""
 
