@@ -103,6 +103,27 @@ static inline void kv_copy(char *dst, const char *src, int64_t run, int stream) 
     }
 }
 
+/* n runs at fixed strides. Runs of a scalar's width (the scales and packed words of quantized
+ * caches: 8-byte fp4 scale groups, 4-byte fp32 scales) are one load and one store each, not a
+ * call to memcpy: such a cache moves millions of them per chunk. */
+#define KV_ROWS(width)                                              \
+    for (int64_t i = 0; i < n; i++, dst += ds, src += ss)           \
+        memcpy(dst, src, width);                                    \
+    return
+static void kv_rows(char *dst, int64_t ds, const char *src, int64_t ss, int64_t n, int64_t run, int stream) {
+    switch (run) {
+    case 1: KV_ROWS(1);
+    case 2: KV_ROWS(2);
+    case 4: KV_ROWS(4);
+    case 8: KV_ROWS(8);
+    case 16: KV_ROWS(16);
+    default:
+        for (int64_t i = 0; i < n; i++, dst += ds, src += ss)
+            kv_copy(dst, src, run, stream);
+    }
+}
+#undef KV_ROWS
+
 static void kv_walk(const kv_job *job, int k, int64_t leaf, int64_t coff, int64_t ooff) {
     const kv_dim *d = &job->d[k];
     int64_t lo = k == 0 ? job->lo : 0, hi = k == 0 ? job->hi : d->ext;
@@ -110,12 +131,10 @@ static void kv_walk(const kv_job *job, int k, int64_t leaf, int64_t coff, int64_
     if (last && !d->idx && !d->tok && d->div <= 1 && !d->ls) { /* a plain innermost dim: step both pointers */
         char *cp = job->leaves[leaf] + coff + (d->first + lo) * d->cs;
         char *op = job->obj + ooff + lo * d->os;
-        for (int64_t i = lo; i < hi; i++, cp += d->cs, op += d->os) {
-            if (job->store)
-                kv_copy(op, cp, job->run, job->stream);
-            else
-                kv_copy(cp, op, job->run, job->stream);
-        }
+        if (job->store)
+            kv_rows(op, d->os, cp, d->cs, hi - lo, job->run, job->stream);
+        else
+            kv_rows(cp, d->cs, op, d->os, hi - lo, job->run, job->stream);
         return;
     }
     for (int64_t i = lo; i < hi; i++) {
