@@ -323,6 +323,42 @@ def test_each_plane_moves_as_its_own_program_says(tmp_path: Path, backend: str) 
     assert torch.equal(altered[:, size:], reference[:, size:])
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_planes_that_interleave_in_the_cache_move_in_one_walk(layerwise: bool, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """The Triton backend's int8 cache keeps each head's K data, K scale, V data and V scale in one
+    row: the native mover moves both planes in one kernel walk per path (not one per plane, which
+    reads every row twice), with the bytes the torch copies put there; with the walk refused, it
+    moves the planes one by one, to the same bytes."""
+    paged = LIBRARY_SPECS["vllm_int8_per_token_head"]
+    cache = make_cache(paged, torch.float32, "cpu")
+    mapping = torch.tensor([2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 40, 45])  # a partial block, two whole ones, two tokens
+    tokens = len(mapping)
+    obj = "kv_planes_layer" if layerwise else "kv_planes"
+
+    def store(backend: str) -> tuple[list[torch.Tensor], int]:
+        c = generated.get("vllm_int8_per_token_head", obj)(device="cpu", backend=backend)
+        count = EXT["L"] if layerwise else 1
+        objs = [MemoryObj(torch.zeros(tuple(c.get_shape(tokens, cache)), dtype=c.get_dtype(cache)))
+                for _ in range(count)]
+        calls = native.stats["calls"]
+        if layerwise:
+            for _ in c.batched_from_gpu([[o] for o in objs], [0], [tokens], kvcaches=cache, slot_mapping=mapping):
+                pass
+        else:
+            c.from_gpu(objs[0], 0, tokens, kvcaches=cache, slot_mapping=mapping)
+        return [o.tensor for o in objs], native.stats["calls"] - calls
+
+    reference, _ = store("torch")
+    joined, walks = store("native")
+    monkeypatch.setattr(native_mover, "joint", lambda planes: None)
+    apart, calls = store("native")
+    layers = EXT["L"] if layerwise else 1
+    assert walks == 2 * layers and calls == 2 * walks  # blocks and tokens; per plane without the joint walk
+    for a, b, c in zip(reference, joined, apart, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c) and bool(a.any())
+
+
 # -- the device registry: a device is one registration --------------------------------------------------------
 
 def test_a_device_is_one_registration(monkeypatch: pytest.MonkeyPatch) -> None:

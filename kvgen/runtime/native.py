@@ -45,7 +45,7 @@ from kvgen.runtime.host import cache_dir, compiler, missing_compiler
 from kvgen.runtime.movers.base import Unsupported
 
 #: Unsupported is the movers' one refusal, named here for the callers of this module.
-__all__ = ["ABI", "FIELDS", "FLAGS", "MAX_DIMS", "Unsupported", "library", "reset", "stats", "team",
+__all__ = ["ABI", "FIELDS", "FLAGS", "MAX_DIMS", "MAX_PLANES", "Unsupported", "library", "reset", "stats", "team",
            "unavailable"]
 
 #: Compiler flags; part of the cache key. No -march=native: the cache may be shared by hosts
@@ -55,6 +55,8 @@ FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-std=c99")
 ABI = 4
 #: Int64 fields per dim (csrc/kvcopy.c) and the most dims it takes.
 FIELDS, MAX_DIMS = 9, 8
+#: The most planes kvgen_move_planes walks together (KV_MAXP in csrc/kvcopy.c).
+MAX_PLANES = 4
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -114,6 +116,9 @@ def _load() -> tuple[Any, str | None]:
     lib.kvgen_move.restype = ctypes.c_int
     lib.kvgen_move.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.kvgen_move_planes.restype = ctypes.c_int
+    lib.kvgen_move_planes.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.kvgen_slots.restype = None
     lib.kvgen_slots.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.kvgen_repeated_slot.restype = ctypes.c_int64

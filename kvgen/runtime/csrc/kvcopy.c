@@ -74,6 +74,12 @@ static void kv_stream(char *dst, const char *src, int64_t run) {
 #endif
 
 /* Streaming stores are weakly ordered: make them visible before the call returns. */
+static inline void kv_fence_stream(void) {
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
+
 static inline void kv_fence(const kv_job *job) {
 #if defined(__SSE2__)
     if (job->stream)
@@ -275,6 +281,154 @@ int kvgen_move(int store, int nd, const int64_t *dims, int64_t run, char *const 
             kv_walk(&jobs[t], 0, 0, shift, 0);
     }
     kv_fence(&job);
+    return 0;
+}
+
+/* -- the planes of one cache in one walk -------------------------------------------------
+ *
+ * A cache of several planes (quantized data and its scales, say) whose planes interleave in
+ * memory is moved by one walk over the dims they share, each plane's run copied at each
+ * entry of the innermost dim; one walk per plane would read every cache line once per plane.
+ * Each plane has its own dims (KV_FIELDS each, as kvgen_move's); the caller checked that the
+ * planes' dims agree in everything but strides and leaf steps (ext, idx, first, div, tok). */
+#define KV_MAXP 4
+
+typedef struct {
+    int nd, planes, store, stream;
+    kv_dim d[KV_MAXP][KV_MAXD];
+    int64_t run[KV_MAXP];
+    char *const *leaves[KV_MAXP];
+    char *obj;
+    int64_t lo, hi;
+} kv_mjob;
+
+typedef struct {
+    int64_t leaf, coff, ooff;
+} kv_at;
+
+static inline void kv_mcopy(const kv_mjob *job, int q, const kv_at *at) {
+    char *cp = job->leaves[q][at->leaf] + at->coff, *op = job->obj + at->ooff;
+    if (job->store)
+        kv_copy(op, cp, job->run[q], job->stream);
+    else
+        kv_copy(cp, op, job->run[q], job->stream);
+}
+
+static void kv_mwalk(const kv_mjob *job, int k, const kv_at *at) {
+    const kv_dim *d = &job->d[0][k];
+    int64_t lo = k == 0 ? job->lo : 0, hi = k == 0 ? job->hi : d->ext;
+    int last = k == job->nd - 1, plain = last && !d->idx && !d->tok && d->div <= 1;
+    for (int q = 0; q < job->planes && plain; q++)
+        plain = !job->d[q][k].ls;
+    if (plain) { /* each plane's row of the innermost dim, plane after plane */
+        for (int q = 0; q < job->planes; q++) {
+            const kv_dim *e = &job->d[q][k];
+            char *cp = job->leaves[q][at[q].leaf] + at[q].coff + (e->first + lo) * e->cs;
+            char *op = job->obj + at[q].ooff + lo * e->os;
+            if (job->store)
+                kv_rows(op, e->os, cp, e->cs, hi - lo, job->run[q], job->stream);
+            else
+                kv_rows(cp, e->cs, op, e->os, hi - lo, job->run[q], job->stream);
+        }
+        return;
+    }
+    kv_at next[KV_MAXP];
+    for (int64_t i = lo; i < hi; i++) {
+        int64_t v = d->idx ? d->idx[i] : d->first + i;
+        if (v < 0)
+            continue;
+        int64_t p = d->tok ? d->tok[i] : i;
+        for (int q = 0; q < job->planes; q++) {
+            const kv_dim *e = &job->d[q][k];
+            int64_t c = e->div > 1 ? (v / e->div) * e->cs + (v % e->div) * e->cs2 : v * e->cs;
+            next[q].leaf = at[q].leaf + v * e->ls;
+            next[q].coff = at[q].coff + c;
+            next[q].ooff = at[q].ooff + p * e->os;
+            if (last)
+                kv_mcopy(job, q, &next[q]);
+        }
+        if (!last)
+            kv_mwalk(job, k + 1, next);
+    }
+}
+
+typedef struct {
+    kv_mjob job;
+    kv_at at[KV_MAXP];
+} kv_mshare;
+
+static void *kv_mthread(void *arg) {
+    const kv_mshare *share = (const kv_mshare *)arg;
+    kv_mwalk(&share->job, 0, share->at);
+    if (share->job.stream)
+        kv_fence_stream();
+    return NULL;
+}
+
+/* Move one chunk of a cache of `planes` planes in one walk. dims: planes * nd * KV_FIELDS int64
+ * values (plane after plane, each outermost dim first); head: 4 int64 per plane, its run bytes,
+ * the address of its leaves' address array, the bytes added to each of its leaf addresses (one
+ * layer), and its offset in the object. threads and stream as kvgen_move's. Returns 0, or -1
+ * for a description it cannot run (the caller then moves the planes one by one). */
+int kvgen_move_planes(int store, int nd, int planes, const int64_t *dims, const int64_t *head, char *obj,
+                      int threads, int stream) {
+    if (nd < 1 || nd > KV_MAXD || planes < 1 || planes > KV_MAXP)
+        return -1;
+    kv_mshare share;
+    memset(&share, 0, sizeof share);
+    kv_mjob *job = &share.job;
+    job->nd = nd, job->planes = planes, job->store = store, job->stream = stream != 0, job->obj = obj;
+    for (int q = 0; q < planes; q++) {
+        const int64_t *h = head + 4 * q;
+        if (h[0] <= 0)
+            return -1;
+        job->run[q] = h[0];
+        job->leaves[q] = (char *const *)(intptr_t)h[1];
+        share.at[q].coff = h[2];
+        share.at[q].ooff = h[3];
+        for (int k = 0; k < nd; k++) {
+            const int64_t *f = dims + ((int64_t)q * nd + k) * KV_FIELDS;
+            kv_dim *d = &job->d[q][k];
+            d->ext = f[0], d->idx = (const int64_t *)(intptr_t)f[1], d->first = f[2], d->div = f[3];
+            d->cs = f[4], d->cs2 = f[5], d->tok = (const int64_t *)(intptr_t)f[6], d->os = f[7], d->ls = f[8];
+            if (d->ext <= 0)
+                return 0; /* nothing to move */
+        }
+    }
+    int64_t ext = job->d[0][0].ext;
+    if (threads > KV_MAXT)
+        threads = KV_MAXT;
+    if (threads > ext)
+        threads = (int)ext;
+    if (threads < 1)
+        threads = 1;
+    kv_mshare shares[KV_MAXT];
+    pthread_t ids[KV_MAXT];
+    int started[KV_MAXT];
+    for (int t = 0; t < threads; t++) {
+        shares[t] = share;
+        shares[t].job.lo = ext * t / threads;
+        shares[t].job.hi = ext * (t + 1) / threads;
+        started[t] = 0;
+    }
+    if (threads == 1) {
+        kv_mthread(&shares[0]);
+        return 0;
+    }
+    if (kv_parallel) {
+        kv_team team = {kv_mthread, (char *)shares, sizeof shares[0], threads};
+        kv_parallel(kv_team_body, &team, (unsigned)threads, 0);
+        return 0;
+    }
+    for (int t = 1; t < threads; t++)
+        started[t] = pthread_create(&ids[t], NULL, kv_mthread, &shares[t]) == 0;
+    kv_mthread(&shares[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(ids[t], NULL);
+        else
+            kv_mthread(&shares[t]);
+    }
     return 0;
 }
 

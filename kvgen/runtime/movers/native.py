@@ -114,6 +114,61 @@ class Description:
         self.key, self.ck, self.cache, self.calls = key, ck, cache, calls
 
 
+#: The fields of a dim that every plane of one walk must share (ext, idx, first, div, tok):
+#: only strides and leaf steps may differ (csrc/kvcopy.c: kvgen_move_planes).
+_SHARED_FIELDS = (0, 1, 2, 3, 6)
+
+
+class Joint:
+    """The planes of one chunk moved in one walk per path (kvgen_move_planes): each path's dims
+    of every plane, and per path the heads (run, leaf array, leaf shift, object offset) of each plane."""
+
+    __slots__ = ("planes", "nds", "dims", "head", "_layers")
+
+    def __init__(self, planes: list[Description]):
+        self.planes = len(planes)
+        paths = list(zip(*(d.calls for d in planes), strict=True))
+        self.nds = [calls[0].nd for calls in paths]
+        self.dims = [array.array("q", [v for c in calls for v in c.dims]) for calls in paths]
+        self._layers = [(d.cache, calls) for d, calls in zip(planes, zip(*paths, strict=True), strict=True)]
+        self.head = self.layer_head(None)
+
+    def layer_head(self, layer: int | None) -> list[array.array]:
+        """Each path's heads, for one layer of a per-layer object when `layer` is given."""
+        heads: list[list[int]] = [[] for _ in self.nds]
+        for cache, calls in self._layers:
+            leaf, shift = _layer_offsets(cache, layer)
+            for k, c in enumerate(calls):
+                heads[k] += [c.run, cache.base + 8 * leaf, shift, c.ooff]
+        return [array.array("q", h) for h in heads]
+
+
+def _layer_offsets(cache: LeafSet, layer: int | None) -> tuple[int, int]:
+    """(leaf index, byte shift) of `layer` in a cache: its leaf where layers are leaves, else an
+    offset along L; (0, 0) for a whole-chunk call."""
+    if layer is None:
+        return 0, 0
+    if "L" in cache.ls:
+        return layer * cache.ls["L"], 0
+    return 0, layer * cache.strides.get("L", 0)
+
+
+def joint(planes: list[Description]) -> Joint | None:
+    """The planes' descriptions as one walk per path, where they agree in every dim but its
+    strides (the same paths, dims and extents); None where they do not, or there are too many."""
+    if not 1 < len(planes) <= native.MAX_PLANES or len({len(d.calls) for d in planes}) != 1:
+        return None
+    for calls in zip(*(d.calls for d in planes), strict=True):
+        if len({c.nd for c in calls}) != 1:
+            return None
+        first = calls[0].dims
+        for c in calls[1:]:
+            if any(c.dims[k * native.FIELDS + f] != first[k * native.FIELDS + f]
+                   for k in range(c.nd) for f in _SHARED_FIELDS):
+                return None
+    return Joint(planes)
+
+
 @dataclass
 class Prepared:
     """The native mover's state for one connector: its program, and the threads and streaming
@@ -275,6 +330,9 @@ class NativeMover:
         if step is None or step[0] != key:
             step = prepared.step = (key, *self._step(prepared, store, tensor, call, ck, layer))
         _, lib, work, picked = step
+        if isinstance(work, Joint):
+            self._run_joint(lib, work, store, tensor.data_ptr(), layer, picked)
+            return
         for d in work:
             self._run(lib, d, store, tensor.data_ptr(), layer, picked)
 
@@ -287,7 +345,8 @@ class NativeMover:
         picked = self._pick(prepared, tensor, call, layer)
         program = prepared.program
         if program.planes:
-            return lib, self._planes(prepared, store, tensor, call, ck), picked
+            planes = self._planes(prepared, store, tensor, call, ck)
+            return lib, joint(planes) or planes, picked
         return lib, [describe(program, store, tensor, call, ck)], picked
 
     @staticmethod
@@ -316,18 +375,25 @@ class NativeMover:
     def _run(self, lib: Any, d: Description, store: bool, obj: int, layer: int | None,
              picked: tuple[int, int]) -> None:
         """The kernel calls of `d` (of one layer, when `layer` is given)."""
-        leaves, coff0 = d.cache.base, 0
-        if layer is not None:  # one layer of a per-layer object: L is fixed
-            if "L" in d.cache.ls:
-                leaves += 8 * layer * d.cache.ls["L"]  # a cache whose layers are leaves: that layer's leaf
-            else:
-                coff0 = layer * d.cache.strides.get("L", 0)
+        leaf, coff0 = _layer_offsets(d.cache, layer)
+        leaves = d.cache.base + 8 * leaf
         threads, stream = picked
         move, direction = lib.kvgen_move, int(store)
         self.stats["calls"] += len(d.calls)
         for c in d.calls:
             if move(direction, c.nd, c.address, c.run, leaves, coff0, obj + c.ooff, threads, stream) != 0:
                 raise Unsupported("the kernel refused the description")
+
+    def _run_joint(self, lib: Any, j: Joint, store: bool, obj: int, layer: int | None,
+                   picked: tuple[int, int]) -> None:
+        """One walk per path over every plane of a chunk (of one layer, when `layer` is given)."""
+        head = j.head if layer is None else j.layer_head(layer)
+        threads, stream = picked
+        self.stats["calls"] += len(j.dims)
+        for k, (nd, dims) in enumerate(zip(j.nds, j.dims, strict=True)):
+            at = head[k].buffer_info()[0]
+            if lib.kvgen_move_planes(int(store), nd, j.planes, dims.buffer_info()[0], at, obj, threads, stream) != 0:
+                raise Unsupported("the kernel refused the planes' description")
 
     @staticmethod
     def _pick(prepared: Prepared, tensor: torch.Tensor, call: Any, layer: int | None) -> tuple[int, int]:
