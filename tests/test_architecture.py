@@ -160,11 +160,7 @@ def test_the_build_loops_over_registered_kinds() -> None:
 #: plan/kernel*; the runtime's `rules: unfinished` entries went to `movers` too; `quant`: the model passes).
 #: Temporary: the coordinator removes each entry once its owner's branch is in;
 #: test_pending_entries_are_still_offenders fails on an entry that no longer offends.
-PENDING_COMPLEXITY = {
-    # model passes: `quant` and `remote` add rules to them this round (a split waits for both).
-    "kvgen.spec.passes.models:check_model": "quant",
-    "kvgen.spec.passes.models:check_model_library": "quant",
-    "kvgen.spec.passes.models:_group_problems": "quant",
+PENDING_COMPLEXITY: dict[str, str] = {
 }
 PENDING_PARAMETERS = {
     # public APIs (a change reaches docs/transfers.md and every caller):
