@@ -162,10 +162,7 @@ def test_the_build_loops_over_registered_kinds() -> None:
 #: test_pending_entries_are_still_offenders fails on an entry that no longer offends.
 PENDING_COMPLEXITY: dict[str, str] = {
 }
-PENDING_PARAMETERS = {
-    # public APIs (a change reaches docs/transfers.md and every caller):
-    "kvgen.runtime.transfer:TransferBase.copy": "unfinished (src_heads and dst_heads: one tp.Route?)",
-    "kvgen.runtime.transfer:TransferBase.copy_layers": "unfinished (as copy, plus sync)",
+PENDING_PARAMETERS: dict[str, str] = {
 }
 #: Functions whose imports close an import cycle (left out of the cycle graph) or are deferred
 #: for no heavy dependency.
