@@ -49,7 +49,7 @@ from kvgen.runtime.words import Words, words
 from kvgen.tp import HeadRanges
 
 #: What a call with another keyword is told (the separate src_heads= / dst_heads= a transfer once took).
-HEADS_PROTOCOL = ("the head ranges are one argument: heads=kvgen.tp.HeadRanges(src_heads=(start, stop), "
+HEADS_PROTOCOL = ("The head ranges are one argument: heads=kvgen.tp.HeadRanges(src_heads=(start, stop), "
                   "dst_heads=(start, stop)), or a kvgen.tp.Route's .heads")
 #: Bindings kept per side (a few caches in turn).
 _BINDINGS_KEPT = 8
