@@ -157,7 +157,7 @@ def test_the_build_loops_over_registered_kinds() -> None:
 
 #: Offenders in files another helper of this round is rewriting (issue 21): `module:qualname`
 #: -> who owns it (`movers`: runtime/native*, kernels*, connector, devices, tiles and
-#: plan/kernel*; the runtime's `rules: unfinished` entries went to `movers` too; `quant`: the model passes).
+#: plan/kernel*; the runtime's `rules: unfinished` entries went to `movers` too).
 #: Temporary: the coordinator removes each entry once its owner's branch is in;
 #: test_pending_entries_are_still_offenders fails on an entry that no longer offends.
 PENDING_COMPLEXITY: dict[str, str] = {
