@@ -8,9 +8,9 @@ one latent that every rank keeps whole.
 `plan(num_kv_heads, src_tp, dst_tp)` says, for a cache sharded over `src_tp` ranks being moved
 to one sharded over `dst_tp` ranks, every (source rank, destination rank) pair that must move
 something and the head ranges they move, in each rank's own local head indices: exactly the
-`src_heads` / `dst_heads` a generated transfer takes. Every destination head is written once,
-from one source rank; where heads are replicated on the source side, destination ranks spread
-their reads over the replicas. Pure Python: no torch.
+`HeadRanges` a generated transfer takes (`T().copy(..., heads=route.heads)`). Every destination
+head is written once, from one source rank; where heads are replicated on the source side,
+destination ranks spread their reads over the replicas. Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -21,6 +21,16 @@ from kvgen.errors import KVLayoutError
 
 #: A head range (start, stop), stop excluded.
 Heads = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class HeadRanges:
+    """The heads one transfer call moves: source head `src_heads[0] + j` into destination head
+    `dst_heads[0] + j`, in each side's local indices; None: every head of that side. The two
+    ranges travel together (a transfer checks them against its caches, before the first write)."""
+
+    src_heads: Heads | None = None
+    dst_heads: Heads | None = None
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,11 @@ class Route:
     @property
     def count(self) -> int:
         return self.src_heads[1] - self.src_heads[0]
+
+    @property
+    def heads(self) -> HeadRanges:
+        """What a transfer call on this route takes as `heads=`."""
+        return HeadRanges(self.src_heads, self.dst_heads)
 
 
 def _positive(what: str, value: object) -> int:
@@ -125,7 +140,7 @@ def explain(num_kv_heads: int, src_tp: int, dst_tp: int, *, mla: bool = False) -
         lines.append(f"  src rank {r.src_rank} -> dst rank {r.dst_rank}: src_heads={r.src_heads}, "
                      f"dst_heads={r.dst_heads}{where}")
     lines.append(f"{len(routes)} transfer calls: T().copy(src_caches, src_slots, dst_caches, dst_slots, "
-                 "src_heads=..., dst_heads=...) on each route")
+                 "heads=route.heads) on each route")
     return lines
 
 
@@ -134,4 +149,4 @@ def _route(run: list[int], d: int, src: list[Heads], dst: list[Heads]) -> Route:
     return Route(s, d, (first - src[s][0], end - src[s][0]), (first - dst[d][0], end - dst[d][0]))
 
 
-__all__ = ["Heads", "Route", "explain", "local_heads", "plan", "rank_heads"]
+__all__ = ["HeadRanges", "Heads", "Route", "explain", "local_heads", "plan", "rank_heads"]

@@ -157,19 +157,12 @@ def test_the_build_loops_over_registered_kinds() -> None:
 
 #: Offenders in files another helper of this round is rewriting (issue 21): `module:qualname`
 #: -> who owns it (`movers`: runtime/native*, kernels*, connector, devices, tiles and
-#: plan/kernel*; the runtime's `rules: unfinished` entries went to `movers` too; `quant`: the model passes).
+#: plan/kernel*; the runtime's `rules: unfinished` entries went to `movers` too).
 #: Temporary: the coordinator removes each entry once its owner's branch is in;
 #: test_pending_entries_are_still_offenders fails on an entry that no longer offends.
-PENDING_COMPLEXITY = {
-    # model passes: `quant` and `remote` add rules to them this round (a split waits for both).
-    "kvgen.spec.passes.models:check_model": "quant",
-    "kvgen.spec.passes.models:check_model_library": "quant",
-    "kvgen.spec.passes.models:_group_problems": "quant",
+PENDING_COMPLEXITY: dict[str, str] = {
 }
-PENDING_PARAMETERS = {
-    # public APIs (a change reaches docs/transfers.md and every caller):
-    "kvgen.runtime.transfer:TransferBase.copy": "unfinished (src_heads and dst_heads: one tp.Route?)",
-    "kvgen.runtime.transfer:TransferBase.copy_layers": "unfinished (as copy, plus sync)",
+PENDING_PARAMETERS: dict[str, str] = {
 }
 #: Functions whose imports close an import cycle (left out of the cycle graph) or are deferred
 #: for no heavy dependency.

@@ -30,6 +30,7 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from kvgen import generated  # noqa: E402
 from kvgen.oracle import facts_vllm  # noqa: E402
+from kvgen.tp import HeadRanges  # noqa: E402
 
 #: No two extents equal, so a swap of heads and slots, or K and V, changes the bytes.
 L, B, N, H, C = 2, 5, 4, 3, 6
@@ -206,7 +207,7 @@ def test_tensor_parallel_ranks_tile_the_canonical_page_at_their_global_heads(lay
         vllm_rows(kv, names, maps, want)
         generated.transfer(facts_vllm.SPEC_OF[layout], CANONICAL[layout])().copy(
             memory_order(kv, names, layout, False), slots(BLOCKS), kvgen, slots(list(range(len(BLOCKS)))),
-            src_heads=(0, H), dst_heads=(rank * H, (rank + 1) * H))
+            heads=HeadRanges((0, H), (rank * H, (rank + 1) * H)))
     assert torch.equal(kvgen.view(torch.int8).reshape(len(BLOCKS), -1), want)
     assert want.ne(0).view(len(BLOCKS), -1).any(dim=1).all()
 

@@ -294,33 +294,66 @@ KV_OLD = "            cache_places=(('KV', 0, ()), ('B', 1, ()), ('N', 2, ()), (
 KV_NEW = "            cache_places=(('KV', 3, ()), ('B', 1, ()), ('N', 2, ()), ('H', 0, ()), ('C', 4, ())),\n"
 
 
-@pytest.mark.parametrize("backend", ["native", "triton"])
+def _planes_store(cls: Any, backend: str, cache: Any, module: str = PLANES_MODULE) -> torch.Tensor:
+    c = cls(device="cpu", backend=backend)
+    tokens = len(MAPPING)
+    o = torch.zeros(tuple(c.get_shape(tokens, cache)), dtype=c.get_dtype(cache))
+    c.from_gpu(MemoryObj(o), 0, tokens, kvcaches=cache, slot_mapping=MAPPING)
+    return o
+
+
+@pytest.mark.parametrize("backend", ["native", "torch", "triton"])
 def test_each_plane_moves_as_its_own_program_says(tmp_path: Path, backend: str) -> None:
-    """The kv plane's program with the cache's KV and H places swapped (two of each): the native
-    mover and the Triton kernels fill the kv region with K/V and heads transposed; the scale
-    planes, whose programs are unchanged, land as the reference puts them. (The torch copies of
-    planes view them as the module writes, not yet at PROGRAM's places.)"""
+    """The kv plane's program with the cache's KV and H places swapped (two of each): every
+    mover (the native kernel, the generated torch copies, the Triton kernels) fills the kv
+    region with K/V and heads transposed; the scale planes, whose programs are unchanged, land
+    as the reference puts them."""
     _mover_here(backend)
     paged = LIBRARY_SPECS["vllm_fp8_tensor_scales"]
     assert EXT["KV"] == EXT["H"] == 2
     cache = make_cache(paged, torch.float32, "cpu")
     tokens = len(MAPPING)
-
-    def store(cls: Any, backend: str) -> torch.Tensor:
-        c = cls(device="cpu", backend=backend)
-        o = torch.zeros(tuple(c.get_shape(tokens, cache)), dtype=c.get_dtype(cache))
-        c.from_gpu(MemoryObj(o), 0, tokens, kvcaches=cache, slot_mapping=MAPPING)
-        return o
-
     plain = generated.get("vllm_fp8_tensor_scales", "kv_planes")
-    reference = store(plain, "torch")
-    assert torch.equal(store(plain, backend), reference)
-    altered = store(_altered(tmp_path, KV_OLD, KV_NEW, PLANES_MODULE), backend)
+    reference = _planes_store(plain, "torch", cache)
+    assert torch.equal(_planes_store(plain, backend, cache), reference)
+    altered = _planes_store(_altered(tmp_path, KV_OLD, KV_NEW, PLANES_MODULE), backend, cache)
     size = EXT["KV"] * tokens * EXT["H"] * EXT["C"]  # the kv region of a layer: fp8, one byte a value
     shape = (EXT["L"], EXT["KV"], tokens, EXT["H"], EXT["C"])
     assert torch.equal(altered[:, :size].reshape(shape), reference[:, :size].reshape(shape).transpose(1, 3))
     assert not torch.equal(altered[:, :size], reference[:, :size])
     assert torch.equal(altered[:, size:], reference[:, size:])
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_loading_planes_through_an_altered_program_reads_the_places_it_names(tmp_path: Path, backend: str) -> None:
+    """The load direction of a plane follows its program too: the object whose kv region has
+    K/V and heads transposed, loaded through the swapped program, puts every moved slot of the
+    kv plane back as the cache held it (and the scales as they were)."""
+    paged = LIBRARY_SPECS["vllm_fp8_tensor_scales"]
+    cache = make_cache(paged, torch.float32, "cpu")
+    tokens = len(MAPPING)
+    reference = _planes_store(generated.get("vllm_fp8_tensor_scales", "kv_planes"), "torch", cache)
+    size = EXT["KV"] * tokens * EXT["H"] * EXT["C"]
+    shape = (EXT["L"], EXT["KV"], tokens, EXT["H"], EXT["C"])
+    swapped = reference.clone()
+    swapped[:, :size] = reference[:, :size].reshape(shape).transpose(1, 3).reshape(EXT["L"], size)
+    cls = _altered(tmp_path, KV_OLD, KV_NEW, PLANES_MODULE)
+    c = cls(device="cpu", backend=backend)
+    target = make_cache(paged, torch.float32, "cpu")
+    for layer in target:  # every leaf zeroed: what the load does not write stays 0
+        for t in layer:
+            t.zero_()
+    c.to_gpu(MemoryObj(swapped, c.format), 0, tokens, kvcaches=target, slot_mapping=MAPPING)
+    moved = torch.zeros(EXT["B"] * EXT["N"], dtype=torch.bool)
+    moved[MAPPING] = True
+    for layer, (got, want) in enumerate(zip(target, cache, strict=True)):
+        kv_got, kv_want = got[0].view(torch.uint8), want[0].view(torch.uint8)
+        kv_got = kv_got.view(EXT["KV"], EXT["B"] * EXT["N"], -1)
+        kv_want = kv_want.view(EXT["KV"], EXT["B"] * EXT["N"], -1)
+        assert torch.equal(kv_got[:, moved], kv_want[:, moved]), layer
+        assert not kv_got[:, ~moved].any(), layer
+        for g, w in zip(got[1:], want[1:], strict=True):  # each layer's k_scale and v_scale, bit for bit
+            assert torch.equal(g.reshape(1).view(torch.uint8), w.reshape(1).view(torch.uint8)), layer
 
 
 @pytest.mark.parametrize("layerwise", [False, True])

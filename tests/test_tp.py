@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgen.errors import KVLayoutError
-from kvgen.tp import Route, local_heads, plan, rank_heads
+from kvgen.tp import HeadRanges, Route, explain, local_heads, plan, rank_heads
 
 
 @st.composite
@@ -42,6 +42,14 @@ def test_every_destination_head_is_written_exactly_once_from_a_holder(case: tupl
             written[(r.dst_rank, r.dst_heads[0] + j)] += 1
     every = {(d, j) for d in range(dst_tp) for j in range(local_heads(heads, dst_tp))}
     assert set(written) == every and set(written.values()) == {1}
+
+
+def test_a_routes_heads_are_what_a_transfer_call_takes() -> None:
+    # 8 heads, TP 2 -> 4: destination rank 3 holds global heads 6..7, local (2, 4) of source rank 1
+    route = plan(8, 2, 4)[3]
+    assert route == Route(1, 3, (2, 4), (0, 2))
+    assert route.heads == HeadRanges(src_heads=(2, 4), dst_heads=(0, 2))
+    assert explain(8, 2, 4)[-1].endswith("heads=route.heads) on each route")
 
 
 @settings(max_examples=200, deadline=None)

@@ -5,6 +5,7 @@ were; a layerwise transfer refuses at its first next(), before layer 0."""
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ from kvgen.oracle import transfer_reference
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT, make_cache
 from kvgen.runtime import KVLayoutError
+from kvgen.tp import HeadRanges, Route
 
 LIBRARY = builtin_library()
 HND, NHD = LIBRARY["vllm_flash_attn_hnd"], LIBRARY["vllm_flash_attn_nhd"]
@@ -117,21 +119,38 @@ def test_a_repeated_destination_slot_whose_source_is_skipped_moves_once() -> Non
 
 
 BAD_HEADS = [
-    (dict(src_heads=(0, 1, 2)), "(start, stop) pair"),
-    (dict(src_heads="01"), "(start, stop) pair"),
-    (dict(src_heads=(True, 2)), "(start, stop) pair"),
-    (dict(src_heads=(0, 3)), "has 2 heads"),
-    (dict(dst_heads=(1, 1)), "non-empty range"),
-    (dict(src_heads=(0, 1)), "1 heads but dst_heads (0, 2) is 2"),
-    (dict(src_heads=(0, 1), dst_heads=(0, 2)), "src_heads (0, 1) is 1 heads"),
+    (HeadRanges(src_heads=(0, 1, 2)), "src_heads must be a (start, stop) pair"),  # type: ignore[arg-type]
+    (HeadRanges(src_heads="01"), "(start, stop) pair"),  # type: ignore[arg-type]
+    (HeadRanges(src_heads=(True, 2)), "(start, stop) pair"),
+    (HeadRanges(src_heads=(0, 3)), "has 2 heads"),
+    (HeadRanges(dst_heads=(1, 1)), "dst_heads (1, 1) is not a non-empty range"),
+    (HeadRanges(src_heads=(0, 1)), "1 heads but dst_heads (0, 2) is 2"),
+    (HeadRanges(src_heads=(0, 1), dst_heads=(0, 2)), "src_heads (0, 1) is 1 heads"),
+    # the two ranges travel as one object: a pair of pairs, or a route itself, is not one
+    (((0, 1), (0, 1)), "heads must be a kvgen.tp.HeadRanges"),
+    (Route(0, 0, (0, 1), (0, 1)), "a kvgen.tp.Route's .heads"),
 ]
 
 
 @FORMS
 @pytest.mark.parametrize("heads,word", BAD_HEADS, ids=[str(h[0]) for h in BAD_HEADS])
-def test_bad_head_ranges(heads: dict[str, Any], word: str, layerwise: bool) -> None:
+def test_bad_head_ranges(heads: Any, word: str, layerwise: bool) -> None:
     src, dst = _caches()
-    _refused(_run(src, SLOTS, dst, SLOTS, **heads), src, dst, word, layerwise=layerwise)
+    _refused(_run(src, SLOTS, dst, SLOTS, heads=heads), src, dst, word, layerwise=layerwise)
+
+
+@FORMS
+def test_head_ranges_move_source_head_onto_destination_head(layerwise: bool) -> None:
+    # source head 1 of 2 into destination head 0 of 1: head 0 of the destination holds what head 1 of the source held
+    src, dst = _caches(dst_ext={**DST_EXT, "H": 1})
+    want = clone_tree(dst)
+    transfer_reference.transfer(transfer_reference.TransferSide(HND, SRC_EXT, src, SLOTS.tolist(), (1, 2)),
+        transfer_reference.TransferSide(NHD, {**DST_EXT, "H": 1}, want, SLOTS.tolist(), (0, 1)))
+    out = _run(src, SLOTS, dst, SLOTS, heads=HeadRanges((1, 2), (0, 1)))(T(), layerwise)
+    if layerwise:
+        assert sum(1 for _ in out) == SRC_EXT["L"] + 1
+    assert same_bits(dst, want)
+    assert torch.equal(dst[1][1, 1, 1, 0], src[1][1, 1, 1, 1])  # layer 1, V, slot 5 (block 1, offset 1), head 1 -> 0
 
 
 def test_a_layout_without_heads_takes_only_the_whole_latent() -> None:
@@ -139,9 +158,9 @@ def test_a_layout_without_heads_takes_only_the_whole_latent() -> None:
     src, dst = make_cache(mla, SRC_EXT, torch.float32, "cpu"), make_cache(host, DST_EXT, torch.float32, "cpu", 10000)
     t = generated.transfer(mla.name, host.name)()
     with pytest.raises(KVLayoutError, match="no head axis"):
-        t.copy(src, SLOTS, dst, SLOTS, src_heads=(0, 2), dst_heads=(0, 2))
+        t.copy(src, SLOTS, dst, SLOTS, heads=HeadRanges((0, 2), (0, 2)))
     want = clone_tree(dst)
-    t.copy(src, SLOTS, dst, SLOTS, src_heads=(0, 1), dst_heads=(0, 1))
+    t.copy(src, SLOTS, dst, SLOTS, heads=HeadRanges((0, 1), (0, 1)))
     transfer_reference.transfer(transfer_reference.TransferSide(mla, SRC_EXT, src, SLOTS.tolist()),
         transfer_reference.TransferSide(host, DST_EXT, want, SLOTS.tolist()))
     assert same_bits(dst, want)
@@ -179,11 +198,32 @@ def test_caches_in_two_halves_of_one_buffer_are_fine() -> None:
     assert torch.equal(dst[1][1, 1, 1, 0], src[1][1, 1, 0, 1])  # slot 5, head 0, value 0 of V
 
 
-@pytest.mark.parametrize("method,keyword,hint", [("copy", "src_head", "src_heads"), ("copy_layers", "snyc", "sync")])
+@pytest.mark.parametrize("method,keyword,hint", [("copy", "haeds", "heads"), ("copy_layers", "snyc", "sync"),
+                                                 ("copy_layers", "haeds", "heads")])
 def test_unknown_keyword_names_a_close_match(method: str, keyword: str, hint: str) -> None:
     src, dst = _caches()
-    with pytest.raises(TypeError, match=f"did you mean '{hint}'"):
+    before = clone_tree(dst)
+    with pytest.raises(TypeError, match=f"{method}\\(\\) got an unexpected keyword argument '{keyword}' "
+                                        f"\\(did you mean '{hint}'\\?\\)"):
         getattr(T(), method)(src, SLOTS, dst, SLOTS, **{keyword: 1})
+    assert same_bits(dst, before)
+
+
+@pytest.mark.parametrize("method", ["copy", "copy_layers"])
+@pytest.mark.parametrize("keyword", ["src_heads", "dst_heads"])
+def test_separate_head_keywords_are_refused_with_the_one_argument_they_became(method: str, keyword: str) -> None:
+    src, dst = _caches()
+    before = clone_tree(dst)
+    with pytest.raises(TypeError, match=r"heads=kvgen\.tp\.HeadRanges\(src_heads=\(start, stop\), "
+                                        r"dst_heads=\(start, stop\)\)"):
+        getattr(T(), method)(src, SLOTS, dst, SLOTS, **{keyword: (0, 1)})
+    assert same_bits(dst, before)
+
+
+def test_copy_and_copy_layers_show_their_keywords() -> None:
+    # the keyword check wraps them, and their signatures stay what help() and editors show
+    assert [*inspect.signature(T.copy).parameters][-1:] == ["heads"]
+    assert [*inspect.signature(T.copy_layers).parameters][-2:] == ["heads", "sync"]
 
 
 def test_asking_for_a_pair_that_was_not_generated_says_how_to_add_it() -> None:

@@ -85,8 +85,7 @@ def _move(routes: tuple[tp.Route, ...], pair: tuple[str, str], src: list[Any], s
           d: list[int]) -> None:
     t = generated.transfer(*pair)()
     for r in routes:
-        t.copy(src[r.src_rank], torch.tensor(s), dst[r.dst_rank], torch.tensor(d), src_heads=r.src_heads,
-               dst_heads=r.dst_heads)
+        t.copy(src[r.src_rank], torch.tensor(s), dst[r.dst_rank], torch.tensor(d), heads=r.heads)
 
 
 @pytest.mark.parametrize("heads,there,mid", [(8, 2, 4), (8, 8, 1), (2, 2, 8), (4, 4, 4)],

@@ -11,7 +11,7 @@ from harness import builtin_library
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvgen import generated
+from kvgen import generated, tp
 from kvgen.oracle import transfer_reference
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.transfer_scenarios import make_cache, run_transfer
@@ -35,9 +35,9 @@ def cases(draw: st.DrawFn) -> dict:
         dst["H"] = draw(st.integers(1, 3))
         count = draw(st.integers(1, min(src["H"], dst["H"])))
         s0, d0 = draw(st.integers(0, src["H"] - count)), draw(st.integers(0, dst["H"] - count))
-        ranges = {"src_heads": (s0, s0 + count), "dst_heads": (d0, d0 + count)}
+        ranges = tp.HeadRanges((s0, s0 + count), (d0, d0 + count))
     else:
-        ranges = {}
+        ranges = tp.HeadRanges()
     s_slots, d_slots = src["N"] * src["B"], dst["N"] * dst["B"]
     tokens = draw(st.integers(0, min(s_slots, d_slots)))
     picked = draw(st.permutations(range(d_slots)))[:tokens]
@@ -69,15 +69,15 @@ def test_compiled_and_torch_transfers_agree_with_the_reference(case: dict) -> No
     source = _cache(pair.src, src, case, 0)
     want = clone_tree(_cache(pair.dst, dst, case, 1, 10000))
     transfer_reference.transfer(
-        transfer_reference.TransferSide(pair.src, src, source, case["s"], case["heads"].get("src_heads")),
-        transfer_reference.TransferSide(pair.dst, dst, want, case["d"], case["heads"].get("dst_heads")))
+        transfer_reference.TransferSide(pair.src, src, source, case["s"], case["heads"].src_heads),
+        transfer_reference.TransferSide(pair.dst, dst, want, case["d"], case["heads"].dst_heads))
     for backend in ("native", "torch"):
         out = _cache(pair.dst, dst, case, 1, 10000)  # fresh, in the case's storage
         calls = native.stats["calls"]
         run_transfer(generated.transfer(pair.src.name, pair.dst.name)(copy_backend=backend),
                      (source, torch.tensor(case["s"], dtype=torch.long)),
                      (out, torch.tensor(case["d"], dtype=torch.long)),
-                     layerwise=case["layerwise"], **case["heads"])
+                     layerwise=case["layerwise"], heads=case["heads"])
         moved = any(a >= 0 and b >= 0 for a, b in zip(case["s"], case["d"], strict=True))
         assert (native.stats["calls"] > calls) == (backend == "native" and moved)
         assert same_bits(out, want), f"{backend} differs from the reference"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from harness import builtin_library
 
-from kvgen import generated
+from kvgen import generated, tp
 from kvgen.oracle.transfer_scenarios import (
     SCENARIOS,
     SRC_EXT,
@@ -74,7 +74,7 @@ def test_the_entry_point_of_the_issue() -> None:
     ext = {**SRC_EXT, "H": 8}
     a, b = make_cache(src, ext, torch.float32, "cpu"), make_cache(dst, ext, torch.float32, "cpu", 10000)
     slots = torch.arange(8, 24)
-    T().copy(a, slots, b, slots, src_heads=(0, 8), dst_heads=(0, 8))
+    T().copy(a, slots, b, slots, heads=tp.HeadRanges((0, 8), (0, 8)))
     # layer 1, V, slot 9 (block 2, offset 1), head 5: HND holds it at [1, 2, 5, 1], NHD at [1, 2, 1, 5]
     assert torch.equal(b[1][1, 2, 1, 5], a[1][1, 2, 5, 1])
     assert generated.transfer("HND", "nhd") is T  # aliases, any case

@@ -24,6 +24,7 @@ from kvgen.oracle import reference, transfer_reference
 from kvgen.oracle.scenarios import allocate, clone_tree, same_bits
 from kvgen.runtime.ops import bits
 from kvgen.spec.model import Spec
+from kvgen.tp import HeadRanges
 
 #: Source extents: 2 layers, 2 heads, 4 values per head (16-byte words at float32), 12 blocks
 #: of 4 slots. Equal extents hide nothing: every element's value encodes its coordinates.
@@ -121,6 +122,11 @@ class TransferScenario:
     def needs_heads(self) -> bool:
         return self.src_heads is not None or self.dst_heads is not None
 
+    @property
+    def heads(self) -> HeadRanges | None:
+        """What the transfer call takes as `heads=` (None: every head of both sides)."""
+        return HeadRanges(self.src_heads, self.dst_heads) if self.needs_heads else None
+
 
 SCENARIOS = {sc.name: sc for sc in (
     TransferScenario("whole_blocks", _blocks),
@@ -178,13 +184,13 @@ def applies(src: Spec, dst: Spec, scenario: TransferScenario) -> bool:
 
 
 def run_transfer(transfer: Any, src: tuple[Any, torch.Tensor], dst: tuple[Any, torch.Tensor], *,
-                 layerwise: bool = False, **heads: Any) -> int:
+                 layerwise: bool = False, heads: HeadRanges | None = None) -> int:
     """One call from src (cache, slots) to dst (cache, slots), whole or layer by layer; the
     number of generator steps (0 when whole)."""
     if not layerwise:
-        transfer.copy(*src, *dst, **heads)
+        transfer.copy(*src, *dst, heads=heads)
         return 0
-    return sum(1 for _ in transfer.copy_layers(*src, *dst, **heads))
+    return sum(1 for _ in transfer.copy_layers(*src, *dst, heads=heads))
 
 
 @dataclass(frozen=True)
@@ -207,9 +213,8 @@ def check_transfer(package: Any, src: Spec, dst: Spec, device: str, scenario: Tr
     src_cache = make_cache(src, scenario.src_ext, run.dtype, device, storage=scenario.src_storage)
     dst_cache = make_cache(dst, scenario.dst_ext, run.dtype, device, DST_SALT, storage=scenario.dst_storage)
     src_before, want = clone_tree(src_cache), clone_tree(dst_cache)
-    heads = {k: v for k, v in (("src_heads", scenario.src_heads), ("dst_heads", scenario.dst_heads)) if v}
     run_transfer(transfer, (src_cache, torch.tensor(src_map, device=device)),
-                 (dst_cache, torch.tensor(dst_map, device=device)), layerwise=run.layerwise, **heads)
+                 (dst_cache, torch.tensor(dst_map, device=device)), layerwise=run.layerwise, heads=scenario.heads)
     transfer_reference.transfer(
         transfer_reference.TransferSide(src, scenario.src_ext, src_before, src_map, scenario.src_heads),
         transfer_reference.TransferSide(dst, scenario.dst_ext, want, dst_map, scenario.dst_heads))

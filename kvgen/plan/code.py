@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgen.plan.copy import CopyPlan, Loop, Mode
+from kvgen.plan.copy import MODULE_PROGRAM, CopyPlan, Loop, Mode, View, placed
 from kvgen.plan.parts import PartsPlan, PlaneCopy
 
 INDENT = "    "
@@ -40,10 +40,18 @@ def _axes(axes: tuple[str, ...]) -> str:
     return f"[{' '.join(axes)}]"
 
 
-def _copy(plan: CopyPlan, store: bool) -> list[str]:
-    """One copy between a canonical cache view `x` and the object, in one direction."""
-    cv = plan.cache_view
-    lines = [f"x = {cv.expr}  # {_axes(cv.axes)}"]
+def _bind(name: str, view: View, program: str | None, side: str) -> list[str]:
+    """`name = view`; with `program` (a CopyProgram in the module whose places were planned
+    over this view's dims) the view then taken at its places, on a line of its own."""
+    if program is None:
+        return [f"{name} = {view.expr}  # {_axes(view.axes)}"]
+    return [f"{name} = {view.expr}", f"{name} = {placed(name, program, side)}  # {_axes(view.axes)}"]
+
+
+def _copy(plan: CopyPlan, store: bool, program: str | None = None) -> list[str]:
+    """One copy between a canonical cache view `x` and the object, in one direction; `program`:
+    the plane's program whose places `x` is taken at (see _bind)."""
+    lines = _bind("x", plan.cache_view, program, "cache")
     if plan.block is not None:
         b = plan.block
         op = "take_index" if store else "put_index"
@@ -90,29 +98,32 @@ def shape_body(plan: CopyPlan) -> str:
     return f"({', '.join(plan.shape)}{',' if len(plan.shape) == 1 else ''})"
 
 
-def _plane_copy(pc: PlaneCopy, store: bool, loops: tuple[Loop, ...]) -> list[str]:
+def _plane_copy(pc: PlaneCopy, store: bool, loops: tuple[Loop, ...], program: str | None) -> list[str]:
     """One plane of a format-2 pair: the format-1 copy over its byte views, or for a plane
-    without a slot axis one plain copy per leaf, made with every chunk that moves a token."""
+    without a slot axis one plain copy per leaf, made with every chunk that moves a token.
+    With `program` (the plane's CopyProgram in the module) both views are taken at its places,
+    as the compiled movers take the module's byte views at them."""
     plan = pc.copy
     head = [f"# plane {pc.plane.name}"]
+    whole = _bind("o", plan.object_view, program, "object")
     if not pc.slotless:
-        body = [f"o = {plan.object_view.expr}  # {_axes(plan.object_view.axes)}"]
+        body = list(whole)
         if plan.block is not None:
             body.append(f"ob = {plan.block.base}  # whole blocks: {_axes(plan.block.base_axes)}")
-        return head + body + _loops(loops, _copy(plan, store))
-    inner = [f"x = {plan.cache_view.expr}  # {_axes(plan.cache_view.axes)}"]
+        return head + body + _loops(loops, _copy(plan, store, program))
+    inner = _bind("x", plan.cache_view, program, "cache")
     if plan.part_name != "o":
         inner.append(f"y = {plan.object_part.expr}  # {_axes(plan.object_part.axes)}")
     pair = (plan.token_object.expr, "x") if store else ("x", plan.token_object.expr)
     inner.append(f"runtime.copy_into({pair[0]}, {pair[1]})")
     return head + ["if ck.moved:  # no slot axis: it travels with every chunk that moves a token",
-                   f"    o = {plan.object_view.expr}  # {_axes(plan.object_view.axes)}",
-                   *_indent(_loops(loops, inner))]
+                   *_indent(whole), *_indent(_loops(loops, inner))]
 
 
-def parts_methods(plan: PartsPlan) -> tuple[Method, ...]:
+def parts_methods(plan: PartsPlan, programs: bool) -> tuple[Method, ...]:
     """`_dtype` (regions objects are bytes), then `_store`/`_load` or their per-layer forms,
-    each running every plane in turn."""
+    each running every plane in turn; `programs`: the module's PROGRAM holds one program per
+    plane (PROGRAM.planes), whose places the copies' views follow."""
     layerwise = plan.mode is Mode.LAYERWISE
     params = (("layer: int",) if layerwise else ()) + CHUNK_PARAMS
     suffix = "_layer" if layerwise else ""
@@ -124,9 +135,9 @@ def parts_methods(plan: PartsPlan) -> tuple[Method, ...]:
         methods.append(Method("_sizes", ("g: runtime.Geometry", "num_tokens: int"), body, "tuple[int, ...]"))
     for direction in ("store", "load"):
         body = list(plan.preamble)
-        for pc in plan.planes:
+        for i, pc in enumerate(plan.planes):
             loops = pc.copy.loops[1:] if layerwise else pc.copy.loops
-            body += _plane_copy(pc, direction == "store", loops)
+            body += _plane_copy(pc, direction == "store", loops, f"{MODULE_PROGRAM}.planes[{i}]" if programs else None)
         methods.append(Method(f"_{direction}{suffix}", params, tuple(body)))
     return tuple(methods)
 

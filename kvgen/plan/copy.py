@@ -284,11 +284,20 @@ def _views(paged: Spec, obj: Spec, source: Source | None, fixed: dict[str, str]
         leaf = raw.format("kvcaches" + "".join(f"[{LOOP_VARS[a]}]" for a in paged.lists))
         # The views take every axis's place from the module's PROGRAM (kvgen.plan.program), the
         # description every mover executes: the torch code too moves what PROGRAM says.
-        cache = View(f"runtime.placed({leaf}, self.program.cache_places, g)", canonical(leaf, paged.dims).axes)
-        whole = View(f"runtime.placed({raw.format('tensor')}, self.program.object_places, g)",
-                     canonical("tensor", obj.dims).axes)
+        cache = View(placed(leaf, MODULE_PROGRAM, "cache"), canonical(leaf, paged.dims).axes)
+        whole = View(placed(raw.format("tensor"), MODULE_PROGRAM, "object"), canonical("tensor", obj.dims).axes)
         return widen, extent, select(cache, fixed), whole
     return widen, extent, select(canonical(leaf, paged.dims, extent), fixed), canonical(tensor, obj.dims, extent)
+
+
+#: A connector's program as its generated methods name it.
+MODULE_PROGRAM = "self.program"
+
+
+def placed(expr: str, program: str, side: str) -> str:
+    """`expr` viewed at the places the CopyProgram `program` (an expression in the module)
+    gives `side` ("cache" or "object"): one dim per place (runtime.placed)."""
+    return f"runtime.placed({expr}, {program}.{side}_places, g)"
 
 
 def make_plan(paged: Spec, obj: Spec, source: Source | None = None) -> CopyPlan:

@@ -115,7 +115,8 @@ def _planes_connector(plan: PartsPlan) -> ConnectorPlan:
              Method("_plane_leaves", ("kvcaches: Any", "g: runtime.Geometry"), plane_leaves,
                     "tuple[tuple[torch.Tensor, ...], ...]")) if program.planes else ()
     return ConnectorPlan(plan, _base_class(plan), layout_fields(plan.paged), layout_fields(plan.obj),
-                         parts_geometry_body(plan.paged), parts_shape_body(plan), parts_methods(plan) + views,
+                         parts_geometry_body(plan.paged), parts_shape_body(plan),
+                         parts_methods(plan, bool(program.planes)) + views,
                          program, ("parts",))
 
 

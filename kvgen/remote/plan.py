@@ -107,8 +107,8 @@ class Plan:
                                 "start at other addresses")
         for st in self.staging:
             if chunk is None or st.chunk == chunk:
-                _transfer(st.pair).copy(st.caches, st.src_slots, dst_caches, st.dst_slots, src_heads=st.src_heads,
-                                        dst_heads=st.dst_heads)
+                _transfer(st.pair).copy(st.caches, st.src_slots, dst_caches, st.dst_slots,
+                                        heads=tp.HeadRanges(st.src_heads, st.dst_heads))
 
 
 _transfers: dict[tuple[str, str], Any] = {}

@@ -6,8 +6,12 @@ transfer). These are raised when the method is called, before anything is checke
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping, Sequence
-from typing import Any
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+Method = TypeVar("Method", bound=Callable[..., Any])
 
 #: The default of a required keyword, so a call without it reaches refuse_unknown first (a
 #: misspelt `slot_maping=` is named with its did-you-mean, not reported as a missing one).
@@ -39,6 +43,23 @@ def refuse_unknown(method: str, given: Mapping[str, Any], accepted: Sequence[str
     tail = f". {protocol}" if protocol else ""
     raise TypeError(f"{method}() got an unexpected keyword argument {name!r}{hint}; it accepts: "
                     f"{', '.join(accepted)}{tail}")
+
+
+def keywords_named(protocol: str = "") -> Callable[[Method], Method]:
+    """A decorator: the method takes the keywords its signature names, and a call with another
+    one fails as refuse_unknown fails it (the keyword, a close match, the ones it takes), where
+    Python's own TypeError names no match. For methods whose parameters are all spent (at most
+    six) and so cannot take a `**unknown` of their own."""
+    def wrap(method: Method) -> Method:
+        params = inspect.signature(method).parameters
+        accepted = tuple(n for n, p in params.items() if p.kind is p.KEYWORD_ONLY)
+
+        @functools.wraps(method)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            refuse_unknown(method.__name__, {k: v for k, v in kwargs.items() if k not in params}, accepted, protocol)
+            return method(*args, **kwargs)
+        return checked  # type: ignore[return-value]  # the same signature, by functools.wraps
+    return wrap
 
 
 def refuse_whole_call(method: str, positional: int, protocol: str) -> None:

@@ -5,12 +5,13 @@ A generated transfer module subclasses `TransferBase` and supplies only the copi
 (`_copy` for every layer at once, `_copy_layer` for one layer) and the two geometry readers.
 
     T = transfer("vllm_flash_attn_hnd", "vllm_flash_attn_nhd")
-    T().copy(src_caches, src_slots, dst_caches, dst_slots, src_heads=(0, 8), dst_heads=(0, 8))
+    T().copy(src_caches, src_slots, dst_caches, dst_slots, heads=tp.HeadRanges((0, 8), (0, 8)))
     for _ in T().copy_layers(src_caches, src_slots, dst_caches, dst_slots): ...  # one layer per step
 
 Token i moves from source slot src_slots[i] to destination slot dst_slots[i] (slots are token
 addresses: block s // N, offset s % N on each side, whatever its block size); a slot < 0 on
-either side skips the token. Head h of `src_heads` goes to the matching head of `dst_heads`.
+either side skips the token. Head h of `heads.src_heads` goes to the matching head of
+`heads.dst_heads` (a `kvgen.tp.HeadRanges`; a TP route's `.heads`).
 A transfer may be shared by threads: each call's binding, frozen cache trees and pairs are its
 own and immutable; the tables of bindings and streams are filled under a lock.
 """
@@ -45,15 +46,17 @@ from kvgen.runtime.movers.program import TransferProgram
 from kvgen.runtime.pairs import Pairs, Scratch, pair_slots
 from kvgen.runtime.slots import signed_integers
 from kvgen.runtime.words import Words, words
+from kvgen.tp import HeadRanges
 
-COPY_KEYWORDS = ("src_heads", "dst_heads")
-LAYER_KEYWORDS = (*COPY_KEYWORDS, "sync")
+#: What a call with another keyword is told (the separate src_heads= / dst_heads= a transfer once took).
+HEADS_PROTOCOL = ("The head ranges are one argument: heads=kvgen.tp.HeadRanges(src_heads=(start, stop), "
+                  "dst_heads=(start, stop)), or a kvgen.tp.Route's .heads")
 #: Bindings kept per side (a few caches in turn).
 _BINDINGS_KEPT = 8
 
 
-#: One side of a transfer as the caller gives it: (caches, slots, heads or None).
-Side = tuple[Any, Any, Any]
+#: One side of a transfer as the caller gives it: (caches, slots).
+Given = tuple[Any, Any]
 
 
 @dataclass(frozen=True)
@@ -104,12 +107,12 @@ class TransferBase:
 
     # -- the two forms ---------------------------------------------------------------------
 
+    @calls.keywords_named(HEADS_PROTOCOL)
     def copy(self, src_caches: Any, src_slots: Any, dst_caches: Any, dst_slots: Any, *,
-             src_heads: Any = None, dst_heads: Any = None, **unknown: Any) -> None:
+             heads: HeadRanges | None = None) -> None:
         """Copy every layer of the given slots; returns once the copy is done."""
-        calls.refuse_unknown("copy", unknown, COPY_KEYWORDS)
         scratch = self._local.__dict__.setdefault("scratch", Scratch())  # a whole copy ends before the next
-        call = self._begin((src_caches, src_slots, src_heads), (dst_caches, dst_slots, dst_heads), scratch)
+        call = self._begin((src_caches, src_slots), (dst_caches, dst_slots), heads, scratch)
         if call.pairs.moved:
             compiled = self._compiled(call, layerwise=False)
             if compiled is not None:
@@ -120,19 +123,18 @@ class TransferBase:
             backend = self._backend_for(device)
             backend.synchronize(backend.current_stream())
 
+    @calls.keywords_named(HEADS_PROTOCOL)
     def copy_layers(self, src_caches: Any, src_slots: Any, dst_caches: Any, dst_slots: Any, *,
-                    src_heads: Any = None, dst_heads: Any = None, sync: bool = True,
-                    **unknown: Any) -> Generator[None, None, None]:
+                    heads: HeadRanges | None = None, sync: bool = True) -> Generator[None, None, None]:
         """Copy layer by layer: a generator that checks every input at its first next(), then
         yields once after each layer's copy is queued and once after the final wait (L + 1
         yields), so a caller can overlap the transfer with the forward pass. `sync=True`
         synchronizes at the end; False makes the current stream wait for the copies."""
-        calls.refuse_unknown("copy_layers", unknown, LAYER_KEYWORDS)
-        return self._layers((src_caches, src_slots, src_heads), (dst_caches, dst_slots, dst_heads), sync)
+        return self._layers((src_caches, src_slots), (dst_caches, dst_slots), heads, sync)
 
-    def _layers(self, src: Side, dst: Side, sync: bool) -> Generator[None, None, None]:
+    def _layers(self, src: Given, dst: Given, heads: HeadRanges | None, sync: bool) -> Generator[None, None, None]:
         # A generator's own scratch: two generators stepped in turn may run on streams at once.
-        call = self._begin(src, dst, Scratch())
+        call = self._begin(src, dst, heads, Scratch())
         device = call.gs.device if call.gs.device.type != "cpu" else call.gd.device
         backend = self._backend_for(device)
         stream = self._stream(device, backend)
@@ -178,19 +180,19 @@ class TransferBase:
         self._check_pair(sb, db)
         return sb.geometry, db.geometry
 
-    def _begin(self, src: Side, dst: Side, scratch: Scratch) -> TransferCall:
-        (src_caches, src_slots, src_heads), (dst_caches, dst_slots, dst_heads) = src, dst
+    def _begin(self, src: Given, dst: Given, heads: HeadRanges | None, scratch: Scratch) -> TransferCall:
+        (src_caches, src_slots), (dst_caches, dst_slots) = src, dst
         sb, src_tree = self._bind("src", src_caches)
         db, dst_tree = self._bind("dst", dst_caches)
         self._check_pair(sb, db)
         gs, gd = sb.geometry, db.geometry
-        heads = self._heads(src_heads, dst_heads, gs, gd)
+        moved = self._heads(heads, gs, gd)
         s, d = _mapping("src_slots", src_slots, gs.device), _mapping("dst_slots", dst_slots, gd.device)
         if s.shape[0] != d.shape[0]:
             raise KVLayoutError(f"{self.name}: src_slots and dst_slots need one slot each per token, got "
                                 f"{s.shape[0]} and {d.shape[0]} slots")
         try:
-            pairs = pair_slots(s, d, gs, gd, heads)
+            pairs = pair_slots(s, d, gs, gd, moved)
         except KVLayoutError as error:
             raise KVLayoutError(f"{self.name}: {error}") from None
         size = torch.empty(0, dtype=gs.dtype).element_size()
@@ -245,10 +247,15 @@ class TransferBase:
                     self._apart.clear()
                 self._apart.add((sb.key, db.key))
 
-    def _heads(self, src_heads: Any, dst_heads: Any, gs: Geometry, gd: Geometry) -> tuple[int, int, int]:
+    def _heads(self, heads: HeadRanges | None, gs: Geometry, gd: Geometry) -> tuple[int, int, int]:
         """(first source head, first destination head, count); both ranges default to every head."""
-        s = _range("src_heads", src_heads, gs.H, self.src_layout)
-        d = _range("dst_heads", dst_heads, gd.H, self.dst_layout)
+        if heads is None:
+            heads = HeadRanges()
+        elif not isinstance(heads, HeadRanges):
+            raise KVLayoutError(f"heads must be a kvgen.tp.HeadRanges(src_heads, dst_heads) (a kvgen.tp.Route's "
+                                f".heads) or None (every head of both sides), got {describe(heads)}")
+        s = _range("src_heads", heads.src_heads, gs.H, self.src_layout)
+        d = _range("dst_heads", heads.dst_heads, gd.H, self.dst_layout)
         if s[1] - s[0] != d[1] - d[0]:
             raise KVLayoutError(f"{self.name}: src_heads {s} is {s[1] - s[0]} heads but dst_heads {d} is "
                                 f"{d[1] - d[0]}; give both ranges with the same number of heads (kvgen.tp.plan "

@@ -75,8 +75,7 @@ def expected(req: Request, rank: int, sources: list[Any]) -> Any:
     move = generated.transfer(req.src.layout, req.dst.layout)()
     for r in tp.plan(req.heads, req.src.tp, req.dst.tp, mla=mla):
         if r.dst_rank == rank:
-            move.copy(sources[r.src_rank], slots(req, req.src, 1), want, slots(req, req.dst, 2),
-                      src_heads=r.src_heads, dst_heads=r.dst_heads)
+            move.copy(sources[r.src_rank], slots(req, req.src, 1), want, slots(req, req.dst, 2), heads=r.heads)
     return want
 
 

@@ -1,7 +1,8 @@
 """The torch mover: runs the generated module's own `_store` / `_load` (or `_store_layer` /
 `_load_layer`), the torch ops the planner wrote from the same plan as PROGRAM, which view the
-cache and the object at PROGRAM's places (`runtime.placed`; a format-2 cache's planes at the
-byte views the module writes), so an altered PROGRAM moves other bytes here too. It is the
+cache and the object at PROGRAM's places (`runtime.placed`; a format-2 cache's planes: the
+byte views the module writes, each at its plane program's places, `PROGRAM.planes[i]`), so an
+altered PROGRAM moves other bytes here too. It is the
 readable reference a reviewer checks against the spec, the path of every device without a
 kernel, and the fallback of the other movers for a cache they cannot move.
 

@@ -1,65 +1,40 @@
 """Passes over model specs and `pack: groups` objects: what their schemas cannot say.
 
-`check_model` looks at one model file (every cache-list entry named exactly once, state
-tensor splits, names); `check_groups_object` at one groups object. `check_model_library`
-checks what needs the other files: a group's layout exists and keeps one entry per layer,
-its sizes fit that layout, an object's members are whole-chunk objects. Every problem is
+A model file is checked by the passes of `MODEL_PASSES` in order (names, state tensors, layer
+sets); `check_groups_object` looks at one groups object. `check_model_library` checks what
+needs the other files: each group of a model by the passes of `GROUP_PASSES` against the
+layout it names (a paged layout of the library that keeps one entry per layer, sizes that fit
+it, dtypes it holds), and a groups object's members (whole-chunk objects). Every problem is
 located by YAML path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from kvgen.errors import KVLayoutError, Problem
+from kvgen.errors import KVLayoutError, Problem, YamlPath
 from kvgen.names import Named, resolve
 from kvgen.spec.loader import Document
 from kvgen.spec.model import ITEMSIZE, Pack, Part, Spec
-from kvgen.spec.models import OTHERS, ModelSpec
+from kvgen.spec.models import OTHERS, Group, ModelSpec, StateTensor
+
+#: A pass over one model file: the model and its document in, the problems it finds out.
+ModelPass = Callable[[ModelSpec, Document], list[Problem]]
 
 
-def check_model(model: ModelSpec, doc: Document) -> list[Problem]:
-    """One model file: layer sets, state tensors, names."""
-    out: list[Problem] = []
-    clash = set(model.group_names) & set(model.state_names)
-    for name in sorted(clash):
-        out.append(doc.problem(("state", name), f"{name!r} names a group and a state group; names must differ "
-                                                "(an object's carries names them)", key=True))
-    out += _tensor_problems(model, doc)
-    if clash:  # the layer sets of the two are one entry in the typed model: checking them would mislead
-        return out
-    sections = [("groups", g.name, g.layers) for g in model.groups] + [("state", s.name, s.layers)
-                                                                       for s in model.states]
-    others = [(sec, name) for sec, name, _ in sections if doc.data[sec][name]["layers"] == OTHERS]
-    for sec, name in others[1:]:
-        out.append(doc.problem((sec, name, "layers"), f"only one group may take the others; "
-                                                             f"{others[0][1]!r} already does"))
-    owner: dict[int, str] = {}
-    for sec, name, layers in sections:
-        path = (sec, name, "layers")
-        past = [i for i in layers if i >= model.layers]
-        if past:
-            out.append(doc.problem(path, f"layer {past[0]} is past the model's {model.layers} cache entries "
-                                         f"(0..{model.layers - 1})"))
-        if not layers and (sec, name) not in others[1:]:  # a second `others` is reported as such
-            out.append(doc.problem(path, "this layer set names no entry of the cache list"))
-        for i in layers:
-            if i in owner and i < model.layers:
-                out.append(doc.problem(path, f"layer {i} is already in {owner[i]!r}; each entry of the cache "
-                                             "list belongs to one group or state group"))
-                break
-        for i in layers:
-            owner.setdefault(i, name)
-    missing = [i for i in range(model.layers) if i not in owner]
-    if missing:
-        shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
-        out.append(doc.problem(("layers",), f"{len(missing)} of {model.layers} cache entries belong to no group "
-                                            f"or state group: {shown} (give them a group, or `layers: others`)"))
-    return out
+# -- one model file ------------------------------------------------------------------------------
+
+def check_name_clash(model: ModelSpec, doc: Document) -> list[Problem]:
+    """A group and a state group may not share a name (an object's carries name them)."""
+    return [doc.problem(("state", name), f"{name!r} names a group and a state group; names must differ "
+                                         "(an object's carries names them)", key=True)
+            for name in sorted(_clash(model))]
 
 
-def _tensor_problems(model: ModelSpec, doc: Document) -> list[Problem]:
+def check_state_tensors(model: ModelSpec, doc: Document) -> list[Problem]:
+    """Each state group's tensors: names once each, a split that is a dim, sections that fill it."""
     out: list[Problem] = []
     for s in model.states:
         seen: set[str] = set()
@@ -76,14 +51,70 @@ def _tensor_problems(model: ModelSpec, doc: Document) -> list[Problem]:
     return out
 
 
-def _section_problems(t: Any, doc: Document, path: tuple[Any, ...]) -> list[Problem]:
+def check_layer_sets(model: ModelSpec, doc: Document) -> list[Problem]:
+    """Every entry of the cache list in exactly one group or state group; one group takes the others."""
+    if _clash(model):  # the layer sets of the two are one entry in the typed model: checking them would mislead
+        return []
+    sections = [("groups", g.name, g.layers) for g in model.groups] + [("state", s.name, s.layers)
+                                                                       for s in model.states]
+    others = [(sec, name) for sec, name, _ in sections if doc.data[sec][name]["layers"] == OTHERS]
+    out = [doc.problem((sec, name, "layers"), f"only one group may take the others; {others[0][1]!r} already does")
+           for sec, name in others[1:]]
+    owner: dict[int, str] = {}
+    for sec, name, layers in sections:
+        # A second `others` is reported as such, not as an empty layer set.
+        out += _layer_set_problems(model, doc, (sec, name, "layers"), layers, owner, (sec, name) in others[1:])
+        for i in layers:
+            owner.setdefault(i, name)
+    return out + _uncovered(model, doc, owner)
+
+
+MODEL_PASSES: tuple[ModelPass, ...] = (check_name_clash, check_state_tensors, check_layer_sets)
+
+
+def check_model(model: ModelSpec, doc: Document) -> list[Problem]:
+    """One model file: names, state tensors, layer sets."""
+    return [p for check in MODEL_PASSES for p in check(model, doc)]
+
+
+def _clash(model: ModelSpec) -> set[str]:
+    return set(model.group_names) & set(model.state_names)
+
+
+def _section_problems(t: StateTensor, doc: Document, path: YamlPath) -> list[Problem]:
     """A section list: over a split dim, and summing to its size."""
     if t.split is None:
         return [doc.problem(path, "sections divide the split dim; give the tensor a split")]
-    if sum(t.sections) != t.shape[t.split]:
-        return [doc.problem(path, f"the sections {list(t.sections)} sum to {sum(t.sections)}, not to the split "
-                                  f"dim's {t.shape[t.split]} (shape {list(t.shape)}, split {t.split})")]
+    if sum(t.sections or ()) != t.shape[t.split]:
+        return [doc.problem(path, f"the sections {list(t.sections or ())} sum to {sum(t.sections or ())}, not to "
+                                  f"the split dim's {t.shape[t.split]} (shape {list(t.shape)}, split {t.split})")]
     return []
+
+
+def _layer_set_problems(model: ModelSpec, doc: Document, path: YamlPath, layers: tuple[int, ...],
+                        owner: dict[int, str], second_others: bool) -> list[Problem]:
+    """One layer set: inside the cache list, not empty, no entry an earlier set already owns."""
+    out = []
+    past = [i for i in layers if i >= model.layers]
+    if past:
+        out.append(doc.problem(path, f"layer {past[0]} is past the model's {model.layers} cache entries "
+                                     f"(0..{model.layers - 1})"))
+    if not layers and not second_others:
+        out.append(doc.problem(path, "this layer set names no entry of the cache list"))
+    taken = next((i for i in layers if i in owner and i < model.layers), None)
+    if taken is not None:
+        out.append(doc.problem(path, f"layer {taken} is already in {owner[taken]!r}; each entry of the cache "
+                                     "list belongs to one group or state group"))
+    return out
+
+
+def _uncovered(model: ModelSpec, doc: Document, owner: dict[int, str]) -> list[Problem]:
+    missing = [i for i in range(model.layers) if i not in owner]
+    if not missing:
+        return []
+    shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+    return [doc.problem(("layers",), f"{len(missing)} of {model.layers} cache entries belong to no group "
+                                     f"or state group: {shown} (give them a group, or `layers: others`)")]
 
 
 def check_groups_object(spec: Spec, doc: Document) -> list[Problem]:
@@ -97,86 +128,146 @@ def check_groups_object(spec: Spec, doc: Document) -> list[Problem]:
     return out
 
 
+# -- against the library -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layouts:
+    """The library's layouts and objects, found by name, alias or format as `kvgen list` shows them."""
+
+    specs: dict[str, Spec]
+    named: tuple[Named, ...]
+
+    @classmethod
+    def of(cls, entries: Sequence[tuple[Any, Document]]) -> Layouts:
+        specs = {s.name: s for s, _ in entries if isinstance(s, Spec)}
+        return cls(specs, tuple(Named(s.name, s.aliases, tuple(f for f in (s.format, s.lmcache_format) if f))
+                                for s in specs.values()))
+
+    def find(self, name: str) -> Spec | None:
+        try:
+            return self.specs[resolve(name, list(self.named))]
+        except KVLayoutError:  # an unknown or ambiguous name: the caller says so
+            return None
+
+
+@dataclass(frozen=True)
+class GroupSite:
+    """One group of a model with the paged layout it names and where the group is written."""
+
+    group: Group
+    layout: Spec
+    doc: Document
+
+    @property
+    def path(self) -> YamlPath:
+        return ("groups", self.group.name)
+
+
+#: A pass over one group of a model, against the layout it names.
+GroupPass = Callable[[GroupSite], list[Problem]]
+
+
+def check_group_sizes(site: GroupSite) -> list[Problem]:
+    """Each size names a part and an axis the layout has, and agrees with what the layout fixes."""
+    return [p for key, value in site.group.sizes if (p := _size_problem(site, key, value)) is not None]
+
+
+def check_group_ratio(site: GroupSite) -> list[Problem]:
+    """A token-to-slot ratio is given once: in the layout or in the group."""
+    if site.group.tokens_per_slot != 1 and site.layout.token_ratio != (1, 1):
+        return [site.doc.problem((*site.path, "tokens_per_slot"), f"{site.layout.name} declares its own "
+                                 "token-to-slot ratio; give the ratio in the layout or in the group, not both")]
+    return []
+
+
+def check_group_dtypes(site: GroupSite) -> list[Problem]:
+    """Every dtype of the group is one the layout holds."""
+    return [site.doc.problem((*site.path, "dtypes", i), f"{site.layout.name} cannot hold {dtype}; it holds "
+                                                        f"{', '.join(site.layout.dtypes)}")
+            for i, dtype in enumerate(site.group.dtypes) if dtype not in site.layout.dtypes]
+
+
+GROUP_PASSES: tuple[GroupPass, ...] = (check_group_sizes, check_group_ratio, check_group_dtypes)
+
+
 def check_model_library(entries: Sequence[tuple[Any, Document]]) -> list[Problem]:
-    """Models against the layouts they name; groups objects against their members."""
-    specs = {s.name: s for s, _ in entries if isinstance(s, Spec)}
-    named = [Named(s.name, s.aliases, tuple(f for f in (s.format, s.lmcache_format) if f)) for s in specs.values()]
+    """Models against the layouts they name; groups objects against their members, file by file."""
+    layouts = Layouts.of(entries)
     out: list[Problem] = []
     for spec, doc in entries:
         if isinstance(spec, ModelSpec):
-            for g in spec.groups:
-                out += _group_problems(spec, g.name, doc, specs, named)
+            out += [p for g in spec.groups for p in _group_problems(g, doc, layouts)]
         elif isinstance(spec, Spec) and spec.pack is Pack.GROUPS:
-            for i, name in enumerate(spec.members):
-                member = _lookup(name, specs, named)
-                why = None
-                if member is None:
-                    why = f"unknown object {name!r}"
-                elif member.is_paged or member.pack is Pack.GROUPS:
-                    why = f"{member.name} is not a memory object of one cache"
-                elif member.lists:
-                    why = f"{member.name} is a per-layer object (lists: {list(member.lists)})"
-                if why:
-                    out.append(doc.problem(("members", i), f"{why}; members are whole-chunk objects "
-                                                           "such as kv_2ltd, kv_mla, kv_planes"))
+            out += _member_problems(spec, doc, layouts)
     return out
 
 
-def _lookup(name: str, specs: dict[str, Spec], named: list[Named]) -> Spec | None:
-    try:
-        return specs[resolve(name, named)]
-    except KVLayoutError:  # an unknown or ambiguous name: the caller says so
-        return None
+def _group_problems(group: Group, doc: Document, layouts: Layouts) -> list[Problem]:
+    """The layout a group names, then the group against it by each of GROUP_PASSES."""
+    layout = _paged_layout(group, layouts)
+    if isinstance(layout, str):
+        return [doc.problem(("groups", group.name, "layout"), layout)]
+    site = GroupSite(group, layout, doc)
+    return [p for check in GROUP_PASSES for p in check(site)]
 
 
-def _group_problems(model: ModelSpec, name: str, doc: Document, specs: dict[str, Spec],
-                    named: list[Named]) -> list[Problem]:
-    group = next(g for g in model.groups if g.name == name)
-    path = ("groups", name)
-    layout = _lookup(group.layout, specs, named)
+def _paged_layout(group: Group, layouts: Layouts) -> Spec | str:
+    """The layout a group names, or why it cannot hold the group."""
+    layout = layouts.find(group.layout)
     if layout is None:
-        return [doc.problem((*path, "layout"), f"unknown layout {group.layout!r}; a group names a paged layout "
-                                               "of the library (kvgen list)")]
+        return f"unknown layout {group.layout!r}; a group names a paged layout of the library (kvgen list)"
     if not layout.is_paged:
-        return [doc.problem((*path, "layout"), f"{layout.name} is a memory object; a group names a paged layout")]
+        return f"{layout.name} is a memory object; a group names a paged layout"
     if layout.lists[:1] != ("L",):
-        return [doc.problem((*path, "layout"), f"{layout.name} keeps its layers {_where_layers(layout)}; a group's "
-                                               "layout holds one cache-list entry per layer (lists start with L)")]
-    out = []
+        return (f"{layout.name} keeps its layers {_where_layers(layout)}; a group's layout holds one "
+                "cache-list entry per layer (lists start with L)")
+    return layout
+
+
+def _size_problem(site: GroupSite, key: str, value: int) -> Problem | None:
+    """What is wrong with one of a group's sizes (`AXIS: n` or `C.PART: n`), or None."""
+    at = (*site.path, "sizes", key)
+    why = _size_axis_problem(site.layout, key)
+    if why:
+        return site.doc.problem(at, why, key=True)
+    axis, _, part = key.partition(".")
+    owner = _owner(site.layout, part)
+    fixed = _fixed_c(owner) if axis == "C" else site.layout.size(axis)
+    if fixed is not None and fixed != value:
+        return site.doc.problem(at, f"{site.layout.name} fixes {key} = {fixed}"
+                                    f"{' (its fields)' if owner.fields else ''}; this group says {value}")
+    return None
+
+
+def _size_axis_problem(layout: Spec, key: str) -> str | None:
+    """Why a group's size key (`AXIS` or `C.PART`) names nothing `layout` has, or None."""
+    axis, _, part = key.partition(".")
+    why = _size_part_problem(layout, axis, part)
+    if why:
+        return why
+    owner = _owner(layout, part)
+    if axis in ("H", "N") and not (owner.has(axis) or axis in layout.lists) and not layout.has(axis):
+        return f"{layout.name} has no {axis} axis"
+    if axis == "C" and not owner.has("C"):
+        where = f"part {part!r} of {layout.name}" if part else layout.name
+        return f"{where} has no C axis (its dims: {owner.render()})"
+    return None
+
+
+def _size_part_problem(layout: Spec, axis: str, part: str) -> str | None:
+    """Why a size key names a part `layout` lacks, or a plain C where each part has its own, or None."""
     parts = {p.name for p in layout.parts if p.name}
-    for key, value in group.sizes:
-        axis, _, part = key.partition(".")
-        at = (*path, "sizes", key)
-        if part and part not in parts:
-            out.append(doc.problem(at, f"{layout.name} has no part {part!r}" +
-                                       (f" (parts: {', '.join(sorted(parts))})" if parts else ""), key=True))
-            continue
-        if axis == "C" and not part and layout.is_multipart:
-            wide = [p.name for p in layout.parts if p.has("C")]
-            out.append(doc.problem(at, f"{layout.name} has parts of their own widths: write "
-                                       f"{', '.join(f'C.{p}' for p in wide)} instead of C", key=True))
-            continue
-        owner = next((p for p in layout.parts if p.name == part), layout.parts[0])
-        has = owner.has(axis) or axis in layout.lists
-        if axis in ("H", "N") and not has and not layout.has(axis):
-            out.append(doc.problem(at, f"{layout.name} has no {axis} axis", key=True))
-            continue
-        if axis == "C" and not owner.has("C"):
-            where = f"part {part!r} of {layout.name}" if part else layout.name
-            out.append(doc.problem(at, f"{where} has no C axis (its dims: {owner.render()})", key=True))
-            continue
-        fixed = _fixed_c(owner) if axis == "C" else layout.size(axis)
-        if fixed is not None and fixed != value:
-            out.append(doc.problem(at, f"{layout.name} fixes {key} = {fixed}"
-                                       f"{' (its fields)' if owner.fields else ''}; this group says {value}"))
-    if group.tokens_per_slot != 1 and layout.token_ratio != (1, 1):
-        out.append(doc.problem((*path, "tokens_per_slot"), f"{layout.name} declares its own token-to-slot ratio; "
-                                                           "give the ratio in the layout or in the group, not both"))
-    for i, dtype in enumerate(group.dtypes):
-        if dtype not in layout.dtypes:
-            out.append(doc.problem((*path, "dtypes", i), f"{layout.name} cannot hold {dtype}; it holds "
-                                                         f"{', '.join(layout.dtypes)}"))
-    return out
+    if part and part not in parts:
+        return f"{layout.name} has no part {part!r}" + (f" (parts: {', '.join(sorted(parts))})" if parts else "")
+    if axis == "C" and not part and layout.is_multipart:
+        wide = [p.name for p in layout.parts if p.has("C")]
+        return f"{layout.name} has parts of their own widths: write {', '.join(f'C.{p}' for p in wide)} instead of C"
+    return None
+
+
+def _owner(layout: Spec, part: str) -> Part:
+    """The part a size key names (`C.PART`), or the layout's first part for a plain axis."""
+    return next((p for p in layout.parts if p.name == part), layout.parts[0])
 
 
 def _fixed_c(part: Part) -> int | None:
@@ -194,4 +285,25 @@ def _where_layers(layout: Spec) -> str:
     return "inside its tensors" if layout.has("L") else "nowhere"
 
 
-__all__ = ["check_groups_object", "check_model", "check_model_library"]
+def _member_problems(spec: Spec, doc: Document, layouts: Layouts) -> list[Problem]:
+    """A groups object's members: each a whole-chunk memory object of one cache."""
+    out = []
+    for i, name in enumerate(spec.members):
+        why = _member_problem(name, layouts.find(name))
+        if why:
+            out.append(doc.problem(("members", i), f"{why}; members are whole-chunk objects "
+                                                   "such as kv_2ltd, kv_mla, kv_planes"))
+    return out
+
+
+def _member_problem(name: str, member: Spec | None) -> str | None:
+    if member is None:
+        return f"unknown object {name!r}"
+    if member.is_paged or member.pack is Pack.GROUPS:
+        return f"{member.name} is not a memory object of one cache"
+    if member.lists:
+        return f"{member.name} is a per-layer object (lists: {list(member.lists)})"
+    return None
+
+
+__all__ = ["GROUP_PASSES", "MODEL_PASSES", "check_groups_object", "check_model", "check_model_library"]
