@@ -93,6 +93,26 @@ def test_hybrid_matches_reference(toys: Any, scenario: str, obj: str) -> None:
     assert ms.check_model(toys, lib, lib.model("toy_hybrid"), lib[obj], ms.SCENARIOS[scenario]) == (True, True)
 
 
+@pytest.mark.parametrize("rows", ["one kernel call", "torch copies"])
+def test_state_rows_move_in_one_kernel_call_or_by_torch(toys: Any, rows: str, monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """On the CPU a chunk's state rows (every layer's state tensors) move in one call of the
+    compiled kernel; where it cannot (another device, a strided row) the torch copies move them:
+    both give the reference's bytes, both ways."""
+    native = runtime_model.copy_state_rows
+    moved: list[bool] = []
+
+    def recorded(*args: Any) -> bool:
+        moved.append(native(*args) if rows == "one kernel call" else False)
+        return moved[-1]
+
+    monkeypatch.setattr(runtime_model, "copy_state_rows", recorded)
+    lib = toys.library
+    assert ms.check_model(toys, lib, lib.model("toy_hybrid"), lib["kv_groups"],
+                          ms.SCENARIOS["minus1_per_group"]) == (True, True)
+    assert moved and all(moved) == (rows == "one kernel call")
+
+
 def test_hybrid_at_tp2(toys: Any) -> None:
     lib = toys.library
     assert ms.check_model(toys, lib, lib.model("toy_hybrid"), lib["kv_groups"], ms.SCENARIOS["minus1_per_group"],

@@ -16,6 +16,7 @@ prefix); pass its slot for that chunk and None for the others. See docs/connecto
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import threading
@@ -44,6 +45,7 @@ from kvgen.runtime.model_checks import (
     state_slots,
 )
 from kvgen.runtime.model_table import GroupTable, Section, StateTable, dtype_name, lay_out, state_section_name
+from kvgen.runtime.movers.native import copy_state_rows
 
 STORE = ("kvcaches", "slot_mappings", "state_slot", "offset")
 LOAD = (*STORE, "skip_prefix_n_tokens")
@@ -407,17 +409,23 @@ class ModelConnector:
     def _move_state(self, items: tuple[Any, ...], tensor: torch.Tensor, sections: tuple[Section, ...], slot: int,
                     storing: bool) -> None:
         at = {s.name: s for s in sections if s.kind == "state"}
-        for s in self.states:
-            for layer in s.layers:
-                for j, spec in enumerate(s.tensors):
-                    state = items[layer][j]
-                    section = at[state_section_name(s.name, layer, spec[0])]
-                    raw = tensor[section.offset:section.offset + section.nbytes]
-                    if storing:
-                        raw.copy_(state[slot].contiguous().reshape(-1).view(torch.uint8))
-                    else:
-                        src = raw if raw.storage_offset() % state.element_size() == 0 else raw.clone()
-                        state[slot].copy_(src.view(state.dtype).view(state.shape[1:]))
+        rows = [(items[layer][j], at[name]) for layer, j, name in _state_entries(self.states)]
+        if copy_state_rows(rows, tensor, slot, storing):
+            return
+        for state, section in rows:  # the torch path: a device without the kernel, or a strided row
+            raw = tensor[section.offset:section.offset + section.nbytes]
+            if storing:
+                raw.copy_(state[slot].contiguous().reshape(-1).view(torch.uint8))
+            else:
+                src = raw if raw.storage_offset() % state.element_size() == 0 else raw.clone()
+                state[slot].copy_(src.view(state.dtype).view(state.shape[1:]))
+
+
+@functools.cache
+def _state_entries(states: tuple[StateTable, ...]) -> tuple[tuple[int, int, str], ...]:
+    """(cache-list entry, tensor index, section name) of every state tensor a model carries, in order."""
+    return tuple((layer, j, state_section_name(s.name, layer, spec[0]))
+                 for s in states for layer in s.layers for j, spec in enumerate(s.tensors))
 
 
 def _in_slots(g: GroupTable, req: _Request) -> tuple[Any, Any, int, int]:

@@ -119,6 +119,8 @@ def _load() -> tuple[Any, str | None]:
     lib.kvgen_move_planes.restype = ctypes.c_int
     lib.kvgen_move_planes.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.kvgen_copy_rows.restype = ctypes.c_int
+    lib.kvgen_copy_rows.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.kvgen_slots.restype = None
     lib.kvgen_slots.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.kvgen_repeated_slot.restype = ctypes.c_int64

@@ -284,6 +284,70 @@ int kvgen_move(int store, int nd, const int64_t *dims, int64_t run, char *const 
     return 0;
 }
 
+/* -- rows between two sets of addresses -------------------------------------------------
+ *
+ * n rows, each 3 int64: destination address, source address, bytes (a model's state rows,
+ * one per layer and state tensor, between the cache and their sections of the object).
+ * threads share the rows in order. Nothing here checks bounds: the caller checked each row
+ * against its tensor and its section. */
+typedef struct {
+    const int64_t *rows;
+    int64_t lo, hi;
+    int stream;
+} kv_rjob;
+
+static void *kv_rthread(void *arg) {
+    const kv_rjob *job = (const kv_rjob *)arg;
+    for (int64_t i = job->lo; i < job->hi; i++) {
+        const int64_t *r = job->rows + 3 * i;
+        kv_copy((char *)(intptr_t)r[0], (const char *)(intptr_t)r[1], r[2], job->stream);
+    }
+    if (job->stream)
+        kv_fence_stream();
+    return NULL;
+}
+
+int kvgen_copy_rows(int64_t n, const int64_t *rows, int threads, int stream) {
+    if (n <= 0)
+        return 0;
+    for (int64_t i = 0; i < n; i++)
+        if (rows[3 * i + 2] <= 0)
+            return -1;
+    if (threads > KV_MAXT)
+        threads = KV_MAXT;
+    if (threads > n)
+        threads = (int)n;
+    if (threads < 1)
+        threads = 1;
+    kv_rjob jobs[KV_MAXT];
+    pthread_t ids[KV_MAXT];
+    int started[KV_MAXT];
+    for (int t = 0; t < threads; t++) {
+        jobs[t].rows = rows, jobs[t].stream = stream != 0;
+        jobs[t].lo = n * t / threads, jobs[t].hi = n * (t + 1) / threads;
+        started[t] = 0;
+    }
+    if (threads == 1) {
+        kv_rthread(&jobs[0]);
+        return 0;
+    }
+    if (kv_parallel) {
+        kv_team team = {kv_rthread, (char *)jobs, sizeof jobs[0], threads};
+        kv_parallel(kv_team_body, &team, (unsigned)threads, 0);
+        return 0;
+    }
+    for (int t = 1; t < threads; t++)
+        started[t] = pthread_create(&ids[t], NULL, kv_rthread, &jobs[t]) == 0;
+    kv_rthread(&jobs[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(ids[t], NULL);
+        else
+            kv_rthread(&jobs[t]);
+    }
+    return 0;
+}
+
 /* -- the planes of one cache in one walk -------------------------------------------------
  *
  * A cache of several planes (quantized data and its scales, say) whose planes interleave in

@@ -409,3 +409,41 @@ class NativeMover:
             found = sizes[nbytes] = (cpu_threads(nbytes, TEAM_PARALLEL_BYTES if native.team() else PARALLEL_BYTES),
                                      int(host.streams(nbytes * (call.g.L if layer is not None else 1))))
         return found
+
+
+def copy_state_rows(rows: list[tuple[torch.Tensor, Any]], tensor: torch.Tensor, slot: int, storing: bool) -> bool:
+    """Copy each state tensor's row `slot` to (storing) or from its section of the object's bytes
+    `tensor`, all in one kernel call (kvgen_copy_rows); `rows`: (state tensor [S, ...], its
+    Section). False, with nothing moved, where the kernel cannot: not on the CPU, no compiled
+    kernel, a strided object or row, or a section that is not the row's size."""
+    lib = native.library() if tensor.device.type == "cpu" else None
+    if lib is None or not rows or tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
+        return False
+    base, have = tensor.data_ptr(), tensor.numel()
+    flat: list[int] = []
+    for state, section in rows:
+        row = _row(state, slot)
+        if row is None or section.nbytes != row[1] or section.offset + section.nbytes > have:
+            return False
+        if not row[1]:
+            continue  # an empty row moves nothing
+        at = base + section.offset
+        flat += [at, row[0], row[1]] if storing else [row[0], at, row[1]]
+    total = sum(flat[2::3])
+    runs = array.array("q", flat)
+    threads = cpu_threads(total, TEAM_PARALLEL_BYTES if native.team() else PARALLEL_BYTES)
+    if lib.kvgen_copy_rows(len(runs) // 3, runs.buffer_info()[0], threads, int(host.streams(total))) != 0:
+        raise Unsupported("the kernel refused a state row")  # never before a byte is moved
+    return True
+
+
+def _row(state: torch.Tensor, slot: int) -> tuple[int, int] | None:
+    """(address, bytes) of `state[slot]` where that row is contiguous and inside the tensor; else None."""
+    if not state.is_cpu or not 0 <= slot < state.shape[0]:
+        return None
+    step = state.element_size()
+    for n, stride in zip(reversed(state.shape[1:]), reversed(state.stride()[1:]), strict=True):
+        if n > 1 and stride * state.element_size() != step:
+            return None
+        step *= n
+    return state.data_ptr() + slot * state.stride(0) * state.element_size(), step
