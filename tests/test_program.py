@@ -110,12 +110,15 @@ def test_every_transfer_module_carries_its_planned_program(module: str) -> None:
     assert all("L" in p.whole and p.layer == tuple(d for d in p.whole if d != "L") for p in got.paths)
 
 
-def test_a_transfer_program_orders_dims_as_the_destination_lays_them_out() -> None:
-    """HND -> NHD: the destination keeps N before H, so a whole block's slots come before its
-    heads; only C is adjacent on both sides (the source has N inside H)."""
+def test_a_transfer_program_orders_dims_as_the_source_lays_them_out() -> None:
+    """HND -> NHD: the source keeps H before N, so a whole block's heads come before its slots
+    (each source leaf is read front to back); only C is adjacent on both sides (the destination
+    has H inside N). NHD -> HiCache page-first: the source's layers are its leaves, outermost."""
     blocks = generated.transfer("vllm_flash_attn_hnd", "vllm_flash_attn_nhd").program.path("blocks")
     assert blocks is not None
-    assert blocks.whole == ("L", "KV", "B", "N", "H", "C") and blocks.layer == ("KV", "B", "N", "H", "C")
+    assert blocks.whole == ("L", "KV", "B", "H", "N", "C") and blocks.layer == ("KV", "B", "H", "N", "C")
+    page_first = generated.transfer("vllm_flash_attn_nhd", "hicache_page_first").program.path("blocks")
+    assert page_first is not None and page_first.whole[0] == "L"
     assert blocks.whole_run == blocks.layer_run == ("C",)
     same = generated.transfer("vllm_flash_attn_nhd", "vllm_flash_attn_nhd").program.path("blocks")
     assert same is not None and same.layer_run == ("N", "H", "C")  # a whole block is one run

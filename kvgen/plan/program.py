@@ -184,9 +184,9 @@ def planes_views(plan: PartsPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(objects), tuple(leaves)
 
 
-def _destination_key(spec: Spec, places_: tuple[Place, ...], shared: tuple[str, ...]) -> dict[str, tuple[int, int]]:
-    """Each dim's place in a destination cache: its list levels first, then its leaf's axes;
-    blocks and single tokens at its block (or folded slot) axis, block slots just inside."""
+def _cache_key(spec: Spec, places_: tuple[Place, ...], shared: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """Each dim's place in a cache: its list levels first, then its leaf's axes; blocks and
+    single tokens at its block (or folded slot) axis, block slots just inside."""
     lists, axes = spec.lists, tuple(p[0] for p in places_)
     key = {a: ((lists.index(a), 0) if a in lists else (len(lists) + axes.index(a), 0)) for a in shared}
     folded = "S" in axes
@@ -198,7 +198,7 @@ def _destination_key(spec: Spec, places_: tuple[Place, ...], shared: tuple[str, 
 def transfer_program(src: Spec, dst: Spec) -> ProgramPlan:
     """The PROGRAM of a layout-to-layout transfer (runtime.TransferProgram): both caches'
     places, the shared axes, and per path the dims of a whole call and of a layer's call in
-    the destination's order with the innermost that may merge into the run."""
+    the source's order with the innermost that may merge into the run."""
     if not (src.is_simple and dst.is_simple):
         return ProgramPlan((("compiled", PLANES_REASON),), ())
     sp, dp = places(src), places(dst)
@@ -211,7 +211,10 @@ def transfer_program(src: Spec, dst: Spec) -> ProgramPlan:
                       ("dst_places", dp), ("shared", shared))
     if why is not None:
         return ProgramPlan(fields, ())
-    key = _destination_key(dst, dp, shared)
+    # The source's order: each source leaf is read front to back. Walking the destination's
+    # order instead read a page-first destination's layers from 32 leaves at once and took 1.4-1.7x
+    # as long on the CPU (vLLM NHD to HiCache page-first, 2048 tokens, whole and per layer).
+    key = _cache_key(src, sp, shared)
     sides: tuple[Side, ...] = ((sa, src.lists, "S" if "S" in sa else "N"), (da, dst.lists, "S" if "S" in da else "N"))
     paths = []
     for name, dims in (("blocks", ("B", "N", *shared)), ("tokens", ("T", *shared))):

@@ -2,7 +2,7 @@
 token path (kvgen.runtime.native compiles and loads the kernel).
 
 From the program it takes where each axis lives on each side, the dims of each call in the
-destination's order, and which innermost dims may merge into the memcpy run; from the live
+order it walks them, and which innermost dims may merge into the memcpy run; from the live
 tensors only their extents, strides and addresses: the byte stride of each axis, each leaf's
 address, the chunk's index tensors. It reads no layout facts (PagedLayout / ObjectLayout), so
 an altered PROGRAM changes what it moves (tests/test_movers.py shows it).

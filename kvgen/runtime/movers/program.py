@@ -70,10 +70,11 @@ class CopyProgram:
 @dataclass(frozen=True)
 class TransferPath:
     """One path of a layout-to-layout transfer as the dims of one kernel call, outermost first
-    in the destination's order: `whole` for a call over every layer, `layer` for one layer's
-    (no L). B and N: whole blocks and their slots, each side split by its own block size (a
-    folded slot axis by the other's); T: single tokens by slot. `whole_run` / `layer_run`: the
-    innermost dims both layouts keep adjacent, which may merge into the memcpy run."""
+    in the order the call walks them (the planner gives the source's, read front to back):
+    `whole` for a call over every layer, `layer` for one layer's (no L). B and N: whole blocks
+    and their slots, each side split by its own block size (a folded slot axis by the other's);
+    T: single tokens by slot. `whole_run` / `layer_run`: the innermost dims both layouts keep
+    adjacent, which may merge into the memcpy run."""
 
     name: str
     whole: tuple[str, ...]
