@@ -3,6 +3,7 @@ the independent transfer reference, on coordinate-coded caches of every rank."""
 
 from __future__ import annotations
 
+import importlib
 import random
 
 import pytest
@@ -95,6 +96,25 @@ def test_the_cost_model_stages_short_runs_and_reads_long_ones_directly() -> None
     assert direct.strategy == "direct" and not direct.staging
     forced = remote.plan(sd, dd, slots, slots, strategy="direct", cost=slow_descriptors)
     assert forced.strategy == "direct" and forced.why == "forced" and not forced.staging
+
+
+def test_staged_reads_are_costed_as_merged_however_many_they_are_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A staged read copies the source's own layout, so whole blocks merge into a few long
+    descriptors: its estimate counts them after merging even past the bound (EXACT) where a
+    direct read's count before merging stands in, which would make long direct plans look cheaper."""
+    remote_plan = importlib.import_module("kvgen.remote.plan")  # the module: `remote.plan` is its function
+    per_descriptor = remote.Costs(per_descriptor=1e-3, wire=1e12, local=1e12, per_permute=0.0)
+    case = Case("vllm_flash_attn_hnd", "vllm_flash_attn_nhd", dict(SRC_EXT), dict(SRC_EXT), 1, 1, 0, 2)
+    srcs, dst = case.caches()
+    sd, dd = case.describe(srcs, dst)
+    slots = torch.arange(0, 16)
+    exact = remote.plan(sd, dd, slots, slots, cost=per_descriptor)
+    monkeypatch.setattr(remote_plan, "EXACT", 1)  # every count above the bound: direct's stays an upper bound
+    bounded = remote.plan(sd, dd, slots, slots, cost=per_descriptor)
+    assert exact.strategy == bounded.strategy == "staged"
+    staged_words = bounded.why.split("staged ")[1]
+    assert not staged_words.startswith("up to") and "direct up to" in bounded.why
+    assert staged_words.split(" descriptors")[0] == exact.why.split("staged ")[1].split(" descriptors")[0]
 
 
 def test_costs_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
