@@ -23,7 +23,10 @@ streaming stores (host.streams()).
 
 The copy is driven by the connector's planned description (PROGRAM: which tensor dim holds
 which axis) and the actual strides of the cache leaves and the object, so one kernel serves
-every connector of a one-tree cache; caches of several planes (format 2) keep the torch path.
+every connector of a one-tree cache; the planes of a format-2 cache move in one walk where
+their dims agree (kvgen_move_planes), a model's state rows in one call (kvgen_copy_rows), and
+a chunk's slot facts and a load's repeated-slot check are read in one pass (kvgen_slots,
+kvgen_repeated_slot).
 """
 
 
