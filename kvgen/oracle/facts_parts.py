@@ -49,9 +49,18 @@ from typing import Any
 
 from kvgen.oracle.address import ObjectAddresses, plane_address, plane_count
 from kvgen.oracle.agreement import first_difference
-from kvgen.oracle.fact_table import EngineGeometry, Level
+from kvgen.oracle.fact_table import (
+    BYTES,
+    ByteAddress,
+    EngineGeometry,
+    Level,
+    PartFact,
+    PartsFact,
+    PlaneAddress,
+    PlaneFact,
+    width,
+)
 from kvgen.oracle.facts_quant import QUANT_PARTS_FACTS
-from kvgen.oracle.parts_fact import BYTES, ByteAddress, PartFact, PartsFact, PlaneAddress, PlaneFact, width
 from kvgen.oracle.planes import part_shape
 from kvgen.spec.library import load_library
 from kvgen.spec.model import Spec

@@ -21,7 +21,7 @@ The built-in specs are for head size 128, as stated here.
 from __future__ import annotations
 
 from kvgen.oracle.fact_table import EngineGeometry as Geometry
-from kvgen.oracle.parts_fact import PartFact, PartsFact, PlaneFact, width
+from kvgen.oracle.fact_table import PartFact, PartsFact, PlaneFact, width
 from kvgen.spec.model import Spec
 
 #: This module's entries, merged into kvgen.oracle.facts_parts.PARTS_FACTS there.
