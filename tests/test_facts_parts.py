@@ -19,7 +19,7 @@ from kvgen import generated
 from kvgen.oracle.fact_table import FREE_DTYPE, ByteAddress, PartsFact, PlaneFact
 from kvgen.oracle.facts import EngineGeometry
 from kvgen.oracle.facts_parts import PACKED_FACTS, PARTS_FACTS, source_geometry, values
-from kvgen.oracle.planes import Leaf, read_leaf
+from kvgen.oracle.reference.planes import Leaf, read_leaf
 from kvgen.oracle.scenarios import Scenario, connector_load, connector_store
 from kvgen.runtime import MemoryObj
 

@@ -61,7 +61,7 @@ from kvgen.oracle.fact_table import (
     width,
 )
 from kvgen.oracle.facts_quant import QUANT_PARTS_FACTS
-from kvgen.oracle.planes import part_shape
+from kvgen.oracle.reference.planes import part_shape
 from kvgen.spec.library import load_library
 from kvgen.spec.model import Spec
 

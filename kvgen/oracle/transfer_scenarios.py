@@ -156,9 +156,9 @@ SCENARIOS = {sc.name: sc for sc in (
 def _template(spec: Spec, ext: tuple[tuple[str, int], ...], dtype: torch.dtype, salt: int) -> Any:
     """A coded cache, filled once (the reference fills it element by element); never written to."""
     extents = dict(ext)
-    shape = reference.leaf_shape(spec, extents)
-    tree = reference.nest(spec, extents, lambda path: torch.zeros(shape, dtype=dtype))
-    reference.fill_cache(spec, extents, tree, dtype, salt)
+    shape = reference.layouts.leaf_shape(spec, extents)
+    tree = reference.layouts.nest(spec, extents, lambda path: torch.zeros(shape, dtype=dtype))
+    reference.layouts.fill_cache(spec, extents, tree, dtype, salt)
     return tree
 
 
@@ -168,14 +168,14 @@ def make_cache(spec: Spec, ext: Mapping[str, int], dtype: torch.dtype, device: s
     (permuted views into a larger buffer) or "odd" (one element into their storage) as a
     scenario names it."""
     template = _template(spec, tuple(sorted(ext.items())), dtype, salt)
-    shape = reference.leaf_shape(spec, ext)
+    shape = reference.layouts.leaf_shape(spec, ext)
 
     def make(path: tuple[int, ...]) -> torch.Tensor:
         t = allocate(shape, dtype, device, storage == "strided", storage == "odd")
         bits(t).copy_(bits(reference.leaf(template, path)))
         return t
 
-    return reference.nest(spec, ext, make)
+    return reference.layouts.nest(spec, ext, make)
 
 
 def applies(src: Spec, dst: Spec, scenario: TransferScenario) -> bool:
