@@ -31,7 +31,7 @@ from kvgen.oracle.facts import (
     positions,
 )
 from kvgen.oracle.facts_groups import GROUPS_FACTS
-from kvgen.oracle.facts_parts import PACKED_FACTS, PARTS_FACTS
+from kvgen.oracle.facts_planes import PACKED_FACTS, PARTS_FACTS
 from kvgen.oracle.scenarios import Scenario, connector_load, connector_store
 from kvgen.runtime import MemoryObj
 
@@ -47,7 +47,7 @@ GEOMETRIES = (
 
 
 def test_every_builtin_spec_has_a_fact_and_every_fact_a_spec() -> None:
-    # Format-2 specs (parts, fields, packed objects) are in kvgen.oracle.facts_parts.
+    # Format-2 specs (parts, fields, packed objects) are in kvgen.oracle.facts_planes.
     every = [*FACTS, *PARTS_FACTS, *PACKED_FACTS, *GROUPS_FACTS]
     assert sorted(SPECS) == sorted(every), (
         f"specs without facts: {sorted(set(SPECS) - set(every))}; "

@@ -6,7 +6,7 @@ both kinds of cache the tables state.
   kvgen.oracle.facts imports them and merges them into FACTS, so no module fills another's table
   by being imported.
 - Caches of several parts or fields (spec format 2): `PartsFact` (its `PartFact`s and
-  `PlaneFact`s) and where a plane's value lives, a `ByteAddress`; the tables of facts_parts and
+  `PlaneFact`s) and where a plane's value lives, a `ByteAddress`; the tables of facts_planes and
   facts_quant hold them.
 
 The tables import this module one way; nothing here reads a spec.

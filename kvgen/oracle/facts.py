@@ -57,7 +57,7 @@ from kvgen.oracle.fact_table import (
     merge,
 )
 from kvgen.oracle.facts_groups import groups_disagreement
-from kvgen.oracle.facts_parts import parts_disagreement
+from kvgen.oracle.facts_planes import parts_disagreement
 from kvgen.oracle.reference.layouts import leaf_shape
 from kvgen.spec.model import Spec
 
