@@ -7,9 +7,9 @@ import torch
 from harness import EXT, builtin_library, make_cache, same_bits, tensors_of
 
 from kvgen import generated
-from kvgen.oracle import reference, transfer_reference
+from kvgen.oracle import reference
 from kvgen.oracle.address import element_address
-from kvgen.oracle.reference import planes
+from kvgen.oracle.reference import planes, transfers
 from kvgen.oracle.scenarios import at_odd_offsets, clone_tree, make_objects
 from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT
 from kvgen.oracle.transfer_scenarios import make_cache as transfer_cache
@@ -187,13 +187,13 @@ def test_transfer_reference_moves_each_element_where_element_address_says(heads)
         src, dst = LIB[a], LIB[b]
         if heads is not None and not (src.has("H") and dst.has("H")):
             continue
-        sh, dh = heads or (transfer_reference.heads_of(src, SRC_EXT, None), transfer_reference.heads_of(dst, DST_EXT,
+        sh, dh = heads or (transfers.heads_of(src, SRC_EXT, None), transfers.heads_of(dst, DST_EXT,
                                                                                                          None))
         source = transfer_cache(src, SRC_EXT, torch.float32, "cpu")
         got = transfer_cache(dst, DST_EXT, torch.float32, "cpu", 50_000)
         want = clone_tree(got)
-        transfer_reference.transfer(transfer_reference.TransferSide(src, SRC_EXT, source, src_slots, sh),
-            transfer_reference.TransferSide(dst, DST_EXT, got, dst_slots, dh))
+        transfers.transfer(transfers.TransferSide(src, SRC_EXT, source, src_slots, sh),
+            transfers.TransferSide(dst, DST_EXT, got, dst_slots, dh))
         _transfer_one_by_one(src, SRC_EXT, source, src_slots, dst, DST_EXT, want, dst_slots, sh, dh)
         assert same_bits(got, want), (a, b)
 

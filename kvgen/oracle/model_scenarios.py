@@ -1,7 +1,7 @@
 """Scenarios for model connectors, shared by the tests and `kvgen verify`: a model's cache list
 with every element coded by its group, layer and position, state tensors coded the same way,
 per-group slot mappings, and one transfer run through a connector and through the reference
-(kvgen.oracle.models), compared bit for bit both ways.
+(kvgen.oracle.reference.models), compared bit for bit both ways.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from kvgen.oracle import models, reference
-from kvgen.oracle.reference import planes
+from kvgen.oracle import reference
+from kvgen.oracle.reference import models, planes
 from kvgen.oracle.scenarios import block_table_mapping, clone_tree, same_bits
 from kvgen.runtime import MemoryObj
 from kvgen.runtime.binding import leaves

@@ -1,13 +1,18 @@
-"""The reference interpreter: an obviously correct store and load of every pair of a layout and
-an object, one module per kind of pair, as kvgen.plan.package's PAIR_KINDS names them:
+"""The reference interpreter: an obviously correct copy for every kind of generated module, one
+module per kind. The (layout, object) pairs, as kvgen.plan.package's PAIR_KINDS names them:
 
 - `layouts`: a cache and an object of one tensor tree each (spec format 1), element by element;
-- `planes`: a cache of several parts or fields and a packed object (format 2), byte by byte.
+- `planes`: a cache of several parts or fields and a packed object (format 2), byte by byte;
+
+and the other kinds of module a build makes:
+
+- `transfers`: layout-to-layout transfers (`transfer`, of two `TransferSide`s);
+- `models`: model connectors, every group and the state to and from one groups object.
 
 It reads the specs through kvgen.oracle.address only (never the planner or generated code) and
-so says what any connector must produce; tests and `kvgen verify` compare every generated
-connector with it. `store` and `load` take the pair's specs and pick the module of its kind;
-`common` holds what both share (`Span`: the tokens one chunk moves).
+so says what any generated module must produce; tests and `kvgen verify` compare every one with
+it. `store` and `load` here take a pair's specs and pick the module of its kind; `common` holds
+what the modules share (`Span`: the tokens one chunk moves).
 """
 
 from __future__ import annotations
