@@ -266,7 +266,7 @@ def test_planes_reference_moves_each_row_where_the_addresses_say(pair: tuple[str
 def test_the_reference_of_each_built_pair_is_the_module_of_its_kind() -> None:
     """reference.store / load pick, for every connector a build makes, the module named as the
     planner's PAIR_KINDS names the pair's kind (layouts: one tensor tree; planes: format 2)."""
-    picked = {(p.paged.name, p.obj.name): (reference.kind_of(p.paged, p.obj).__name__.rsplit(".", 1)[-1],
+    picked = {(p.paged.name, p.obj.name): (reference.module_of(p.paged, p.obj).__name__.rsplit(".", 1)[-1],
                                            kind_of(p).name) for p in plan_connectors(LIB)}
     assert {kind for kind, _ in picked.values()} == {"layouts", "planes"}
     assert {pair: got for pair, (got, want) in picked.items() if got != want} == {}

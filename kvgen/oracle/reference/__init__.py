@@ -26,7 +26,7 @@ from kvgen.oracle.reference.common import Span, leaf
 from kvgen.spec.model import Spec
 
 
-def kind_of(paged: Spec, obj: Spec) -> ModuleType:
+def module_of(paged: Spec, obj: Spec) -> ModuleType:
     """The reference module of a (layout, object) pair: `layouts` when both are one tensor tree
     (as kvgen.plan.copy plans them), else `planes`."""
     return layouts if paged.is_simple and obj.is_simple else planes
@@ -34,12 +34,12 @@ def kind_of(paged: Spec, obj: Spec) -> ModuleType:
 
 def store(paged: Spec, obj: Spec, ext: Mapping[str, int], kvcaches: Any, objects: Any, span: Span) -> None:
     """Copy the span's tokens from the cache into `objects` (one tensor, or a per-layer list)."""
-    kind_of(paged, obj).store(paged, obj, ext, kvcaches, objects, span)
+    module_of(paged, obj).store(paged, obj, ext, kvcaches, objects, span)
 
 
 def load(paged: Spec, obj: Spec, ext: Mapping[str, int], kvcaches: Any, objects: Any, span: Span) -> None:
     """Copy `objects` into the cache at the span's slots (its first `skip` tokens left alone)."""
-    kind_of(paged, obj).load(paged, obj, ext, kvcaches, objects, span)
+    module_of(paged, obj).load(paged, obj, ext, kvcaches, objects, span)
 
 
-__all__ = ["Span", "kind_of", "layouts", "leaf", "load", "planes", "store"]
+__all__ = ["Span", "layouts", "leaf", "load", "module_of", "planes", "store"]
