@@ -15,7 +15,7 @@ import timeit
 
 import torch
 
-from kvgen.oracle.reference import nest
+from kvgen.oracle.reference.layouts import nest
 from kvgen.spec.library import load_library
 
 LAYOUTS = (("vllm_flash_attn_nhd", "kv_2ltd"), ("vllm_kv_tuple", "kv_2ltd"), ("vllm_packed_nhd", "kv_2ltd"),

@@ -15,7 +15,7 @@ import torch
 from harness import builtin_library
 
 from kvgen import remote, tp
-from kvgen.oracle import transfer_reference
+from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.transfer_scenarios import DST_SALT, make_cache
 
@@ -58,10 +58,10 @@ class Case:
         s_ext, d_ext = self.local(self.src_ext, self.src_tp), self.local(self.dst_ext, self.dst_tp)
         for r in tp.plan(self.num_kv_heads, self.src_tp, self.dst_tp, mla=mla):
             if r.dst_rank == self.dst_rank:
-                transfer_reference.transfer(
-                    transfer_reference.TransferSide(LIBRARY[self.src], s_ext, srcs[r.src_rank], src_slots,
+                transfers.transfer(
+                    transfers.TransferSide(LIBRARY[self.src], s_ext, srcs[r.src_rank], src_slots,
                                                     None if mla else r.src_heads),
-                    transfer_reference.TransferSide(LIBRARY[self.dst], d_ext, want, dst_slots,
+                    transfers.TransferSide(LIBRARY[self.dst], d_ext, want, dst_slots,
                                                     None if mla else r.dst_heads))
         return want
 

@@ -7,12 +7,15 @@ tests/code_rules.py; the tests of the rules themselves are in tests/test_code_ru
   a comment (see test_function_level_imports_only_defer_heavy_dependencies);
 - no function above McCabe complexity 15, counted as radon counts it;
 - no function with more than 6 parameters, except the public APIs in ENGINE_SIGNATURES;
-- no two classes of the same name in the package.
+- no two classes of the same name in the package;
+- one name per kind: no module (or template) is a format or version sibling of another
+  (`X_parts`, `parts_X`, `X_v2`).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections.abc import Collection
@@ -152,6 +155,27 @@ def test_the_build_loops_over_registered_kinds() -> None:
     files = render_package(plan)
     assert set(files) == {f"{m.module}.py" for k in MODULE_KINDS for m in getattr(plan, k.field)} | set(TABLES)
 
+
+
+#: A name that marks a module as another format or version of a kind's module: each kind has
+#: its own module at every stage instead (kvgen.plan.package's PAIR_KINDS: layouts, planes).
+SIBLING_NAME = re.compile(r"^(?:.+_(?:parts|v\d+)|(?:parts|v\d+)_.+)$")
+TEMPLATES = PACKAGE.parent / "templates"
+
+
+def test_no_module_is_a_format_sibling_of_another() -> None:
+    """One name per kind at every stage: a kind's module is named for what it does (a package
+    with one module per kind where a job has several kinds, as oracle/reference has), never as a
+    `_parts` / `parts_` / `_v2` sibling of another kind's module."""
+    names = [p.relative_to(PACKAGE.parent) for p in [*SOURCES, *TEMPLATES.glob("*.j2")]]
+    found = [str(n) for n in names if SIBLING_NAME.match(n.name.split(".")[0])]
+    assert not found, f"modules named as a sibling of another kind's: {found}"
+
+
+def test_the_sibling_rule_names_the_siblings_kinds_replaced() -> None:
+    """The format-2 siblings this rule stops (issue 21) are sibling names; kind modules are not."""
+    assert all(SIBLING_NAME.match(n) for n in ("passes_v2", "kernels_parts", "kernel_parts", "parts_fact"))
+    assert not any(SIBLING_NAME.match(n) for n in ("parts", "planes", "facts_planes", "transfer_reference"))
 
 # ----------------------------------------------------------------------------- code rules
 

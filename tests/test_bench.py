@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvgen import generated
-from kvgen.oracle.reference import fill_cache, leaf_shape, nest
+from kvgen.oracle.reference.layouts import fill_cache, leaf_shape, nest
 from kvgen.spec.library import load_library
 from kvgen.tools import bench
 from kvgen.tools.bench import plot as bench_plot

@@ -67,7 +67,7 @@ def detect_facts(name: str) -> LayoutFacts:
 
 def _shape(name: str, ext: dict[str, int]) -> CacheShape:
     spec = LIBRARY[name]
-    memory = reference.leaf_shape(spec, ext)
+    memory = reference.layouts.leaf_shape(spec, ext)
     return CacheShape(tuple(ext[a] for a in spec.lists), tuple(memory[i] for i in _handed_over(name)), None,
                       "float32")
 
@@ -189,7 +189,7 @@ def test_vllm_hnd_logical_view_is_found_by_its_strides() -> None:
 def test_equal_heads_and_block_size_strides_and_vllm_order_decide() -> None:
     ext = {**EXT, "H": 4, "N": 4}
     spec = LIBRARY["vllm_flash_attn_hnd"]
-    physical = [torch.zeros(reference.leaf_shape(spec, ext)) for _ in range(ext["L"])]
+    physical = [torch.zeros(reference.layouts.leaf_shape(spec, ext)) for _ in range(ext["L"])]
     logical = [t.permute(0, 1, 3, 2, 4) for t in physical]
     with pytest.raises(AmbiguousLayout, match="kv_layout='HND'"):
         detect(logical)  # memory order alone: [2, B, 4, 4, C] is NHD or HND

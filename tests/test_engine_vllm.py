@@ -245,7 +245,7 @@ def test_facts_agree_with_vllms_own_tables_and_views() -> None:
 
 def generated_shape(name: str) -> tuple[int, ...]:
     spec = LIBRARY[name]
-    return reference.leaf_shape(spec, {"L": L, "KV": 2, "B": B, "N": N, "H": H, "C": C})
+    return reference.layouts.leaf_shape(spec, {"L": L, "KV": 2, "B": B, "N": N, "H": H, "C": C})
 
 
 def _swap(dims: tuple[Any, ...], a: str, b: str) -> tuple[Any, ...]:

@@ -221,7 +221,7 @@ def test_a_canonical_spec_mutated_to_the_neighbouring_page_fails(layout: str) ->
     give vLLM's bytes, and the spec as built must."""
     import dataclasses
 
-    from kvgen.oracle import transfer_reference
+    from kvgen.oracle.reference import transfers
     from kvgen.spec.library import load_library
 
     library = load_library()
@@ -237,9 +237,9 @@ def test_a_canonical_spec_mutated_to_the_neighbouring_page_fails(layout: str) ->
     ext = {"L": L, "KV": 2, "B": B, "N": N, "H": N, "C": C}
     for spec, right in ((host, True), (dataclasses.replace(host, dims=tuple(swapped)), False)):
         rows = torch.zeros(len(BLOCKS), L, N, N, 2 * C)
-        transfer_reference.transfer(
-            transfer_reference.TransferSide(library[facts_vllm.SPEC_OF[layout]], ext,
+        transfers.transfer(
+            transfers.TransferSide(library[facts_vllm.SPEC_OF[layout]], ext,
                                             memory_order(kv, names, layout, False), slots(BLOCKS).tolist()),
-            transfer_reference.TransferSide(spec, {**ext, "B": len(BLOCKS)}, rows,
+            transfers.TransferSide(spec, {**ext, "B": len(BLOCKS)}, rows,
                                             slots(list(range(len(BLOCKS)))).tolist()))
         assert torch.equal(rows.view(torch.int8).reshape(len(BLOCKS), -1), want) is right

@@ -40,11 +40,11 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 import kvgen  # noqa: E402
 from kvgen import generated  # noqa: E402
 from kvgen.integrations.detect import AmbiguousLayout, NoLayout, detect  # noqa: E402
-from kvgen.oracle import planes as reference  # noqa: E402
 from kvgen.oracle.address import packed_value, plane_address, scale_index  # noqa: E402
 from kvgen.oracle.fact_table import EngineGeometry as Geometry  # noqa: E402
-from kvgen.oracle.facts_parts import PARTS_FACTS  # noqa: E402
+from kvgen.oracle.facts_planes import PARTS_FACTS  # noqa: E402
 from kvgen.oracle.reference import Span  # noqa: E402
+from kvgen.oracle.reference import planes as reference  # noqa: E402
 from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
 from kvgen.spec.model import Dim, Packing, Spec  # noqa: E402
 

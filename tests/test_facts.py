@@ -31,7 +31,7 @@ from kvgen.oracle.facts import (
     positions,
 )
 from kvgen.oracle.facts_groups import GROUPS_FACTS
-from kvgen.oracle.facts_parts import PACKED_FACTS, PARTS_FACTS
+from kvgen.oracle.facts_planes import PACKED_FACTS, PARTS_FACTS
 from kvgen.oracle.scenarios import Scenario, connector_load, connector_store
 from kvgen.runtime import MemoryObj
 
@@ -47,7 +47,7 @@ GEOMETRIES = (
 
 
 def test_every_builtin_spec_has_a_fact_and_every_fact_a_spec() -> None:
-    # Format-2 specs (parts, fields, packed objects) are in kvgen.oracle.facts_parts.
+    # Format-2 specs (parts, fields, packed objects) are in kvgen.oracle.facts_planes.
     every = [*FACTS, *PARTS_FACTS, *PACKED_FACTS, *GROUPS_FACTS]
     assert sorted(SPECS) == sorted(every), (
         f"specs without facts: {sorted(set(SPECS) - set(every))}; "
@@ -95,8 +95,8 @@ def test_spec_containers_and_shape_are_the_engines(name: str) -> None:
     spec, fact = SPECS[name], FACTS[name]
     for g in GEOMETRIES:
         ext = extents(g)
-        assert reference.leaf_shape(spec, ext) == fact.shape(g)
-        tree = reference.nest(spec, ext, lambda path: ("leaf", path))
+        assert reference.layouts.leaf_shape(spec, ext) == fact.shape(g)
+        tree = reference.layouts.nest(spec, ext, lambda path: ("leaf", path))
 
         def walk(node: Any, depth: int, path: tuple[int, ...], g: EngineGeometry = g) -> None:
             if depth == len(fact.container):
@@ -227,7 +227,7 @@ def test_vllm_033_specs_say_the_order_vllm_hands_a_layer_over_in(g: EngineGeomet
     ext = extents(g)
     for name in [*facts_vllm.SPEC_OF.values(), facts_vllm.MLA_SPEC]:
         spec = SPECS[name]
-        memory = reference.leaf_shape(spec, ext)
+        memory = reference.layouts.leaf_shape(spec, ext)
         handed = [memory[spec.dims.index(d)] for d in spec.given]
         want = [g.B, 1, g.N, g.C] if name == facts_vllm.MLA_SPEC else [g.B, g.H, g.N, 2 * g.C]
         assert handed == want, f"{name}: given {spec.given} hands over {handed}, vLLM hands over {want}"

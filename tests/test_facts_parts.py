@@ -1,4 +1,4 @@
-"""The format-2 built-in specs (parts, fields, packed objects) against kvgen.oracle.facts_parts.
+"""The format-2 built-in specs (parts, fields, packed objects) against kvgen.oracle.facts_planes.
 
 The reference reads the same spec as the generator; these tests check each spec against what the
 engines' and LMCache's sources say, and run every format-2 connector on caches and objects laid
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from kvgen import generated
+from kvgen.oracle.fact_table import FREE_DTYPE, ByteAddress, PartsFact, PlaneFact
 from kvgen.oracle.facts import EngineGeometry
-from kvgen.oracle.facts_parts import PACKED_FACTS, PARTS_FACTS, source_geometry, values
-from kvgen.oracle.parts_fact import FREE_DTYPE, ByteAddress, PartsFact, PlaneFact
-from kvgen.oracle.planes import Leaf, read_leaf
+from kvgen.oracle.facts_planes import PACKED_FACTS, PARTS_FACTS, source_geometry, values
+from kvgen.oracle.reference.planes import Leaf, read_leaf
 from kvgen.oracle.scenarios import Scenario, connector_load, connector_store
 from kvgen.runtime import MemoryObj
 

@@ -94,7 +94,7 @@ def _connector(layout: str, layerwise: bool, hints: dict[str, Any], use_gpu: boo
 
 
 def _fill(objs: list[Any], salt: int) -> None:
-    reference.fill_object([o.tensor for o in objs], torch.float32, salt)
+    reference.layouts.fill_object([o.tensor for o in objs], torch.float32, salt)
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +278,7 @@ def test_trtllm_block_ids_as_a_tensor() -> None:
 
 def kl_obj(conn: Any, tokens: int, salt: int) -> Any:
     t = torch.zeros(conn.get_shape(tokens), dtype=torch.float32)
-    reference.fill_object([t], torch.float32, 100 + salt)
+    reference.layouts.fill_object([t], torch.float32, 100 + salt)
     return MemoryObj(t, MemoryFormat.KV_2LTD)
 
 

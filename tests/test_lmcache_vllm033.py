@@ -46,7 +46,7 @@ def test_cpu_attention_cache_with_heads_equal_to_block_size_and_no_hint_is_refus
     spec = LIBRARY["vllm_flash_attn_hnd"]
     ext = {"L": L, "KV": 2, "B": B, "N": N, "H": N, "C": C}
     cache = [torch.arange(t.numel(), dtype=torch.float32).reshape(t.shape) + 1 + i * t.numel()
-             for i, t in enumerate(torch.zeros(L, *reference.leaf_shape(spec, ext)))]
+             for i, t in enumerate(torch.zeros(L, *reference.layouts.leaf_shape(spec, ext)))]
     for release in ({"engine_version": "0.32.0"}, {}):  # an older vLLM, and the installed one
         with pytest.raises((AmbiguousLayout, NoLayout)):
             _store(release or None, cache, heads=N)

@@ -1,4 +1,4 @@
-"""Model connectors (layer groups and state) against the reference (kvgen.oracle.models), both
+"""Model connectors (layer groups and state) against the reference (kvgen.oracle.reference.models), both
 ways, bit for bit, with values that encode their coordinates; the checks that run before
 any write; the converters (view_as, member_view); two mutation tests that must fail."""
 
@@ -18,7 +18,7 @@ from model_harness import build_models
 import kvgen.generated as generated
 from kvgen.errors import KVLayoutError
 from kvgen.oracle import model_scenarios as ms
-from kvgen.oracle import models as oracle
+from kvgen.oracle.reference import models as oracle
 from kvgen.plan.package import skipped_models
 from kvgen.runtime import MemoryObj
 from kvgen.runtime import model as runtime_model

@@ -1,5 +1,5 @@
 """Property test (hypothesis): random grouped models, written as spec files, built into a test
-package and checked both ways against the reference (kvgen.oracle.models).
+package and checked both ways against the reference (kvgen.oracle.reference.models).
 
 Each model has one or two attention groups, each in a random layout (simple ones with K/V
 and heads, MLA, and format-2 caches of several parts) with random H, C and block size, and

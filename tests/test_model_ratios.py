@@ -1,7 +1,7 @@
 """Model groups of several tokens per stored slot (`tokens_per_slot`, vLLM's tokens_per_state:
 DeepSeek-V4's compressed caches): the group's slot mapping names one slot per k tokens, its member
 object holds one row per k tokens, chunks start and end on whole slots, each checked before the
-first write. The generated connector agrees with the reference (kvgen.oracle.models) bit for bit."""
+first write. The generated connector agrees with the reference (kvgen.oracle.reference.models) bit for bit."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import pytest
 import torch
 from model_harness import build_models
 
-from kvgen import oracle
 from kvgen.oracle import model_scenarios as ms
-from kvgen.oracle import models
+from kvgen.oracle.reference import models
 from kvgen.runtime import KVLayoutError
 
 SPECS = Path(__file__).resolve().parent / "specs_ratio"
@@ -86,5 +85,5 @@ def test_a_chunk_of_part_of_a_state_has_no_object(toys: Any) -> None:
 
 def test_the_reference_reads_the_ratio_from_the_spec(toys: Any) -> None:
     lib = toys.library
-    case = oracle.models.model_case(lib, lib.model("toy_compressed"), lib["kv_groups"], set(toys.CONNECTORS))
+    case = models.model_case(lib, lib.model("toy_compressed"), lib["kv_groups"], set(toys.CONNECTORS))
     assert [g.tokens_per_slot for g in case.groups] == [1, 4]

@@ -9,7 +9,7 @@ import torch
 
 from kvgen import tp
 from kvgen.integrations import nixl
-from kvgen.oracle import transfer_reference
+from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import same_bits
 from kvgen.tools import pd, pd_run
 from tests.remote_harness import LIBRARY
@@ -29,10 +29,10 @@ def test_two_processes_move_a_request_between_layouts_tp_and_block_sizes() -> No
         want = pd_run.caches(req, req.dst, row["rank"], False)
         for r in tp.plan(req.heads, req.src.tp, req.dst.tp):
             if r.dst_rank == row["rank"]:
-                transfer_reference.transfer(
-                    transfer_reference.TransferSide(LIBRARY[req.src.layout], s_ext, sources[r.src_rank], src_slots,
+                transfers.transfer(
+                    transfers.TransferSide(LIBRARY[req.src.layout], s_ext, sources[r.src_rank], src_slots,
                                                     r.src_heads),
-                    transfer_reference.TransferSide(LIBRARY[req.dst.layout], d_ext, want, dst_slots, r.dst_heads))
+                    transfers.TransferSide(LIBRARY[req.dst.layout], d_ext, want, dst_slots, r.dst_heads))
         got = pd_run.loaded(row["caches"])
         assert same_bits(got, want), row["rank"]
         assert row["wrong"] == 0 and row["elements"] == 37 * 2 * 2 * 1 * 8

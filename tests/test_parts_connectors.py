@@ -1,5 +1,5 @@
 """Every format-2 connector (caches of several parts or typed fields, packed objects) against the
-byte-level reference (kvgen.oracle.planes), store and load, in every slot scenario.
+byte-level reference (kvgen.oracle.reference.planes), store and load, in every slot scenario.
 
 Every byte of a cache carries a code of its part, tensor and position; every byte of an object
 a code of its own. So a value, a field or a scale moved to the wrong token, the wrong plane or

@@ -2,7 +2,7 @@
 typed fields in a row or a block, some parts without slots (per-layer scales), paired with the
 packed objects (regions, and rows where every plane fits one). Each connector is rendered and
 executed as a module; a store and a load with a random slot mapping are compared bit for bit
-with the byte-level reference (kvgen.oracle.planes).
+with the byte-level reference (kvgen.oracle.reference.planes).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvgen.oracle.address import packed_value, plane_address, scale_index, stored_slots
-from kvgen.oracle.planes import part_shape
+from kvgen.oracle.reference.planes import part_shape
 from kvgen.plan.copy import compatible
 from kvgen.plan.parts import compatible_parts
 from kvgen.spec.library import load_library, load_specs

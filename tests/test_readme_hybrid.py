@@ -1,6 +1,6 @@
 """The README walkthrough "A hybrid model (groups and state)", run as written: its one spec
 file, its build command and its Python, then the object it stored checked bit for bit against
-the model reference (kvgen.oracle.models) and the sections it printed."""
+the model reference (kvgen.oracle.reference.models) and the sections it printed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvgen.oracle import models as oracle
+from kvgen.oracle.reference import models as oracle
 from kvgen.spec.library import load_library
 from kvgen.tools.cli import main
 

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvgen.oracle import planes
-from kvgen.oracle.reference import Span
+from kvgen.oracle.reference import Span, planes
 from kvgen.spec.library import load_library
 from kvgen.tools.cli import main
 

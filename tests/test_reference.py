@@ -7,12 +7,14 @@ import torch
 from harness import EXT, builtin_library, make_cache, same_bits, tensors_of
 
 from kvgen import generated
-from kvgen.oracle import planes, reference, transfer_reference
+from kvgen.oracle import reference
 from kvgen.oracle.address import element_address
+from kvgen.oracle.reference import planes, transfers
 from kvgen.oracle.scenarios import at_odd_offsets, clone_tree, make_objects
 from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT
 from kvgen.oracle.transfer_scenarios import make_cache as transfer_cache
 from kvgen.plan.copy import plan_library
+from kvgen.plan.package import kind_of, plan_connectors
 from kvgen.runtime.ops import bits
 
 LIB = builtin_library()
@@ -24,7 +26,7 @@ def _store(paged: str, obj: str) -> tuple[object, torch.Tensor | list[torch.Tens
     spec = LIB[paged]
     cache = make_cache(spec, torch.float32, "cpu")
     o = LIB[obj]
-    shape = reference.leaf_shape(o, {**EXT, "T": len(SLOTS)})
+    shape = reference.layouts.leaf_shape(o, {**EXT, "T": len(SLOTS)})
     out = [torch.zeros(shape) for _ in range(EXT["L"])] if o.lists else torch.zeros(shape)
     reference.store(spec, o, EXT, cache, out, reference.Span(SLOTS, 0, len(SLOTS)))
     return cache, out
@@ -89,9 +91,9 @@ def test_make_cache_gives_fresh_coded_leaves() -> None:
     first = make_cache(spec, torch.bfloat16, "cpu")
     for t in tensors_of(first):
         t.zero_()
-    direct = reference.nest(spec, EXT, lambda path: torch.zeros(reference.leaf_shape(spec, EXT),
+    direct = reference.layouts.nest(spec, EXT, lambda path: torch.zeros(reference.layouts.leaf_shape(spec, EXT),
                                                                 dtype=torch.bfloat16))
-    reference.fill_cache(spec, EXT, direct, torch.bfloat16)
+    reference.layouts.fill_cache(spec, EXT, direct, torch.bfloat16)
     for strided, odd in [(False, False), (True, False), (False, True)]:
         cache = make_cache(spec, torch.bfloat16, "cpu", strided, odd)
         assert same_bits(cache, direct)
@@ -130,9 +132,9 @@ def _pairs() -> list[tuple[str, str]]:
 
 
 def _objects(obj, tokens: int, salt: int):
-    shape = reference.leaf_shape(obj, {**EXT, "T": tokens})
+    shape = reference.layouts.leaf_shape(obj, {**EXT, "T": tokens})
     out = [torch.zeros(shape) for _ in range(EXT["L"])] if obj.lists else torch.zeros(shape)
-    reference.fill_object(tensors_of(out), torch.float32, salt)
+    reference.layouts.fill_object(tensors_of(out), torch.float32, salt)
     return out
 
 
@@ -161,7 +163,8 @@ def _transfer_one_by_one(src, src_ext, source, src_slots, dst, dst_ext, target, 
     """The transfer reference's definition as loops: each element of each token whose two
     slots are >= 0, from where element_address puts it in the source to the destination."""
     snapshot = [bits(t).clone() for t in tensors_of(source)]
-    frozen = reference.nest(src, src_ext, lambda path: snapshot[reference.leaf_paths(src, src_ext).index(path)])
+    paths = reference.layouts.leaf_paths(src, src_ext)
+    frozen = reference.layouts.nest(src, src_ext, lambda path: snapshot[paths.index(path)])
     for s, d in zip(src_slots, dst_slots, strict=True):
         if s < 0 or d < 0:
             continue
@@ -184,13 +187,13 @@ def test_transfer_reference_moves_each_element_where_element_address_says(heads)
         src, dst = LIB[a], LIB[b]
         if heads is not None and not (src.has("H") and dst.has("H")):
             continue
-        sh, dh = heads or (transfer_reference.heads_of(src, SRC_EXT, None), transfer_reference.heads_of(dst, DST_EXT,
+        sh, dh = heads or (transfers.heads_of(src, SRC_EXT, None), transfers.heads_of(dst, DST_EXT,
                                                                                                          None))
         source = transfer_cache(src, SRC_EXT, torch.float32, "cpu")
         got = transfer_cache(dst, DST_EXT, torch.float32, "cpu", 50_000)
         want = clone_tree(got)
-        transfer_reference.transfer(transfer_reference.TransferSide(src, SRC_EXT, source, src_slots, sh),
-            transfer_reference.TransferSide(dst, DST_EXT, got, dst_slots, dh))
+        transfers.transfer(transfers.TransferSide(src, SRC_EXT, source, src_slots, sh),
+            transfers.TransferSide(dst, DST_EXT, got, dst_slots, dh))
         _transfer_one_by_one(src, SRC_EXT, source, src_slots, dst, DST_EXT, want, dst_slots, sh, dh)
         assert same_bits(got, want), (a, b)
 
@@ -232,8 +235,6 @@ def _rows_one_by_one(paged, obj, ext, cache, objects, slots, *, to_cache: bool) 
 
 
 def _parts_pairs() -> list[tuple[str, str]]:
-    from kvgen.plan.package import plan_connectors
-
     return [(p.paged.name, p.obj.name) for p in plan_connectors(LIB) if not p.paged.is_simple]
 
 
@@ -260,6 +261,29 @@ def test_planes_reference_moves_each_row_where_the_addresses_say(pair: tuple[str
         move(paged, obj, ext, cache, made[0], reference.Span(slots, 0, len(slots)))
         _rows_one_by_one(paged, obj, ext, other, made[1], slots, to_cache=to_cache)
         assert same_bits(cache, other) and same_bits(made[0], made[1]), (pair, to_cache)
+
+
+def test_the_reference_of_each_built_pair_is_the_module_of_its_kind() -> None:
+    """reference.store / load pick, for every connector a build makes, the module named as the
+    planner's PAIR_KINDS names the pair's kind (layouts: one tensor tree; planes: format 2)."""
+    picked = {(p.paged.name, p.obj.name): (reference.module_of(p.paged, p.obj).__name__.rsplit(".", 1)[-1],
+                                           kind_of(p).name) for p in plan_connectors(LIB)}
+    assert {kind for kind, _ in picked.values()} == {"layouts", "planes"}
+    assert {pair: got for pair, (got, want) in picked.items() if got != want} == {}
+
+
+def test_the_reference_entry_point_moves_a_format_2_pair_as_the_planes_reference_does() -> None:
+    """reference.store of a cache of several planes gives the bytes planes.store gives; the
+    layouts reference, which reads one tensor tree, could not move its parts."""
+    paged, obj = LIB["vllm_gaudi_fp8"], LIB["kv_planes"]
+    ext = planes.parts_extents(paged, EXT)
+    connector = generated.get(paged.name, obj.name)(device="cpu")
+    cache = make_cache(paged, torch.float32, "cpu")
+    connector.bind(cache)
+    made = [torch.zeros(connector.get_shape(len(SLOTS)), dtype=connector.get_dtype()) for _ in range(2)]
+    reference.store(paged, obj, ext, cache, made[0], reference.Span(SLOTS, 0, len(SLOTS)))
+    planes.store(paged, obj, ext, cache, made[1], reference.Span(SLOTS, 0, len(SLOTS)))
+    assert torch.equal(made[0], made[1]) and bool(made[0].any())
 
 
 @pytest.mark.parametrize("module", ["vllm_flash_attn_nhd__kv_2ltd", "vllm_flash_attn_nhd__kv_2td"])

@@ -184,7 +184,7 @@ def test_layerwise_store_of_a_cache_with_layers_in_one_tensor_checks_it_per_laye
     """A stacked cache (L inside one tensor): the one leaf is checked before every layer."""
     conn = generated.get("trtllm_pool", LAYERWISE)(device="cpu", backend="torch")
     spec = LIB["trtllm_pool"]
-    cache = reference.nest(spec, SMALL, lambda path: torch.zeros(reference.leaf_shape(spec, SMALL)))
+    cache = reference.layouts.nest(spec, SMALL, lambda path: torch.zeros(reference.layouts.leaf_shape(spec, SMALL)))
     g = conn.bind(cache)
     objs = [[MemoryObj(torch.zeros(conn.get_shape(n))) for n in LENGTHS] for _ in range(g.L)]
     gen = conn.batched_from_gpu(objs, STARTS, ENDS, kvcaches=cache, slot_mapping=mapping())

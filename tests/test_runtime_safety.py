@@ -57,9 +57,9 @@ def permuted(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def build_cache(ext: dict[str, int], dtype: torch.dtype, alloc: Callable[..., torch.Tensor] = contiguous,
                 paged: str = NHD, salt: int = 0) -> Any:
     spec = LIB[paged]
-    shape = reference.leaf_shape(spec, ext)
-    cache = reference.nest(spec, ext, lambda path: alloc(shape, dtype))
-    reference.fill_cache(spec, ext, cache, dtype, salt)
+    shape = reference.layouts.leaf_shape(spec, ext)
+    cache = reference.layouts.nest(spec, ext, lambda path: alloc(shape, dtype))
+    reference.layouts.fill_cache(spec, ext, cache, dtype, salt)
     return cache
 
 
@@ -80,11 +80,11 @@ def make_objs(conn: Any, kvcaches: Any, lengths: list[int], salt: int, fmt: Any 
         shape = conn.get_shape(n)
         if conn.layerwise:
             layers = [torch.zeros(shape, dtype=g.dtype) for _ in range(g.L)]
-            reference.fill_object(layers, g.dtype, salt + 100000 * i)
+            reference.layouts.fill_object(layers, g.dtype, salt + 100000 * i)
             out.append([MemoryObj(t, fmt) for t in layers])
         else:
             t = torch.zeros(shape, dtype=g.dtype)
-            reference.fill_object([t], g.dtype, salt + 100000 * i)
+            reference.layouts.fill_object([t], g.dtype, salt + 100000 * i)
             out.append(MemoryObj(t, fmt))
     return out
 
@@ -493,10 +493,10 @@ def test_interleaved_cache_tensors_are_fine(obj: str) -> None:
     """Per-layer views of one allocation [KV B L N H C]: every layer's byte range spans the
     others', yet no element is shared. Moved exactly like separate tensors."""
     spec = LIB[NHD]
-    kv, b, n, h, c = reference.leaf_shape(spec, SMALL)
+    kv, b, n, h, c = reference.layouts.leaf_shape(spec, SMALL)
     big = torch.zeros(kv, b, SMALL["L"], n, h, c)
     cache = [big[:, :, layer] for layer in range(SMALL["L"])]
-    reference.fill_cache(spec, SMALL, cache, torch.float32)
+    reference.layouts.fill_cache(spec, SMALL, cache, torch.float32)
     conn = connector(obj)
     check_store(conn, obj, SMALL, cache)
     check_load(conn, obj, SMALL, cache)

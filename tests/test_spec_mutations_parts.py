@@ -1,5 +1,5 @@
 """Mutation check for the format-2 built-in specs: any edit of their parts, fields, dims, lists,
-sizes, dtypes or pack must be refused by the loader or disagree with kvgen.oracle.facts_parts.
+sizes, dtypes or pack must be refused by the loader or disagree with kvgen.oracle.facts_planes.
 
 Mutants: swapping adjacent parts, fields, dims, list levels or fused axes; dropping a dim, a part
 or a field; adding a singleton; changing a field's count, dtype or place (row <-> block, `at`);

@@ -15,7 +15,7 @@ import torch
 from harness import builtin_library
 
 from kvgen import generated
-from kvgen.oracle import transfer_reference
+from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT, make_cache
 from kvgen.runtime import KVLayoutError
@@ -113,8 +113,8 @@ def test_a_repeated_destination_slot_whose_source_is_skipped_moves_once() -> Non
     want = clone_tree(dst)
     s, d = [0, -1, 2], [5, 5, 7]
     T().copy(src, torch.tensor(s), dst, torch.tensor(d))
-    transfer_reference.transfer(transfer_reference.TransferSide(HND, SRC_EXT, src, s),
-        transfer_reference.TransferSide(NHD, DST_EXT, want, d))
+    transfers.transfer(transfers.TransferSide(HND, SRC_EXT, src, s),
+        transfers.TransferSide(NHD, DST_EXT, want, d))
     assert same_bits(dst, want)
 
 
@@ -144,8 +144,8 @@ def test_head_ranges_move_source_head_onto_destination_head(layerwise: bool) -> 
     # source head 1 of 2 into destination head 0 of 1: head 0 of the destination holds what head 1 of the source held
     src, dst = _caches(dst_ext={**DST_EXT, "H": 1})
     want = clone_tree(dst)
-    transfer_reference.transfer(transfer_reference.TransferSide(HND, SRC_EXT, src, SLOTS.tolist(), (1, 2)),
-        transfer_reference.TransferSide(NHD, {**DST_EXT, "H": 1}, want, SLOTS.tolist(), (0, 1)))
+    transfers.transfer(transfers.TransferSide(HND, SRC_EXT, src, SLOTS.tolist(), (1, 2)),
+        transfers.TransferSide(NHD, {**DST_EXT, "H": 1}, want, SLOTS.tolist(), (0, 1)))
     out = _run(src, SLOTS, dst, SLOTS, heads=HeadRanges((1, 2), (0, 1)))(T(), layerwise)
     if layerwise:
         assert sum(1 for _ in out) == SRC_EXT["L"] + 1
@@ -161,8 +161,8 @@ def test_a_layout_without_heads_takes_only_the_whole_latent() -> None:
         t.copy(src, SLOTS, dst, SLOTS, heads=HeadRanges((0, 2), (0, 2)))
     want = clone_tree(dst)
     t.copy(src, SLOTS, dst, SLOTS, heads=HeadRanges((0, 1), (0, 1)))
-    transfer_reference.transfer(transfer_reference.TransferSide(mla, SRC_EXT, src, SLOTS.tolist()),
-        transfer_reference.TransferSide(host, DST_EXT, want, SLOTS.tolist()))
+    transfers.transfer(transfers.TransferSide(mla, SRC_EXT, src, SLOTS.tolist()),
+        transfers.TransferSide(host, DST_EXT, want, SLOTS.tolist()))
     assert same_bits(dst, want)
 
 
@@ -251,8 +251,8 @@ def test_one_transfer_shared_by_four_threads() -> None:
                         pass
                 else:
                     t.copy(src, s, dst, d)
-                transfer_reference.transfer(transfer_reference.TransferSide(HND, SRC_EXT, src, s.tolist()),
-                    transfer_reference.TransferSide(NHD, DST_EXT, want, d.tolist()))
+                transfers.transfer(transfers.TransferSide(HND, SRC_EXT, src, s.tolist()),
+                    transfers.TransferSide(NHD, DST_EXT, want, d.tolist()))
                 results.append(same_bits(dst, want))
         except BaseException as exc:  # reported below
             errors.append(exc)
@@ -283,8 +283,8 @@ def test_between_a_gpu_cache_and_a_host_pool(where: str) -> None:
     t = generated.transfer(pair[0].name, pair[1].name)()
     t.copy(src, torch.tensor(s), dst, torch.tensor(d, device=dst_dev))
     host_src = [x.cpu() for x in src] if isinstance(src, list) else src.cpu()
-    transfer_reference.transfer(transfer_reference.TransferSide(pair[0], SRC_EXT, host_src, s),
-        transfer_reference.TransferSide(pair[1], DST_EXT, want, d))
+    transfers.transfer(transfers.TransferSide(pair[0], SRC_EXT, host_src, s),
+        transfers.TransferSide(pair[1], DST_EXT, want, d))
     got = [x.cpu() for x in dst] if isinstance(dst, list) else dst.cpu()
     assert same_bits(got, want)
 

@@ -13,7 +13,7 @@ import torch
 from harness import builtin_library
 
 from kvgen import generated, tp
-from kvgen.oracle import transfer_reference
+from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT, make_cache
 
@@ -30,8 +30,8 @@ def _identity(spec: Any, ext: dict[str, int], source: Any, into: Any, slots: lis
     """`into` with the slots that moved both ways copied from `source` (A to A by the reference)."""
     want = clone_tree(into)
     moved = [s if t >= 0 else -1 for s, t in zip(slots, skip, strict=True)]
-    transfer_reference.transfer(transfer_reference.TransferSide(spec, ext, source, moved),
-        transfer_reference.TransferSide(spec, ext, want, moved))
+    transfers.transfer(transfers.TransferSide(spec, ext, source, moved),
+        transfers.TransferSide(spec, ext, want, moved))
     return want
 
 
@@ -104,9 +104,9 @@ def test_resharding_there_and_back_restores_every_head(heads: int, there: int, m
         for j in range(mid_local):
             g = d * heads // mid if mid > heads else d * mid_local + j
             s, sh = (g * (there // heads), 0) if there > heads else divmod(g, local)
-            transfer_reference.transfer(
-                transfer_reference.TransferSide(nhd, {**SRC_EXT, "H": local}, origin[s], SLOTS, (sh, sh + 1)),
-                transfer_reference.TransferSide(hnd, {**SRC_EXT, "H": mid_local}, expected_middle[d], MID_SLOTS,
+            transfers.transfer(
+                transfers.TransferSide(nhd, {**SRC_EXT, "H": local}, origin[s], SLOTS, (sh, sh + 1)),
+                transfers.TransferSide(hnd, {**SRC_EXT, "H": mid_local}, expected_middle[d], MID_SLOTS,
                                                 (j, j + 1)))
     assert all(same_bits(got, want) for got, want in zip(middle, expected_middle, strict=True))
     back = _ranks(nhd, local, there, 9000)
@@ -125,6 +125,6 @@ def test_resharding_an_mla_latent_reads_one_source_per_destination() -> None:
     assert sorted(r.dst_rank for r in routes) == [0, 1, 2, 3]
     _move(routes, (mla.name, host.name), sources, SLOTS, dests, MID_SLOTS)
     want = make_cache(host, DST_EXT, torch.float32, "cpu", 10000)
-    transfer_reference.transfer(transfer_reference.TransferSide(mla, SRC_EXT, latent, SLOTS),
-        transfer_reference.TransferSide(host, DST_EXT, want, MID_SLOTS))
+    transfers.transfer(transfers.TransferSide(mla, SRC_EXT, latent, SLOTS),
+        transfers.TransferSide(host, DST_EXT, want, MID_SLOTS))
     assert all(same_bits(d, want) for d in dests)

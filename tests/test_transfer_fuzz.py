@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvgen import generated, tp
-from kvgen.oracle import transfer_reference
+from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.transfer_scenarios import make_cache, run_transfer
 from kvgen.runtime import native
@@ -68,9 +68,9 @@ def test_compiled_and_torch_transfers_agree_with_the_reference(case: dict) -> No
     pair, src, dst = case["pair"], case["src"], case["dst"]
     source = _cache(pair.src, src, case, 0)
     want = clone_tree(_cache(pair.dst, dst, case, 1, 10000))
-    transfer_reference.transfer(
-        transfer_reference.TransferSide(pair.src, src, source, case["s"], case["heads"].src_heads),
-        transfer_reference.TransferSide(pair.dst, dst, want, case["d"], case["heads"].dst_heads))
+    transfers.transfer(
+        transfers.TransferSide(pair.src, src, source, case["s"], case["heads"].src_heads),
+        transfers.TransferSide(pair.dst, dst, want, case["d"], case["heads"].dst_heads))
     for backend in ("native", "torch"):
         out = _cache(pair.dst, dst, case, 1, 10000)  # fresh, in the case's storage
         calls = native.stats["calls"]

@@ -10,7 +10,7 @@ from harness import builtin_library
 
 from kvgen import generated
 from kvgen.errors import KVLayoutError
-from kvgen.oracle import transfer_reference
+from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT, make_cache
 from kvgen.runtime import native
@@ -36,8 +36,8 @@ def _caches(mixed: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]
 
 def _want(src: list[torch.Tensor], dst: list[torch.Tensor]) -> list[torch.Tensor]:
     want = clone_tree(dst)
-    transfer_reference.transfer(transfer_reference.TransferSide(HND, SRC_EXT, src, S.tolist()),
-        transfer_reference.TransferSide(NHD, DST_EXT, want, D.tolist()))
+    transfers.transfer(transfers.TransferSide(HND, SRC_EXT, src, S.tolist()),
+        transfers.TransferSide(NHD, DST_EXT, want, D.tolist()))
     return want
 
 

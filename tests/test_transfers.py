@@ -1,5 +1,5 @@
 """Every built-in layout-to-layout transfer against the element-by-element reference
-(kvgen.oracle.transfer_reference), with coordinate-coded caches: partial blocks, -1 slots on
+(kvgen.oracle.reference.transfers), with coordinate-coded caches: partial blocks, -1 slots on
 either side, block sizes that differ, head ranges, strided and odd-offset caches; every
 scenario, whole and layer by layer, on one transfer of each structure; dtypes. Each runs on
 the compiled CPU kernel and on the generated torch copies (the copy_backend fixture); a

@@ -14,7 +14,7 @@ import torch
 from harness import builtin_library
 
 from kvgen.errors import SpecError
-from kvgen.oracle import transfer_reference
+from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT, make_cache
 from kvgen.spec.library import BUILTIN_SPECS, load_library, spec_files
@@ -60,8 +60,8 @@ def test_a_user_adds_a_pair_with_one_line(tmp_path: Path, monkeypatch: pytest.Mo
         want = clone_tree(dst)
         s, d = [4, 5, 6, 7, -1, 30, 2], [8, 9, 10, 11, 12, -1, 39]
         package.transfer("my_engine_hkv", "HND")().copy(src, torch.tensor(s), dst, torch.tensor(d))
-        transfer_reference.transfer(transfer_reference.TransferSide(mine, SRC_EXT, src, s),
-            transfer_reference.TransferSide(hnd, DST_EXT, want, d))
+        transfers.transfer(transfers.TransferSide(mine, SRC_EXT, src, s),
+            transfers.TransferSide(hnd, DST_EXT, want, d))
         assert same_bits(dst, want)
         # verify runs the user's transfer too (and only what --only selects)
         assert main(["verify", "--out", str(out), "--specs", str(specs), "--only", "my_engine_hkv__vllm"]) == 0

@@ -1,9 +1,15 @@
-"""The vocabulary of the fact tables (kvgen.oracle.facts and the per-source modules it merges):
-the geometry a fact is evaluated at, one entry, and the table each source module fills.
+"""The vocabulary of every fact table: the geometry a fact is evaluated at, and the entries of
+both kinds of cache the tables state.
 
-Each source module (facts_host, facts_sglang, facts_vllm, and facts itself) fills a `FactTable`
-of its own; kvgen.oracle.facts imports them and merges them into FACTS, so no module fills
-another's table by being imported.
+- Caches and objects of one tensor tree (spec format 1): `Fact`, one element's `Address`, and the
+  `FactTable` each source module fills (facts_host, facts_sglang, facts_vllm, and facts itself);
+  kvgen.oracle.facts imports them and merges them into FACTS, so no module fills another's table
+  by being imported.
+- Caches of several parts or fields (spec format 2): `PartsFact` (its `PartFact`s and
+  `PlaneFact`s) and where a plane's value lives, a `ByteAddress`; the tables of facts_planes and
+  facts_quant hold them.
+
+The tables import this module one way; nothing here reads a spec.
 """
 
 from __future__ import annotations
@@ -79,3 +85,63 @@ def merge(*tables: FactTable) -> dict[str, Fact]:
             raise ValueError(f"fact tables name {sorted(twice)} twice")
         merged.update(table)
     return merged
+
+
+# -- caches of several parts or fields (spec format 2) ---------------------------------------------
+
+#: (container path, index of the storage element holding the value's first byte, byte in it).
+ByteAddress = tuple[tuple[int, ...], tuple[int, ...], int]
+#: where(g, layer, kv, pos, h, c); pos is the slot for caches, the token for objects.
+PlaneAddress = Callable[[EngineGeometry, int, int, int, int, int], ByteAddress]
+
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1, "int8": 1,
+         "int4": 1, "uint4": 1, "fp4_e2m1": 1}  # sub-byte values move as packed bytes of two
+#: The dtype a test gives a part whose source leaves its dtype open.
+FREE_DTYPE = "bfloat16"
+
+
+def width(g: EngineGeometry, part: int) -> int:
+    """The C of a part whose width the source leaves open (latent, rope, K, V head sizes):
+    different per part, so a swapped pair of parts changes a shape."""
+    return g.C + 3 * part
+
+
+@dataclass(frozen=True)
+class PartFact:
+    name: str
+    shape: Callable[[EngineGeometry], tuple[int, ...]]
+    #: The dtypes the source allows the part's tensors (empty: any); tests use the first.
+    dtypes: tuple[str, ...]
+
+    @property
+    def dtype(self) -> str | None:
+        return self.dtypes[0] if self.dtypes else None
+
+    def item(self) -> int:
+        return BYTES[self.dtype or FREE_DTYPE]
+
+
+@dataclass(frozen=True)
+class PlaneFact:
+    name: str
+    part: int
+    #: The dtype of one value: a field's, else the part's (None when any).
+    dtype: str | None
+    count: Callable[[EngineGeometry], int]
+    kv: bool
+    heads: bool
+    slots: bool
+    address: PlaneAddress
+
+
+@dataclass(frozen=True)
+class PartsFact:
+    name: str
+    container: tuple[Level, ...]
+    parts: tuple[PartFact, ...]
+    planes: tuple[PlaneFact, ...]
+    fixed: Mapping[str, int] = field(default_factory=dict)
+    lmcache: str | None = None
+
+    def value_bytes(self, plane: PlaneFact) -> int:
+        return BYTES[plane.dtype or self.parts[plane.part].dtype or FREE_DTYPE]

@@ -57,8 +57,8 @@ from kvgen.oracle.fact_table import (
     merge,
 )
 from kvgen.oracle.facts_groups import groups_disagreement
-from kvgen.oracle.facts_parts import parts_disagreement
-from kvgen.oracle.reference import leaf_shape
+from kvgen.oracle.facts_planes import parts_disagreement
+from kvgen.oracle.reference.layouts import leaf_shape
 from kvgen.spec.model import Spec
 
 #: This module's own entries (vLLM's device caches, TensorRT-LLM, LMCache's objects).

@@ -1,7 +1,7 @@
 """Facts about kvgen's own `pack: groups` objects, written from docs/spec-language.md ("Models")
 rather than read from the specs: the format name and code, the member objects a group's section
 may take (first match wins), and what each object carries. The byte layout of a section is
-checked by the model reference (kvgen.oracle.models); these facts pin what the specs declare.
+checked by the model reference (kvgen.oracle.reference.models); these facts pin what the specs declare.
 """
 
 from __future__ import annotations

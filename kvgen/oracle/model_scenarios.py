@@ -1,7 +1,7 @@
 """Scenarios for model connectors, shared by the tests and `kvgen verify`: a model's cache list
 with every element coded by its group, layer and position, state tensors coded the same way,
 per-group slot mappings, and one transfer run through a connector and through the reference
-(kvgen.oracle.models), compared bit for bit both ways.
+(kvgen.oracle.reference.models), compared bit for bit both ways.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from kvgen.oracle import models, planes, reference
+from kvgen.oracle import reference
+from kvgen.oracle.reference import models, planes
 from kvgen.oracle.scenarios import block_table_mapping, clone_tree, same_bits
 from kvgen.runtime import MemoryObj
 from kvgen.runtime.binding import leaves
@@ -86,7 +87,7 @@ def fill_codes(t: torch.Tensor, base: int) -> None:
     if not t.dtype.is_floating_point or t.element_size() == 1:
         fill_words(t, base)
         return
-    space, n = reference.code_space(t.dtype) - 1, t.numel()
+    space, n = reference.layouts.code_space(t.dtype) - 1, t.numel()
     if base + n <= space and raw.dtype == torch.int32:  # the common case, without int64 arithmetic
         codes = torch.arange(base + 1, base + n + 1, dtype=torch.int32)
     else:
@@ -124,8 +125,8 @@ class _Codes:
 def _group_cache(g: models.GroupCase, want: torch.dtype, device: str, codes: _Codes) -> Any:
     """A cache of the group's layout (L = its layer count), every value coded by place."""
     if g.paged.is_simple:
-        shape = reference.leaf_shape(g.paged, g.ext)
-        cache = reference.nest(g.paged, g.ext, lambda path: torch.zeros(shape, dtype=want, device=device))
+        shape = reference.layouts.leaf_shape(g.paged, g.ext)
+        cache = reference.layouts.nest(g.paged, g.ext, lambda path: torch.zeros(shape, dtype=want, device=device))
     else:
         cache = planes.make_parts_cache(g.paged, g.ext, want, device)
     for t in leaves(cache):

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from kvgen.oracle import planes, reference
+from kvgen.oracle import reference
+from kvgen.oracle.reference import planes
 from kvgen.runtime import MemoryObj
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.ops import bits
@@ -156,9 +157,9 @@ def _filled(paged: Spec, dtype: torch.dtype, extents: tuple[tuple[str, int], ...
     ext = dict(extents)
     if not paged.is_simple:  # format 2: every byte carries a code of its part, leaf and place
         return planes.make_parts_cache(paged, planes.parts_extents(paged, ext), dtype, "cpu")
-    shape = reference.leaf_shape(paged, ext)
-    cache = reference.nest(paged, ext, lambda path: torch.zeros(shape, dtype=dtype))
-    reference.fill_cache(paged, ext, cache, dtype)
+    shape = reference.layouts.leaf_shape(paged, ext)
+    cache = reference.layouts.nest(paged, ext, lambda path: torch.zeros(shape, dtype=dtype))
+    reference.layouts.fill_cache(paged, ext, cache, dtype)
     return cache
 
 
@@ -168,14 +169,14 @@ def make_cache(paged: Spec, dtype: torch.dtype, device: str, strided: bool = Fal
     if not paged.is_simple:
         return planes.copy_parts_cache(paged, planes.parts_extents(paged, ext), template, device, strided,
                                        odd_offset)
-    shape = reference.leaf_shape(paged, ext)
+    shape = reference.layouts.leaf_shape(paged, ext)
 
     def leaf(path: tuple[int, ...]) -> torch.Tensor:
         t = allocate(shape, dtype, device, strided, odd_offset)
         bits(t).copy_(bits(reference.leaf(template, path)))
         return t
 
-    return reference.nest(paged, ext, leaf)
+    return reference.layouts.nest(paged, ext, leaf)
 
 
 def clone_tree(tree: Any) -> Any:
@@ -205,7 +206,7 @@ def make_objects(connector: Any, lengths: Sequence[int], dtype: torch.dtype, dev
 
     def fill(tensors: list[torch.Tensor], salt: int) -> None:
         if not packed:
-            reference.fill_object(tensors, dtype, salt)
+            reference.layouts.fill_object(tensors, dtype, salt)
             return
         for j, t in enumerate(tensors):
             planes.fill_bytes(t, f"object/{salt}/{j}")
@@ -270,25 +271,23 @@ def connector_load(connector: Any, objs: list[Any], sc: Scenario, cache: Any, ma
     return yields + 1
 
 
+def _reference_extents(paged: Spec, ext: Mapping[str, int]) -> Mapping[str, int]:
+    """The extents the reference of the pair's kind takes: a format-2 cache's parts each get a width."""
+    return ext if paged.is_simple else planes.parts_extents(paged, ext)
+
+
 def reference_store(paged: Spec, obj: Spec, cache: Any, objs: list[Any], sc: Scenario,
                     mapping: Sequence[int]) -> None:
+    ext = _reference_extents(paged, sc.ext)
     for o, s, e in zip(objs, sc.starts, sc.ends, strict=False):
-        if paged.is_simple:
-            reference.store(paged, obj, sc.ext, cache, obj_tensors(o), reference.Span(mapping, s, e, sc.offset))
-        else:
-            planes.store(paged, obj, planes.parts_extents(paged, sc.ext), cache, obj_tensors(o),
-                         reference.Span(mapping, s, e, sc.offset))
+        reference.store(paged, obj, ext, cache, obj_tensors(o), reference.Span(mapping, s, e, sc.offset))
 
 
 def reference_load(paged: Spec, obj: Spec, cache: Any, objs: list[Any], sc: Scenario,
                    mapping: Sequence[int]) -> None:
+    ext = _reference_extents(paged, sc.ext)
     for o, s, e in zip(objs, sc.starts, sc.ends, strict=False):
-        if paged.is_simple:
-            reference.load(paged, obj, sc.ext, cache, obj_tensors(o),
-                           reference.Span(mapping, s, e, sc.offset, sc.skip))
-        else:
-            planes.load(paged, obj, planes.parts_extents(paged, sc.ext), cache, obj_tensors(o),
-                        reference.Span(mapping, s, e, sc.offset, sc.skip))
+        reference.load(paged, obj, ext, cache, obj_tensors(o), reference.Span(mapping, s, e, sc.offset, sc.skip))
 
 
 def check_pair(connector: Any, paged: Spec, obj: Spec, scenario: Scenario,

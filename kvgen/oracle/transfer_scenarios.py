@@ -1,6 +1,6 @@
 """Transfer scenarios shared by the tests and `kvgen verify`: coordinate-coded source and
 destination caches of their own extents, pairs of slot mappings, and one transfer run through
-a generated class and through the reference (kvgen.oracle.transfer_reference).
+a generated class and through the reference (kvgen.oracle.reference.transfers).
 
 Source elements carry the code of their coordinates (layer, kv, slot, head, c), destination
 elements codes of theirs with a salt, so an element written from the wrong place, or written
@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from kvgen.oracle import reference, transfer_reference
+from kvgen.oracle import reference
+from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import allocate, clone_tree, same_bits
 from kvgen.runtime.ops import bits
 from kvgen.spec.model import Spec
@@ -156,9 +157,9 @@ SCENARIOS = {sc.name: sc for sc in (
 def _template(spec: Spec, ext: tuple[tuple[str, int], ...], dtype: torch.dtype, salt: int) -> Any:
     """A coded cache, filled once (the reference fills it element by element); never written to."""
     extents = dict(ext)
-    shape = reference.leaf_shape(spec, extents)
-    tree = reference.nest(spec, extents, lambda path: torch.zeros(shape, dtype=dtype))
-    reference.fill_cache(spec, extents, tree, dtype, salt)
+    shape = reference.layouts.leaf_shape(spec, extents)
+    tree = reference.layouts.nest(spec, extents, lambda path: torch.zeros(shape, dtype=dtype))
+    reference.layouts.fill_cache(spec, extents, tree, dtype, salt)
     return tree
 
 
@@ -168,14 +169,14 @@ def make_cache(spec: Spec, ext: Mapping[str, int], dtype: torch.dtype, device: s
     (permuted views into a larger buffer) or "odd" (one element into their storage) as a
     scenario names it."""
     template = _template(spec, tuple(sorted(ext.items())), dtype, salt)
-    shape = reference.leaf_shape(spec, ext)
+    shape = reference.layouts.leaf_shape(spec, ext)
 
     def make(path: tuple[int, ...]) -> torch.Tensor:
         t = allocate(shape, dtype, device, storage == "strided", storage == "odd")
         bits(t).copy_(bits(reference.leaf(template, path)))
         return t
 
-    return reference.nest(spec, ext, make)
+    return reference.layouts.nest(spec, ext, make)
 
 
 def applies(src: Spec, dst: Spec, scenario: TransferScenario) -> bool:
@@ -215,7 +216,7 @@ def check_transfer(package: Any, src: Spec, dst: Spec, device: str, scenario: Tr
     src_before, want = clone_tree(src_cache), clone_tree(dst_cache)
     run_transfer(transfer, (src_cache, torch.tensor(src_map, device=device)),
                  (dst_cache, torch.tensor(dst_map, device=device)), layerwise=run.layerwise, heads=scenario.heads)
-    transfer_reference.transfer(
-        transfer_reference.TransferSide(src, scenario.src_ext, src_before, src_map, scenario.src_heads),
-        transfer_reference.TransferSide(dst, scenario.dst_ext, want, dst_map, scenario.dst_heads))
+    transfers.transfer(
+        transfers.TransferSide(src, scenario.src_ext, src_before, src_map, scenario.src_heads),
+        transfers.TransferSide(dst, scenario.dst_ext, want, dst_map, scenario.dst_heads))
     return same_bits(dst_cache, want) and same_bits(src_cache, src_before)

@@ -37,8 +37,8 @@ def captured_launches(module: str) -> list[tuple[str, Any, dict[str, Any]]]:
     import torch
 
     from kvgen import generated
-    from kvgen.oracle.planes import make_parts_cache, parts_extents
-    from kvgen.oracle.reference import leaf_shape, nest
+    from kvgen.oracle.reference.layouts import leaf_shape, nest
+    from kvgen.oracle.reference.planes import make_parts_cache, parts_extents
     from kvgen.runtime import MemoryObj, kernels
 
     plan = {p.module: p for p in plan_connectors(load_library())}[module]

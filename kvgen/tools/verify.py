@@ -55,7 +55,7 @@ def _check_facts(library: Any) -> int:
     would otherwise verify, since the reference reads the same spec as the generator."""
     # torch (through the agreement checks): only once the selection is known good
     from kvgen.oracle.facts import FACTS, EngineGeometry, disagreement
-    from kvgen.oracle.facts_parts import PACKED_FACTS, PARTS_FACTS
+    from kvgen.oracle.facts_planes import PACKED_FACTS, PARTS_FACTS
 
     geometry = EngineGeometry(L=3, B=5, N=4, H=6, C=7, T=9)  # no two extents equal
     tables = (FACTS, PARTS_FACTS, PACKED_FACTS, GROUPS_FACTS)

@@ -1,6 +1,6 @@
 """`kvgen verify` for model connectors: the package must hold exactly the model connectors the
 library plans (one per model and groups object whose groups all have a member), and each one,
-both ways, must give what the reference (kvgen.oracle.models) gives for every model scenario."""
+both ways, must give what the reference (kvgen.oracle.reference.models) gives for every model scenario."""
 
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from kvgen.oracle import models as oracle
 from kvgen.oracle.model_scenarios import make_kvcaches
+from kvgen.oracle.reference import models as oracle
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.runtime import MemoryObj
 from kvgen.tools.bench.baseline import memcpy

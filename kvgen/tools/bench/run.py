@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from kvgen.oracle.planes import nest_parts, part_shape, storage_dtype
-from kvgen.oracle.reference import leaf_shape, nest
+from kvgen.oracle.reference.layouts import leaf_shape, nest
+from kvgen.oracle.reference.planes import nest_parts, part_shape, storage_dtype
 from kvgen.oracle.scenarios import clone_tree, same_bits, tensors_of
 from kvgen.runtime import MemoryObj, backend_for, bits, plan_chunk
 from kvgen.runtime.aliasing import check_objects_apart, check_unique_slots

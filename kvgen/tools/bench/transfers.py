@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvgen.errors import KVLayoutError
-from kvgen.oracle.reference import leaf_shape, nest
+from kvgen.oracle.reference.layouts import leaf_shape, nest
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.runtime import MemoryObj
 from kvgen.tools.bench.baseline import memcpy

@@ -7,8 +7,8 @@ member object for the chunk, then each carried state group (model order), each o
 ascending, each tensor in order: the request's row of that state tensor. Each section starts
 at a multiple of 16 bytes; the total is rounded up to 16. A group's member is the first of
 the object's members that the build pairs with the group's layout (`available`). A group's
-section is filled by the existing reference of (layout, member): kvgen.oracle.reference for
-caches of one tensor tree, kvgen.oracle.planes for format-2 caches.
+section is filled by the reference of (layout, member), kvgen.oracle.reference, which picks the
+module of the pair's kind (layouts: one tensor tree; planes: a format-2 cache).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from kvgen.oracle import planes, reference
+from kvgen.oracle import reference
 from kvgen.oracle.address import region_layout
+from kvgen.oracle.reference import planes
 from kvgen.runtime.ops import bits
 from kvgen.spec.library import Library
 from kvgen.spec.model import ITEMSIZE, Spec
@@ -128,7 +129,7 @@ def member_object(g: GroupCase, cache: Any, num_tokens: int) -> tuple[tuple[int,
     first = cache
     while not isinstance(first, torch.Tensor):
         first = first[0]
-    return reference.leaf_shape(g.member, ext), first.dtype
+    return reference.layouts.leaf_shape(g.member, ext), first.dtype
 
 
 def sections(case: ModelCase, kvcaches: Sequence[Any], num_tokens: int) -> tuple[list[tuple[str, int, int]], int]:
@@ -179,8 +180,7 @@ def _move_group(g: GroupCase, cache: list[Any], section: torch.Tensor, chunk: Mo
     start, end, offset, skip = chunk.start // k, chunk.end // k, chunk.offset // k, chunk.skip // k
     span = reference.Span(mapping, start, end, offset, skip)
     pair = (g.paged, g.member, g.ext, cache, work)
-    oracle = reference if g.paged.is_simple else planes
-    (oracle.load if to_cache else oracle.store)(*pair, span)
+    (reference.load if to_cache else reference.store)(*pair, span)
     if not to_cache:
         section.copy_(bits(work).reshape(-1).view(torch.uint8))
 

@@ -1,4 +1,8 @@
-"""Facts about the built-in format-2 specs (parts and fields), written from the sources.
+"""The fact table of the planes kind: the built-in format-2 specs (caches of several parts or
+fields, and the packed objects that hold their planes), written from the sources, and the
+comparison of a format-2 spec with it (`parts_disagreement`, which kvgen.oracle.facts calls).
+It merges facts_quant's table (the quantized caches, one source of the same kind) into PARTS_FACTS;
+the vocabulary of both is in kvgen.oracle.fact_table.
 
 Like kvgen.oracle.facts, this table does not read specs. For each cache it says the containers
 the engine hands over (the tuple of parts included), each part's tensor shape and dtype, and for
@@ -49,10 +53,19 @@ from typing import Any
 
 from kvgen.oracle.address import ObjectAddresses, plane_address, plane_count
 from kvgen.oracle.agreement import first_difference
-from kvgen.oracle.fact_table import EngineGeometry, Level
+from kvgen.oracle.fact_table import (
+    BYTES,
+    ByteAddress,
+    EngineGeometry,
+    Level,
+    PartFact,
+    PartsFact,
+    PlaneAddress,
+    PlaneFact,
+    width,
+)
 from kvgen.oracle.facts_quant import QUANT_PARTS_FACTS
-from kvgen.oracle.parts_fact import BYTES, ByteAddress, PartFact, PartsFact, PlaneAddress, PlaneFact, width
-from kvgen.oracle.planes import part_shape
+from kvgen.oracle.reference.planes import part_shape
 from kvgen.spec.library import load_library
 from kvgen.spec.model import Spec
 

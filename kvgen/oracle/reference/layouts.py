@@ -1,26 +1,24 @@
-"""The reference interpreter: an obviously correct store and load, element by element.
+"""The reference of the layouts kind (spec format 1: a cache and an object of one tensor tree
+each): an obviously correct store and load, element by element.
 
-It reads the specs through `kvgen.oracle.address` only (never the planner or generated code)
-and so says what any connector must produce. Each element moves from where
-`element_address` puts it in the cache to where it puts it in the object; the function is
-evaluated on index grids of every element at once (it is plain arithmetic), and the
-elements move as one gather and scatter over the tensors' bits laid end to end.
-Tests and `kvgen verify` compare every generated connector with it.
+Each element moves from where `element_address` puts it in the cache to where it puts it in
+the object; the function is evaluated on index grids of every element at once (it is plain
+arithmetic), and the elements move as one gather and scatter over the tensors' bits laid end
+to end. Also the coordinate-coded caches and objects the tests fill through the same addresses.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from kvgen.oracle.address import element_address
+from kvgen.oracle.reference.common import Span, leaf, one_thread, put_last, tokens
 from kvgen.runtime.ops import bits
-from kvgen.runtime.threads import intra_op_threads
 from kvgen.spec.model import Spec
 
 Extents = Mapping[str, int]
@@ -51,12 +49,6 @@ def nest(spec: Spec, ext: Extents, make: Any) -> Any:
         return tuple(items) if axis == "KV" else items
 
     return level(0, ())
-
-
-def leaf(tree: Any, path: Sequence[int]) -> torch.Tensor:
-    for i in path:
-        tree = tree[i]
-    return tree
 
 
 def logical_grids(spec: Spec, ext: Extents, lead: Sequence[int] = ()) -> dict[str, torch.Tensor]:
@@ -100,53 +92,6 @@ def write_back(tree: Any, paths: list[tuple[int, ...]], flat: torch.Tensor) -> N
         n = raw.numel()
         raw.copy_(flat[at:at + n].view(raw.shape))
         at += n
-
-
-def put_last(dst: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
-    """dst[where] = values, where a position written twice keeps the later value (as a loop would)."""
-    where, values = where.reshape(-1), values.reshape(-1)
-    order = torch.arange(where.numel())
-    last = torch.full((dst.numel(),), -1, dtype=torch.long).scatter_reduce_(0, where, order, reduce="amax")
-    keep = last[where] == order
-    dst[where[keep]] = values[keep].to(dst.dtype)
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def one_thread(fn: F) -> F:
-    """`fn` with torch on one intra-op thread: the reference's ops are small, and on a host
-    whose cores are taken each parallel region's barrier waits a scheduling slice (as
-    kvgen.runtime.threads.cpu_threads says for connectors), which made them ~30x slower."""
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with intra_op_threads(1):
-            return fn(*args, **kwargs)
-
-    return run  # type: ignore[return-value]
-
-
-def tokens(slot_mapping: Sequence[int], start: int, end: int, offset: int = 0,
-           skip: int = 0) -> Iterator[tuple[int, int]]:
-    """(position in chunk, slot) of every token a transfer moves."""
-    for i in range(start + skip, end):
-        slot = int(slot_mapping[i - offset])
-        if slot >= 0:
-            yield i - start, slot
-
-
-@dataclass(frozen=True)
-class Span:
-    """The tokens one chunk moves: [start, end) of the sequence, token i's slot at
-    `slot_mapping[i - offset]` (< 0: not moved), the first `skip` tokens of the chunk left alone
-    (a load's skip_prefix_n_tokens)."""
-
-    slot_mapping: Sequence[int]
-    start: int
-    end: int
-    offset: int = 0
-    skip: int = 0
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ For every token whose source and destination slots are both >= 0, and every (lay
 c) of the ranges moved, it reads the element where `kvgen.oracle.address` puts it in the source
 spec and writes it where the same function puts it in the destination spec. It never sees the
 planner or generated code and so says what any generated transfer must leave in the
-destination. As in kvgen.oracle.reference, the addresses are worked out on index grids of every
-element at once and the elements move as one gather and scatter of the caches' bits.
+destination. As in kvgen.oracle.reference.layouts, the addresses are worked out on index grids
+of every element at once and the elements move as one gather and scatter of the caches' bits.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from kvgen.oracle.reference import element_positions, flat_bits, leaf_paths, one_thread, put_last, write_back
+from kvgen.oracle.reference.common import one_thread, put_last
+from kvgen.oracle.reference.layouts import element_positions, flat_bits, leaf_paths, write_back
 from kvgen.spec.model import Spec
 
 Extents = Mapping[str, int]

@@ -1,10 +1,11 @@
-"""The reference interpreter for format-2 caches (parts and fields): byte by byte.
+"""The reference of the planes kind (spec format 2: a cache of several parts or fields and a
+packed object): byte by byte.
 
 Every cache tensor and every object tensor is read as its bytes in index order (row-major
 over its shape, whatever its strides); each value of each plane (a part, or a field of a
 part) is moved from the address kvgen.oracle.address says for the cache to the one it says
 for the object, or back. A plane without a slot axis (a per-layer scale) moves with every
-chunk that moves at least one token. Like kvgen.oracle.reference it reads specs only, never
+chunk that moves at least one token. Like the layouts reference it reads specs only, never
 the planner or generated code, and works out the addresses of every row of a plane at once,
 on index grids, then moves the rows' bytes as one gather and scatter.
 """
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from kvgen.oracle.address import ByteAddress, ObjectAddresses, part_width, plane_address, plane_count
-from kvgen.oracle.reference import Span, leaf, one_thread, put_last, tokens
+from kvgen.oracle.reference.common import Span, leaf, one_thread, put_last, tokens
 from kvgen.runtime.ops import bits
 from kvgen.spec.elements import split_extents
 from kvgen.spec.model import ITEMSIZE, PART_LEVEL, Part, Plane, Spec
