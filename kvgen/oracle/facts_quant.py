@@ -119,6 +119,23 @@ _register(PartsFact(
      PlaneFact("scale", 1, "uint8", lambda g: MLA_DIM // 16, False, False, True, _pool(1, False, 1)))))
 
 
+# MHATokenToKVPoolMXFP8 with a page size other than 128 (page 128 interleaves its scales in FA4 atoms):
+# (k_buffer, v_buffer, k_scale_buffer, v_scale_buffer), each a list over layers; K and V
+# [rows, heads, head_dim] float8_e4m3fn, scales [rows, heads, head_dim // 32] float8_e8m0fnu
+# (MXFP8_SCALE_BLOCK_SIZE 32), indexed by slot (_write_scales, _read_scales).
+MXFP8_BLOCK = 32
+_register(PartsFact(
+    "sglang_mha_mxfp8", PAIR_OF_LISTS,
+    (PartFact("k", lambda g: (g.B * g.N, g.H, HEAD), ("float8_e4m3fn",)),
+     PartFact("v", lambda g: (g.B * g.N, g.H, HEAD), ("float8_e4m3fn",)),
+     PartFact("k_scale", lambda g: (g.B * g.N, g.H, HEAD // MXFP8_BLOCK), ("float8_e8m0fnu",)),
+     PartFact("v_scale", lambda g: (g.B * g.N, g.H, HEAD // MXFP8_BLOCK), ("float8_e8m0fnu",))),
+    (PlaneFact("k", 0, "float8_e4m3fn", lambda g: HEAD, False, True, True, _pool(0, True, 0)),
+     PlaneFact("v", 1, "float8_e4m3fn", lambda g: HEAD, False, True, True, _pool(1, True, 0)),
+     PlaneFact("k_scale", 2, "float8_e8m0fnu", lambda g: HEAD // MXFP8_BLOCK, False, True, True, _pool(2, True, 0)),
+     PlaneFact("v_scale", 3, "float8_e8m0fnu", lambda g: HEAD // MXFP8_BLOCK, False, True, True,
+               _pool(3, True, 0)))))
+
 # -- vLLM 0.33 TURBOQUANT_K8V4 (v1/attention/backends/turboquant_attn.py, ops/triton_turboquant_store.py) --
 # One slot per (token, head), K and V together, in LBNHC pages [B, N, H, slot]: the fp8 key (head_dim
 # bytes), the 4-bit values (two per byte, value 2j low), then the value scale and zero (fp16 each);
