@@ -273,7 +273,7 @@ def symbolic_plane_address(spec: Spec, plane: Plane) -> str:
         return f"kvcaches{path}[{_sym_dims(plane.part.dims, {'C': f'byte {f.offset}{step}'})}]"
     run = plane.part.block_run
     cells = " * ".join(a for d in run for a in d.axes if a not in ("KV", "C"))  # N, or format 3's H * N
-    cell = "(h * N + slot % N)" if cells == "H * N" else "(slot % N)"
+    cell = {"H * N": "(h * N + slot % N)", "N * H": "((slot % N) * H + h)"}.get(cells, "(slot % N)")
     side = f"kv * {cells} * {plane.part.row_bytes} + " if any("KV" in d.axes for d in run) else ""
     where = f"{side}{f.offset} * {cells} + {f.nbytes} * {cell}{step}"
     head = _sym_dims(plane.part.dims[:len(plane.part.dims) - len(run)], {})
@@ -310,10 +310,10 @@ def _fields_lines(p: Part) -> list[str]:
     """A part's fields: what they fill, then each field's type, count and place."""
     owner = f" of part {p.name}" if p.name else ""
     sides = ", per K and V side" if any("KV" in d.axes for d in p.block_run) else ""
-    what = "each row (C)" if p.fields_in == "row" else "each block (regions of N tokens each)" \
-        if len(p.block_run) == 2 else f"each block's run (regions of H x N cells each{sides})"
-    out = [f"  fields{owner}, in {what}, dtypes {', '.join(p.dtypes)}:"]
     cells = " * ".join(a for d in p.block_run for a in d.axes if a not in ("KV", "C"))
+    what = "each row (C)" if p.fields_in == "row" else "each block (regions of N tokens each)" \
+        if len(p.block_run) == 2 else f"each block's run (regions of {cells.replace(' * ', ' x ')} cells each{sides})"
+    out = [f"  fields{owner}, in {what}, dtypes {', '.join(p.dtypes)}:"]
     for f in p.fields:
         at = f"byte {f.offset}" if p.fields_in == "row" else f"region at byte {f.offset} * {cells}"
         out.append(f"    {f.name:<10} {f.dtype} x {f.count} ({f.nbytes} bytes), {at}")

@@ -14,6 +14,8 @@ Sources (vllm-project/vllm 0.33.0):
   nvfp4_kv_cache_full_dim(hs) = hs // 2 + hs // 16; _nvfp4_kv_views: a page is [K side | V side],
   each H * N * C bytes; vllm/utils/torch_utils.py nvfp4_split_data_scale: a side is every
   (head, slot) cell's hs // 2 data bytes, then every cell's hs // 16 fp8 scales (one per 16 values).
+  Under NHD strides (LBNHC: the page stored [N, 2H, C]) the sides are still the page's halves, each
+  every (slot, head) cell's data, slot-major, then every cell's scales.
 
 The built-in specs are for head size 128, as stated here.
 """
@@ -78,6 +80,25 @@ _register(PartsFact(
                _nvfp4(NVFP4_DATA, NVFP4_SCALES))),
     fixed={"KV": 2}))
 
+
+
+def _nvfp4_nhd(start: int, size: int):  # noqa: ANN202 (a PlaneAddress)
+    """Under NHD (LBNHC) a page is stored [N, 2H, cell]; _nvfp4_kv_views takes its first half as the K
+    side and the second as V, each every (slot, head) cell's data, slot-major, then every cell's scales."""
+    def where(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int):  # noqa: ANN202
+        cells = g.H * g.N
+        byte = kv * cells * NVFP4_CELL + start * cells + (slot % g.N * g.H + h) * size + c
+        row, col = divmod(byte, NVFP4_CELL)
+        return (layer,), (slot // g.N, row // (2 * g.H), row % (2 * g.H), col), 0
+    return where
+
+
+_register(PartsFact(
+    "vllm_nvfp4_nhd", (("list", "L"),), (PartFact("", lambda g: (g.B, g.N, 2 * g.H, NVFP4_CELL), ("uint8",)),),
+    (PlaneFact("values", 0, "fp4_e2m1", lambda g: NVFP4_DATA, True, True, True, _nvfp4_nhd(0, NVFP4_DATA)),
+     PlaneFact("scale", 0, "float8_e4m3fn", lambda g: NVFP4_SCALES, True, True, True,
+               _nvfp4_nhd(NVFP4_DATA, NVFP4_SCALES))),
+    fixed={"KV": 2}))
 
 # -- SGLang 0.5.23 quantized pools (sglang/srt/mem_cache/memory_pool.py) ----------------------------
 # MHATokenToKVPoolFP4: (k_buffer, v_buffer, k_scale_buffer, v_scale_buffer), each a list over layers;
@@ -196,6 +217,7 @@ UNITS: dict[str, dict[str, tuple[str | None, str | None, int | None]]] = {
     "vllm_fp8_per_token_head": {"values": (None, None, None), "scale": (None, "values", HEAD)},
     "vllm_int4_per_token_head": {"values": ("low_first", None, None), "scale": (None, "values", HEAD)},
     "vllm_nvfp4": {"values": ("low_first", None, None), "scale": (None, "values", 16)},
+    "vllm_nvfp4_nhd": {"values": ("low_first", None, None), "scale": (None, "values", 16)},
     # TurboQuant: one fp16 scale (and zero) per head's values; the fp8 keys carry no scale.
     "vllm_turboquant_k8v4": {"key": (None, None, None), "values": ("low_first", None, None),
                              "scale": (None, "values", HEAD), "zero": (None, None, None)},

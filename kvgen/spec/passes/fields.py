@@ -55,7 +55,8 @@ def _field_tree_problems(spec: Spec, part: Part, doc: Document) -> list[Problem]
             and not (spec.version >= 3 and block_cells(part)):
         out.append(doc.problem((*here, "dims"), "block fields fill a block: the dims must end with B, N, C "
                                                 "(each block's N x C elements hold the fields' regions; kvgen: 3 also "
-                                                "allows B, H, N, C and B, [KV, H], N, C)"))
+                                                "allows B, H, N, C, B, KV, H, N, C, B, [KV, H], N, C and "
+                                                "B, N, [KV, H], C)"))
     if len(part.dtypes) != 1:
         out.append(doc.problem((*here, "dtypes") if "dtypes" in mapping_at(doc, here) else (*here, "fields"),
                                f"a part with fields is stored as one dtype (e.g. dtypes: [uint8]); "
@@ -108,8 +109,11 @@ def _field_width_problems(spec: Spec, part: Part, doc: Document) -> list[Problem
 
 
 #: Format 3: the runs after B that block fields may fill besides [N, C]: every head's cells of a
-#: block, or each K and V side's (vLLM NVFP4: [K data | K scales | V data | V scales] per page).
-BLOCK_CELLS = ((("H",), ("N",), ("C",)), (("KV",), ("H",), ("N",), ("C",)), (("KV", "H"), ("N",), ("C",)))
+#: block, or each K and V side's (vLLM NVFP4: [K data | K scales | V data | V scales] per page),
+#: cells in the dims' order: (head, slot), or (slot, head) for [N, [KV, H], C], whose page vLLM's
+#: NHD NVFP4 views read as the K side's slot-major cells, then the V side's.
+BLOCK_CELLS = ((("H",), ("N",), ("C",)), (("KV",), ("H",), ("N",), ("C",)), (("KV", "H"), ("N",), ("C",)),
+               (("N",), ("KV", "H"), ("C",)))
 
 
 def block_cells(part: Part) -> bool:
