@@ -120,10 +120,14 @@ def stored_slots(spec: Spec, t: int) -> tuple[int, ...]:
 
 def packed_value(f: Field, c: int) -> tuple[int, int]:
     """Value c of a field as (unit, bit shift): a whole-byte type is unit c at shift 0; a
-    sub-byte one is in packed byte c // 2, value 2j in the low nibble under `low_first`
-    (shift 0) and in the high one under `high_first` (shift 4)."""
+    sub-byte one starts in packed byte unit, its bits [shift, shift + bits) of the bytes from
+    there read as one little-endian integer. Nibbles: byte c // 2, value 2j in the low nibble under
+    `low_first` (shift 0) and in the high one under `high_first` (shift 4). A bit stream (uint3):
+    bit 3c of the field, so a value may reach into the next byte."""
     if not f.is_sub_byte:
         return c, 0
+    if 8 % f.bits:
+        return divmod(c * f.bits, 8)
     per = 8 // f.bits
     slot = c % per if f.packing == "low_first" else per - 1 - c % per
     return c // per, slot * f.bits
@@ -254,6 +258,8 @@ def _sym_dims(dims: tuple[Dim, ...], coord: Mapping[str, str]) -> str:
 
 def _value_step(f: Field) -> str:
     """How value c of a field steps from its first byte: by its size, or by half a byte."""
+    if f.is_sub_byte and 8 % f.bits:
+        return f" + {f.bits} * c // 8, from bit {f.bits} * c % 8 of a little-endian stream"
     if f.is_sub_byte:
         nibble = "low" if f.packing == "low_first" else "high"
         return f" + c // 2, the {nibble} nibble for even c"

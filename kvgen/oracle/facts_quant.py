@@ -157,25 +157,49 @@ _register(PartsFact(
      PlaneFact("v_scale", 3, "float8_e8m0fnu", lambda g: HEAD // MXFP8_BLOCK, False, True, True,
                _pool(3, True, 0)))))
 
-# -- vLLM 0.33 TURBOQUANT_K8V4 (v1/attention/backends/turboquant_attn.py, ops/triton_turboquant_store.py) --
-# One slot per (token, head), K and V together, in LBNHC pages [B, N, H, slot]: the fp8 key (head_dim
-# bytes), the 4-bit values (two per byte, value 2j low), then the value scale and zero (fp16 each);
-# slot_size_aligned = 128 + 64 + 4 = 196 for head size 128 (quantization/turboquant/config.py).
-TQ_KEY, TQ_VALUES, TQ_HALF = HEAD, HEAD // 2, 2
-TQ_SLOT = TQ_KEY + TQ_VALUES + 2 * TQ_HALF
+# -- vLLM 0.33 TURBOQUANT modes (v1/attention/backends/turboquant_attn.py, ops/triton_turboquant_store.py) --
+# One slot per (token, head), K and V together, in LBNHC pages [B, N, H, slot], as TurboQuantConfig
+# (quantization/turboquant/config.py) sizes it: key_packed_size (fp8 keys: head_dim bytes; MSE keys:
+# ceil(head_dim * bits / 8) index bytes, then an fp16 norm), then value_packed_size (ceil(head_dim *
+# bits / 8) code bytes, then the fp16 scale and zero); slot_size_aligned rounds up to even. K8V4:
+# 128 + 64 + 4 = 196; 4BIT_NC: 64 + 2 + 64 + 4 = 134; K3V4_NC: 48 + 2 + 64 + 4 = 118; 3BIT_NC:
+# 48 + 2 + 48 + 4 = 102 (head size 128). 4-bit codes pack two per byte, code 2j low; 3-bit codes
+# eight per three bytes, code j of a group at bit 3j of its little-endian 24 bits.
+TQ_HALF = 2
+#: Per mode: (key bits, value bits); 8-bit keys are fp8 and carry no norm.
+TQ_MODES = {"vllm_turboquant_k8v4": (8, 4), "vllm_turboquant_4bit_nc": (4, 4), "vllm_turboquant_k3v4_nc": (3, 4),
+            "vllm_turboquant_3bit_nc": (3, 3)}
+TQ_TYPES = {8: "float8_e4m3fn", 4: "uint4", 3: "uint3"}
 
 
 def _turboquant(start: int, size: int):  # noqa: ANN202 (a PlaneAddress)
     return lambda g, layer, kv, slot, h, c: ((layer,), (slot // g.N, slot % g.N, h, start + c * size), 0)
 
 
-_register(PartsFact(
-    "vllm_turboquant_k8v4", (("list", "L"),), (PartFact("", lambda g: (g.B, g.N, g.H, TQ_SLOT), ("uint8",)),),
-    (PlaneFact("key", 0, "float8_e4m3fn", lambda g: TQ_KEY, False, True, True, _turboquant(0, 1)),
-     PlaneFact("values", 0, "uint4", lambda g: TQ_VALUES, False, True, True, _turboquant(TQ_KEY, 1)),
-     PlaneFact("scale", 0, "float16", lambda g: 1, False, True, True, _turboquant(TQ_KEY + TQ_VALUES, TQ_HALF)),
-     PlaneFact("zero", 0, "float16", lambda g: 1, False, True, True,
-               _turboquant(TQ_KEY + TQ_VALUES + TQ_HALF, TQ_HALF)))))
+def tq_fields(key_bits: int, value_bits: int) -> list[tuple[str, str, int, int]]:
+    """The slot's fields in order: (name, dtype, bytes, bytes per addressed unit)."""
+    key = [("key", TQ_TYPES[key_bits], HEAD * key_bits // 8, 1)] + \
+        ([("norm", "float16", TQ_HALF, TQ_HALF)] if key_bits < 8 else [])
+    return [*key, ("values", TQ_TYPES[value_bits], HEAD * value_bits // 8, 1), ("scale", "float16", TQ_HALF, TQ_HALF),
+            ("zero", "float16", TQ_HALF, TQ_HALF)]
+
+
+def _register_turboquant(name: str, key_bits: int, value_bits: int) -> None:
+    fields = tq_fields(key_bits, value_bits)
+    slot = sum(f[2] for f in fields)
+    slot += slot % 2  # slot_size_aligned
+    planes, at = [], 0
+    for field, dtype, nbytes, size in fields:
+        units = nbytes // size
+        planes.append(PlaneFact(field, 0, dtype, lambda g, units=units: units, False, True, True,
+                                _turboquant(at, size)))
+        at += nbytes
+    _register(PartsFact(name, (("list", "L"),), (PartFact("", lambda g: (g.B, g.N, g.H, slot), ("uint8",)),),
+                        tuple(planes)))
+
+
+for _name, (_key_bits, _value_bits) in TQ_MODES.items():
+    _register_turboquant(_name, _key_bits, _value_bits)
 
 
 # -- vLLM 0.33 DeepSeek-V4 (vllm/models/deepseek_v4/attention.py, xpu/xpu_sparse_decode_fp8.py) ---------
@@ -218,9 +242,13 @@ UNITS: dict[str, dict[str, tuple[str | None, str | None, int | None]]] = {
     "vllm_int4_per_token_head": {"values": ("low_first", None, None), "scale": (None, "values", HEAD)},
     "vllm_nvfp4": {"values": ("low_first", None, None), "scale": (None, "values", 16)},
     "vllm_nvfp4_nhd": {"values": ("low_first", None, None), "scale": (None, "values", 16)},
-    # TurboQuant: one fp16 scale (and zero) per head's values; the fp8 keys carry no scale.
+    # TurboQuant: one fp16 scale (and zero) per head's values; the fp8 keys carry no scale, the MSE
+    # keys' fp16 norm scales the head's key (its centroids, rotated back).
     "vllm_turboquant_k8v4": {"key": (None, None, None), "values": ("low_first", None, None),
                              "scale": (None, "values", HEAD), "zero": (None, None, None)},
+    **{name: {"key": ("low_first", None, None), "norm": (None, "key", HEAD), "values": ("low_first", None, None),
+              "scale": (None, "values", HEAD), "zero": (None, None, None)}
+       for name in ("vllm_turboquant_4bit_nc", "vllm_turboquant_k3v4_nc", "vllm_turboquant_3bit_nc")},
     "sglang_mha_fp4": {"k.values": ("low_first", None, None), "v.values": ("low_first", None, None),
                        "k_scale": (None, None, None), "v_scale": (None, None, None)},
     "sglang_mla_fp4": {"kv.values": ("low_first", None, None), "scale": (None, None, None)},

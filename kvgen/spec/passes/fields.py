@@ -11,9 +11,11 @@ bytes never splits one.
 
 from __future__ import annotations
 
+import math
+
 from kvgen.errors import Problem, YamlPath
 from kvgen.spec.document import Document
-from kvgen.spec.elements import DTYPES, SCALE_DTYPES
+from kvgen.spec.elements import BIT_STREAMS, DTYPES, SCALE_DTYPES
 from kvgen.spec.model import ITEMSIZE, Field, FieldsIn, Part, Spec
 from kvgen.spec.passes.common import Pass, field_list_path, mapping_at, part_path
 
@@ -142,15 +144,26 @@ def check_sub_byte(spec: Spec, doc: Document) -> list[Problem]:
     for _, _, f, path in _fields_of(spec):
         raw = mapping_at(doc, path)
         if f.is_sub_byte and f.packing is None:
-            out.append(doc.problem(path, f"field {f.name!r} holds {f.dtype}, two values per byte: say which comes "
+            out.append(doc.problem(path, f"field {f.name!r} holds {f.dtype}, {_unit_words(f)}: say which comes "
                                          "first (packing: low_first or high_first)"))
         if not f.is_sub_byte and "packing" in raw:
             out.append(doc.problem((*path, "packing"), f"packing orders the values of a byte; field {f.name!r} "
                                                        f"holds whole {f.itemsize}-byte {f.dtype} values", key=True))
+        if f.dtype in BIT_STREAMS and f.packing == "high_first":
+            out.append(doc.problem((*path, "packing"), f"field {f.name!r}: {f.dtype} is a little-endian bit stream "
+                                                       "(value c at bit 3c); it packs low_first only"))
         if f.is_sub_byte and f.count * f.bits % 8:
-            out.append(doc.problem((*path, "count"), f"field {f.name!r}: {f.count} {f.dtype} values end in half a "
-                                                     "byte; a packed byte is never split, so count must be even"))
+            unit = 8 // math.gcd(8, f.bits)
+            out.append(doc.problem((*path, "count"), f"field {f.name!r}: {f.count} {f.dtype} values end inside a "
+                                                     f"packed unit ({_unit_words(f)}); a packed unit is never split, "
+                                                     f"so count must be a multiple of {unit}"))
     return out
+
+
+def _unit_words(f: Field) -> str:
+    """A sub-byte type's packed unit in words: two values per byte, eight in three bytes."""
+    unit = 8 // math.gcd(8, f.bits)
+    return "two values per byte" if unit == 2 else f"{unit} values in {unit * f.bits // 8} bytes"
 
 
 def check_scales(spec: Spec, doc: Document) -> list[Problem]:
@@ -193,7 +206,7 @@ def _scale_problems(part: Part, f: Field, path: YamlPath, doc: Document) -> list
                                                  f"need {data.count // f.group} scales, not {f.count}"))
     if f.group * data.bits % 8:
         out.append(doc.problem((*path, "group"), f"a group of {f.group} {data.dtype} values of {data.name!r} ends "
-                                                 "inside a packed byte; a group covers whole bytes"))
+                                                 "inside a packed unit; a group covers whole bytes"))
     return out
 
 
