@@ -202,6 +202,48 @@ for _name, (_key_bits, _value_bits) in TQ_MODES.items():
     _register_turboquant(_name, _key_bits, _value_bits)
 
 
+# -- vLLM 0.33 OCTAVE modes (v1/attention/backends/rocm_octave_attn.py, ops/rocm_octave.py) -------------
+# One slot per (token, KV head), OctaveFormat.slot_bytes, for the kernels' head size 256 and rotary dim
+# 64, in LBHNC pages [B, H, N, slot]: k_rope codes (rope_dim * 4 / 8 bytes; none for compact K), k_nope
+# codes (the other dims * 3 / 8), v codes (256 * v_bits / 8), fp16 scales (one per 64-dim K block, or
+# one for compact K, then V's), padded to 8 bytes (compact: 4).
+OCTAVE_HEAD, OCTAVE_ROPE, OCTAVE_BLOCK = 256, 64, 64
+
+
+def octave_fields(v_bits: int, compact: bool) -> list[tuple[str, str, int, int]]:
+    """The slot's fields in order: (name, dtype, bytes, bytes per addressed unit)."""
+    wide = 0 if compact else OCTAVE_ROPE
+    scales = (1 if compact else OCTAVE_HEAD // OCTAVE_BLOCK) + 1
+    out = [("k_rope", "uint8", wide * 4 // 8, 1)] if wide else []
+    out += [("k_nope", "uint8", (OCTAVE_HEAD - wide) * 3 // 8, 1), ("v_codes", "uint8", OCTAVE_HEAD * v_bits // 8, 1),
+            ("scales", "float16", 2 * scales, 2)]
+    raw = sum(f[2] for f in out)
+    align = 4 if compact else 8
+    pad = -raw % align
+    return out + ([("pad", "uint8", pad, 1)] if pad else [])
+
+
+def _octave(start: int, size: int):  # noqa: ANN202 (a PlaneAddress)
+    return lambda g, layer, kv, slot, h, c: ((layer,), (slot // g.N, h, slot % g.N, start + c * size), 0)
+
+
+def _register_octave(name: str, v_bits: int, compact: bool) -> None:
+    fields = octave_fields(v_bits, compact)
+    slot = sum(f[2] for f in fields)
+    planes, at = [], 0
+    for field, dtype, nbytes, size in fields:
+        planes.append(PlaneFact(field, 0, dtype, lambda g, units=nbytes // size: units, False, True, True,
+                                _octave(at, size)))
+        at += nbytes
+    _register(PartsFact(name, (("list", "L"),), (PartFact("", lambda g: (g.B, g.H, g.N, slot), ("uint8",)),),
+                        tuple(planes)))
+
+
+_register_octave("vllm_octave_k3v4", 4, False)
+_register_octave("vllm_octave_k3v3", 3, False)
+_register_octave("vllm_octave_k3v3_compact", 3, True)
+
+
 # -- vLLM 0.33 DeepSeek-V4 (vllm/models/deepseek_v4/attention.py, xpu/xpu_sparse_decode_fp8.py) ---------
 # fp8_ds_mla pages, one head slot, logical [B, 1, N, 584] uint8: block b's bytes hold token n's 576
 # data bytes (448 fp8 NoPE, 64 bf16 RoPE) at n * 576, then its 8 scale bytes at N * 576 + n * 8.
