@@ -202,6 +202,25 @@ for _name, (_key_bits, _value_bits) in TQ_MODES.items():
     _register_turboquant(_name, _key_bits, _value_bits)
 
 
+# -- vLLM 0.33 NVFP4_DS_MLA (v1/attention/backends/mla/flashmla_sparse.py, layers/attention/mla_attention.py) --
+# [B, 1, N, 352] uint8, one row per token: 512 e2m1 NoPE values in 256 bytes (low nibble the even
+# element), 64 fp8 RoPE values, 32 fp8 NoPE scales (one per 16 elements, permuted in the row).
+DS_MLA_NOPE, DS_MLA_ROPE, DS_MLA_SCALES = 512 // 2, 64, 32
+DS_MLA_ROW = DS_MLA_NOPE + DS_MLA_ROPE + DS_MLA_SCALES
+
+
+def _ds_mla(start: int):  # noqa: ANN202 (a PlaneAddress)
+    return lambda g, layer, kv, slot, h, c: ((layer,), (slot // g.N, 0, slot % g.N, start + c), 0)
+
+
+_register(PartsFact(
+    "vllm_nvfp4_ds_mla", (("list", "L"),), (PartFact("", lambda g: (g.B, 1, g.N, DS_MLA_ROW), ("uint8",)),),
+    (PlaneFact("nope", 0, "fp4_e2m1", lambda g: DS_MLA_NOPE, False, False, True, _ds_mla(0)),
+     PlaneFact("rope", 0, "float8_e4m3fn", lambda g: DS_MLA_ROPE, False, False, True, _ds_mla(DS_MLA_NOPE)),
+     PlaneFact("scale", 0, "float8_e4m3fn", lambda g: DS_MLA_SCALES, False, False, True,
+               _ds_mla(DS_MLA_NOPE + DS_MLA_ROPE)))))
+
+
 # -- vLLM 0.33 OCTAVE modes (v1/attention/backends/rocm_octave_attn.py, ops/rocm_octave.py) -------------
 # One slot per (token, KV head), OctaveFormat.slot_bytes, for the kernels' head size 256 and rotary dim
 # 64, in LBHNC pages [B, H, N, slot]: k_rope codes (rope_dim * 4 / 8 bytes; none for compact K), k_nope
@@ -284,6 +303,8 @@ UNITS: dict[str, dict[str, tuple[str | None, str | None, int | None]]] = {
     "vllm_int4_per_token_head": {"values": ("low_first", None, None), "scale": (None, "values", HEAD)},
     "vllm_nvfp4": {"values": ("low_first", None, None), "scale": (None, "values", 16)},
     "vllm_nvfp4_nhd": {"values": ("low_first", None, None), "scale": (None, "values", 16)},
+    # NVFP4_DS_MLA: its scales are permuted in the row (8 * (s & 3) + (s >> 2)), no format-3 group.
+    "vllm_nvfp4_ds_mla": {"nope": ("low_first", None, None), "rope": (None, None, None), "scale": (None, None, None)},
     # TurboQuant: one fp16 scale (and zero) per head's values; the fp8 keys carry no scale, the MSE
     # keys' fp16 norm scales the head's key (its centroids, rotated back).
     "vllm_turboquant_k8v4": {"key": (None, None, None), "values": ("low_first", None, None),
