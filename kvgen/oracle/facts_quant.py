@@ -221,6 +221,27 @@ _register(PartsFact(
                _ds_mla(DS_MLA_NOPE + DS_MLA_ROPE)))))
 
 
+# -- vLLM 0.33 ULTRAQUANT_4BIT (v1/attention/backends/ultraquant_attn.py, ops/ultraquant/format.py) ------
+# One slot per (token, head) in LBNHC pages [B, N, H, slot]: K codes (head_dim // 2 bytes, fp4, code 2j
+# low), K scales (UE8M0, one per 32), V codes, V scales; slot_size 136 for head size 128.
+UQ_GROUP = 32
+UQ_FIELDS = (("key", "fp4_e2m1", HEAD // 2), ("key_scale", "ue8m0", HEAD // UQ_GROUP),
+             ("values", "fp4_e2m1", HEAD // 2), ("value_scale", "ue8m0", HEAD // UQ_GROUP))
+UQ_SLOT = sum(f[2] for f in UQ_FIELDS)
+
+
+def _uq_planes() -> tuple[PlaneFact, ...]:
+    out, at = [], 0
+    for name, dtype, nbytes in UQ_FIELDS:
+        out.append(PlaneFact(name, 0, dtype, lambda g, n=nbytes: n, False, True, True, _turboquant(at, 1)))
+        at += nbytes
+    return tuple(out)
+
+
+_register(PartsFact("vllm_ultraquant_4bit", (("list", "L"),),
+                    (PartFact("", lambda g: (g.B, g.N, g.H, UQ_SLOT), ("uint8",)),), _uq_planes()))
+
+
 # -- vLLM 0.33 OCTAVE modes (v1/attention/backends/rocm_octave_attn.py, ops/rocm_octave.py) -------------
 # One slot per (token, KV head), OctaveFormat.slot_bytes, for the kernels' head size 256 and rotary dim
 # 64, in LBHNC pages [B, H, N, slot]: k_rope codes (rope_dim * 4 / 8 bytes; none for compact K), k_nope
@@ -303,6 +324,8 @@ UNITS: dict[str, dict[str, tuple[str | None, str | None, int | None]]] = {
     "vllm_int4_per_token_head": {"values": ("low_first", None, None), "scale": (None, "values", HEAD)},
     "vllm_nvfp4": {"values": ("low_first", None, None), "scale": (None, "values", 16)},
     "vllm_nvfp4_nhd": {"values": ("low_first", None, None), "scale": (None, "values", 16)},
+    "vllm_ultraquant_4bit": {"key": ("low_first", None, None), "key_scale": (None, "key", UQ_GROUP),
+                             "values": ("low_first", None, None), "value_scale": (None, "values", UQ_GROUP)},
     # NVFP4_DS_MLA: its scales are permuted in the row (8 * (s & 3) + (s >> 2)), no format-3 group.
     "vllm_nvfp4_ds_mla": {"nope": ("low_first", None, None), "rope": (None, None, None), "scale": (None, None, None)},
     # TurboQuant: one fp16 scale (and zero) per head's values; the fp8 keys carry no scale, the MSE
