@@ -387,3 +387,16 @@ def test_hints_that_disagree_on_the_quantization_are_refused() -> None:
         detect(views, kv_quant_mode="NVFP4", kv_cache_dtype="fp8_per_token_head", **HINTS)
     with pytest.raises(NoLayout, match="kv_quant_mode='TURBOQUANT_K8V4'"):
         detect(views, kv_layout="LBHNC", kv_quant_mode="TURBOQUANT_K8V4", **HINTS)
+
+
+
+@pytest.mark.parametrize("name", NVFP4)
+def test_the_nvfp4_pages_are_told_apart_by_their_strides_and_need_the_quantization(name: str) -> None:
+    """vLLM's NVFP4 pages under LBHNC and under LBNHC are one logical [B, 2H, N, C] view whose strides
+    differ: detection gives each its spec, and refuses both when the hints say the cache is unquantized."""
+    views, _ = engine_cache(name)
+    layout = MODES[name].layout
+    assert detect(views, kv_layout=layout, **HINTS).layout == MODES[name].spec
+    assert detect(views, kv_layout=layout, kv_cache_dtype="nvfp4", **HINTS).layout == MODES[name].spec
+    with pytest.raises(NoLayout):
+        detect(views, kv_layout=layout, kv_quant_mode="NONE", **HINTS)
