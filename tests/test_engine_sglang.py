@@ -321,11 +321,11 @@ def test_hybrid_linear_pools_attention_layers_move_right_both_ways() -> None:
 
 
 def test_pools_kvgen_does_not_know_are_refused_by_class_and_layout(monkeypatch: pytest.MonkeyPatch) -> None:
-    class MHATokenToKVPoolMXFP8:  # SGLang's MXFP8 pool: its scales are float8_e8m0fnu, no kvgen spec
+    class MiniMaxSparseKVPool:  # SGLang's MiniMax NVFP4 pool: no kvgen spec
         kv_cache_layout = "nhd"
 
-    with pytest.raises(KVLayoutError, match="MHATokenToKVPoolMXFP8 with kv_cache_layout 'nhd'"):
-        kvgen.from_sglang(MHATokenToKVPoolMXFP8())
+    with pytest.raises(KVLayoutError, match="MiniMaxSparseKVPool with kv_cache_layout 'nhd'.*no spec for this pool"):
+        kvgen.from_sglang(MiniMaxSparseKVPool())
     pool = mha("hnd", monkeypatch, CV)  # HND with a V head size of its own: no spec
     with pytest.raises(KVLayoutError, match="MHATokenToKVPool with kv_cache_layout 'hnd'"):
         kvgen.from_sglang(pool)

@@ -7,19 +7,23 @@ customize_spec, get_kv_cache_config_from_groups, allocate_kv_cache). Values are 
 vLLM's own kernels read them: for the Triton modes through the K/V views of
 `_pth_key_value_caches` and the scale views of `TritonAttentionImpl._ensure_scale_caches`, packing
 int4 with vLLM's `pack_int4_nibbles`; for NVFP4 through `nvfp4_split_data_scale` on each side of
-`kv_cache.split(num_kv_heads, dim=1)`. (vLLM's write kernels are CUDA or Triton; FlashInfer is not
-installed here, so its customize_spec is restated from its two lines, with vLLM's own
-`nvfp4_kv_cache_full_dim`.) Every value encodes its layer, K/V side, slot, head and position;
-every scale its layer, side, slot and head. kvgen stores the slots into a kv_planes object, whose
-regions must hold each token's bytes and scales; loads them into a fresh vLLM cache, read back at
-vLLM's offsets; and the spec's own address arithmetic (kvgen.oracle.address) must decode every
-value and find its scale where vLLM's kernels do. A nibble swap, a scale read at the data's bytes
-or a scale taken from another token, each made by mutating the spec, fails those checks.
+FlashInfer's `_nvfp4_kv_views` (compiled from vLLM's source file, whose module does not import
+without FlashInfer), under LBHNC (head-major cells) and LBNHC (NHD: slot-major cells, K and V the
+page's halves). (vLLM's write kernels are CUDA or Triton; FlashInfer is not installed here, so its
+customize_spec is restated from its two lines, with vLLM's own `nvfp4_kv_cache_full_dim`.)
+Every value encodes its layer, K/V side, slot, head and position; every scale its layer, side, slot
+and head. kvgen stores the slots into a kv_planes object, whose regions must hold each token's bytes
+and scales; loads them into a fresh vLLM cache, read back at vLLM's offsets; and the spec's own
+address arithmetic (kvgen.oracle.address) must decode every value and find its scale where vLLM's
+kernels do. A nibble swap, a scale read at the data's bytes or a scale taken from another token,
+each made by mutating the spec, fails those checks.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib.util
 from types import SimpleNamespace
 from typing import Any
 
@@ -63,14 +67,34 @@ class Mode:
     #: Bits per value and values per scale.
     bits: int
     group: int
+    #: The KVQuantMode.
+    quant: str
 
 
 MODES = {
-    "INT8_PER_TOKEN_HEAD": Mode("vllm_int8_per_token_head", torch.int8, "LBNHC", 8, HS),
-    "FP8_PER_TOKEN_HEAD": Mode("vllm_fp8_per_token_head", torch.uint8, "LBNHC", 8, HS),
-    "INT4_PER_TOKEN_HEAD": Mode("vllm_int4_per_token_head", torch.uint8, "LBNHC", 4, HS),
-    "NVFP4": Mode("vllm_nvfp4", torch.uint8, "LBHNC", 4, 16),
+    "INT8_PER_TOKEN_HEAD": Mode("vllm_int8_per_token_head", torch.int8, "LBNHC", 8, HS, "INT8_PER_TOKEN_HEAD"),
+    "FP8_PER_TOKEN_HEAD": Mode("vllm_fp8_per_token_head", torch.uint8, "LBNHC", 8, HS, "FP8_PER_TOKEN_HEAD"),
+    "INT4_PER_TOKEN_HEAD": Mode("vllm_int4_per_token_head", torch.uint8, "LBNHC", 4, HS, "INT4_PER_TOKEN_HEAD"),
+    "NVFP4": Mode("vllm_nvfp4", torch.uint8, "LBHNC", 4, 16, "NVFP4"),
+    "NVFP4_NHD": Mode("vllm_nvfp4_nhd", torch.uint8, "LBNHC", 4, 16, "NVFP4"),  # FlashInfer's fa2 path (SM80/90/120)
 }
+NVFP4 = ("NVFP4", "NVFP4_NHD")
+
+
+def _vllm_function(module: str, name: str, **scope: Any) -> Any:
+    """Function `name` of a vLLM module that does not import here, compiled from vLLM's own source
+    file with `scope` as the globals it reads."""
+    origin = importlib.util.find_spec(module).origin
+    tree = ast.parse(open(origin).read())
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    namespace = {"torch": torch, **scope}
+    exec(compile(ast.Module([node], type_ignores=[]), origin, "exec"), namespace)  # noqa: S102 - vLLM's code
+    return namespace[name]
+
+
+#: FlashInfer's views of an NVFP4 page: ((K data, V data), (K scales, V scales), "HND" or "NHD").
+NVFP4_KV_VIEWS = _vllm_function("vllm.v1.attention.backends.flashinfer", "_nvfp4_kv_views",
+                                _KVPair=tuple, nvfp4_split_data_scale=nvfp4_split_data_scale)
 
 
 def _vllm_config(layout: str) -> Any:
@@ -83,8 +107,8 @@ def _vllm_config(layout: str) -> Any:
 def attention_spec(name: str) -> Any:
     mode = MODES[name]
     spec = iface.FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=HS, dtype=mode.dtype,
-                                   kv_quant_mode=iface.KVQuantMode[name])
-    if name == "NVFP4":  # FlashInferBackend.customize_spec
+                                   kv_quant_mode=iface.KVQuantMode[mode.quant])
+    if name in NVFP4:  # FlashInferBackend.customize_spec
         return dataclasses.replace(spec, num_head_slots=2 * H, state_content_bytes=nvfp4_kv_cache_full_dim(HS))
     return TritonAttentionBackend.customize_spec(spec)
 
@@ -110,12 +134,12 @@ def engine_cache(name: str) -> tuple[list[torch.Tensor], list[list[tuple[torch.T
 
 def engine_views(name: str, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per side (K, V): vLLM's data bytes and scale bytes, each [B, N, H, bytes]."""
-    if name == "NVFP4":
-        out = []
-        for side in kv_cache.split(H, dim=1):
-            data, scale = nvfp4_split_data_scale(side)
-            out.append((data.transpose(1, 2), scale.view(torch.uint8).transpose(1, 2)))
-        return out
+    if name in NVFP4:
+        (k, v), (k_scale, v_scale), order = NVFP4_KV_VIEWS(kv_cache, H)
+        assert order == ("NHD" if MODES[name].layout == "LBNHC" else "HND")
+        if order == "HND":  # [B, H, N, bytes]
+            k, v, k_scale, v_scale = (t.transpose(1, 2) for t in (k, v, k_scale, v_scale))
+        return [(k, k_scale.view(torch.uint8)), (v, v_scale.view(torch.uint8))]
     impl = SimpleNamespace(_k_scale_cache=None, _v_scale_cache=None)
     TritonAttentionImpl._ensure_scale_caches(impl, kv_cache)  # type: ignore[arg-type]
     padded = kv_cache.shape[-1] // 2
@@ -131,7 +155,7 @@ def value_of(layer: int, kv: int, slot: int, h: int, c: int, bits: int) -> int:
 
 
 def scale_bytes(name: str, layer: int, kv: int, slot: int, h: int) -> torch.Tensor:
-    if name == "NVFP4":  # 8 fp8 block scales: each its group, head, slot, side and layer
+    if name in NVFP4:  # 8 fp8 block scales: each its group, head, slot, side and layer
         return torch.tensor([(g + 8 * h + 37 * slot + 101 * kv + 7 * layer) % 256 for g in range(HS // 16)],
                             dtype=torch.uint8)
     return torch.tensor([float(1 + layer * 10000 + kv * 1000 + slot * 10 + h)]).view(torch.uint8)
@@ -206,7 +230,7 @@ def test_the_engines_cache_moves_both_ways_with_its_scales(name: str) -> None:
     connector = generated.get(MODES[name].spec, "kv_planes")()
     connector.to_gpu(obj, 0, len(SLOTS), kvcaches=handed(name, fresh), slot_mapping=torch.tensor(SLOTS))
     for layer, per_side in enumerate(fresh_sides):
-        untouched = engine_views(name, before[layer]) if name == "NVFP4" else None
+        untouched = engine_views(name, before[layer]) if name in NVFP4 else None
         for kv, (data, scale) in enumerate(per_side):
             for slot in range(B * N):
                 b, n = slot // N, slot % N
@@ -271,7 +295,7 @@ def _with_fields(spec: Spec, **changes: Any) -> Spec:
     return dataclasses.replace(spec, parts=(dataclasses.replace(part, **changes),))
 
 
-@pytest.mark.parametrize("name", ["INT4_PER_TOKEN_HEAD", "NVFP4"])
+@pytest.mark.parametrize("name", ["INT4_PER_TOKEN_HEAD", *NVFP4])
 def test_a_nibble_swap_in_the_spec_fails(name: str) -> None:
     views, sides = engine_cache(name)
     write(name, sides)
@@ -295,15 +319,20 @@ def test_scales_read_at_the_datas_bytes_fail() -> None:
     assert not decodes_as_the_engine(swapped, views)
 
 
-def test_a_scale_taken_from_another_token_fails() -> None:
-    """NVFP4: cells read slot-major instead of head-major (H == N, so the shapes agree) give
-    each token another token's data and scales."""
-    name = "NVFP4"
+#: NVFP4 cells read in the other order: slot-major for LBHNC, head-major for LBNHC (its [N, 2H] page
+#: dims read as [H, 2N]).
+OTHER_CELLS = {"NVFP4": (Dim(("B",)), Dim(("KV", "N")), Dim(("H",)), Dim(("C",))),
+               "NVFP4_NHD": (Dim(("B",)), Dim(("H",)), Dim(("KV", "N")), Dim(("C",)))}
+
+
+@pytest.mark.parametrize("name", NVFP4)
+def test_a_scale_taken_from_another_token_fails(name: str) -> None:
+    """NVFP4: cells read in the other order (H == N, so the shapes agree) give each token another
+    token's data and scales."""
     views, sides = engine_cache(name)
     write(name, sides)
     spec = LIBRARY[MODES[name].spec]
-    dims = (Dim(("B",)), Dim(("KV", "N")), Dim(("H",)), Dim(("C",)))
-    transposed = _with_fields(spec, dims=dims)
+    transposed = _with_fields(spec, dims=OTHER_CELLS[name])
     with pytest.raises(AssertionError):
         check_object(name, store(name, views, transposed).tensor, SLOTS)
     assert not decodes_as_the_engine(transposed, views)
@@ -358,3 +387,16 @@ def test_hints_that_disagree_on_the_quantization_are_refused() -> None:
         detect(views, kv_quant_mode="NVFP4", kv_cache_dtype="fp8_per_token_head", **HINTS)
     with pytest.raises(NoLayout, match="kv_quant_mode='TURBOQUANT_K8V4'"):
         detect(views, kv_layout="LBHNC", kv_quant_mode="TURBOQUANT_K8V4", **HINTS)
+
+
+
+@pytest.mark.parametrize("name", NVFP4)
+def test_the_nvfp4_pages_are_told_apart_by_their_strides_and_need_the_quantization(name: str) -> None:
+    """vLLM's NVFP4 pages under LBHNC and under LBNHC are one logical [B, 2H, N, C] view whose strides
+    differ: detection gives each its spec, and refuses both when the hints say the cache is unquantized."""
+    views, _ = engine_cache(name)
+    layout = MODES[name].layout
+    assert detect(views, kv_layout=layout, **HINTS).layout == MODES[name].spec
+    assert detect(views, kv_layout=layout, kv_cache_dtype="nvfp4", **HINTS).layout == MODES[name].spec
+    with pytest.raises(NoLayout):
+        detect(views, kv_layout=layout, kv_quant_mode="NONE", **HINTS)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from pathlib import Path
+from typing import Any
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -39,12 +40,13 @@ def packed_rows(draw: st.DrawFn) -> tuple[str, str, int, int, str, str]:
     group = 2 * draw(st.integers(1, 16)) if dtype in ("fp4_e2m1", "int4") else draw(st.integers(1, 32))
     packing = draw(st.sampled_from(["low_first", "high_first"]))
     scale = draw(st.sampled_from(["ue8m0", "float8_e4m3fn"]))
-    where = draw(st.sampled_from(["kv_rows", "cells", "sides"]))
+    where = draw(st.sampled_from(["kv_rows", "cells", "sides", "slot_sides"]))
     return dtype, packing, group * groups, group, scale, where
 
 
 def spec_text(dtype: str, packing: str, count: int, group: int, scale: str, where: str) -> str:
-    dims = {"kv_rows": "[B, N, H, [KV, C]]", "cells": "[B, H, N, C]", "sides": "[B, [KV, H], N, C]"}[where]
+    dims = {"kv_rows": "[B, N, H, [KV, C]]", "cells": "[B, H, N, C]", "sides": "[B, [KV, H], N, C]",
+            "slot_sides": "[B, N, [KV, H], C]"}[where]
     kind = "row" if where == "kv_rows" else "block"
     pack = f", packing: {packing}" if dtype in ("fp4_e2m1", "int4") else ""
     sizes = "sizes: {KV: 2}\n" if where != "cells" else ""
@@ -81,6 +83,30 @@ def test_every_unit_and_scale_has_its_own_bytes_and_the_fields_fill_them(tmp_pat
             assert scale_index(f, s, c) == scale_index(f, s, c + 1)  # a byte is never split by a group
         else:
             assert (u0, u1) == (c, c + 1)
+
+
+@SETTINGS
+@given(st.integers(1, 12), st.randoms(use_true_random=False))
+def test_a_bit_stream_holds_value_c_at_bit_3c_and_decodes_what_vllms_packing_packs(
+        tmp_path: Path, groups: int, rng: Any) -> None:
+    """uint3: the values' bits tile the field once, in order, and a row packed as vLLM's TurboQuant
+    store kernel packs it (packed_24 = sum(code_j << 3j) per 8, little-endian) decodes value by value."""
+    count = 8 * groups
+    spec = load(tmp_path, "kvgen: 3\nname: t_stream\nkind: paged\nsummary: Random 3-bit codes.\nlists: [L]\n"
+                          f"dims: [B, N, C]\ndtypes: [uint8]\nfields:\n  row:\n"
+                          f"    - {{name: codes, dtype: uint3, count: {count}, packing: low_first}}\n")
+    f = spec.parts[0].fields[0]
+    assert f.nbytes == 3 * groups
+    starts = [8 * u + shift for u, shift in (packed_value(f, c) for c in range(count))]
+    assert starts == [3 * c for c in range(count)]  # each value right after the one before, none split off
+    codes = [rng.randrange(8) for _ in range(count)]
+    packed = []
+    for g in range(groups):
+        word = sum(codes[8 * g + j] << 3 * j for j in range(8))
+        packed += [word & 0xFF, word >> 8 & 0xFF, word >> 16 & 0xFF]
+    padded = [*packed, 0]
+    assert [(padded[u] | padded[u + 1] << 8) >> shift & 7 for u, shift in (packed_value(f, c) for c in range(count))] \
+        == codes
 
 
 @st.composite

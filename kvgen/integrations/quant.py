@@ -25,8 +25,9 @@ VLLM_CACHE_DTYPES = {"int4_per_token_head": "INT4_PER_TOKEN_HEAD", "int8_per_tok
                      "ultraquant_4bit": "ULTRAQUANT_4BIT"}
 #: Modes whose scales live outside the cache (the layer's per-tensor scales), read as unquantized.
 UNQUANTIZED = ("NONE", "FP8_PER_TENSOR")
-#: Modes that pack a token's K and V into one slot per head (vLLM 0.33 KVQuantMode: "packed K+V per slot").
-PACKED_KV_PREFIXES = ("TURBOQUANT_", "OCTAVE_")
+#: Modes that pack a token's K and V into one slot per head (vLLM 0.33 KVQuantMode: "packed K+V per slot";
+#: UltraQuant's backend is a TurboQuant backend whose slot holds K codes and scales, then V's).
+PACKED_KV_PREFIXES = ("TURBOQUANT_", "OCTAVE_", "ULTRAQUANT_")
 
 
 def packs_k_and_v(mode: str) -> bool:

@@ -3,7 +3,7 @@
 The pool states its layout (its class and `kv_cache_layout`), so nothing is read from the
 shapes: the class and the word choose the spec, and detection and the generated geometry
 reader then check that the buffers agree with it. Pools this module does not know (another
-class, a quantized pool other than the FP4 ones, a layout word without a spec) are refused in
+class, a quantized pool other than the FP4 and flat MXFP8 ones, a layout word without a spec) are refused in
 SGLang's own terms.
 Written against SGLang 0.5.23 (sglang/srt/mem_cache/memory_pool.py); SGLang itself is never
 imported here: the pool is read through its attributes.
@@ -44,7 +44,7 @@ class PoolConnector:
 #: planes where K and V differ in width or the cache has typed fields.
 DEFAULT_OBJECT = {"sglang_mha": "kv_2ltd", "sglang_mha_hnd": "kv_2ltd", "sglang_mha_v_head": "kv_planes",
                   "sglang_mla": "kv_mla", "vllm_dsa_indexer": "kv_planes", "sglang_mha_fp4": "kv_planes",
-                  "sglang_mla_fp4": "kv_planes"}
+                  "sglang_mla_fp4": "kv_planes", "sglang_mha_mxfp8": "kv_planes"}
 
 
 def _describe(pool: Any) -> str:
@@ -55,7 +55,8 @@ def _describe(pool: Any) -> str:
 def _refuse(pool: Any, why: str) -> KVLayoutError:
     return KVLayoutError(f"kvgen has no connector for SGLang's {_describe(pool)}: {why}; kvgen reads "
                          "MHATokenToKVPool (kv_cache_layout 'nhd' or 'hnd'), MLATokenToKVPool, DSATokenToKVPool, "
-                         "MHATokenToKVPoolFP4 and MLATokenToKVPoolFP4 (head_dim 128, kv_cache_dim 576) and "
+                         "MHATokenToKVPoolFP4 and MLATokenToKVPoolFP4 (head_dim 128, kv_cache_dim 576), "
+                         "MHATokenToKVPoolMXFP8 (head_dim 128, a page_size other than 128) and "
                          "HybridLinearKVPool's attention layers")
 
 
@@ -115,6 +116,21 @@ def _fp4(pool: Any) -> tuple[str, Any, dict[str, Any]]:
     return layout, [list(getattr(pool, n)) for n in names], {"pool": type(pool).__name__}
 
 
+def _mxfp8(pool: Any) -> tuple[str, Any, dict[str, Any]]:
+    """MHATokenToKVPoolMXFP8: fp8 K and V rows and UE8M0 scale rows (one per 32 values) per layer, the
+    tuple of their lists. With page_size 128 SGLang interleaves the scales in FA4's atoms (token n of a
+    page at [n % 32, n // 32] of its [32, 4] tile): a split of N no connector moves, so it is refused."""
+    dims = (int(pool.head_dim), int(pool.v_head_dim))
+    if dims != (128, 128):
+        raise _refuse(pool, f"kvgen's spec for it is for head_dim and v_head_dim 128, not {dims[0]} and {dims[1]}")
+    if getattr(pool, "mxfp8_sf_interleaved", False):
+        raise _refuse(pool, f"page_size {pool.page_size} interleaves its scales in FA4's BlockScaledBasicChunk "
+                            "atoms (token n of a page at [n % 32, n // 32]), a split slot axis kvgen generates no "
+                            "connector for; kvgen reads its flat scales (any other page_size)")
+    names = ("k_buffer", "v_buffer", "k_scale_buffer", "v_scale_buffer")
+    return "sglang_mha_mxfp8", [list(getattr(pool, n)) for n in names], {"pool": type(pool).__name__}
+
+
 #: SGLang 0.5.23 pool classes, by exact class name (a subclass may lay its buffers out otherwise:
 #: MHATokenToKVPoolFP4 and MHATokenToKVPoolMXFP8 do), and how each hands its cache over.
 READERS: dict[str, dict[str, Callable[[Any], tuple[str, Any, dict[str, Any]]]]] = {
@@ -123,6 +139,7 @@ READERS: dict[str, dict[str, Callable[[Any], tuple[str, Any, dict[str, Any]]]]] 
     "DSATokenToKVPool": {"kv": _mla, "indexer": _dsa_indexer},
     "MHATokenToKVPoolFP4": {"kv": _fp4},
     "MLATokenToKVPoolFP4": {"kv": _fp4},
+    "MHATokenToKVPoolMXFP8": {"kv": _mxfp8},
 }
 
 
@@ -152,7 +169,8 @@ def from_sglang(pool: Any, obj: str | None = None, *, part: str = "kv", **connec
             raise _refuse(inner, f"its buffers read as {found.layout}, not {layout}")
     obj = obj or DEFAULT_OBJECT[layout]
     cls = generated.get(layout, obj)
-    per_part = ("sglang_mha", "sglang_mha_hnd", "sglang_mha_v_head", "sglang_mha_fp4", "sglang_mla_fp4")
+    per_part = ("sglang_mha", "sglang_mha_hnd", "sglang_mha_v_head", "sglang_mha_fp4", "sglang_mla_fp4",
+                "sglang_mha_mxfp8")
     count = len(kvcaches[0]) if layout in per_part else len(kvcaches)
     ids = _layers(pool, count) if inner is pool else tuple(sorted(pool.full_attention_layer_id_mapping,
                                                                   key=pool.full_attention_layer_id_mapping.get))

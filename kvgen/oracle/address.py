@@ -120,10 +120,14 @@ def stored_slots(spec: Spec, t: int) -> tuple[int, ...]:
 
 def packed_value(f: Field, c: int) -> tuple[int, int]:
     """Value c of a field as (unit, bit shift): a whole-byte type is unit c at shift 0; a
-    sub-byte one is in packed byte c // 2, value 2j in the low nibble under `low_first`
-    (shift 0) and in the high one under `high_first` (shift 4)."""
+    sub-byte one starts in packed byte unit, its bits [shift, shift + bits) of the bytes from
+    there read as one little-endian integer. Nibbles: byte c // 2, value 2j in the low nibble under
+    `low_first` (shift 0) and in the high one under `high_first` (shift 4). A bit stream (uint3):
+    bit 3c of the field, so a value may reach into the next byte."""
     if not f.is_sub_byte:
         return c, 0
+    if 8 % f.bits:
+        return divmod(c * f.bits, 8)
     per = 8 // f.bits
     slot = c % per if f.packing == "low_first" else per - 1 - c % per
     return c // per, slot * f.bits
@@ -254,6 +258,8 @@ def _sym_dims(dims: tuple[Dim, ...], coord: Mapping[str, str]) -> str:
 
 def _value_step(f: Field) -> str:
     """How value c of a field steps from its first byte: by its size, or by half a byte."""
+    if f.is_sub_byte and 8 % f.bits:
+        return f" + {f.bits} * c // 8, from bit {f.bits} * c % 8 of a little-endian stream"
     if f.is_sub_byte:
         nibble = "low" if f.packing == "low_first" else "high"
         return f" + c // 2, the {nibble} nibble for even c"
@@ -273,7 +279,7 @@ def symbolic_plane_address(spec: Spec, plane: Plane) -> str:
         return f"kvcaches{path}[{_sym_dims(plane.part.dims, {'C': f'byte {f.offset}{step}'})}]"
     run = plane.part.block_run
     cells = " * ".join(a for d in run for a in d.axes if a not in ("KV", "C"))  # N, or format 3's H * N
-    cell = "(h * N + slot % N)" if cells == "H * N" else "(slot % N)"
+    cell = {"H * N": "(h * N + slot % N)", "N * H": "((slot % N) * H + h)"}.get(cells, "(slot % N)")
     side = f"kv * {cells} * {plane.part.row_bytes} + " if any("KV" in d.axes for d in run) else ""
     where = f"{side}{f.offset} * {cells} + {f.nbytes} * {cell}{step}"
     head = _sym_dims(plane.part.dims[:len(plane.part.dims) - len(run)], {})
@@ -310,10 +316,10 @@ def _fields_lines(p: Part) -> list[str]:
     """A part's fields: what they fill, then each field's type, count and place."""
     owner = f" of part {p.name}" if p.name else ""
     sides = ", per K and V side" if any("KV" in d.axes for d in p.block_run) else ""
-    what = "each row (C)" if p.fields_in == "row" else "each block (regions of N tokens each)" \
-        if len(p.block_run) == 2 else f"each block's run (regions of H x N cells each{sides})"
-    out = [f"  fields{owner}, in {what}, dtypes {', '.join(p.dtypes)}:"]
     cells = " * ".join(a for d in p.block_run for a in d.axes if a not in ("KV", "C"))
+    what = "each row (C)" if p.fields_in == "row" else "each block (regions of N tokens each)" \
+        if len(p.block_run) == 2 else f"each block's run (regions of {cells.replace(' * ', ' x ')} cells each{sides})"
+    out = [f"  fields{owner}, in {what}, dtypes {', '.join(p.dtypes)}:"]
     for f in p.fields:
         at = f"byte {f.offset}" if p.fields_in == "row" else f"region at byte {f.offset} * {cells}"
         out.append(f"    {f.name:<10} {f.dtype} x {f.count} ({f.nbytes} bytes), {at}")

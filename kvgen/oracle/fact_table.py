@@ -95,7 +95,8 @@ ByteAddress = tuple[tuple[int, ...], tuple[int, ...], int]
 PlaneAddress = Callable[[EngineGeometry, int, int, int, int, int], ByteAddress]
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1, "int8": 1,
-         "int4": 1, "uint4": 1, "fp4_e2m1": 1}  # sub-byte values move as packed bytes of two
+         "float8_e8m0fnu": 1, "int4": 1, "uint4": 1, "fp4_e2m1": 1,
+         "uint3": 1, "ue8m0": 1}  # sub-byte values move as their packed bytes
 #: The dtype a test gives a part whose source leaves its dtype open.
 FREE_DTYPE = "bfloat16"
 

@@ -14,6 +14,8 @@ Sources (vllm-project/vllm 0.33.0):
   nvfp4_kv_cache_full_dim(hs) = hs // 2 + hs // 16; _nvfp4_kv_views: a page is [K side | V side],
   each H * N * C bytes; vllm/utils/torch_utils.py nvfp4_split_data_scale: a side is every
   (head, slot) cell's hs // 2 data bytes, then every cell's hs // 16 fp8 scales (one per 16 values).
+  Under NHD strides (LBNHC: the page stored [N, 2H, C]) the sides are still the page's halves, each
+  every (slot, head) cell's data, slot-major, then every cell's scales.
 
 The built-in specs are for head size 128, as stated here.
 """
@@ -79,6 +81,25 @@ _register(PartsFact(
     fixed={"KV": 2}))
 
 
+
+def _nvfp4_nhd(start: int, size: int):  # noqa: ANN202 (a PlaneAddress)
+    """Under NHD (LBNHC) a page is stored [N, 2H, cell]; _nvfp4_kv_views takes its first half as the K
+    side and the second as V, each every (slot, head) cell's data, slot-major, then every cell's scales."""
+    def where(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int):  # noqa: ANN202
+        cells = g.H * g.N
+        byte = kv * cells * NVFP4_CELL + start * cells + (slot % g.N * g.H + h) * size + c
+        row, col = divmod(byte, NVFP4_CELL)
+        return (layer,), (slot // g.N, row // (2 * g.H), row % (2 * g.H), col), 0
+    return where
+
+
+_register(PartsFact(
+    "vllm_nvfp4_nhd", (("list", "L"),), (PartFact("", lambda g: (g.B, g.N, 2 * g.H, NVFP4_CELL), ("uint8",)),),
+    (PlaneFact("values", 0, "fp4_e2m1", lambda g: NVFP4_DATA, True, True, True, _nvfp4_nhd(0, NVFP4_DATA)),
+     PlaneFact("scale", 0, "float8_e4m3fn", lambda g: NVFP4_SCALES, True, True, True,
+               _nvfp4_nhd(NVFP4_DATA, NVFP4_SCALES))),
+    fixed={"KV": 2}))
+
 # -- SGLang 0.5.23 quantized pools (sglang/srt/mem_cache/memory_pool.py) ----------------------------
 # MHATokenToKVPoolFP4: (k_buffer, v_buffer, k_scale_buffer, v_scale_buffer), each a list over layers;
 # K and V [rows, heads, head_dim // 2] uint8, scales [rows, heads * head_dim // 16] uint8.
@@ -119,25 +140,148 @@ _register(PartsFact(
      PlaneFact("scale", 1, "uint8", lambda g: MLA_DIM // 16, False, False, True, _pool(1, False, 1)))))
 
 
-# -- vLLM 0.33 TURBOQUANT_K8V4 (v1/attention/backends/turboquant_attn.py, ops/triton_turboquant_store.py) --
-# One slot per (token, head), K and V together, in LBNHC pages [B, N, H, slot]: the fp8 key (head_dim
-# bytes), the 4-bit values (two per byte, value 2j low), then the value scale and zero (fp16 each);
-# slot_size_aligned = 128 + 64 + 4 = 196 for head size 128 (quantization/turboquant/config.py).
-TQ_KEY, TQ_VALUES, TQ_HALF = HEAD, HEAD // 2, 2
-TQ_SLOT = TQ_KEY + TQ_VALUES + 2 * TQ_HALF
+# MHATokenToKVPoolMXFP8 with a page size other than 128 (page 128 interleaves its scales in FA4 atoms):
+# (k_buffer, v_buffer, k_scale_buffer, v_scale_buffer), each a list over layers; K and V
+# [rows, heads, head_dim] float8_e4m3fn, scales [rows, heads, head_dim // 32] float8_e8m0fnu
+# (MXFP8_SCALE_BLOCK_SIZE 32), indexed by slot (_write_scales, _read_scales).
+MXFP8_BLOCK = 32
+_register(PartsFact(
+    "sglang_mha_mxfp8", PAIR_OF_LISTS,
+    (PartFact("k", lambda g: (g.B * g.N, g.H, HEAD), ("float8_e4m3fn",)),
+     PartFact("v", lambda g: (g.B * g.N, g.H, HEAD), ("float8_e4m3fn",)),
+     PartFact("k_scale", lambda g: (g.B * g.N, g.H, HEAD // MXFP8_BLOCK), ("float8_e8m0fnu",)),
+     PartFact("v_scale", lambda g: (g.B * g.N, g.H, HEAD // MXFP8_BLOCK), ("float8_e8m0fnu",))),
+    (PlaneFact("k", 0, "float8_e4m3fn", lambda g: HEAD, False, True, True, _pool(0, True, 0)),
+     PlaneFact("v", 1, "float8_e4m3fn", lambda g: HEAD, False, True, True, _pool(1, True, 0)),
+     PlaneFact("k_scale", 2, "float8_e8m0fnu", lambda g: HEAD // MXFP8_BLOCK, False, True, True, _pool(2, True, 0)),
+     PlaneFact("v_scale", 3, "float8_e8m0fnu", lambda g: HEAD // MXFP8_BLOCK, False, True, True,
+               _pool(3, True, 0)))))
+
+# -- vLLM 0.33 TURBOQUANT modes (v1/attention/backends/turboquant_attn.py, ops/triton_turboquant_store.py) --
+# One slot per (token, head), K and V together, in LBNHC pages [B, N, H, slot], as TurboQuantConfig
+# (quantization/turboquant/config.py) sizes it: key_packed_size (fp8 keys: head_dim bytes; MSE keys:
+# ceil(head_dim * bits / 8) index bytes, then an fp16 norm), then value_packed_size (ceil(head_dim *
+# bits / 8) code bytes, then the fp16 scale and zero); slot_size_aligned rounds up to even. K8V4:
+# 128 + 64 + 4 = 196; 4BIT_NC: 64 + 2 + 64 + 4 = 134; K3V4_NC: 48 + 2 + 64 + 4 = 118; 3BIT_NC:
+# 48 + 2 + 48 + 4 = 102 (head size 128). 4-bit codes pack two per byte, code 2j low; 3-bit codes
+# eight per three bytes, code j of a group at bit 3j of its little-endian 24 bits.
+TQ_HALF = 2
+#: Per mode: (key bits, value bits); 8-bit keys are fp8 and carry no norm.
+TQ_MODES = {"vllm_turboquant_k8v4": (8, 4), "vllm_turboquant_4bit_nc": (4, 4), "vllm_turboquant_k3v4_nc": (3, 4),
+            "vllm_turboquant_3bit_nc": (3, 3)}
+TQ_TYPES = {8: "float8_e4m3fn", 4: "uint4", 3: "uint3"}
 
 
 def _turboquant(start: int, size: int):  # noqa: ANN202 (a PlaneAddress)
     return lambda g, layer, kv, slot, h, c: ((layer,), (slot // g.N, slot % g.N, h, start + c * size), 0)
 
 
+def tq_fields(key_bits: int, value_bits: int) -> list[tuple[str, str, int, int]]:
+    """The slot's fields in order: (name, dtype, bytes, bytes per addressed unit)."""
+    key = [("key", TQ_TYPES[key_bits], HEAD * key_bits // 8, 1)] + \
+        ([("norm", "float16", TQ_HALF, TQ_HALF)] if key_bits < 8 else [])
+    return [*key, ("values", TQ_TYPES[value_bits], HEAD * value_bits // 8, 1), ("scale", "float16", TQ_HALF, TQ_HALF),
+            ("zero", "float16", TQ_HALF, TQ_HALF)]
+
+
+def _register_turboquant(name: str, key_bits: int, value_bits: int) -> None:
+    fields = tq_fields(key_bits, value_bits)
+    slot = sum(f[2] for f in fields)
+    slot += slot % 2  # slot_size_aligned
+    planes, at = [], 0
+    for field, dtype, nbytes, size in fields:
+        units = nbytes // size
+        planes.append(PlaneFact(field, 0, dtype, lambda g, units=units: units, False, True, True,
+                                _turboquant(at, size)))
+        at += nbytes
+    _register(PartsFact(name, (("list", "L"),), (PartFact("", lambda g: (g.B, g.N, g.H, slot), ("uint8",)),),
+                        tuple(planes)))
+
+
+for _name, (_key_bits, _value_bits) in TQ_MODES.items():
+    _register_turboquant(_name, _key_bits, _value_bits)
+
+
+# -- vLLM 0.33 NVFP4_DS_MLA (v1/attention/backends/mla/flashmla_sparse.py, layers/attention/mla_attention.py) --
+# [B, 1, N, 352] uint8, one row per token: 512 e2m1 NoPE values in 256 bytes (low nibble the even
+# element), 64 fp8 RoPE values, 32 fp8 NoPE scales (one per 16 elements, permuted in the row).
+DS_MLA_NOPE, DS_MLA_ROPE, DS_MLA_SCALES = 512 // 2, 64, 32
+DS_MLA_ROW = DS_MLA_NOPE + DS_MLA_ROPE + DS_MLA_SCALES
+
+
+def _ds_mla(start: int):  # noqa: ANN202 (a PlaneAddress)
+    return lambda g, layer, kv, slot, h, c: ((layer,), (slot // g.N, 0, slot % g.N, start + c), 0)
+
+
 _register(PartsFact(
-    "vllm_turboquant_k8v4", (("list", "L"),), (PartFact("", lambda g: (g.B, g.N, g.H, TQ_SLOT), ("uint8",)),),
-    (PlaneFact("key", 0, "float8_e4m3fn", lambda g: TQ_KEY, False, True, True, _turboquant(0, 1)),
-     PlaneFact("values", 0, "uint4", lambda g: TQ_VALUES, False, True, True, _turboquant(TQ_KEY, 1)),
-     PlaneFact("scale", 0, "float16", lambda g: 1, False, True, True, _turboquant(TQ_KEY + TQ_VALUES, TQ_HALF)),
-     PlaneFact("zero", 0, "float16", lambda g: 1, False, True, True,
-               _turboquant(TQ_KEY + TQ_VALUES + TQ_HALF, TQ_HALF)))))
+    "vllm_nvfp4_ds_mla", (("list", "L"),), (PartFact("", lambda g: (g.B, 1, g.N, DS_MLA_ROW), ("uint8",)),),
+    (PlaneFact("nope", 0, "fp4_e2m1", lambda g: DS_MLA_NOPE, False, False, True, _ds_mla(0)),
+     PlaneFact("rope", 0, "float8_e4m3fn", lambda g: DS_MLA_ROPE, False, False, True, _ds_mla(DS_MLA_NOPE)),
+     PlaneFact("scale", 0, "float8_e4m3fn", lambda g: DS_MLA_SCALES, False, False, True,
+               _ds_mla(DS_MLA_NOPE + DS_MLA_ROPE)))))
+
+
+# -- vLLM 0.33 ULTRAQUANT_4BIT (v1/attention/backends/ultraquant_attn.py, ops/ultraquant/format.py) ------
+# One slot per (token, head) in LBNHC pages [B, N, H, slot]: K codes (head_dim // 2 bytes, fp4, code 2j
+# low), K scales (UE8M0, one per 32), V codes, V scales; slot_size 136 for head size 128.
+UQ_GROUP = 32
+UQ_FIELDS = (("key", "fp4_e2m1", HEAD // 2), ("key_scale", "ue8m0", HEAD // UQ_GROUP),
+             ("values", "fp4_e2m1", HEAD // 2), ("value_scale", "ue8m0", HEAD // UQ_GROUP))
+UQ_SLOT = sum(f[2] for f in UQ_FIELDS)
+
+
+def _uq_planes() -> tuple[PlaneFact, ...]:
+    out, at = [], 0
+    for name, dtype, nbytes in UQ_FIELDS:
+        out.append(PlaneFact(name, 0, dtype, lambda g, n=nbytes: n, False, True, True, _turboquant(at, 1)))
+        at += nbytes
+    return tuple(out)
+
+
+_register(PartsFact("vllm_ultraquant_4bit", (("list", "L"),),
+                    (PartFact("", lambda g: (g.B, g.N, g.H, UQ_SLOT), ("uint8",)),), _uq_planes()))
+
+
+# -- vLLM 0.33 OCTAVE modes (v1/attention/backends/rocm_octave_attn.py, ops/rocm_octave.py) -------------
+# One slot per (token, KV head), OctaveFormat.slot_bytes, for the kernels' head size 256 and rotary dim
+# 64, in LBHNC pages [B, H, N, slot]: k_rope codes (rope_dim * 4 / 8 bytes; none for compact K), k_nope
+# codes (the other dims * 3 / 8), v codes (256 * v_bits / 8), fp16 scales (one per 64-dim K block, or
+# one for compact K, then V's), padded to 8 bytes (compact: 4).
+OCTAVE_HEAD, OCTAVE_ROPE, OCTAVE_BLOCK = 256, 64, 64
+
+
+def octave_fields(v_bits: int, compact: bool) -> list[tuple[str, str, int, int]]:
+    """The slot's fields in order: (name, dtype, bytes, bytes per addressed unit)."""
+    wide = 0 if compact else OCTAVE_ROPE
+    scales = (1 if compact else OCTAVE_HEAD // OCTAVE_BLOCK) + 1
+    out = [("k_rope", "uint8", wide * 4 // 8, 1)] if wide else []
+    out += [("k_nope", "uint8", (OCTAVE_HEAD - wide) * 3 // 8, 1), ("v_codes", "uint8", OCTAVE_HEAD * v_bits // 8, 1),
+            ("scales", "float16", 2 * scales, 2)]
+    raw = sum(f[2] for f in out)
+    align = 4 if compact else 8
+    pad = -raw % align
+    return out + ([("pad", "uint8", pad, 1)] if pad else [])
+
+
+def _octave(start: int, size: int):  # noqa: ANN202 (a PlaneAddress)
+    return lambda g, layer, kv, slot, h, c: ((layer,), (slot // g.N, h, slot % g.N, start + c * size), 0)
+
+
+def _register_octave(name: str, v_bits: int, compact: bool) -> None:
+    fields = octave_fields(v_bits, compact)
+    slot = sum(f[2] for f in fields)
+    planes, at = [], 0
+    for field, dtype, nbytes, size in fields:
+        planes.append(PlaneFact(field, 0, dtype, lambda g, units=nbytes // size: units, False, True, True,
+                                _octave(at, size)))
+        at += nbytes
+    _register(PartsFact(name, (("list", "L"),), (PartFact("", lambda g: (g.B, g.H, g.N, slot), ("uint8",)),),
+                        tuple(planes)))
+
+
+_register_octave("vllm_octave_k3v4", 4, False)
+_register_octave("vllm_octave_k3v3", 3, False)
+_register_octave("vllm_octave_k3v3_compact", 3, True)
 
 
 # -- vLLM 0.33 DeepSeek-V4 (vllm/models/deepseek_v4/attention.py, xpu/xpu_sparse_decode_fp8.py) ---------
@@ -179,9 +323,18 @@ UNITS: dict[str, dict[str, tuple[str | None, str | None, int | None]]] = {
     "vllm_fp8_per_token_head": {"values": (None, None, None), "scale": (None, "values", HEAD)},
     "vllm_int4_per_token_head": {"values": ("low_first", None, None), "scale": (None, "values", HEAD)},
     "vllm_nvfp4": {"values": ("low_first", None, None), "scale": (None, "values", 16)},
-    # TurboQuant: one fp16 scale (and zero) per head's values; the fp8 keys carry no scale.
+    "vllm_nvfp4_nhd": {"values": ("low_first", None, None), "scale": (None, "values", 16)},
+    "vllm_ultraquant_4bit": {"key": ("low_first", None, None), "key_scale": (None, "key", UQ_GROUP),
+                             "values": ("low_first", None, None), "value_scale": (None, "values", UQ_GROUP)},
+    # NVFP4_DS_MLA: its scales are permuted in the row (8 * (s & 3) + (s >> 2)), no format-3 group.
+    "vllm_nvfp4_ds_mla": {"nope": ("low_first", None, None), "rope": (None, None, None), "scale": (None, None, None)},
+    # TurboQuant: one fp16 scale (and zero) per head's values; the fp8 keys carry no scale, the MSE
+    # keys' fp16 norm scales the head's key (its centroids, rotated back).
     "vllm_turboquant_k8v4": {"key": (None, None, None), "values": ("low_first", None, None),
                              "scale": (None, "values", HEAD), "zero": (None, None, None)},
+    **{name: {"key": ("low_first", None, None), "norm": (None, "key", HEAD), "values": ("low_first", None, None),
+              "scale": (None, "values", HEAD), "zero": (None, None, None)}
+       for name in ("vllm_turboquant_4bit_nc", "vllm_turboquant_k3v4_nc", "vllm_turboquant_3bit_nc")},
     "sglang_mha_fp4": {"k.values": ("low_first", None, None), "v.values": ("low_first", None, None),
                        "k_scale": (None, None, None), "v_scale": (None, None, None)},
     "sglang_mla_fp4": {"kv.values": ("low_first", None, None), "scale": (None, None, None)},

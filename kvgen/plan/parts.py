@@ -112,7 +112,13 @@ def _cache_dims(plane: Plane) -> tuple[tuple[Dim, ...], str]:
             return part.dims, f"runtime.block_field({{}}, {f.offset}, {f.nbytes}, g.N)"
         # Format 3: a run of every head's (and each K and V side's) cells; a fused [KV, H] is
         # split so the plane has KV and H dims of its own.
-        dims = (*part.dims[:len(part.dims) - len(run)], *(Dim((a,)) for d in run for a in d.axes))
+        head = part.dims[:len(part.dims) - len(run)]
+        if tuple(d.axes for d in run) == (("N",), ("KV", "H"), ("C",)):
+            # Slot-major cells with the sides outermost in the run (vLLM NVFP4 under NHD): the
+            # run's bytes are [KV N H C], so the plane has those dims.
+            dims = (*head, Dim(("KV",)), Dim(("N",)), Dim(("H",)), Dim(("C",)))
+            return dims, f"runtime.slot_cell_field({{}}, {f.offset}, {f.nbytes})"
+        dims = (*head, *(Dim((a,)) for d in run for a in d.axes))
         sides = run[0].axes == ("KV", "H")
         return dims, f"runtime.cell_field({{}}, {f.offset}, {f.nbytes}, {sides})"
     if part.has("C"):

@@ -5,6 +5,7 @@ cache's geometry, per-chunk slot work, device backends and the connector base cl
 """
 
 from kvgen.interface import ABI
+from kvgen.runtime.cells import slot_cell_field
 from kvgen.runtime.devices import Backend, available_devices, backend_for, register_backend
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layerwise import LayerwiseConnector
@@ -63,7 +64,7 @@ __all__ = [
     "require_abi", "take_tokens", "Words", "gather_slots", "scatter_slots", "take_rows", "put_rows",
     "take_index", "put_index", "placed",
     "PlaneGeometry", "block_field", "bytes_of", "cell_field", "kv_row_field", "copy_into", "region", "region_bytes",
-    "region_starts", "row_field",
+    "region_starts", "row_field", "slot_cell_field",
     "units", "as_words", "plane_words",
     "ModelConnector", "GroupTable", "StateTable", "Section",
     "Pairs", "TransferBase", "TransferCall", "TransferPath", "TransferProgram", "carry", "move_blocks", "pick",

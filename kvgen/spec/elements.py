@@ -9,19 +9,28 @@ from collections.abc import Iterable, Mapping
 
 DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
 #: Bytes per element of each dtype.
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1,
+            "float8_e8m0fnu": 1}
+#: Format 3: storage dtypes a spec must name in its `dtypes` (they are not among a spec's default
+#: DTYPES): float8_e8m0fnu, torch's UE8M0 scale type (SGLang's MXFP8 scale tensors), has no
+#: arithmetic and no index kernels on CPU, so no cache is assumed to be one unless its spec says so.
+EXPLICIT_DTYPES = ("float8_e8m0fnu",)
 #: Format 3: element types only a field may have (a tensor is stored as one of DTYPES). The
 #: sub-byte types hold two values per byte, in the field's `packing` order; ue8m0 is a power-of-two
 #: scale (an fp8 exponent), one byte.
-SUB_BYTE = ("fp4_e2m1", "int4", "uint4")
+#: uint3 is a bit stream: value c is bits [3c, 3c + 3) of the field's bytes read as one little-endian
+#: integer, eight values in three bytes (vLLM's TurboQuant 3-bit codes); it packs `low_first` only.
+SUB_BYTE = ("fp4_e2m1", "int4", "uint4", "uint3")
+BIT_STREAMS = ("uint3",)
 FIELD_DTYPES = (*DTYPES, *SUB_BYTE, "ue8m0")
 #: Bits per value of every field dtype.
-BITS = {**{t: 8 * n for t, n in ITEMSIZE.items()}, **dict.fromkeys(SUB_BYTE, 4), "ue8m0": 8}
+BITS = {**{t: 8 * n for t, n in ITEMSIZE.items() if t in DTYPES}, **dict.fromkeys(SUB_BYTE, 4), "uint3": 3,
+        "ue8m0": 8}
 #: The element types a scale field may have.
 SCALE_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "ue8m0")
 
-__all__ = ["BITS", "DTYPES", "FIELD_DTYPES", "ITEMSIZE", "SCALE_DTYPES", "SUB_BYTE", "Packing", "split_extents",
-           "split_of", "tiled"]
+__all__ = ["BITS", "BIT_STREAMS", "DTYPES", "EXPLICIT_DTYPES", "FIELD_DTYPES", "ITEMSIZE", "SCALE_DTYPES", "SUB_BYTE",
+           "Packing", "split_extents", "split_of", "tiled"]
 
 #: Format 3 split (tiled) axes: `C/16` is the index c // 16 and `C%16` the index c % 16 of an
 #: axis split into (C / 16, 16) tiles; N (the slot in a block) and H split alike.

@@ -28,7 +28,8 @@ from kvgen.spec.passes.models import check_groups_object, check_model
 GROUPS_OBJECT: tuple[Pass, ...] = (parts.check_version_features, check_groups_object, layout.check_accepts_self,
                                    layout.check_reserved_format)
 #: After the passes of the spec's tree, every spec's, in the order their problems are reported.
-PASSES: tuple[Pass, ...] = (*parts.PASSES, *fields.PASSES, *objects.PASSES, layout.check_quant, *splits.PASSES)
+PASSES: tuple[Pass, ...] = (*parts.PASSES, *fields.PASSES, *objects.PASSES, layout.check_quant,
+                            layout.check_explicit_dtypes, *splits.PASSES)
 
 
 def passes_for(spec: Spec) -> tuple[Pass, ...]:

@@ -11,9 +11,11 @@ bytes never splits one.
 
 from __future__ import annotations
 
+import math
+
 from kvgen.errors import Problem, YamlPath
 from kvgen.spec.document import Document
-from kvgen.spec.elements import DTYPES, SCALE_DTYPES
+from kvgen.spec.elements import BIT_STREAMS, DTYPES, SCALE_DTYPES
 from kvgen.spec.model import ITEMSIZE, Field, FieldsIn, Part, Spec
 from kvgen.spec.passes.common import Pass, field_list_path, mapping_at, part_path
 
@@ -55,7 +57,8 @@ def _field_tree_problems(spec: Spec, part: Part, doc: Document) -> list[Problem]
             and not (spec.version >= 3 and block_cells(part)):
         out.append(doc.problem((*here, "dims"), "block fields fill a block: the dims must end with B, N, C "
                                                 "(each block's N x C elements hold the fields' regions; kvgen: 3 also "
-                                                "allows B, H, N, C and B, [KV, H], N, C)"))
+                                                "allows B, H, N, C, B, KV, H, N, C, B, [KV, H], N, C and "
+                                                "B, N, [KV, H], C)"))
     if len(part.dtypes) != 1:
         out.append(doc.problem((*here, "dtypes") if "dtypes" in mapping_at(doc, here) else (*here, "fields"),
                                f"a part with fields is stored as one dtype (e.g. dtypes: [uint8]); "
@@ -108,8 +111,11 @@ def _field_width_problems(spec: Spec, part: Part, doc: Document) -> list[Problem
 
 
 #: Format 3: the runs after B that block fields may fill besides [N, C]: every head's cells of a
-#: block, or each K and V side's (vLLM NVFP4: [K data | K scales | V data | V scales] per page).
-BLOCK_CELLS = ((("H",), ("N",), ("C",)), (("KV",), ("H",), ("N",), ("C",)), (("KV", "H"), ("N",), ("C",)))
+#: block, or each K and V side's (vLLM NVFP4: [K data | K scales | V data | V scales] per page),
+#: cells in the dims' order: (head, slot), or (slot, head) for [N, [KV, H], C], whose page vLLM's
+#: NHD NVFP4 views read as the K side's slot-major cells, then the V side's.
+BLOCK_CELLS = ((("H",), ("N",), ("C",)), (("KV",), ("H",), ("N",), ("C",)), (("KV", "H"), ("N",), ("C",)),
+               (("N",), ("KV", "H"), ("C",)))
 
 
 def block_cells(part: Part) -> bool:
@@ -138,15 +144,26 @@ def check_sub_byte(spec: Spec, doc: Document) -> list[Problem]:
     for _, _, f, path in _fields_of(spec):
         raw = mapping_at(doc, path)
         if f.is_sub_byte and f.packing is None:
-            out.append(doc.problem(path, f"field {f.name!r} holds {f.dtype}, two values per byte: say which comes "
+            out.append(doc.problem(path, f"field {f.name!r} holds {f.dtype}, {_unit_words(f)}: say which comes "
                                          "first (packing: low_first or high_first)"))
         if not f.is_sub_byte and "packing" in raw:
             out.append(doc.problem((*path, "packing"), f"packing orders the values of a byte; field {f.name!r} "
                                                        f"holds whole {f.itemsize}-byte {f.dtype} values", key=True))
+        if f.dtype in BIT_STREAMS and f.packing == "high_first":
+            out.append(doc.problem((*path, "packing"), f"field {f.name!r}: {f.dtype} is a little-endian bit stream "
+                                                       "(value c at bit 3c); it packs low_first only"))
         if f.is_sub_byte and f.count * f.bits % 8:
-            out.append(doc.problem((*path, "count"), f"field {f.name!r}: {f.count} {f.dtype} values end in half a "
-                                                     "byte; a packed byte is never split, so count must be even"))
+            unit = 8 // math.gcd(8, f.bits)
+            out.append(doc.problem((*path, "count"), f"field {f.name!r}: {f.count} {f.dtype} values end inside a "
+                                                     f"packed unit ({_unit_words(f)}); a packed unit is never split, "
+                                                     f"so count must be a multiple of {unit}"))
     return out
+
+
+def _unit_words(f: Field) -> str:
+    """A sub-byte type's packed unit in words: two values per byte, eight in three bytes."""
+    unit = 8 // math.gcd(8, f.bits)
+    return "two values per byte" if unit == 2 else f"{unit} values in {unit * f.bits // 8} bytes"
 
 
 def check_scales(spec: Spec, doc: Document) -> list[Problem]:
@@ -189,7 +206,7 @@ def _scale_problems(part: Part, f: Field, path: YamlPath, doc: Document) -> list
                                                  f"need {data.count // f.group} scales, not {f.count}"))
     if f.group * data.bits % 8:
         out.append(doc.problem((*path, "group"), f"a group of {f.group} {data.dtype} values of {data.name!r} ends "
-                                                 "inside a packed byte; a group covers whole bytes"))
+                                                 "inside a packed unit; a group covers whole bytes"))
     return out
 
 

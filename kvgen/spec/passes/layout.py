@@ -9,6 +9,7 @@ from __future__ import annotations
 from kvgen.errors import Problem, YamlPath, format_path
 from kvgen.interface import UNDEFINED
 from kvgen.spec.document import Document
+from kvgen.spec.elements import EXPLICIT_DTYPES
 from kvgen.spec.model import PART_LEVEL, Spec
 from kvgen.spec.passes.common import Pass, occurrences, path_of
 from kvgen.versions import admits_some_release
@@ -154,6 +155,24 @@ def check_quant(spec: Spec, doc: Document) -> list[Problem]:
     return [doc.problem(("quant", family), f"quant names engine {family!r}, which engines does not list "
                                            f"({', '.join(sorted(families)) or 'none'})", key=True)
             for family, _ in spec.quant if family not in families]
+
+
+def check_explicit_dtypes(spec: Spec, doc: Document) -> list[Problem]:
+    """A format-3 storage dtype (float8_e8m0fnu, a UE8M0 scale tensor) needs kvgen: 3, as the scale
+    fields it stands beside do."""
+    if spec.version >= 3:
+        return []
+    tops = [("dtypes",)] + [("parts", name, "dtypes") for name in (doc.data.get("parts") or {})]
+    out = []
+    for path in tops:
+        node = doc.data
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        for i, dtype in enumerate(node if isinstance(node, list) else []):
+            if dtype in EXPLICIT_DTYPES:
+                out.append(doc.problem((*path, i), f"dtype {dtype} needs kvgen: 3 (this spec says kvgen: "
+                                                   f"{spec.version})"))
+    return out
 
 
 def check_given(spec: Spec, doc: Document) -> list[Problem]:
