@@ -130,7 +130,8 @@ def copy_program(cp: tuple[Place, ...], lists: tuple[str, ...], op: tuple[Place,
     # written front to back by a store and read front to back by a load. A load that walked
     # the cache's order instead read the object in pieces of one token's K or V, a stride
     # apart, and took 1.3-1.7x as long on the CPU (vLLM and SGLang layouts, per-layer objects,
-    # 2048 tokens). B and N sit at the token's place, blocks outside slots.
+    # 2048 tokens, 2 vCPUs shared with other jobs; the bare kernel 2x at 256 and 2048 tokens).
+    # B and N sit at the token's place, blocks outside slots.
     okey = {a: (objs.index(a), 0) for a in shared}
     if slotless:
         names: tuple[tuple[str, tuple[str, ...]], ...] = (("plane", shared),)
@@ -212,8 +213,9 @@ def transfer_program(src: Spec, dst: Spec) -> ProgramPlan:
     if why is not None:
         return ProgramPlan(fields, ())
     # The source's order: each source leaf is read front to back. Walking the destination's
-    # order instead read a page-first destination's layers from 32 leaves at once and took 1.4-1.7x
-    # as long on the CPU (vLLM NHD to HiCache page-first, 2048 tokens, whole and per layer).
+    # order instead took 1.1-1.4x as long on a quiet 2-vCPU host (2048 tokens, L=32, whole: vLLM
+    # HND -> NHD 1.12x, NHD -> HiCache page-first 1.32x, whose layers it read from 32 leaves at
+    # once; per layer 1.18x and 1.0x).
     key = _cache_key(src, sp, shared)
     sides: tuple[Side, ...] = ((sa, src.lists, "S" if "S" in sa else "N"), (da, dst.lists, "S" if "S" in da else "N"))
     paths = []
