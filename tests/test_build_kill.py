@@ -159,10 +159,12 @@ class Killer:
         assert self.proc.wait(timeout=30) == 0
 
 
-def kill_many(out: Path, outputs: dict[str, dict[str, str]], *, no_exchange: bool) -> Counter[str]:
-    """Alternate builds of A and B into `out`, killing each at a different point; after every
-    kill `out` (or, in the fallback, the backup that recovery restores) is the complete old or
-    the complete new output. Returns what was seen."""
+def kill_many(out: Path, outputs: dict[str, dict[str, str]], *, no_exchange: bool, stretch: float = 1.0
+              ) -> Counter[str]:
+    """Alternate builds of A and B into `out`, killing each at a different point over `stretch`
+    times a whole build's time; after every kill `out` (or, in the fallback, the backup that
+    recovery restores) is the complete old or the complete new output. Returns what was seen:
+    "new" and "old" count the builds that were killed, "exit0" those that ended first."""
     snaps = {k: encoded(v) for k, v in outputs.items()}
     write_atomically(out, outputs["A"])
     # Each step of a build waits this long, so every window (between the renames, after the
@@ -179,7 +181,7 @@ def kill_many(out: Path, outputs: dict[str, dict[str, str]], *, no_exchange: boo
         current = "B"
         for i in range(KILLS):
             target = "A" if current == "B" else "B"
-            ended, _ = killer.run(target, span * (i + 0.5) / KILLS)  # over the whole build
+            ended, _ = killer.run(target, stretch * span * (i + 0.5) / KILLS)  # over the whole build
             seen[ended] += 1
             state = snapshot(out)
             if state is None:
@@ -195,7 +197,8 @@ def kill_many(out: Path, outputs: dict[str, dict[str, str]], *, no_exchange: boo
                 else:
                     continue
             assert state in (snaps[current], snaps[target]), f"kill {i}: --out is neither old nor new output"
-            seen["new" if state == snaps[target] else "old"] += 1
+            if ended == "killed":
+                seen["new" if state == snaps[target] else "old"] += 1
             seen["stale"] += bool([n for n in leftovers(out.parent, out.name) if not n.endswith(".lock")])
             current = target if state == snaps[target] else current
         ended, _ = killer.run("A", -1)
@@ -219,11 +222,12 @@ def test_both_outputs_import(outputs: dict[str, dict[str, str]], tmp_path: Path,
 def kill_rounds(out: Path, outputs: dict[str, dict[str, str]], *, no_exchange: bool,
                 enough: Callable[[Counter[str]], bool], rounds: int = 3) -> Counter[str]:
     """kill_many until the kills have landed at every point `enough` asks for. Where a kill
-    lands depends on the machine's load, so a busy machine may need another round; every
-    kill of every round must leave the old or the new output."""
+    lands depends on the machine's load (a build killed mid-way may run slower than the whole
+    builds it was timed by), so a busy machine may need another round, each spread a quarter
+    further past the timed build; every kill of every round must leave the old or the new output."""
     seen: Counter[str] = Counter()
-    for _ in range(rounds):
-        seen += kill_many(out, outputs, no_exchange=no_exchange)
+    for k in range(rounds):
+        seen += kill_many(out, outputs, no_exchange=no_exchange, stretch=1.0 + 0.25 * k)
         if enough(seen):
             break
     return seen

@@ -27,7 +27,8 @@ FILES = {spec.name: Path(spec.source).resolve() for spec in builtin_library().sp
          if not spec.is_simple and spec.carries is None}
 OTHER_DTYPE = {"float32": "bfloat16", "bfloat16": "float32", "float8_e4m3fn": "float8_e5m2", "uint8": "int8",
                "float8_e5m2": "float8_e4m3fn", "float16": "float32", "int8": "uint8",
-               "fp4_e2m1": "int4", "int4": "fp4_e2m1", "uint4": "int4", "ue8m0": "uint8"}  # format 3 fields
+               "fp4_e2m1": "int4", "int4": "fp4_e2m1", "uint4": "int4", "ue8m0": "uint8",  # format 3 fields
+               "float8_e8m0fnu": "float8_e4m3fn", "uint3": "uint4"}
 
 
 def _swap(items: list[Any], i: int) -> list[Any]:
