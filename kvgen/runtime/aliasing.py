@@ -259,14 +259,10 @@ def check_objects_apart(tensors: Sequence[torch.Tensor], name: Callable[[int], s
 def _object_range(t: torch.Tensor, k: int, name: Callable[[int], str]) -> tuple[int, int]:
     """The byte range of object tensor `k`, refused when its view reaches past its storage, is
     negated, or overlaps itself."""
-    if t.is_contiguous() and not t.is_neg() and not t.is_conj():  # the usual object: one byte range
-        lo, nbytes = t.data_ptr(), t.nbytes
-        if not nbytes or t.storage_offset() * t.element_size() + nbytes <= t.untyped_storage().nbytes():
-            return lo, lo + nbytes
     if t.is_neg() or t.is_conj() or not within_storage(t):
         check_storage(t, f"memory object {name(k)}")
         check_plain(t, f"memory object {name(k)}")
-    if t.is_contiguous():  # no overlap with itself
+    if t.is_contiguous():  # the usual object: no overlap with itself, one byte range
         lo = t.data_ptr()
         return lo, lo + t.nbytes
     if overlaps_itself(t):

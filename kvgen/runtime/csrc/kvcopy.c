@@ -671,10 +671,10 @@ void kvgen_slots(const int64_t *slots, int64_t n, int64_t skip, int64_t block, i
         const int64_t *s = slots + start + b * block;
         if (s[0] % block != 0)
             return;
-        for (int64_t j = 1; j < block; j++)
-            if (s[j] != s[0] + j)
+        for (int64_t j = 1; j < block; j++) /* differences of moved slots (all >= 0) never overflow */
+            if (s[j] - s[0] != j)
                 return;
-        if (s[0] != slots[start] + b * block)
+        if (s[0] - slots[start] != b * block)
             consecutive = 0;
     }
     out[5] = start, out[6] = count * block, out[7] = consecutive;

@@ -406,9 +406,15 @@ class NativeMover:
             prepared.picked = (call.serial, sizes)
         found = sizes.get(nbytes)
         if found is None:
-            found = sizes[nbytes] = (cpu_threads(nbytes, TEAM_PARALLEL_BYTES if native.team() else PARALLEL_BYTES),
+            found = sizes[nbytes] = (_threads(nbytes),
                                      int(host.streams(nbytes * (call.g.L if layer is not None else 1))))
         return found
+
+
+def _threads(nbytes: int) -> int:
+    """Threads a kernel call moving `nbytes` runs on: the lower threshold where its shares run on
+    torch's team, whose workers are spinning or a futex wake away."""
+    return cpu_threads(nbytes, TEAM_PARALLEL_BYTES if native.team() else PARALLEL_BYTES)
 
 
 def copy_state_rows(rows: list[tuple[torch.Tensor, Any]], tensor: torch.Tensor, slot: int, storing: bool) -> bool:
@@ -431,7 +437,7 @@ def copy_state_rows(rows: list[tuple[torch.Tensor, Any]], tensor: torch.Tensor, 
         flat += [at, row[0], row[1]] if storing else [row[0], at, row[1]]
     total = sum(flat[2::3])
     runs = array.array("q", flat)
-    threads = cpu_threads(total, TEAM_PARALLEL_BYTES if native.team() else PARALLEL_BYTES)
+    threads = _threads(total)
     if lib.kvgen_copy_rows(len(runs) // 3, runs.buffer_info()[0], threads, int(host.streams(total))) != 0:
         raise Unsupported("the kernel refused a state row")  # never before a byte is moved
     return True
