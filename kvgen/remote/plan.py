@@ -225,7 +225,7 @@ def _cheaper_staging(s: CacheDescription, dst: CacheDescription, pairs: tuple[np
     if s.mla or route.count == s.extent("H"):
         return whole
     narrow = _staged(s, dst, pairs, route, True)
-    return min((whole, narrow), key=lambda st: c.read(*_estimate([st.whole])))
+    return min((whole, narrow), key=lambda st: c.read(*_estimate([st.whole], exact=True)))
 
 
 def _routes(sources: dict[int, CacheDescription], dst: CacheDescription) -> list[tp.Route]:
@@ -279,10 +279,10 @@ def _choose(direct: list[Layout], stages: list[tuple[_Stage, Heads]], dst: Cache
     forced), by the cost model, with both estimates in the plan's why; a staged plan's reads
     and permutes cut into chunks (STAGE_CHUNKS) once it is chosen."""
     cuts = [st.whole for st, _ in stages]
-    # The staged reads are counted after merging, however many: they read the source's own
-    # layout into a buffer of it, where whole blocks merge into a few long descriptors, so the
-    # count before merging (131072 where 27328 are read, vLLM HND -> NHD at 2048 tokens) would
-    # make direct reads of a 4x slower plan look cheaper.
+    # Staged reads are counted after merging, however many (here and in _cheaper_staging): they
+    # read the source's own layout into a buffer of it, where whole blocks merge into a few long
+    # descriptors, so the count before merging (131072 where 27328 are read, vLLM HND -> NHD at
+    # 2048 tokens) would make direct reads of a 4x slower plan look cheaper.
     t_staged = c.read(*_estimate(cuts, exact=True)) + c.permute(len(stages), moved)
     k = max(1, min(STAGE_CHUNKS, min(st.blocks.size for st, _ in stages) // CHUNK_BLOCKS))
     if not direct:
