@@ -140,6 +140,7 @@ def _torch_facts(slots: torch.Tensor, skip: int, block_size: int | None) -> Slot
 
 
 def _native_facts(lib: Any, slots: torch.Tensor, skip: int, block_size: int | None) -> SlotFacts:
+    """SlotFacts from kvgen_slots; `slots` contiguous int64 (slot_facts checks)."""
     out = array.array("q", bytes(8 * 8))
     lib.kvgen_slots(slots.data_ptr(), slots.shape[0], skip, block_size or 0, out.buffer_info()[0])
     low, high, count, lo, contiguous, first, tokens, consecutive = out
@@ -156,6 +157,8 @@ def _native_facts(lib: Any, slots: torch.Tensor, skip: int, block_size: int | No
 def slot_facts(slots: torch.Tensor, skip: int, block_size: int | None) -> SlotFacts:
     """SlotFacts of a chunk's int64 contiguous slots: in one C pass where the compiled kernel is
     loaded and the slots are on the CPU, else with tensor ops (the same facts; tests compare them)."""
+    if slots.dtype != torch.int64 or not slots.is_contiguous():  # the C pass reads n packed int64
+        raise ValueError(f"slot_facts takes contiguous int64 slots, got {slots.dtype} strides {slots.stride()}")
     if slots.device.type == "cpu":
         lib = native.library()
         if lib is not None:
