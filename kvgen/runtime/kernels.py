@@ -23,7 +23,8 @@ import importlib.util
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,57 @@ MAX_ALIGN = 16
 
 #: Launches so far (tests use it to see that a kernel, not the torch path, moved the data).
 stats = {"launches": 0, "fallbacks": 0}
+
+
+#: Values of a launch that vary with the slots alone and take no branch of their own: where the
+#: chunk's blocks and tokens start, the layer of a per-layer launch, and the extents and strides
+#: (each kernel reads these as plain integers in the same instructions whatever their values);
+#: and TA, the alignment of the leaves' offsets, which follows from where the allocator put the
+#: leaves (it differs between two runs of one scenario) and is only a compiler hint.
+_VALUES_ONLY = frozenset({"first_id", "first_slot", "block_start", "layer", "TA"})
+_VALUE_PREFIXES = ("cs_", "os_", "E_")
+#: The paths of the launches of a rehearsal (`rehearsed`), or None: launches run.
+_rehearsal: set[tuple[Any, ...]] | None = None
+
+
+def launch_path(fn: Any, grid: tuple[int, int], args: dict[str, Any]) -> tuple[Any, ...]:
+    """What decides which of a kernel's code one launch runs: the kernel, its constexpr and flag
+    arguments, whether the grid has whole-block programs and token programs (and a last token
+    tile that is partial), and each tensor's dtype, contiguity and 16-byte alignment. Two
+    launches with one path run the same instructions on other slot values. VA, the rows'
+    alignment, counts only as whether rows are rounded to it (VA > 1): its value follows from
+    the leaves' addresses, as TA's does."""
+    del grid  # its programs follow from num_blocks, num_tokens and the constexprs
+    tile = int(args.get("TILE", 1))
+    facts: list[tuple[Any, ...]] = []
+    for name, value in sorted(args.items()):
+        if isinstance(value, torch.Tensor):
+            facts.append((name, str(value.dtype), value.is_contiguous(), value.data_ptr() % 16))
+        elif name == "num_blocks":
+            facts.append((name, value > 0))
+        elif name == "num_tokens":
+            facts.append((name, value > 0, value % tile != 0))
+        elif name == "VA":
+            facts.append((name, value > 1))
+        elif name not in _VALUES_ONLY and not name.startswith(_VALUE_PREFIXES):
+            facts.append((name, value))
+    return (getattr(fn, "__name__", repr(fn)), id(fn), tuple(facts))
+
+
+@contextmanager
+def rehearsed() -> Iterator[set[tuple[Any, ...]]]:
+    """Within it, a launch runs nothing and adds its `launch_path` to the set yielded: how
+    `kvgen verify` finds, in Triton's interpreter (where each program instance runs in
+    Python), the scenarios whose launches take a path no earlier scenario took. Not
+    thread-safe: one rehearsal per process at a time."""
+    global _rehearsal
+    if _rehearsal is not None:
+        raise RuntimeError("kernels.rehearsed() does not nest")
+    _rehearsal = paths = set()
+    try:
+        yield paths
+    finally:
+        _rehearsal = None
 
 
 def interpreting() -> bool:
@@ -326,6 +378,9 @@ class Kernel:
 
 
 def _launch(fn: Any, grid: tuple[int, int], args: dict[str, Any], device: torch.device) -> None:
+    if _rehearsal is not None:
+        _rehearsal.add(launch_path(fn, grid, args))
+        return
     stats["launches"] += 1
     if device.type == "cpu" or device.index is None:
         fn[grid](**args)

@@ -136,8 +136,8 @@ def _select(args: Any, ctx: Context) -> _Selection:
 
 
 def check_row(ctx: Context, task: Task) -> tuple[bool, ...]:
-    """One row of verify, by its kind: (store ok, load ok, a Triton kernel launched) for a
-    connector, (whole ok, per layer ok) for a transfer, (store ok, load ok) for a model connector."""
+    """One row of verify, by its kind: (store ok, load ok, a Triton kernel launched, scenarios
+    run) for a connector, (whole ok, per layer ok) for a transfer, (store ok, load ok) for a model connector."""
     kind, index, device = task
     if kind == "connector":
         return verify_connectors.check(ctx.package, ctx.plans[index], device, ctx.inputs.backend)

@@ -14,8 +14,13 @@ from kvgen.tools.verify_pool import Rows, each
 #: Layers of the cache in Triton's interpreter (CPU, --backend triton), which runs every program
 #: instance of a launch in Python, one per (layer, K/V, block or token tile): two layers
 #: instead of three cut that pass by a third and still move every layer's own table entry,
-#: layerwise one launch per layer. Every scenario still runs, store and load.
+#: layerwise one launch per layer.
 INTERPRETER_LAYERS = 2
+
+
+def interpreted(backend: str | None, device: str) -> bool:
+    """Connectors run their Triton kernels in Triton's interpreter: every program instance in Python."""
+    return backend == "triton" and device == "cpu"
 
 
 def scenarios(backend: str | None, device: str) -> list[Any]:
@@ -23,23 +28,53 @@ def scenarios(backend: str | None, device: str) -> list[Any]:
     # torch: only for a run
     from kvgen.oracle.scenarios import SCENARIOS
 
-    if backend == "triton" and device == "cpu":
+    if interpreted(backend, device):
         return [replace(s, ext={**s.ext, "L": INTERPRETER_LAYERS}) for s in SCENARIOS.values()]
     return list(SCENARIOS.values())
 
 
-def check(package: ModuleType, plan: Any, device: str, backend: str | None) -> tuple[bool, bool, bool]:
-    """(store ok, load ok, a Triton kernel launched) of one connector over every slot scenario,
-    all through one connector, as an engine keeps one for every cache it meets; a scenario
-    whose copy raises counts as failing both."""
+def distinct_launches(connector: Any, plan: Any, candidates: Sequence[Any]) -> list[Any]:
+    """Of `candidates`, in order, each scenario whose store or load launches a kernel path
+    (kvgen.runtime.kernels.launch_path: the kernel, its constexprs and flags, which kinds of
+    programs the grid has, its tensors' dtypes, contiguity and alignment) that no scenario
+    before it launched. The others would run the same instructions of the kernel on other
+    slot values; the default verify runs every scenario through the connector's own path,
+    whose slot planning is what they vary. Found by a rehearsal: the connector plans and
+    launches, the launches run nothing. A scenario whose rehearsal raises is kept."""
     # torch: only for a run
     from kvgen.oracle.scenarios import check_pair
     from kvgen.runtime import kernels
 
-    launches = kernels.stats["launches"]
+    chosen: list[Any] = []
+    seen: set[tuple[Any, ...]] = set()
+    for scenario in candidates:
+        with kernels.rehearsed() as paths:
+            try:
+                check_pair(connector, plan.paged, plan.obj, scenario)
+            except Exception:  # the real run reports it
+                paths.add(("raised", scenario.name))
+        if not paths <= seen:
+            chosen.append(scenario)
+            seen |= paths
+    return chosen
+
+
+def check(package: ModuleType, plan: Any, device: str, backend: str | None) -> tuple[bool, bool, bool, int]:
+    """(store ok, load ok, a Triton kernel launched, scenarios run) of one connector over the slot
+    scenarios, all through one connector, as an engine keeps one for every cache it meets; a
+    scenario whose copy raises counts as failing both. In Triton's interpreter, the scenarios
+    of distinct launches (`distinct_launches`)."""
+    # torch: only for a run
+    from kvgen.oracle.scenarios import check_pair
+    from kvgen.runtime import kernels
+
     connector = package.get(plan.paged.name, plan.obj.name)(device=device, backend=backend)
+    chosen = scenarios(backend, device)
+    if interpreted(backend, device):
+        chosen = distinct_launches(connector, plan, chosen)
+    launches = kernels.stats["launches"]
     store = load = True
-    for scenario in scenarios(backend, device):
+    for scenario in chosen:
         try:
             s, ld = check_pair(connector, plan.paged, plan.obj, scenario)
         except Exception as exc:  # a wrong connector may raise anything; report it and go on
@@ -47,7 +82,7 @@ def check(package: ModuleType, plan: Any, device: str, backend: str | None) -> t
                   f"{type(exc).__name__}: {exc}", file=sys.stderr)
             s = ld = False
         store, load = store and s, load and ld
-    return store, load, kernels.stats["launches"] > launches
+    return store, load, kernels.stats["launches"] > launches, len(chosen)
 
 
 def run(rows: Rows, selected: Sequence[Any], everything: Sequence[Any], devices: Sequence[str],
@@ -56,10 +91,11 @@ def run(rows: Rows, selected: Sequence[Any], everything: Sequence[Any], devices:
     # torch: only for a run
     from kvgen.oracle.scenarios import SCENARIOS
 
-    count = failures = 0
+    count = failures = ran = 0
     wide = max([24, *(len(p.paged.name) for p in selected)]), max([13, *(len(p.obj.name) for p in selected)])
     print(f"{'layout':<{wide[0]}} {'object':<{wide[1]}} {'mode':<9} {'device':<6} {'store ok':<8} {'load ok':<8}")
-    for plan, device, (store_ok, load_ok, launched) in each(rows, "connector", selected, everything, devices):
+    for plan, device, (store_ok, load_ok, launched, runs) in each(rows, "connector", selected, everything, devices):
+        ran += runs
         if backend == "triton" and not launched:
             print(f"kvgen verify: {plan.module} on {device}: the Triton kernel never ran", file=sys.stderr)
             store_ok = load_ok = False
@@ -67,8 +103,10 @@ def run(rows: Rows, selected: Sequence[Any], everything: Sequence[Any], devices:
         count += 1
         print(f"{plan.paged.name:<{wide[0]}} {plan.obj.name:<{wide[1]}} {plan.mode:<9} {device:<6} "
               f"{'yes' if store_ok else 'NO':<8} {'yes' if load_ok else 'NO':<8}", flush=True)
-    interpreted = backend == "triton" and "cpu" in devices
-    layers = f", {INTERPRETER_LAYERS} layers in Triton's interpreter" if interpreted else ""
+    layers = ""
+    if any(interpreted(backend, d) for d in devices):
+        layers = (f", {INTERPRETER_LAYERS} layers in Triton's interpreter, which ran the scenarios of distinct "
+                  f"kernel launches: {ran} of {count * len(SCENARIOS)}")
     print(f"\n{count} connector runs on {', '.join(devices)} ({len(SCENARIOS)} slot scenarios each"
           + (f", backend {backend}" if backend else "") + layers + "): "
           f"{count * 2 - failures} checks passed, {failures} failed")

@@ -1,0 +1,110 @@
+"""`kvgen verify --backend triton` on the CPU runs each connector's kernel in Triton's
+interpreter (every program instance in Python) on the slot scenarios whose launches take a
+kernel path no earlier scenario took: found by a rehearsal, in which the connector plans and
+launches and the launches run nothing.
+
+These tests pin what that choice may and may not leave out: a rehearsal writes nothing and
+counts no launch; every scenario left out launches only paths a chosen one launched; and a
+kernel fault confined to one path (here: objects off a 16-byte boundary) still fails.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from harness import builtin_library
+
+from kvgen import generated
+from kvgen.oracle.scenarios import (
+    SCENARIOS,
+    check_pair,
+    clone_tree,
+    connector_load,
+    connector_store,
+    make_cache,
+    make_objects,
+    obj_tensors,
+    same_bits,
+)
+from kvgen.plan.package import plan_connectors
+from kvgen.runtime import available_devices, kernels
+from kvgen.tools import verify_connectors
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or available_devices() != ["cpu"],
+    reason="needs triton, and a machine without a GPU (Triton's interpreter runs CPU tensors)")
+if available_devices() == ["cpu"]:
+    # Kernel modules are imported on first use, after collection: they see the interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+PLANS = {p.module: p for p in plan_connectors(builtin_library())}
+#: A block-path connector with a table over L, and a format-2 connector of several planes.
+MODULES = ["vllm_flash_attn_nhd__kv_2ltd", "vllm_int8_per_token_head__kv_planes_layer"]
+
+
+def _connector(module: str):  # noqa: ANN202
+    plan = PLANS[module]
+    return plan, generated.get(plan.paged.name, plan.obj.name)(device="cpu", backend="triton")
+
+
+def _paths(connector, plan, scenario) -> set:  # noqa: ANN001
+    with kernels.rehearsed() as paths:
+        check_pair(connector, plan.paged, plan.obj, scenario)
+    return paths
+
+
+def test_a_rehearsal_writes_nothing_and_counts_no_launch() -> None:
+    plan, connector = _connector(MODULES[0])
+    scenario = verify_connectors.scenarios("triton", "cpu")[0]
+    cache = make_cache(plan.paged, torch.float32, "cpu", ext=scenario.ext)
+    connector.bind(cache)
+    lengths = [e - s for s, e in zip(scenario.starts, scenario.ends, strict=True)]
+    objs = make_objects(connector, lengths, torch.float32, "cpu", salt=7)
+    mapping = torch.arange(sum(lengths))
+    cache_before, objs_before = clone_tree(cache), clone_tree([obj_tensors(o) for o in objs])
+    launches = kernels.stats["launches"]
+    with kernels.rehearsed() as paths:
+        connector_store(connector, objs, scenario, cache, mapping)
+        for o in objs:
+            o.metadata.fmt = connector.format
+        connector_load(connector, objs, scenario, cache, mapping)
+    assert len(paths) >= 2, "a store and a load launch on paths of their own (STORE differs)"
+    assert same_bits(cache, cache_before) and same_bits([obj_tensors(o) for o in objs], objs_before)
+    assert kernels.stats["launches"] == launches
+    with pytest.raises(RuntimeError, match="does not nest"), kernels.rehearsed(), kernels.rehearsed():
+        pass
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_every_scenario_left_out_launches_only_paths_a_chosen_one_launched(module: str) -> None:
+    plan, connector = _connector(module)
+    candidates = verify_connectors.scenarios("triton", "cpu")
+    chosen = verify_connectors.distinct_launches(connector, plan, candidates)
+    names = [s.name for s in chosen]
+    assert names[0] == candidates[0].name and 1 < len(chosen) < len(candidates)
+    assert "odd_offset_objects" in names  # objects off a 16-byte boundary: a path of their own
+    covered = set().union(*(_paths(connector, plan, s) for s in chosen))
+    for scenario in candidates:
+        if scenario.name not in names:
+            assert _paths(connector, plan, scenario) <= covered, scenario.name
+
+
+def test_a_fault_on_one_path_still_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that moves objects off a 16-byte boundary wrongly (one element of the object,
+    or of the cache on a load, is spoiled after every such launch) fails the interpreter pass."""
+    launch = kernels._launch
+
+    def faulty(fn, grid, args, device) -> None:  # noqa: ANN001
+        launch(fn, grid, args, device)
+        if kernels._rehearsal is None and args["obj"].data_ptr() % 16:
+            target = args["cache"] if not args["STORE"] else args["obj"]
+            target.view(-1)[0] += 1
+    plan, _ = _connector(MODULES[0])
+    assert verify_connectors.check(generated, plan, "cpu", "triton")[:2] == (True, True)
+    monkeypatch.setattr(kernels, "_launch", faulty)
+    store_ok, load_ok, launched, runs = verify_connectors.check(generated, plan, "cpu", "triton")
+    assert launched and runs < len(SCENARIOS)
+    assert not (store_ok and load_ok)
