@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -38,12 +39,25 @@ def files() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def built(tmp_path_factory: pytest.TempPathFactory, files: dict[str, str]) -> Path:
     """One build of the built-ins for this module; `previous_build` copies it where a test needs
     an earlier build's output (a build costs seconds, a copy a fraction of one). Never changed."""
     out = tmp_path_factory.mktemp("built") / "generated"
-    build(out)
+    kvgen.emit.build.write_atomically(out, files)  # what build(out) writes, from the module's render
     return out
+
+
+@pytest.fixture
+def render_once(files: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """build and check of the built-ins alone use the module's render instead of rendering the
+    library again (seconds each): for tests about writing and comparing, where the specs and
+    templates do not change while they run. Extra specs still render afresh."""
+    real_render = kvgen.emit.build.render
+
+    def rendered(extra_specs: Sequence[Path] = (), *, builtin: bool = True) -> dict[str, str]:
+        return dict(files) if builtin and not extra_specs else real_render(extra_specs, builtin=builtin)
+
+    monkeypatch.setattr(kvgen.emit.build, "render", rendered)
 
 
 def previous_build(built: Path, out: Path) -> None:
@@ -82,7 +96,7 @@ def import_package(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("fail_at", [1, 5, "last"])
 def test_failed_write_keeps_previous_output(built: Path, fail_at: int | str, files: dict[str, str], tmp_path: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+                                            monkeypatch: pytest.MonkeyPatch, render_once: None) -> None:
     out = tmp_path / "generated"
     previous_build(built, out)
     (out / "__pycache__").mkdir()  # a previous import's cache stays out of the way too
@@ -134,7 +148,7 @@ def test_invalid_spec_keeps_previous_output(built: Path, tmp_path: Path, monkeyp
 
 
 def test_keyboard_interrupt_mid_write_leaves_nothing_behind(tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+                                                            monkeypatch: pytest.MonkeyPatch, render_once: None) -> None:
     out = tmp_path / "fresh"
     real_write = Path.write_text
     calls = itertools.count(1)
@@ -151,7 +165,7 @@ def test_keyboard_interrupt_mid_write_leaves_nothing_behind(tmp_path: Path,
     assert leftovers(tmp_path, "fresh") == []
 
 
-def test_build_replaces_exactly(tmp_path: Path, files: dict[str, str]) -> None:
+def test_build_replaces_exactly(tmp_path: Path, files: dict[str, str], render_once: None) -> None:
     """A build leaves exactly its files: stray files and old modules are gone."""
     out = tmp_path / "generated"
     out.mkdir()
@@ -164,7 +178,7 @@ def test_build_replaces_exactly(tmp_path: Path, files: dict[str, str]) -> None:
 # -- kvgen check ----------------------------------------------------------------------------
 
 
-def test_check_reports_each_kind_of_drift(built: Path, tmp_path: Path) -> None:
+def test_check_reports_each_kind_of_drift(built: Path, tmp_path: Path, render_once: None) -> None:
     out = tmp_path / "generated"
     previous_build(built, out)
     assert check(out).ok and check(out).lines() == []
@@ -211,12 +225,12 @@ def test_check_sees_changed_specs_as_stale(tmp_path: Path) -> None:
     assert all(n.startswith("my_layout__") or n == "__init__.py" for n in report.stale)
 
 
-def test_check_of_missing_folder(tmp_path: Path, files: dict[str, str]) -> None:
+def test_check_of_missing_folder(tmp_path: Path, files: dict[str, str], render_once: None) -> None:
     report = check(tmp_path / "nowhere")
     assert report.missing == sorted(files) and not report.ok
 
 
-def test_cli_check_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_check_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str], render_once: None) -> None:
     from kvgen.tools.cli import main
 
     out = tmp_path / "generated"
