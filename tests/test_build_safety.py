@@ -208,7 +208,7 @@ def test_check_reports_each_kind_of_drift(built: Path, tmp_path: Path, render_on
         assert expected in text
 
 
-def test_check_sees_changed_specs_as_stale(tmp_path: Path) -> None:
+def test_check_sees_changed_specs_as_stale(tmp_path: Path, render_once: None) -> None:
     specs = tmp_path / "specs"
     specs.mkdir()
     source = (BUILTIN_SPECS / "vllm/flash_attn_nhd.yaml").read_text()
