@@ -15,6 +15,7 @@ tests/code_rules.py; the tests of the rules themselves are in tests/test_code_ru
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -101,18 +102,25 @@ def test_imports_follow_the_pipeline(path: Path) -> None:
     assert not wrong, f"{path.relative_to(PACKAGE)} imports against the pipeline: {', '.join(sorted(wrong))}"
 
 
-def test_building_the_library_never_imports_torch() -> None:
-    code = ("import sys, tempfile, pathlib\n"
-            "from kvgen.emit.build import render\n"
+def test_building_the_library_never_imports_torch(tmp_path: Path) -> None:
+    """One fresh interpreter plans, renders, builds (kvgen.emit.build.build, through `kvgen build`),
+    checks and explains, from a folder outside the repository: no torch, no kvgen.runtime.
+    (test_build_safety.py's generator-never-imports-torch check is this one.)"""
+    out = tmp_path / "out"
+    code = ("import sys\n"
+            "from kvgen.emit.build import check, render\n"
+            "from kvgen.plan.copy import plan_library\n"
+            "from kvgen.spec.library import load_library\n"
             "from kvgen.tools.cli import main\n"
-            "render()\n"
-            "out = pathlib.Path(tempfile.mkdtemp()) / 'g'\n"
-            "assert main(['build', '--out', str(out)]) == 0\n"
+            "plan_library(load_library()); render()\n"
+            f"assert main(['build', '--out', {str(out)!r}]) == 0\n"
+            f"assert check({str(out)!r}).ok\n"
             "assert main(['explain', 'NHD']) == 0\n"
             "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'kvgen.runtime')))\n"
             "assert not loaded, loaded\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=PACKAGE.parent, timeout=120)
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
 
 

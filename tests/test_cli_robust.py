@@ -1,5 +1,6 @@
 """No traceback from the command line: every command with its output pipe closed early
-(as `kvgen list | head -1` does) and with bad arguments, each in its own process."""
+(as `kvgen list | head -1` does), each in its own process, and with bad arguments (each through
+cli.main, two samples in their own process)."""
 
 from __future__ import annotations
 
@@ -94,23 +95,106 @@ def _all(jobs: list[list[str]], tmp: Path, closed: bool) -> list[tuple[list[str]
     return list(zip(jobs, procs, strict=True))
 
 
-def test_closed_stdout_never_shows_a_traceback(tmp: Path) -> None:
-    for argv, proc in _all(PIPED, tmp, closed=True):
-        assert "Traceback" not in proc.stderr, (argv, proc.stderr)
-        assert "BrokenPipeError" not in proc.stderr and "Exception ignored" not in proc.stderr, (argv, proc.stderr)
-        # Like a C tool killed by SIGPIPE, the shell sees 128 + 13; argparse itself drops a
-        # help text longer than the output buffer that meets a closed pipe, and exits 0.
-        allowed = (0, 141) if "--help" in argv else (141,)
-        assert proc.returncode in allowed, (argv, proc.returncode, proc.stderr)
+def _closed_stdout_problems(argv: list[str], status: int, stderr: str) -> list[str]:
+    """What is wrong with how `kvgen ARGV` met a closed stdout; empty when it exits quietly."""
+    problems = []
+    if "Traceback" in stderr or "BrokenPipeError" in stderr or "Exception ignored" in stderr:
+        problems.append(f"{argv}: traceback or ignored exception: {stderr}")
+    # Like a C tool killed by SIGPIPE, the shell sees 128 + 13; argparse itself drops a
+    # help text longer than the output buffer that meets a closed pipe, and exits 0.
+    if status not in ((0, 141) if "--help" in argv else (141,)):
+        problems.append(f"{argv}: exit {status}: {stderr}")
+    return problems
 
 
-def test_bad_input_is_a_message_and_a_failure(tmp: Path) -> None:
-    for argv, proc in _all(BAD, tmp, closed=False):
-        assert "Traceback" not in proc.stderr, (argv, proc.stderr)
-        assert proc.returncode != 0, (argv, proc.stdout, proc.stderr)
-        assert proc.stderr.strip(), argv
-        last = proc.stderr.strip().splitlines()[-1]
-        assert last.startswith(("kvgen", "usage:")) or ": error:" in last, (argv, proc.stderr)
+def _in_process_closed(argv: list[str], tmp: Path, monkeypatch: pytest.MonkeyPatch,
+                       capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """`kvgen ARGV` through cli.main with sys.stdout on a pipe whose reader is gone: (status, stderr)."""
+    read, write = os.pipe()
+    os.close(read)
+    stream = open(write, "w", closefd=False)  # noqa: SIM115 - closed below, after main has met the pipe
+    monkeypatch.setattr(sys, "stdout", stream)
+    try:
+        status, _, err = _in_process(argv, tmp, monkeypatch, capsys)
+    finally:
+        monkeypatch.undo()
+        try:
+            stream.close()
+        except BrokenPipeError:
+            pass
+        os.close(write)
+    return status, err
+
+
+def test_closed_stdout_never_shows_a_traceback(tmp: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Every command, through cli.main, writing to a closed pipe."""
+    problems = []
+    for argv in PIPED:
+        problems += _closed_stdout_problems(argv, *_in_process_closed(argv, tmp, monkeypatch, capsys))
+    assert not problems, "\n".join(problems)
+
+
+# The process-level wiring (nothing left for the interpreter's last flush to complain about,
+# the status the shell sees): a command's output and argparse's own help text.
+PIPED_IN_A_PROCESS = [["list"], ["--help"]]
+
+
+def test_closed_stdout_quiet_in_a_process(tmp: Path) -> None:
+    problems = []
+    for argv, proc in _all(PIPED_IN_A_PROCESS, tmp, closed=True):
+        problems += _closed_stdout_problems(argv, proc.returncode, proc.stderr)
+    assert not problems, "\n".join(problems)
+
+
+def _in_process(argv: list[str], tmp: Path, monkeypatch: pytest.MonkeyPatch,
+                capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """`kvgen ARGV` run by cli.main in this interpreter, from tmp: (exit status, stdout, stderr);
+    an argparse usage error leaves main as SystemExit, which the interpreter turns into the status."""
+    from kvgen.tools import cli
+
+    monkeypatch.chdir(tmp)
+    try:
+        status = cli.main(_fill(argv, tmp))
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def _bad_input_problems(argv: list[str], status: int, stdout: str, stderr: str) -> list[str]:
+    """What is wrong with how `kvgen ARGV` refused bad input; empty when it is a message and a failure."""
+    problems = []
+    if "Traceback" in stderr:
+        problems.append(f"{argv}: traceback: {stderr}")
+    if status == 0:
+        problems.append(f"{argv}: exit 0: {stdout} {stderr}")
+    if not stderr.strip():
+        problems.append(f"{argv}: nothing on stderr")
+    elif not (stderr.strip().splitlines()[-1].startswith(("kvgen", "usage:")) or ": error:" in stderr):
+        problems.append(f"{argv}: last line is not kvgen's message: {stderr}")
+    return problems
+
+
+def test_bad_input_is_a_message_and_a_failure(tmp: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Every bad input, through cli.main: a message on stderr and a failing status."""
+    problems = []
+    for argv in BAD:
+        problems += _bad_input_problems(argv, *_in_process(argv, tmp, monkeypatch, capsys))
+    assert not problems, "\n".join(problems)
+
+
+# The process-level wiring (python -m kvgen turns main's status, and argparse's SystemExit, into
+# the status the shell sees): one sample of kvgen's own refusal, one of argparse's.
+BAD_IN_A_PROCESS = [["explain", "no_such_layout"], ["bench", "--tokens", "abc"]]
+
+
+def test_bad_input_fails_the_process(tmp: Path) -> None:
+    problems = []
+    for argv, proc in _all(BAD_IN_A_PROCESS, tmp, closed=False):
+        problems += _bad_input_problems(argv, proc.returncode, proc.stdout, proc.stderr)
+    assert not problems, "\n".join(problems)
 
 
 def test_interrupt_is_quiet(monkeypatch: pytest.MonkeyPatch, capsys) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -25,9 +26,9 @@ def test_the_serial_pass_imports_only_modules_that_mark_a_test_serial(tmp_path: 
     shutil.copy(HERE / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_marked.py").write_text(SERIAL)
     (tmp_path / "test_unmarked.py").write_text(UNMARKED)
-    serial = _collect(tmp_path, "serial")
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two independent collections, side by side
+        serial, others = pool.map(lambda marks: _collect(tmp_path, marks), ["serial", "not serial"])
     assert serial.returncode == 0, serial.stdout + serial.stderr
     assert "test_marked.py::test_timed" in serial.stdout and "test_unmarked" not in serial.stdout
-    others = _collect(tmp_path, "not serial")
     assert "test_marked.py::test_plain" in others.stdout
     assert "RuntimeError: imported" in others.stdout, others.stdout  # collected (and its error shown) here
