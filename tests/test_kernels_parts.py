@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from harness import EXT, SCENARIOS, builtin_library, connector_load, connector_store, make_cache, make_objects
+from test_kernels import interpreted
 
 from kvgen import generated
 from kvgen.oracle.scenarios import check_connector, clone_tree, same_bits
@@ -85,7 +86,7 @@ def test_parts_kernel_matches_reference(module: str, device: str) -> None:
     _kernel_device(device)
     plan = PARTS[module]
     before = kernels.stats["launches"]
-    results = check_connector(generated, plan.paged, plan.obj, device, [SCENARIOS[s] for s in SUBSET[module]],
+    results = check_connector(generated, plan.paged, plan.obj, device, interpreted(SUBSET[module], device),
                               backend="triton")
     wrong = [(s, r) for s, r in zip(SUBSET[module], results, strict=True) if r != (True, True)]
     assert not wrong, f"(store ok, load ok) differ from the reference: {wrong}"

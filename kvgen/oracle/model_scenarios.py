@@ -208,9 +208,9 @@ class ModelRun:
     requests: int = STATE_SLOTS
 
 
-def _scrambled(case: models.ModelCase, run: ModelRun) -> Any:
-    """A cache whose every value differs from make_kvcaches', so a missed or misplaced write shows."""
-    fresh = make_kvcaches(case, run.device, slots=run.requests)
+def _scrambled(fresh: Any) -> Any:
+    """`fresh` (a copy of make_kvcaches' cache, which is the same on every call for a case) with
+    every value changed in place, so a missed or misplaced write shows."""
     for t in leaves(fresh):
         if t.numel():
             bits(t).view(torch.uint8 if t.element_size() == 1 else bits(t).dtype).bitwise_not_()
@@ -235,6 +235,8 @@ def check_model(package: Any, library: Library, model: ModelSpec, obj: Spec, sc:
         case = models.model_case(library, model, obj, available, replace(sizes, blocks=need))
     connector = run.connector or package.get_model(model.name, obj.name)(device=run.device, tp=run.tp)
     kvcaches = make_kvcaches(case, run.device, slots=run.requests)
+    # Copied before the connector runs (a copy is cheaper than coding the cache again).
+    pristine = clone_tree(kvcaches)
     maps = group_mappings(case, sc, f"{model.name}/{obj.name}/{sc.name}")
     tensors = {g: torch.tensor(m, dtype=torch.long, device=run.device) for g, m in maps.items()}
     lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=True)]
@@ -246,7 +248,7 @@ def check_model(package: Any, library: Library, model: ModelSpec, obj: Spec, sc:
     for o, chunk in zip(want, _chunks(sc, maps, slots), strict=True):
         models.store(case, kvcaches, o.tensor, chunk)
     store_ok = same_bits([o.tensor for o in objs], [o.tensor for o in want])
-    fresh = _scrambled(case, run)
+    fresh = _scrambled(pristine)
     expected = clone_tree(fresh)
     connector.batched_to_gpu(objs, list(sc.starts), list(sc.ends), kvcaches=fresh, slot_mappings=tensors,
                              state_slots=slots, offset=sc.offset, skip_prefix_n_tokens=sc.skip)
