@@ -70,10 +70,8 @@ def _setup(module: str, scenario: str, dtype: torch.dtype, device: str, backend:
     return plan, sc, mapping_list, mapping, connector, cache
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_store_matches_reference(case: tuple, backend: str, device: str) -> None:
-    plan, sc, mapping_list, mapping, connector, cache = _setup(*case, device, BACKENDS[backend])
+def _store_case(case: tuple, backend: str | None, device: str) -> None:
+    plan, sc, mapping_list, mapping, connector, cache = _setup(*case, device, backend)
     lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=False)]
     objs = make_objects(connector, lengths, case[2], device, salt=7)
     objs = at_odd_offsets(objs) if sc.odd_objects else objs
@@ -92,10 +90,8 @@ def test_store_matches_reference(case: tuple, backend: str, device: str) -> None
     assert fmts == {plan.obj.format}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_load_matches_reference(case: tuple, backend: str, device: str) -> None:
-    plan, sc, mapping_list, mapping, connector, cache = _setup(*case, device, BACKENDS[backend])
+def _load_case(case: tuple, backend: str | None, device: str) -> None:
+    plan, sc, mapping_list, mapping, connector, cache = _setup(*case, device, backend)
     lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=False)]
     objs = make_objects(connector, lengths, case[2], device, salt=500, fmt=connector.format)
     objs = at_odd_offsets(objs) if sc.odd_objects else objs
@@ -106,6 +102,36 @@ def test_load_matches_reference(case: tuple, backend: str, device: str) -> None:
 
     assert same_bits(cache, expected), "loaded cache differs from the reference"
     assert yields == (EXT["L"] + 2 if connector.layerwise else 0)
+
+
+def _failures(check, module: str, backend: str, device: str) -> list[str]:
+    """Run `check` on every case of one connector (each scenario in float32, partial_blocks in
+    every dtype); one item per connector keeps pytest's per-item cost off thousands of small
+    cases, and each failing case is named with what it raised."""
+    failed = []
+    for case in CASES_OF[module]:
+        try:
+            check(case, BACKENDS[backend], device)
+        except Exception as e:  # noqa: BLE001 - every case runs; the item fails naming each one
+            failed.append(f"{_ids(case)}[{backend}]: {type(e).__name__}: {str(e).partition(chr(10))[0]}")
+    return failed
+
+
+CASES_OF = {m: [c for c in CASES if c[0] == m] for m in PLANS}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("module", list(PLANS))
+def test_store_matches_reference(module: str, backend: str, device: str) -> None:
+    failed = _failures(_store_case, module, backend, device)
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("module", list(PLANS))
+def test_load_matches_reference(module: str, backend: str, device: str) -> None:
+    failed = _failures(_load_case, module, backend, device)
+    assert not failed, "\n".join(failed)
 
 
 def test_minus1_scenarios_cover_every_position() -> None:
