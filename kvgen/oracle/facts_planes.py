@@ -254,11 +254,24 @@ def _planes(layerwise: bool) -> PackedFact:
         layer = _regions(g, cache)[1]
         return (layer,) if layerwise else (g.L, layer)
 
+    # A fact is asked for every element of a cache in turn: each plane's region is worked out
+    # once per (geometry, cache, plane), kept with the objects it was made for (ids alone could
+    # be reused by later objects).
+    regions: dict[tuple[Any, ...], tuple[PartsFact, PlaneFact, int, tuple[int, ...], int]] = {}
+
+    def region(g: EngineGeometry, cache: PartsFact, plane: PlaneFact) -> tuple[int, tuple[int, ...], int]:
+        key = (g, id(cache), id(plane))
+        kept = regions.get(key)
+        if kept is None or kept[0] is not cache or kept[1] is not plane:
+            start = _regions(g, cache)[0][cache.planes.index(plane)]
+            kept = regions[key] = (cache, plane, start, _region_extents(g, cache, plane), cache.value_bytes(plane))
+        return kept[2:]
+
     def where(g: EngineGeometry, cache: PartsFact, plane: PlaneFact, *element: int) -> ByteAddress:
         layer, kv, t, h, c = element
         index = [i for i, here in ((kv, plane.kv), (t, plane.slots), (h, plane.heads), (c, True)) if here]
-        start = _regions(g, cache)[0][cache.planes.index(plane)]
-        byte = start + _elements(_region_extents(g, cache, plane), index) * cache.value_bytes(plane)
+        start, extents, size = region(g, cache, plane)
+        byte = start + _elements(extents, index) * size
         return ((layer,), (byte,), 0) if layerwise else ((), (layer, byte), 0)
 
     name = "kv_planes_layer" if layerwise else "kv_planes"
