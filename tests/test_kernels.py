@@ -2,9 +2,11 @@
 (on the CPU through Triton's interpreter, on a GPU compiled), the backend choice, and the
 code Triton makes of them for an NVIDIA GPU (compiled here, without one).
 
-`kvgen verify --backend triton` runs every kernel through every scenario; this file keeps a
-subset that covers each way a kernel reaches the cache (a table over one or two list
-levels, one stacked tensor with L inside a block, a folded slot axis) and each program kind.
+`kvgen verify --backend triton` runs every kernel (in Triton's interpreter, through each
+scenario whose launches take a kernel path no earlier one took: tests/test_verify_interpreter.py);
+this file keeps a subset that covers each way a kernel reaches the cache (a table over one or
+two list levels, one stacked tensor with L inside a block, a folded slot axis) and each
+program kind.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 plans, a representative subset against the reference (on the CPU through Triton's
 interpreter), the word each plane moves in, and all-or-nothing launches.
 
-`kvgen verify --backend triton` runs every one of them through every scenario.
+`kvgen verify --backend triton` runs every one of them (in Triton's interpreter, through each
+scenario whose launches take a kernel path no earlier one took).
 """
 
 from __future__ import annotations
