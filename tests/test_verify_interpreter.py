@@ -20,7 +20,6 @@ from harness import builtin_library
 from kvgen import generated
 from kvgen.oracle.scenarios import (
     SCENARIOS,
-    check_pair,
     clone_tree,
     connector_load,
     connector_store,
@@ -48,12 +47,6 @@ MODULES = ["vllm_flash_attn_nhd__kv_2ltd", "vllm_int8_per_token_head__kv_planes_
 def _connector(module: str):  # noqa: ANN202
     plan = PLANS[module]
     return plan, generated.get(plan.paged.name, plan.obj.name)(device="cpu", backend="triton")
-
-
-def _paths(connector, plan, scenario) -> set:  # noqa: ANN001
-    with kernels.rehearsed() as paths:
-        check_pair(connector, plan.paged, plan.obj, scenario)
-    return paths
 
 
 def test_a_rehearsal_writes_nothing_and_counts_no_launch() -> None:
@@ -86,10 +79,10 @@ def test_every_scenario_left_out_launches_only_paths_a_chosen_one_launched(modul
     names = [s.name for s in chosen]
     assert names[0] == candidates[0].name and 1 < len(chosen) < len(candidates)
     assert "odd_offset_objects" in names  # objects off a 16-byte boundary: a path of their own
-    covered = set().union(*(_paths(connector, plan, s) for s in chosen))
+    covered = set().union(*(verify_connectors.launch_paths(connector, plan, s) for s in chosen))
     for scenario in candidates:
         if scenario.name not in names:
-            assert _paths(connector, plan, scenario) <= covered, scenario.name
+            assert verify_connectors.launch_paths(connector, plan, scenario) <= covered, scenario.name
 
 
 def test_a_fault_on_one_path_still_fails(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -290,33 +290,53 @@ def reference_load(paged: Spec, obj: Spec, cache: Any, objs: list[Any], sc: Scen
         reference.load(paged, obj, ext, cache, obj_tensors(o), reference.Span(mapping, s, e, sc.offset, sc.skip))
 
 
-def check_pair(connector: Any, paged: Spec, obj: Spec, scenario: Scenario,
-               dtype: torch.dtype = torch.float32) -> tuple[bool, bool]:
-    """(store ok, load ok) of one generated connector of (paged, obj), made for a device,
-    against the reference."""
+def _pair_inputs(connector: Any, paged: Spec, obj: Spec, scenario: Scenario, dtype: torch.dtype
+                 ) -> tuple[list[int], torch.Tensor, list[int], Any, list[Any]]:
+    """(slots as a list, slots, chunk lengths, the coded cache bound to `connector`, the objects
+    to store into) of one scenario of check_pair."""
     device = str(connector.device)
     rng = random.Random(f"{paged.name}/{obj.name}/{scenario.name}")
     mapping_list = scenario.mapping(rng, scenario.ext)
     mapping = torch.tensor(mapping_list, dtype=torch.long, device=device)
     lengths = [e - s for s, e in zip(scenario.starts, scenario.ends, strict=False)]
-
     cache = make_cache(paged, dtype, device, scenario.strided, scenario.odd_cache, ext=scenario.ext)
     connector.bind(cache)
     objs = make_objects(connector, lengths, dtype, device, salt=7)
-    if scenario.odd_objects:
-        objs = at_odd_offsets(objs)
-    want = make_objects(connector, lengths, dtype, device, salt=7)
+    return mapping_list, mapping, lengths, cache, at_odd_offsets(objs) if scenario.odd_objects else objs
+
+
+def _label(objs: list[Any], connector: Any) -> None:
+    """Give stored objects the connector's format, as an offload layer keeps it with them."""
+    for group in objs:
+        for o in group if isinstance(group, list) else [group]:
+            o.metadata.fmt = connector.format
+
+
+def check_pair(connector: Any, paged: Spec, obj: Spec, scenario: Scenario,
+               dtype: torch.dtype = torch.float32) -> tuple[bool, bool]:
+    """(store ok, load ok) of one generated connector of (paged, obj), made for a device,
+    against the reference."""
+    mapping_list, mapping, lengths, cache, objs = _pair_inputs(connector, paged, obj, scenario, dtype)
+    want = make_objects(connector, lengths, dtype, str(connector.device), salt=7)
     connector_store(connector, objs, scenario, cache, mapping)
     reference_store(paged, obj, cache, want, scenario, mapping_list)
     store_ok = same_bits([obj_tensors(o) for o in objs], [obj_tensors(o) for o in want])
 
-    for group in objs:
-        for o in group if isinstance(group, list) else [group]:
-            o.metadata.fmt = connector.format
+    _label(objs, connector)
     expected = clone_tree(cache)
     connector_load(connector, objs, scenario, cache, mapping)
     reference_load(paged, obj, expected, objs, scenario, mapping_list)
     return store_ok, same_bits(cache, expected)
+
+
+def move_pair(connector: Any, paged: Spec, obj: Spec, scenario: Scenario,
+              dtype: torch.dtype = torch.float32) -> None:
+    """check_pair's store and load through the connector alone, nothing compared (what a
+    rehearsal of its kernel launches runs, kvgen.tools.verify_connectors)."""
+    _, mapping, _, cache, objs = _pair_inputs(connector, paged, obj, scenario, dtype)
+    connector_store(connector, objs, scenario, cache, mapping)
+    _label(objs, connector)
+    connector_load(connector, objs, scenario, cache, mapping)
 
 
 def check_connector(package: Any, paged: Spec, obj: Spec, device: str, scenarios: Sequence[Scenario],

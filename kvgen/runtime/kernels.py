@@ -67,14 +67,13 @@ _VALUE_PREFIXES = ("cs_", "os_", "E_")
 _rehearsal: set[tuple[Any, ...]] | None = None
 
 
-def launch_path(fn: Any, grid: tuple[int, int], args: dict[str, Any]) -> tuple[Any, ...]:
+def launch_path(fn: Any, args: dict[str, Any]) -> tuple[Any, ...]:
     """What decides which of a kernel's code one launch runs: the kernel, its constexpr and flag
     arguments, whether the grid has whole-block programs and token programs (and a last token
     tile that is partial), and each tensor's dtype, contiguity and 16-byte alignment. Two
     launches with one path run the same instructions on other slot values. VA, the rows'
     alignment, counts only as whether rows are rounded to it (VA > 1): its value follows from
     the leaves' addresses, as TA's does."""
-    del grid  # its programs follow from num_blocks, num_tokens and the constexprs
     tile = int(args.get("TILE", 1))
     facts: list[tuple[Any, ...]] = []
     for name, value in sorted(args.items()):
@@ -379,7 +378,7 @@ class Kernel:
 
 def _launch(fn: Any, grid: tuple[int, int], args: dict[str, Any], device: torch.device) -> None:
     if _rehearsal is not None:
-        _rehearsal.add(launch_path(fn, grid, args))
+        _rehearsal.add(launch_path(fn, args))  # the grid follows from args
         return
     stats["launches"] += 1
     if device.type == "cpu" or device.index is None:

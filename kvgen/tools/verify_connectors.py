@@ -33,26 +33,32 @@ def scenarios(backend: str | None, device: str) -> list[Any]:
     return list(SCENARIOS.values())
 
 
-def distinct_launches(connector: Any, plan: Any, candidates: Sequence[Any]) -> list[Any]:
-    """Of `candidates`, in order, each scenario whose store or load launches a kernel path
-    (kvgen.runtime.kernels.launch_path: the kernel, its constexprs and flags, which kinds of
-    programs the grid has, its tensors' dtypes, contiguity and alignment) that no scenario
-    before it launched. The others would run the same instructions of the kernel on other
-    slot values; the default verify runs every scenario through the connector's own path,
-    whose slot planning is what they vary. Found by a rehearsal: the connector plans and
-    launches, the launches run nothing. A scenario whose rehearsal raises is kept."""
+def launch_paths(connector: Any, plan: Any, scenario: Any) -> set[tuple[Any, ...]]:
+    """The kernel paths (kvgen.runtime.kernels.launch_path) of one scenario's store and load,
+    from a rehearsal: the connector plans and launches, the launches run nothing."""
     # torch: only for a run
-    from kvgen.oracle.scenarios import check_pair
+    from kvgen.oracle.scenarios import move_pair
     from kvgen.runtime import kernels
 
+    with kernels.rehearsed() as paths:
+        move_pair(connector, plan.paged, plan.obj, scenario)
+    return paths
+
+
+def distinct_launches(connector: Any, plan: Any, candidates: Sequence[Any]) -> list[Any]:
+    """Of `candidates`, in order, each scenario whose store or load launches a kernel path
+    (`launch_paths`: the kernel, its constexprs and flags, which kinds of programs the grid
+    has, its tensors' dtypes, contiguity and alignment) that no scenario before it launched.
+    The others would run the same instructions of the kernel on other slot values; the
+    default verify runs every scenario through the connector's own path, whose slot planning
+    is what they vary. A scenario whose rehearsal raises is kept."""
     chosen: list[Any] = []
     seen: set[tuple[Any, ...]] = set()
     for scenario in candidates:
-        with kernels.rehearsed() as paths:
-            try:
-                check_pair(connector, plan.paged, plan.obj, scenario)
-            except Exception:  # the real run reports it
-                paths.add(("raised", scenario.name))
+        try:
+            paths = launch_paths(connector, plan, scenario)
+        except Exception:  # the real run reports it
+            paths = {("raised", scenario.name)}
         if not paths <= seen:
             chosen.append(scenario)
             seen |= paths
