@@ -39,7 +39,7 @@ from kvgen.plan.kernel import make_kernel_plan, make_parts_kernel_plan
 from kvgen.plan.package import plan_connectors, plan_package
 from kvgen.plan.parts import PartsPlan
 from kvgen.runtime import KVLayoutError, available_devices, kernels, native
-from kvgen.tools.verify_connectors import INTERPRETER_LAYERS
+from kvgen.tools import verify_connectors
 
 LIBRARY = builtin_library()
 PLANS = {p.module: p for p in plan_library(LIBRARY)}
@@ -70,9 +70,8 @@ def interpreted(scenarios: list[str], device: str) -> list[Scenario]:
     """The named scenarios as `verify --backend triton` runs them on `device`: in Triton's
     interpreter (CPU) on INTERPRETER_LAYERS layers, which still gives every layer its own table
     entry and, layerwise, its own launch."""
-    if device != "cpu":
-        return [SCENARIOS[s] for s in scenarios]
-    return [replace(SCENARIOS[s], ext={**SCENARIOS[s].ext, "L": INTERPRETER_LAYERS}) for s in scenarios]
+    by_name = {s.name: s for s in verify_connectors.scenarios("triton", device)}
+    return [by_name[s] for s in scenarios]
 
 
 def _kernel_device(device: str) -> None:
