@@ -102,8 +102,9 @@ def test_every_option_has_help() -> None:
 
 def test_verify_checks_the_built_in_specs_facts_only_when_it_verifies_everything(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """--only is a quick look at some connectors: the fact and engine checks of the built-in
-    specs (tens of seconds, vLLM's import among them) are a whole verify's."""
+    """--only is a quick look at some connectors, and --backend a look at one way of moving
+    data: the fact and engine checks of the built-in specs (tens of seconds, vLLM's import
+    among them), which depend on neither, are a whole verify's."""
     from kvgen.tools import verify, verify_connectors, verify_engines, verify_models, verify_transfers
 
     calls: list[str] = []
@@ -115,6 +116,11 @@ def test_verify_checks_the_built_in_specs_facts_only_when_it_verifies_everything
     assert main(["verify", "--only", "vllm_flash_attn_nhd__kv_2ltd", "--device", "cpu", "--jobs", "1"]) == 0
     assert calls == ["1 rows"]
     assert "--only: the built-in specs' fact and engine checks are left to a whole `kvgen verify`" \
+        in capsys.readouterr().out
+    calls.clear()
+    assert main(["verify", "--backend", "torch", "--device", "cpu", "--jobs", "1"]) == 0
+    assert calls[0].endswith(" rows") and calls[0] != "1 rows" and len(calls) == 1
+    assert "--backend: the built-in specs' fact and engine checks are left to a whole `kvgen verify`" \
         in capsys.readouterr().out
     calls.clear()
     assert main(["verify", "--device", "cpu", "--jobs", "1"]) == 0

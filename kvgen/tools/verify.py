@@ -81,12 +81,14 @@ def _check_model_facts(library: Any) -> int:
     return len(wrong)
 
 
-def _check_builtins(library: Any, only: str | None) -> int:
+def _check_builtins(library: Any, only: str | None, backend: str | None) -> int:
     """The built-in specs against the engines' facts and their live code: a whole verify's
     share (tens of seconds, vLLM's import among them), left out of an --only run, which looks
-    at the connectors it names."""
-    if only:
-        print("--only: the built-in specs' fact and engine checks are left to a whole `kvgen verify`")
+    at the connectors it names, and of a --backend run, as they do not depend on how
+    connectors move data."""
+    if only or backend:
+        flag = "--only" if only else "--backend"
+        print(f"{flag}: the built-in specs' fact and engine checks are left to a whole `kvgen verify`")
         return 0
     return _check_facts(library) + verify_engines.run()
 
@@ -168,7 +170,7 @@ def main(args: Any) -> int:
                              "no Triton kernels of their own")
         # transfers have no kernels; model connectors move through their members
         chosen = _Selection(chosen.connectors, [], [])
-    failures = _check_builtins(ctx.library, args.only)
+    failures = _check_builtins(ctx.library, args.only, args.backend)
     with Rows(ctx, args.jobs if args.jobs is not None else default_jobs(), check_row) as rows:
         failures += verify_connectors.run(rows, chosen.connectors, ctx.plans, devices, args.backend)
         failures += verify_transfers.run(rows, chosen.transfers, ctx.transfers, devices)[1]
