@@ -312,3 +312,16 @@ def test_byte_write_back_of_wide_values_after_an_odd_number_of_bytes() -> None:
     found.write_back()
     assert wide.view(torch.uint8).tolist() == list(range(100, 120))
     assert small.view(torch.int16).tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize(("where", "want"), [
+    ([4, 0, 2], [2, 0, 3, 0, 1, 0]),  # each position once: a plain scatter
+    ([4, 0, 4, 2, 0], [5, 0, 4, 0, 3, 0]),  # positions 4 and 0 twice: the later write wins
+    ([1, 1, 1], [0, 3, 0, 0, 0, 0]),
+])
+def test_put_last_keeps_the_later_of_two_writes_to_one_position(where: list[int], want: list[int]) -> None:
+    from kvgen.oracle.reference.common import put_last
+
+    dst = torch.zeros(6, dtype=torch.int32)
+    put_last(dst, torch.tensor(where), torch.arange(1, len(where) + 1))
+    assert dst.tolist() == want

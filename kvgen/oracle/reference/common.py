@@ -22,6 +22,11 @@ def leaf(tree: Any, path: Sequence[int]) -> torch.Tensor:
 def put_last(dst: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
     """dst[where] = values, where a position written twice keeps the later value (as a loop would)."""
     where, values = where.reshape(-1), values.reshape(-1)
+    written = torch.zeros(dst.numel(), dtype=torch.bool)
+    written[where] = True
+    if int(torch.count_nonzero(written)) == where.numel():  # no position twice: one plain scatter
+        dst[where] = values.to(dst.dtype)
+        return
     order = torch.arange(where.numel())
     last = torch.full((dst.numel(),), -1, dtype=torch.long).scatter_reduce_(0, where, order, reduce="amax")
     keep = last[where] == order
