@@ -17,7 +17,7 @@ from harness import builtin_library
 from kvgen import remote, tp
 from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import clone_tree, same_bits
-from kvgen.oracle.transfer_scenarios import DST_SALT, make_cache
+from kvgen.oracle.scenarios.transfers import DST_SALT, make_cache
 
 LIBRARY = builtin_library()
 #: A source rank's salt: codes of different ranks (and the destination's) never meet.

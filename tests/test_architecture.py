@@ -9,7 +9,8 @@ tests/code_rules.py; the tests of the rules themselves are in tests/test_code_ru
 - no function with more than 6 parameters, except the public APIs in ENGINE_SIGNATURES;
 - no two classes of the same name in the package;
 - one name per kind: no module (or template) is a format or version sibling of another
-  (`X_parts`, `parts_X`, `X_v2`).
+  (`X_parts`, `parts_X`, `X_v2`), none is named for a kind beside another kind's module of the
+  same job (`transfer_X`, `model_X` beside `X`), and after the spec stage no module is `parts`.
 """
 
 from __future__ import annotations
@@ -184,6 +185,68 @@ def test_the_sibling_rule_names_the_siblings_kinds_replaced() -> None:
     """The format-2 siblings this rule stops (issue 21) are sibling names; kind modules are not."""
     assert all(SIBLING_NAME.match(n) for n in ("passes_v2", "kernels_parts", "kernel_parts", "parts_fact"))
     assert not any(SIBLING_NAME.match(n) for n in ("parts", "planes", "facts_planes", "transfer_reference"))
+
+#: A kind's word as a module name's prefix (`transfer_scenarios`, `model_scenarios`): the kinds
+#: PAIR_KINDS names (layouts, planes), transfers and models, and the spec's word for planes.
+KIND_PREFIX = re.compile(r"^(layouts?|planes?|parts?|transfers?|models?)_(.+)$")
+#: The spec language's word: `parts:` and kvgen/spec/passes/parts.py stay; every later stage calls
+#: the kind of caches of several parts or fields `planes`.
+SPEC_STAGE = PACKAGE / "spec"
+
+
+def _siblings(paths: Collection[Path]) -> dict[Path, set[str]]:
+    """The names in each folder: its modules and templates, and its packages (by their __init__)."""
+    names: dict[Path, set[str]] = {}
+    for p in paths:
+        if p.name == "__init__.py":
+            names.setdefault(p.parent.parent, set()).add(p.parent.name)
+        else:
+            names.setdefault(p.parent, set()).add(p.name.split(".")[0])
+    return names
+
+
+def kind_name_problems(paths: Collection[Path]) -> list[str]:
+    """The modules among `paths` named for a kind beside another kind's module of the same job
+    (`transfer_X` or `model_X` next to a module or package `X` in one folder: the job is a package
+    `X/` with one module per kind, as oracle/scenarios and oracle/reference are), and those named
+    `parts` outside the spec stage (the plan, runtime, ... name the planes kind `planes`)."""
+    names, found = _siblings(paths), []
+    for p in sorted(paths):
+        stem = p.name.split(".")[0]
+        prefixed = KIND_PREFIX.match(stem)
+        if prefixed and prefixed.group(2) in names.get(p.parent, set()):
+            found.append(f"{p}: the {prefixed.group(1)} kind's {prefixed.group(2)} beside the module "
+                         f"{prefixed.group(2)}: make {prefixed.group(2)} a package with one module per kind")
+        if stem == "parts" and SPEC_STAGE not in p.parents:
+            found.append(f"{p}: the planes kind is `planes` after the spec stage, not `parts`")
+    return found
+
+
+def test_no_module_is_named_for_a_kind_beside_another_kinds() -> None:
+    """One name per kind at every stage: no `transfer_X` / `model_X` beside `X`, no plan or
+    runtime module `parts`."""
+    found = kind_name_problems([*SOURCES, *TEMPLATES.glob("*.j2")])
+    assert not found, "\n".join(found)
+
+
+def test_the_kind_name_rule_names_the_modules_it_replaced() -> None:
+    """The layout before issue 21's item 3 offends on each renamed module; today's does not, and a
+    kind's module put back beside the package of its job offends again."""
+    oracle, plan, runtime = PACKAGE / "oracle", PACKAGE / "plan", PACKAGE / "runtime"
+    before = [oracle / "scenarios.py", oracle / "transfer_scenarios.py", oracle / "model_scenarios.py",
+              oracle / "reference" / "__init__.py", plan / "parts.py", plan / "copy.py",
+              PACKAGE / "spec" / "passes" / "parts.py", runtime / "model.py", runtime / "model_checks.py"]
+    found = kind_name_problems(before)
+    assert [f.split(":")[0] for f in found] == [str(oracle / "model_scenarios.py"),
+                                               str(oracle / "transfer_scenarios.py"), str(plan / "parts.py")]
+    scenarios = oracle / "scenarios"
+    after = [scenarios / "__init__.py", scenarios / "layouts.py", scenarios / "transfers.py", scenarios / "models.py",
+             plan / "planes.py", PACKAGE / "spec" / "passes" / "parts.py", runtime / "model_checks.py"]
+    assert kind_name_problems(after) == []
+    assert kind_name_problems([*after, oracle / "transfer_scenarios.py", runtime / "parts.py"]) == [
+        f"{oracle / 'transfer_scenarios.py'}: the transfer kind's scenarios beside the module scenarios: "
+        "make scenarios a package with one module per kind",
+        f"{runtime / 'parts.py'}: the planes kind is `planes` after the spec stage, not `parts`"]
 
 # ----------------------------------------------------------------------------- code rules
 

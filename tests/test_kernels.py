@@ -35,9 +35,10 @@ from harness import (
 from kvgen import generated
 from kvgen.oracle.scenarios import Scenario, check_connector, clone_tree, same_bits
 from kvgen.plan.copy import CopyPlan, plan_library
-from kvgen.plan.kernel import make_kernel_plan, make_parts_kernel_plan
+from kvgen.plan.kernel import make_kernel_plan
+from kvgen.plan.kernel import make_planes_kernel_plan as make_parts_kernel_plan
 from kvgen.plan.package import plan_connectors, plan_package
-from kvgen.plan.parts import PartsPlan
+from kvgen.plan.planes import PlanesPlan as PartsPlan
 from kvgen.runtime import KVLayoutError, available_devices, kernels, native
 from kvgen.tools import verify_connectors
 

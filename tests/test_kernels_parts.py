@@ -20,9 +20,9 @@ from test_kernels import interpreted
 
 from kvgen import generated
 from kvgen.oracle.scenarios import check_connector, clone_tree, same_bits
-from kvgen.plan.kernel import make_parts_kernel_plan
+from kvgen.plan.kernel import make_planes_kernel_plan as make_parts_kernel_plan
 from kvgen.plan.package import plan_connectors
-from kvgen.plan.parts import PartsPlan
+from kvgen.plan.planes import PlanesPlan as PartsPlan
 from kvgen.runtime import KVLayoutError, available_devices, kernels
 
 PARTS = {p.module: p for p in plan_connectors(builtin_library()) if isinstance(p, PartsPlan)}

@@ -17,8 +17,8 @@ from model_harness import build_models
 
 import kvgen.generated as generated
 from kvgen.errors import KVLayoutError
-from kvgen.oracle import model_scenarios as ms
 from kvgen.oracle.reference import models as oracle
+from kvgen.oracle.scenarios import models as ms
 from kvgen.plan.package import skipped_models
 from kvgen.runtime import MemoryObj
 from kvgen.runtime import model as runtime_model

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from model_harness import build_models
 
-from kvgen.oracle import model_scenarios as ms
+from kvgen.oracle.scenarios import models as ms
 
 #: Layouts whose lists start with L, with the sizes a group may declare for them.
 LAYOUTS = {

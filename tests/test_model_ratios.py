@@ -12,8 +12,8 @@ import pytest
 import torch
 from model_harness import build_models
 
-from kvgen.oracle import model_scenarios as ms
 from kvgen.oracle.reference import models
+from kvgen.oracle.scenarios import models as ms
 from kvgen.runtime import KVLayoutError
 
 SPECS = Path(__file__).resolve().parent / "specs_ratio"

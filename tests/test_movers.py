@@ -26,8 +26,8 @@ import kvgen
 from kvgen import generated
 from kvgen.errors import KVLayoutError
 from kvgen.oracle.scenarios import EXT, make_cache
-from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT
-from kvgen.oracle.transfer_scenarios import make_cache as make_transfer_cache
+from kvgen.oracle.scenarios.transfers import DST_EXT, SRC_EXT
+from kvgen.oracle.scenarios.transfers import make_cache as make_transfer_cache
 from kvgen.runtime import MemoryObj, devices, kernels, native
 from kvgen.runtime.connector import max_word
 from kvgen.runtime.movers import native as native_mover

@@ -16,8 +16,8 @@ from harness import SCENARIOS
 
 from kvgen import generated
 from kvgen.oracle.scenarios import check_pair
-from kvgen.oracle.transfer_scenarios import SCENARIOS as TRANSFER_SCENARIOS
-from kvgen.oracle.transfer_scenarios import TransferRun, check_transfer
+from kvgen.oracle.scenarios.transfers import SCENARIOS as TRANSFER_SCENARIOS
+from kvgen.oracle.scenarios.transfers import TransferRun, check_transfer
 from kvgen.runtime import native, native_transfer
 from kvgen.runtime.movers.native import NativeMover
 from kvgen.spec.library import load_library

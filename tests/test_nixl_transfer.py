@@ -14,7 +14,7 @@ import torch
 from kvgen import generated, remote
 from kvgen.integrations import nixl
 from kvgen.oracle.scenarios import clone_tree, same_bits
-from kvgen.oracle.transfer_scenarios import SCENARIOS
+from kvgen.oracle.scenarios.transfers import SCENARIOS
 from kvgen.runtime.errors import KVLayoutError
 from tests.remote_harness import Case
 

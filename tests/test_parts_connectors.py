@@ -37,7 +37,7 @@ from kvgen import generated
 from kvgen.emit.render import render_connector, seal
 from kvgen.oracle.scenarios import check_connector, check_pair
 from kvgen.plan.package import connector_plan, plan_connectors
-from kvgen.plan.parts import PartsPlan
+from kvgen.plan.planes import PlanesPlan as PartsPlan
 from kvgen.runtime import KVLayoutError, MemoryObj
 
 LIBRARY = builtin_library()

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from kvgen.emit.render import render_connector, render_package, seal
 from kvgen.errors import SpecError
 from kvgen.plan.package import connector_plan, plan_package
-from kvgen.plan.parts import compatible_parts, plan_parts
+from kvgen.plan.planes import compatible_planes as compatible_parts
+from kvgen.plan.planes import plan_planes as plan_parts
 from kvgen.runtime import KVLayoutError
 from kvgen.spec.library import BUILTIN_SPECS, load_library
 

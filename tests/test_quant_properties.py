@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kvgen.oracle.address import packed_value, plane_address, scale_index, stored_slots
 from kvgen.oracle.reference.planes import part_shape
 from kvgen.plan.copy import compatible
-from kvgen.plan.parts import compatible_parts
+from kvgen.plan.planes import compatible_planes as compatible_parts
 from kvgen.spec.library import load_library, load_specs
 from kvgen.spec.model import Spec
 

@@ -11,8 +11,8 @@ from kvgen.oracle import reference
 from kvgen.oracle.address import element_address
 from kvgen.oracle.reference import planes, transfers
 from kvgen.oracle.scenarios import at_odd_offsets, clone_tree, make_objects
-from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT
-from kvgen.oracle.transfer_scenarios import make_cache as transfer_cache
+from kvgen.oracle.scenarios.transfers import DST_EXT, SRC_EXT
+from kvgen.oracle.scenarios.transfers import make_cache as transfer_cache
 from kvgen.plan.copy import plan_library
 from kvgen.plan.package import kind_of, plan_connectors
 from kvgen.runtime.ops import bits

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvgen import remote
-from kvgen.oracle.transfer_scenarios import SRC_EXT
+from kvgen.oracle.scenarios.transfers import SRC_EXT
 from kvgen.runtime.errors import KVLayoutError
 from tests.remote_harness import Case
 

@@ -11,7 +11,7 @@ import torch
 
 from kvgen import generated, remote
 from kvgen.oracle.scenarios import same_bits
-from kvgen.oracle.transfer_scenarios import SCENARIOS, SRC_EXT
+from kvgen.oracle.scenarios.transfers import SCENARIOS, SRC_EXT
 from kvgen.runtime.errors import KVLayoutError
 from tests.remote_harness import Case, moved_right, run_by_memmove
 

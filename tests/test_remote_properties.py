@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvgen import remote
 from kvgen.oracle.scenarios import same_bits
-from kvgen.oracle.transfer_scenarios import SRC_EXT
+from kvgen.oracle.scenarios.transfers import SRC_EXT
 from tests.remote_harness import Case, run_by_memmove
 
 PAIRS = [("vllm_flash_attn_nhd", "vllm_flash_attn_hnd"), ("vllm_flash_attn_hnd", "vllm_flash_attn_nhd"),

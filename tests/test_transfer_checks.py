@@ -17,7 +17,7 @@ from harness import builtin_library
 from kvgen import generated
 from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import clone_tree, same_bits
-from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT, make_cache
+from kvgen.oracle.scenarios.transfers import DST_EXT, SRC_EXT, make_cache
 from kvgen.runtime import KVLayoutError
 from kvgen.tp import HeadRanges, Route
 

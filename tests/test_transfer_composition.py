@@ -15,7 +15,7 @@ from harness import builtin_library
 from kvgen import generated, tp
 from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import clone_tree, same_bits
-from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT, make_cache
+from kvgen.oracle.scenarios.transfers import DST_EXT, SRC_EXT, make_cache
 
 LIBRARY = builtin_library()
 PAIRS = sorted(generated.TRANSFERS)

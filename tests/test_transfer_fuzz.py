@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvgen import generated, tp
 from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import clone_tree, same_bits
-from kvgen.oracle.transfer_scenarios import make_cache, run_transfer
+from kvgen.oracle.scenarios.transfers import make_cache, run_transfer
 from kvgen.runtime import native
 from kvgen.spec.transfers import load_transfers
 

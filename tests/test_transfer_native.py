@@ -12,7 +12,7 @@ from kvgen import generated
 from kvgen.errors import KVLayoutError
 from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import clone_tree, same_bits
-from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT, make_cache
+from kvgen.oracle.scenarios.transfers import DST_EXT, SRC_EXT, make_cache
 from kvgen.runtime import native
 
 LIBRARY = builtin_library()

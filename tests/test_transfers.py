@@ -14,7 +14,7 @@ import torch
 from harness import builtin_library
 
 from kvgen import generated, tp
-from kvgen.oracle.transfer_scenarios import (
+from kvgen.oracle.scenarios.transfers import (
     SCENARIOS,
     SRC_EXT,
     TransferRun,

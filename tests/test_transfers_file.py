@@ -16,7 +16,7 @@ from harness import builtin_library
 from kvgen.errors import SpecError
 from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import clone_tree, same_bits
-from kvgen.oracle.transfer_scenarios import DST_EXT, SRC_EXT, make_cache
+from kvgen.oracle.scenarios.transfers import DST_EXT, SRC_EXT, make_cache
 from kvgen.spec.library import BUILTIN_SPECS, load_library, spec_files
 from kvgen.spec.transfers import check_transfers, content_problem, load_transfers
 from kvgen.tools.cli import main

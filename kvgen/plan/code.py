@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgen.plan.copy import MODULE_PROGRAM, CopyPlan, Loop, Mode, View, placed
-from kvgen.plan.parts import PartsPlan, PlaneCopy
+from kvgen.plan.planes import PlaneCopy, PlanesPlan
 
 INDENT = "    "
 #: Parameters of the generated copy methods, after `self`.
@@ -120,7 +120,7 @@ def _plane_copy(pc: PlaneCopy, store: bool, loops: tuple[Loop, ...], program: st
                    *_indent(whole), *_indent(_loops(loops, inner))]
 
 
-def parts_methods(plan: PartsPlan, programs: bool) -> tuple[Method, ...]:
+def planes_methods(plan: PlanesPlan, programs: bool) -> tuple[Method, ...]:
     """`_dtype` (regions objects are bytes), then `_store`/`_load` or their per-layer forms,
     each running every plane in turn; `programs`: the module's PROGRAM holds one program per
     plane (PROGRAM.planes), whose places the copies' views follow."""
@@ -142,5 +142,5 @@ def parts_methods(plan: PartsPlan, programs: bool) -> tuple[Method, ...]:
     return tuple(methods)
 
 
-def parts_shape_body(plan: PartsPlan) -> str:
+def planes_shape_body(plan: PlanesPlan) -> str:
     return f"({', '.join(plan.shape)}{',' if len(plan.shape) == 1 else ''})"

@@ -156,7 +156,7 @@ def compatible(paged: Spec, obj: Spec) -> bool:
     that is either whole-chunk or per layer."""
     if not paged.is_paged or obj.is_paged:
         return False
-    if not (paged.is_simple and obj.is_simple):  # format-2 pairs: kvgen.plan.parts
+    if not (paged.is_simple and obj.is_simple):  # format-2 pairs: kvgen.plan.planes
         return False
     if paged.token_ratio != (1, 1):  # format 3: a slot is not one token; no connector for that yet
         return False
@@ -254,7 +254,7 @@ def _block_path(cache: View, whole: View, fixed: dict[str, str], extent: dict[st
 @dataclass(frozen=True)
 class Source:
     """Where the copy of one plane reads and writes, for caches of several parts or fields
-    (kvgen.plan.parts): the cache leaf expression inside the loops, the expression of the
+    (kvgen.plan.planes): the cache leaf expression inside the loops, the expression of the
     plane's whole object view, and the extents (C counted in bytes)."""
 
     leaf: str

@@ -82,11 +82,11 @@ def _tree_fused(spec: Spec, names: list[str], known: set[str]) -> tuple[list[str
     return lines, solved
 
 
-def parts_geometry_body(spec: Spec) -> tuple[str, ...]:
+def planes_geometry_body(spec: Spec) -> tuple[str, ...]:
     """Lines of `read_geometry(kvcaches)` for a format-2 cache: every part's tensors read
     and checked, shared extents (L, KV, B, N, H) equal across parts, each part's C, and
     each plane's bytes per value row."""
-    reading = _PartsReading(spec)
+    reading = _PlanesReading(spec)
     for p, part in enumerate(spec.parts):
         reading.read_part(p, part)
     reading.fix_sizes()
@@ -96,7 +96,7 @@ def parts_geometry_body(spec: Spec) -> tuple[str, ...]:
     return (*reading.lines, *reading.result(planes))
 
 
-class _PartsReading:
+class _PlanesReading:
     """The lines of a format-2 `read_geometry` as they are written, with the variable that holds
     each extent so far (`known`), the fused dims left to check, and the extents to check positive."""
 

@@ -15,7 +15,7 @@ layers). Its grid is (whole blocks + token tiles, outer parts):
   tokens by slot, slots < 0 masked (`kvgen.runtime.tiles.move_chunk`).
 
 A format-2 cache (several planes: parts, or typed fields of a part, each planned by
-kvgen.plan.parts as a format-1 copy over byte views) gets the same kernel per plane, over the
+kvgen.plan.planes as a format-1 copy over byte views) gets the same kernel per plane, over the
 plane's views, with its bytes moved in the widest word its offsets and strides allow at run
 time: one launch per plane, every layer's leaf of the plane reached through a table. A plane
 without slots (a per-layer scale) is one row per layer, moved whole as a single token at slot
@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgen.plan.copy import LOOP_VARS, SLOT, CopyPlan, Mode, View, canonical
-from kvgen.plan.parts import PartsPlan, PlaneCopy
+from kvgen.plan.planes import PlaneCopy, PlanesPlan
 from kvgen.spec.model import PART_LEVEL, Pack, Spec
 
 #: The most tokens one program moves per tile (a plane without slots moves one row).
@@ -318,34 +318,34 @@ class PlaneKernelPlan(OnAxes):
 
 
 @dataclass(frozen=True)
-class PartsKernelPlan:
+class PlanesKernelPlan:
     """The Triton kernels of one format-2 connector, one per plane, in plane order."""
 
-    parts: PartsPlan
+    copy: PlanesPlan
     planes: tuple[PlaneKernelPlan, ...]
     #: Body of the module's `_leaves(kvcaches, g, plane)`: every layer's leaf of one plane.
     leaves: str
 
     @property
     def module(self) -> str:
-        return f"{self.parts.module}_triton"
+        return f"{self.copy.module}_triton"
 
     @property
     def sizes(self) -> tuple[str, ...]:
         """A regions object's region bytes per layer, over `g` and `num_tokens` (() for rows)."""
-        return self.parts.sizes
+        return self.copy.sizes
 
     @property
     def layerwise(self) -> bool:
-        return self.parts.mode is Mode.LAYERWISE
+        return self.copy.mode is Mode.LAYERWISE
 
     @property
     def rows(self) -> bool:
-        return self.parts.obj.pack is Pack.ROWS
+        return self.copy.obj.pack is Pack.ROWS
 
     @property
     def sources(self) -> tuple[Spec, Spec]:
-        return (self.parts.paged, self.parts.obj)
+        return (self.copy.paged, self.copy.obj)
 
     @property
     def decorator(self) -> str:
@@ -377,36 +377,36 @@ def _rewrite(expr: str, i: int, swaps: dict[str, str]) -> str:
     return expr
 
 
-def _plane_kernel(parts: PartsPlan, pc: PlaneCopy, index: int) -> PlaneKernelPlan:
-    copy, layerwise = pc.copy, parts.mode is Mode.LAYERWISE
-    source = _leaf_source(parts.paged, pc.plane.index)
+def _plane_kernel(plan: PlanesPlan, pc: PlaneCopy, index: int) -> PlaneKernelPlan:
+    copy, layerwise = pc.copy, plan.mode is Mode.LAYERWISE
+    source = _leaf_source(plan.paged, pc.plane.index)
     if source not in copy.cache_view.expr:
-        raise ValueError(f"{parts.module}: plane {pc.plane.name}'s cache view does not read {source}")
+        raise ValueError(f"{plan.module}: plane {pc.plane.name}'s cache view does not read {source}")
     leaf = View(_rewrite(copy.cache_view.expr, index, {source: "leaf"}), copy.cache_view.axes)
     obj = View(_rewrite(copy.object_view.expr, index, {"ck.num_tokens": "num_tokens"}), copy.object_view.axes)
     left = [name for name in ("wd[", "ck.", "kvcaches") if name in leaf.expr + obj.expr]
     if left:  # the torch copy's views name something the kernel's views do not have
-        raise ValueError(f"{parts.module}: plane {pc.plane.name}'s views still use {', '.join(left)}")
+        raise ValueError(f"{plan.module}: plane {pc.plane.name}'s views still use {', '.join(left)}")
     slot = () if pc.slotless else (SLOT,) if SLOT in leaf.axes else ("B", "N")
     axes = Axes(leaf, obj, ("L",), slot, layerwise)
     params, body = kernel_text(axes, aligned=True)
     views = ["rows = runtime.bytes_of(tensor)"]
-    if parts.sizes:
+    if plan.sizes:
         views.append("at = runtime.region_starts(_region_sizes(g, num_tokens))  # each region in a layer")
     views += [f"# this plane of one cache leaf: [{' '.join(leaf.axes)}], and of the object: [{' '.join(obj.axes)}]",
               f"x = {leaf.expr}", f"o = {obj.expr}", "return x, o"]
     return PlaneKernelPlan(index, pc.plane.name, axes, params, body, tuple(views))
 
 
-def make_parts_kernel_plan(parts: PartsPlan) -> PartsKernelPlan:
-    planes = tuple(_plane_kernel(parts, pc, i) for i, pc in enumerate(parts.planes))
-    leaf = "kvcaches" + "".join("[plane]" if a == PART_LEVEL else "[layer]" for a in parts.paged.lists)
-    return PartsKernelPlan(parts, planes, f"[{leaf} for layer in range(g.L)]")
+def make_planes_kernel_plan(plan: PlanesPlan) -> PlanesKernelPlan:
+    planes = tuple(_plane_kernel(plan, pc, i) for i, pc in enumerate(plan.planes))
+    leaf = "kvcaches" + "".join("[plane]" if a == PART_LEVEL else "[layer]" for a in plan.paged.lists)
+    return PlanesKernelPlan(plan, planes, f"[{leaf} for layer in range(g.L)]")
 
 
 def kernel_grid(plan: object) -> str | None:
     """The launch grid of a connector's kernel, for people; None for anything that is not a
     connector's plan."""
-    if isinstance(plan, PartsPlan):
-        return make_parts_kernel_plan(plan).grid
+    if isinstance(plan, PlanesPlan):
+        return make_planes_kernel_plan(plan).grid
     return make_kernel_plan(plan).grid if isinstance(plan, CopyPlan) else None

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Any
 
-from kvgen.plan.code import Method, copy_methods, parts_methods, parts_shape_body, shape_body
+from kvgen.plan.code import Method, copy_methods, planes_methods, planes_shape_body, shape_body
 from kvgen.plan.convert import Converter, plan_converters
 from kvgen.plan.copy import CopyPlan, Mode, plan_library
-from kvgen.plan.geometry import geometry_body, parts_geometry_body
-from kvgen.plan.kernel import KernelPlan, PartsKernelPlan, make_kernel_plan, make_parts_kernel_plan
+from kvgen.plan.geometry import geometry_body, planes_geometry_body
+from kvgen.plan.kernel import KernelPlan, PlanesKernelPlan, make_kernel_plan, make_planes_kernel_plan
 from kvgen.plan.layouts import Fields, layout_fields
 from kvgen.plan.models import ModelPlan, plan_models
-from kvgen.plan.parts import PartsPlan, compatible_parts, plan_parts
+from kvgen.plan.planes import PlanesPlan, compatible_planes, plan_planes
 from kvgen.plan.program import ProgramPlan, planes_views, program_plan
 from kvgen.plan.transfer import TransferPlan, plan_transfers
 from kvgen.spec.library import UNDEFINED, Library
@@ -57,7 +57,7 @@ def layout_facts(spec: Spec) -> Fields:
 class ConnectorPlan:
     """One generated connector module."""
 
-    copy: CopyPlan | PartsPlan
+    copy: CopyPlan | PlanesPlan
     base_class: str
     paged_fields: Fields
     object_fields: Fields
@@ -91,7 +91,7 @@ class PackagePlan:
     converters: tuple[Converter, ...]
     layouts: tuple[tuple[str, Fields], ...]
     #: The Triton kernel module of each connector, in the connectors' order.
-    kernels: tuple[KernelPlan | PartsKernelPlan, ...] = ()
+    kernels: tuple[KernelPlan | PlanesKernelPlan, ...] = ()
     #: Layout-to-layout transfer modules (kvgen.plan.transfer), from the transfers files.
     transfers: tuple[TransferPlan, ...] = ()
     #: Model connectors, one per (model, groups object) pair (kvgen.plan.models).
@@ -107,7 +107,7 @@ def _layouts_connector(plan: CopyPlan) -> ConnectorPlan:
                          geometry_body(plan.paged), shape_body(plan), copy_methods(plan), program_plan(plan))
 
 
-def _planes_connector(plan: PartsPlan) -> ConnectorPlan:
+def _planes_connector(plan: PlanesPlan) -> ConnectorPlan:
     program = program_plan(plan)
     objects, plane_leaves = planes_views(plan)
     views = (Method("_plane_objects", ("tensor: torch.Tensor", "g: runtime.Geometry", "ck: runtime.Chunk"),
@@ -115,18 +115,18 @@ def _planes_connector(plan: PartsPlan) -> ConnectorPlan:
              Method("_plane_leaves", ("kvcaches: Any", "g: runtime.Geometry"), plane_leaves,
                     "tuple[tuple[torch.Tensor, ...], ...]")) if program.planes else ()
     return ConnectorPlan(plan, _base_class(plan), layout_fields(plan.paged), layout_fields(plan.obj),
-                         parts_geometry_body(plan.paged), parts_shape_body(plan),
-                         parts_methods(plan, bool(program.planes)) + views,
+                         planes_geometry_body(plan.paged), planes_shape_body(plan),
+                         planes_methods(plan, bool(program.planes)) + views,
                          program, ("parts",))
 
 
-def _base_class(plan: CopyPlan | PartsPlan) -> str:
+def _base_class(plan: CopyPlan | PlanesPlan) -> str:
     return "LayerwiseConnector" if plan.mode is Mode.LAYERWISE else "ChunkConnector"
 
 
-def _planes_pairs(library: Library) -> list[PartsPlan]:
+def _planes_pairs(library: Library) -> list[PlanesPlan]:
     """The pairs of caches of several parts or fields with packed objects (spec format 2)."""
-    return [plan_parts(p, o) for p, o in product(library.paged, library.objects) if compatible_parts(p, o)]
+    return [plan_planes(p, o) for p, o in product(library.paged, library.objects) if compatible_planes(p, o)]
 
 
 @dataclass(frozen=True)
@@ -138,27 +138,27 @@ class PairKind:
     plan_type: type
     pairs: Callable[[Library], Sequence[Any]]
     connector: Callable[[Any], ConnectorPlan]
-    kernel: Callable[[Any], KernelPlan | PartsKernelPlan]
+    kernel: Callable[[Any], KernelPlan | PlanesKernelPlan]
 
 
 #: The kinds of connector, in the order a build lists their modules.
 PAIR_KINDS: tuple[PairKind, ...] = (
     # one tensor tree per side (spec format 1): kvgen.plan.copy
     PairKind("layouts", CopyPlan, plan_library, _layouts_connector, make_kernel_plan),
-    # caches of several planes (parts, fields) and packed objects: kvgen.plan.parts
-    PairKind("planes", PartsPlan, _planes_pairs, _planes_connector, make_parts_kernel_plan),
+    # caches of several planes (parts, fields) and packed objects: kvgen.plan.planes
+    PairKind("planes", PlanesPlan, _planes_pairs, _planes_connector, make_planes_kernel_plan),
 )
 
 
-def kind_of(plan: CopyPlan | PartsPlan) -> PairKind:
+def kind_of(plan: CopyPlan | PlanesPlan) -> PairKind:
     return next(k for k in PAIR_KINDS if type(plan) is k.plan_type)
 
 
-def connector_plan(plan: CopyPlan | PartsPlan) -> ConnectorPlan:
+def connector_plan(plan: CopyPlan | PlanesPlan) -> ConnectorPlan:
     return kind_of(plan).connector(plan)
 
 
-def plan_connectors(library: Library) -> list[CopyPlan | PartsPlan]:
+def plan_connectors(library: Library) -> list[CopyPlan | PlanesPlan]:
     """Every connector of a build, kind by kind (PAIR_KINDS)."""
     return [plan for kind in PAIR_KINDS for plan in kind.pairs(library)]
 

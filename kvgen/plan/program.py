@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgen.plan.copy import CopyPlan, Mode
-from kvgen.plan.parts import PartsPlan
+from kvgen.plan.planes import PlanesPlan
 from kvgen.spec.model import Spec
 
 #: The most dims one call of the compiled kernel takes (KV_MAXD in kvgen/runtime/csrc/kvcopy.c;
@@ -103,9 +103,9 @@ def _order(dims: tuple[str, ...], key: dict[str, tuple[int, int]]) -> tuple[str,
     return tuple(sorted(dims, key=lambda d: key[d]))
 
 
-def program_plan(plan: CopyPlan | PartsPlan) -> ProgramPlan:
+def program_plan(plan: CopyPlan | PlanesPlan) -> ProgramPlan:
     """The PROGRAM of one connector (of each plane, for a cache of several)."""
-    if isinstance(plan, PartsPlan):
+    if isinstance(plan, PlanesPlan):
         return planes_program(plan)
     if [a for a in plan.obj.lists if a != "L"]:
         return ProgramPlan((("compiled", f"object list levels {plan.obj.lists}"),), ())
@@ -148,7 +148,7 @@ def copy_program(cp: tuple[Place, ...], lists: tuple[str, ...], op: tuple[Place,
     return ProgramPlan(fields, tuple(paths))
 
 
-def planes_program(plan: PartsPlan) -> ProgramPlan:
+def planes_program(plan: PlanesPlan) -> ProgramPlan:
     """A cache of several planes: one program per plane over the byte views the module's
     `_planes` makes (the object's region or row slice of the plane, and the plane's leaf of
     every layer), each plane's axes one dim per axis in those views."""
@@ -164,7 +164,7 @@ def planes_program(plan: PartsPlan) -> ProgramPlan:
     return ProgramPlan((("compiled", why),), (), tuple(planes) if why is None else ())
 
 
-def planes_views(plan: PartsPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def planes_views(plan: PlanesPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The bodies of a format-2 module's `_plane_objects(tensor, g, ck)` (each plane's view of
     the object) and `_plane_leaves(kvcaches, g)` (each plane's leaf of every layer), as bytes:
     the generated copies' views with a word of one byte (the compiled kernel merges contiguous

@@ -289,7 +289,7 @@ class Spec(Shaped):
     @property
     def is_simple(self) -> bool:
         """One tensor tree of one content, no fields, no pack: what format 1 says. Everything
-        else is planned plane by plane (kvgen.plan.parts)."""
+        else is planned plane by plane (kvgen.plan.planes)."""
         return len(self.parts) <= 1 and not any(p.fields for p in self.parts) and self.pack is None
 
     @property

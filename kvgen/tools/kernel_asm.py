@@ -23,7 +23,7 @@ from collections import Counter
 from typing import Any
 
 from kvgen.plan.package import plan_connectors
-from kvgen.plan.parts import PartsPlan
+from kvgen.plan.planes import PlanesPlan
 from kvgen.spec.library import load_library
 
 #: Small geometry with the shape of a real model's rows (8 heads of 128 bf16 values).
@@ -43,7 +43,7 @@ def captured_launches(module: str) -> list[tuple[str, Any, dict[str, Any]]]:
 
     plan = {p.module: p for p in plan_connectors(load_library())}[module]
     ext = {**EXT, "C": 576} if "mla" in module else EXT
-    if isinstance(plan, PartsPlan):  # several planes: each part's tensors in their own dtype
+    if isinstance(plan, PlanesPlan):  # several planes: each part's tensors in their own dtype
         same = {f"C.{part.name}": ext["C"] for part in plan.paged.parts}  # every free-width part as wide as C
         cache = make_parts_cache(plan.paged, {**parts_extents(plan.paged, ext), **same}, torch.bfloat16, "cpu")
     else:

@@ -60,7 +60,7 @@ def rank(model: Any) -> int:
 
 def check(package: ModuleType, library: Any, plan: Any, device: str) -> tuple[bool, bool]:
     # torch: only for a run
-    from kvgen.oracle.model_scenarios import SCENARIOS, ModelRun, check_model
+    from kvgen.oracle.scenarios.models import SCENARIOS, ModelRun, check_model
 
     tp = rank(plan.model)
     connector = package.get_model(plan.model.name, plan.obj.name)(device=device, tp=tp)
@@ -88,7 +88,7 @@ def run(rows: Rows, chosen: Any, everything: Sequence[Any], devices: Sequence[st
     if not selected:
         return 0, 0
     # torch: only for a run
-    from kvgen.oracle.model_scenarios import SCENARIOS
+    from kvgen.oracle.scenarios.models import SCENARIOS
 
     wide = max([24, *(len(p.model.name) for p in selected)]), max([22, *(len(p.obj.name) for p in selected)])
     print(f"\n{'model':<{wide[0]}} {'object':<{wide[1]}} {'device':<6} {'store ok':<8} load ok")

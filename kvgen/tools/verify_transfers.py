@@ -1,6 +1,6 @@
 """`kvgen verify` for layout-to-layout transfers: the package must hold exactly the transfers
 the transfers files declare, and each one, whole and layer by layer, must leave every scenario's
-destination as the element-by-element reference does (kvgen.oracle.transfer_scenarios)."""
+destination as the element-by-element reference does (kvgen.oracle.scenarios.transfers)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def mismatch(package: ModuleType, transfers: Sequence[Any], out: Path, specs: Se
 def check(package: ModuleType, pair: Any, device: str, layerwise: bool) -> bool:
     """Every applicable scenario through one transfer object; a raise counts as a failure."""
     # torch: only for a run
-    from kvgen.oracle.transfer_scenarios import SCENARIOS, TransferRun, applies, check_transfer
+    from kvgen.oracle.scenarios.transfers import SCENARIOS, TransferRun, applies, check_transfer
 
     transfer = package.transfer(pair.src.name, pair.dst.name)()
     ok = True
@@ -57,7 +57,7 @@ def run(rows: Rows, selected: Sequence[Any], everything: Sequence[Any], devices:
     if not selected:
         return 0, 0
     # torch: only for a run
-    from kvgen.oracle.transfer_scenarios import SCENARIOS
+    from kvgen.oracle.scenarios.transfers import SCENARIOS
 
     wide = max([30, *(len(p.src.name) for p in selected)]), max([34, *(len(p.dst.name) for p in selected)])
     print(f"\n{'source':<{wide[0]}} {'destination':<{wide[1]}} {'device':<6} {'whole ok':<8} per layer ok")

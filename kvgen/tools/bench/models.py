@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from kvgen.oracle.model_scenarios import make_kvcaches
 from kvgen.oracle.reference import models as oracle
 from kvgen.oracle.scenarios import clone_tree, same_bits
+from kvgen.oracle.scenarios.models import make_kvcaches
 from kvgen.runtime import MemoryObj
 from kvgen.tools.bench.baseline import memcpy
 from kvgen.tools.bench.measure import Spread, Timed, paired_ratios, peak_extra_bytes, timed_repeats

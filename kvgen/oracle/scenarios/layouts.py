@@ -1,7 +1,9 @@
-"""Test scenarios shared by the test suite and `kvgen verify`: small coordinate-coded
-caches and objects, slot-mapping scenarios, and one transfer run through a connector and
-through the reference. Cache elements carry the code of their coordinates (layer, kv, slot, head,
-c), objects codes of their own positions; comparisons are bitwise.
+"""The scenarios of connectors of a (layout, object) pair, shared by the test suite and `kvgen
+verify`, for both kinds of pair (caches of one tensor tree; caches of several parts or fields,
+coded byte by byte by kvgen.oracle.reference.planes): small coordinate-coded caches and objects,
+slot-mapping scenarios, and one transfer run through a connector and through the reference.
+Cache elements carry the code of their coordinates (layer, kv, slot, head, c), objects codes of
+their own positions; comparisons are bitwise.
 
 The -1 scenarios put skipped tokens at every place relative to whole blocks (before, inside,
 between, after, at both chunk ends, everywhere), because a connector moves whole in-order
@@ -12,7 +14,6 @@ objects whose strides or storage offsets forbid wide copy words.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,19 +24,13 @@ import torch
 
 from kvgen.oracle import reference
 from kvgen.oracle.reference import planes
+from kvgen.oracle.scenarios.common import allocate, block_table_mapping, clone_tree, same_bits
 from kvgen.runtime import MemoryObj
-from kvgen.runtime.binding import leaves
 from kvgen.runtime.ops import bits
 from kvgen.spec.model import Spec
 
 #: Small geometry: 3 layers, 2 heads, 4 values per head, 12 blocks of 4 slots.
 EXT = {"L": 3, "KV": 2, "H": 2, "C": 4, "N": 4, "B": 12}
-
-
-def block_table_mapping(seq_len: int, rng: random.Random, ext: dict[str, int]) -> list[int]:
-    """vLLM-style: the sequence fills blocks in random order, N slots each."""
-    blocks = rng.sample(range(ext["B"]), ext["B"])
-    return [blocks[i // ext["N"]] * ext["N"] + i % ext["N"] for i in range(seq_len)]
 
 
 def whole_blocks(rng: random.Random, ext: dict[str, int], count: int) -> list[list[int]]:
@@ -134,21 +129,6 @@ SCENARIOS = {
 }
 
 
-def allocate(shape: Sequence[int], dtype: torch.dtype, device: str, strided: bool,
-             odd_offset: bool = False) -> torch.Tensor:
-    """A tensor of `shape`; when strided, a view into a larger buffer with every dim
-    permuted and a storage offset, as engines hand out per-layer views; with odd_offset,
-    contiguous but starting one element into its storage (so no wider word fits it)."""
-    if odd_offset:
-        flat = torch.zeros(math.prod(shape) + 1, dtype=dtype, device=device)
-        return flat[1:].view(tuple(shape))
-    if not strided:
-        return torch.zeros(tuple(shape), dtype=dtype, device=device)
-    rev = tuple(reversed(shape))
-    big = torch.zeros((rev[0] + 1, *rev[1:]), dtype=dtype, device=device)[1:]
-    return big.permute(*reversed(range(len(shape))))
-
-
 @cache
 def _filled(paged: Spec, dtype: torch.dtype, extents: tuple[tuple[str, int], ...]) -> Any:
     """The coded cache of a layout at `extents` (sorted items), computed once (the reference
@@ -177,20 +157,6 @@ def make_cache(paged: Spec, dtype: torch.dtype, device: str, strided: bool = Fal
         return t
 
     return reference.layouts.nest(paged, ext, leaf)
-
-
-def clone_tree(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.clone()
-    return type(tree)(clone_tree(t) for t in tree)
-
-
-#: Every tensor of a cache or object tree, in order (the runtime's own walk).
-tensors_of = leaves
-
-
-def same_bits(a: Any, b: Any) -> bool:
-    return all(torch.equal(bits(x).cpu(), bits(y).cpu()) for x, y in zip(tensors_of(a), tensors_of(b), strict=True))
 
 
 def make_objects(connector: Any, lengths: Sequence[int], dtype: torch.dtype, device: str, salt: int,

@@ -44,7 +44,7 @@ class PlaneCopy:
 
 
 @dataclass(frozen=True)
-class PartsPlan:
+class PlanesPlan:
     """A connector of a format-2 pair: the planes' copies and what they share. It answers
     to the same names as a CopyPlan where tools read them (paged, obj, mode, module,
     strategy, widen)."""
@@ -74,7 +74,7 @@ class PartsPlan:
         return f"{len(self.planes)} planes ({names}) as bytes, {per}, into {self.obj.pack}"
 
 
-def compatible_parts(paged: Spec, obj: Spec) -> bool:
+def compatible_planes(paged: Spec, obj: Spec) -> bool:
     """A format-2 cache and a packed object whose dims can hold every plane."""
     if not paged.is_paged or obj.is_paged or paged.is_simple or obj.pack in (None, Pack.GROUPS):
         return False  # a groups object pairs with a model (kvgen.plan.models)
@@ -147,8 +147,8 @@ def _region_size(dims: tuple[Dim, ...], index: int, tokens: str) -> str:
     return " * ".join(_extent(a, index, tokens) for d in dims for a in d.axes)
 
 
-def plan_parts(paged: Spec, obj: Spec) -> PartsPlan:
-    if not compatible_parts(paged, obj):
+def plan_planes(paged: Spec, obj: Spec) -> PlanesPlan:
+    if not compatible_planes(paged, obj):
         raise ValueError(f"{paged.name} and {obj.name} do not hold the same planes")
     mode = mode_of(obj)
     planes = paged.moved_planes()
@@ -159,7 +159,7 @@ def plan_parts(paged: Spec, obj: Spec) -> PartsPlan:
         preamble.append("at = runtime.region_starts(self._sizes(g, ck.num_tokens))  # each region in a layer")
     shape, dtype, sizes = _object_shape(obj, planes, whole)
     copies = tuple(_plane_copy(paged, obj, i, plane, whole) for i, plane in enumerate(planes))
-    return PartsPlan(paged, obj, mode, copies, tuple(preamble), shape, dtype, sizes=sizes)
+    return PlanesPlan(paged, obj, mode, copies, tuple(preamble), shape, dtype, sizes=sizes)
 
 
 def _object_shape(obj: Spec, planes: tuple[Plane, ...],

@@ -22,7 +22,7 @@ import torch
 
 from kvgen.oracle import reference
 from kvgen.oracle.reference import transfers
-from kvgen.oracle.scenarios import allocate, clone_tree, same_bits
+from kvgen.oracle.scenarios.common import allocate, clone_tree, same_bits
 from kvgen.runtime.ops import bits
 from kvgen.spec.model import Spec
 from kvgen.tp import HeadRanges

@@ -16,7 +16,7 @@ import torch
 
 from kvgen.oracle import reference
 from kvgen.oracle.reference import models, planes
-from kvgen.oracle.scenarios import block_table_mapping, clone_tree, same_bits
+from kvgen.oracle.scenarios.common import block_table_mapping, clone_tree, same_bits
 from kvgen.runtime import MemoryObj
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.ops import bits
