@@ -34,7 +34,8 @@ def mismatch(package: ModuleType, plans: Sequence[Any], out: Path, specs: Sequen
 
 #: A model whose groups store more tokens than this per slot runs every scenario at that many
 #: times the tokens (chunks must start and end on whole slots): DeepSeek-V4's 128 makes one
-#: scenario of its 43 layers about a minute of the element-by-element reference on 2 cores.
+#: scenario of its 43 layers (caches of up to 84 M elements) 13 s of CPU, most of it the
+#: element-by-element reference, so its two connectors' 7 scenarios would add about 3 minutes.
 #: A whole verify leaves such models to `--only` and says so; the suite checks them on one
 #: scenario (tests/test_model_connectors.py) and against the engine (tests/test_engine_vllm_dsv4.py).
 LONG_SLOTS = 16
