@@ -89,7 +89,27 @@ def test_a_whole_test_run_sets_up_sglang_meanwhile_and_fails_when_that_set_up_fa
     env = {k: v for k, v in os.environ.items() if k != "KVGEN_NO_ENGINES"}
     done = subprocess.run([str(ROOT / "scripts" / "dev"), "test"], capture_output=True, text=True, timeout=60,
                           env={**env, "PYTHON": str(fake), "KVGEN_TEST_WORKERS": "2",
-                               "KVGEN_SGLANG_VENV": str(venv)})
+                               "KVGEN_SGLANG_VENV": str(venv), "KVGEN_SGLANG_BASE": str(venv)})
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert "setting up" in done.stderr and "no wheel for sglang here" in done.stderr, done.stderr
     assert len(_pytest_calls(tmp_path)) == 2
+
+
+@pytest.mark.parametrize("writable", ["base", "its folder"])
+def test_the_shared_sglang_venv_is_refused_where_another_user_could_write_it(tmp_path: Path, writable: str) -> None:
+    """The SGLang venv that every checkout shares is code the tests import: a folder of it that
+    its group or others may write is refused before anything in it runs."""
+    base = tmp_path / "shared" / "sglang"
+    (base / "bin").mkdir(parents=True)
+    ran = tmp_path / "ran"
+    vpy = base / "bin" / "python"
+    vpy.write_text(f'#!/bin/sh\ntouch {ran}\nexit 1\n')
+    vpy.chmod(0o755)
+    (tmp_path / "shared").chmod(0o700)
+    (base if writable == "base" else tmp_path / "shared").chmod(0o777)
+    env = {k: v for k, v in os.environ.items() if k != "KVGEN_NO_ENGINES"}
+    done = subprocess.run([str(ROOT / "scripts" / "dev"), "engines"], capture_output=True, text=True, timeout=60,
+                          env={**env, "KVGEN_SGLANG_VENV": str(tmp_path / "none"), "KVGEN_SGLANG_BASE": str(base)})
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "that no one else can write" in done.stderr, done.stderr
+    assert not ran.exists()
