@@ -2,7 +2,7 @@
 native mover (or the compiled transfer) the way a planning or kernel bug would (a layer, a
 plane or the tail of a chunk left unmoved); the reference comparisons every connector and
 transfer test and `kvgen verify` make (oracle.scenarios.check_pair,
-oracle.transfer_scenarios.check_transfer) must then fail on every case of that kind, and
+oracle.scenarios.transfers.check_transfer) must then fail on every case of that kind, and
 pass on the same cases without the mutant."""
 
 from __future__ import annotations
