@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvgen.plan import splits
 from kvgen.plan.copy import LOOP_VARS, SLOT, CopyPlan, Mode, View, canonical
 from kvgen.plan.parts import PartsPlan, PlaneCopy
 from kvgen.spec.model import PART_LEVEL, Pack, Spec
@@ -398,7 +399,26 @@ def _plane_kernel(parts: PartsPlan, pc: PlaneCopy, index: int) -> PlaneKernelPla
     return PlaneKernelPlan(index, pc.plane.name, axes, params, body, tuple(views))
 
 
-def make_parts_kernel_plan(parts: PartsPlan) -> PartsKernelPlan:
+@dataclass(frozen=True)
+class RefusedKernelPlan:
+    """The twin of a connector no Triton kernel moves yet: its KERNEL says why
+    (`kernels.Refused`), and the Triton mover refuses the connector before anything moves."""
+
+    parts: PartsPlan
+    why: str
+
+    @property
+    def module(self) -> str:
+        return f"{self.parts.module}_triton"
+
+    @property
+    def sources(self) -> tuple[Spec, Spec]:
+        return (self.parts.paged, self.parts.obj)
+
+
+def make_parts_kernel_plan(parts: PartsPlan) -> PartsKernelPlan | RefusedKernelPlan:
+    if any(splits.is_tiled(pc.plane.part) for pc in parts.planes):
+        return RefusedKernelPlan(parts, splits.SPLITS_REASON)
     planes = tuple(_plane_kernel(parts, pc, i) for i, pc in enumerate(parts.planes))
     leaf = "kvcaches" + "".join("[plane]" if a == PART_LEVEL else "[layer]" for a in parts.paged.lists)
     return PartsKernelPlan(parts, planes, f"[{leaf} for layer in range(g.L)]")
