@@ -320,7 +320,8 @@ def _round_up(n: int, f: int) -> int:
 def fitted(paged: Spec, scenario: Scenario) -> Scenario:
     """The scenario at extents a cache's split axes (format 3 tiles) divide: N and H at the
     spec's fixed extent or rounded up to a multiple of every factor that splits them, and each
-    part that splits C given a width its factors divide (planes.parts_extents keeps it)."""
+    part that splits C given a width its factors divide where the scenario gives it none
+    (planes.parts_extents keeps it)."""
     ext = dict(scenario.ext)
     factors: dict[str, int] = {}
     for i, part in enumerate(paged.parts):
@@ -330,7 +331,7 @@ def fitted(paged: Spec, scenario: Scenario) -> Scenario:
                 continue
             base, _, f = split
             if base == "C":
-                ext[f"C.{part.name}"] = part.size("C") or _round_up(ext["C"] + 2 * i, f)
+                ext.setdefault(f"C.{part.name}", part.size("C") or _round_up(ext["C"] + 2 * i, f))
             else:
                 factors[base] = math.lcm(factors.get(base, 1), f)
     if not factors and ext == scenario.ext:
