@@ -13,41 +13,31 @@ from __future__ import annotations
 
 import types
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from harness import SCENARIOS, Scenario, block_table_mapping, make_cache
+from harness import SCENARIOS, Scenario, block_table_mapping, make_cache, tiled_connector, tiled_library
 
-from kvgen.emit.render import MODULE_KINDS, render_connector
+from kvgen.emit.render import MODULE_KINDS
 from kvgen.oracle.scenarios import check_pair, fitted
 from kvgen.plan.kernel import RefusedKernelPlan, make_parts_kernel_plan
-from kvgen.plan.package import connector_plan, plan_connectors
+from kvgen.plan.package import plan_connectors
 from kvgen.plan.parts import PartsPlan
 from kvgen.plan.program import program_plan
 from kvgen.plan.splits import SPLITS_REASON
 from kvgen.runtime import KVLayoutError, kernels
 from kvgen.runtime.movers.base import Unsupported
 from kvgen.runtime.movers.triton import TritonMover
-from kvgen.spec.library import load_library
 
-TILED = Path(__file__).parent / "specs_tiled"
-LIBRARY = load_library([TILED])
+LIBRARY = tiled_library()
 NAMES = ("sglang_mha_vectorized_5d", "sglang_mha_mxfp8_interleaved")
 PLANS = {p.module: p for p in plan_connectors(LIBRARY) if isinstance(p, PartsPlan) and p.paged.name in NAMES}
 
 
 def connector_class(module: str, edit: tuple[str, str] | None = None) -> Any:
-    """The connector class of one plan, rendered and run from its text (with `edit` applied:
-    (old, new), each of which must occur)."""
-    text = render_connector(connector_plan(PLANS[module]))
-    if edit is not None:
-        assert edit[0] in text, edit[0]
-        text = text.replace(edit[0], edit[1])
-    space = types.ModuleType(module)
-    exec(compile(text, module, "exec"), space.__dict__)
-    return space.Connector
+    plan = PLANS[module]
+    return tiled_connector(plan.paged.name, plan.obj.name, edit)
 
 
 def test_each_tiled_spec_pairs_with_both_planes_objects() -> None:
