@@ -38,7 +38,7 @@ except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain 
                 "`scripts/dev engines` runs these tests in .venv-sglang (sglang 0.5.23, torch 2.14.1)",
                 allow_module_level=True)
 
-from harness import builtin_library  # noqa: E402
+from harness import builtin_library, tiled_connector  # noqa: E402
 
 import kvgen  # noqa: E402
 from kvgen.oracle.address import plane_address  # noqa: E402
@@ -215,6 +215,45 @@ def test_the_split_slot_axis_addresses_what_sglangs_store_kernel_writes(kernel_o
                         assert int(leaves[plane.index][index]) == int(read[kv][t, h, c].view(torch.uint8))
     nonzero = sum(int(source.k_scale_buffer[layer].view(torch.uint8).count_nonzero()) for layer in range(L))
     assert nonzero <= L * len(slots) * H * 4  # the kernel wrote no scale the spec does not address
+
+
+def by_page(p: Any) -> tuple[list[torch.Tensor], ...]:
+    """A page-128 pool as the tiled spec reads it: K and V [rows, H, C] by page, the interleaved
+    scale atoms as SGLang allocates them ([pages, H, 32, 4, C / 32])."""
+    pages = [[b.view(-1, 128, H, HEAD) for b in getattr(p, n)] for n in BUFFERS[:2]]
+    return (*pages, *(list(getattr(p, n)) for n in BUFFERS[2:]))
+
+
+def interleaved_move(kernel_output: Any, edit: tuple[str, str] | None = None) -> tuple[Any, Any]:
+    """(the page-128 pool the store kernel wrote at TILE_SLOTS, an empty one the tiled spec's
+    connector filled at slots 1..T from a kv_planes object it stored those tokens into)."""
+    source, fresh = written(kernel_output, TILE_SLOTS), pool(128, 256)
+    connector = tiled_connector("sglang_mha_mxfp8_interleaved", "kv_planes", edit)(device="cpu", backend="torch")
+    obj = MemoryObj(torch.zeros(tuple(connector.get_shape(T, by_page(source))), dtype=torch.uint8))
+    connector.from_gpu(obj, 0, T, kvcaches=by_page(source), slot_mapping=torch.tensor(TILE_SLOTS))
+    connector.to_gpu(obj, 0, T, kvcaches=by_page(fresh), slot_mapping=torch.arange(1, T + 1))
+    return source, fresh
+
+
+def test_the_interleaved_pool_moves_both_ways_and_sglang_reads_the_same(kernel_output: Any) -> None:
+    """Tokens the store kernel wrote on both sides of tile edges of two pages, moved out through the
+    tiled spec's connector and back in at slots 1..T: every byte is what the kernel writes at 1..T,
+    and SGLang's own reader (get_cpu_copy, _read_sf_interleaved) reads there what it read at the old slots."""
+    source, fresh = interleaved_move(kernel_output)
+    for got, want in zip(raw(fresh), raw(written(kernel_output, list(range(1, T + 1)))), strict=True):
+        assert torch.equal(got, want)  # every byte, moved and not moved
+    for got, want in zip(cpu_copy(fresh, torch.arange(1, T + 1)), cpu_copy(source, torch.tensor(TILE_SLOTS)),
+                         strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_scale_moved_from_another_place_of_its_tile_is_what_sglang_reads_wrong(kernel_output: Any) -> None:
+    """The same move with a connector that reads token n's scales at place (n + 1) % 32 of its tile:
+    SGLang's reader sees other scales, so the check above can fail."""
+    source, fresh = interleaved_move(kernel_output, ("(ck.off % 32), (ck.off // 32)",
+                                                     "((ck.off + 1) % 32), (ck.off // 32)"))
+    got, want = cpu_copy(fresh, torch.arange(1, T + 1)), cpu_copy(source, torch.tensor(TILE_SLOTS))
+    assert [torch.equal(g, w) for g, w in zip(got, want, strict=True)][:4] == [True, True, False, False]
 
 
 def test_a_page_128_pool_is_refused_naming_the_interleaved_scales() -> None:
