@@ -417,7 +417,7 @@ class RefusedKernelPlan:
 
 
 def make_parts_kernel_plan(parts: PartsPlan) -> PartsKernelPlan | RefusedKernelPlan:
-    if any(splits.is_tiled(pc.plane.part) for pc in parts.planes):
+    if parts.tiled:
         return RefusedKernelPlan(parts, splits.SPLITS_REASON)
     planes = tuple(_plane_kernel(parts, pc, i) for i, pc in enumerate(parts.planes))
     leaf = "kvcaches" + "".join("[plane]" if a == PART_LEVEL else "[layer]" for a in parts.paged.lists)

@@ -68,6 +68,11 @@ class PartsPlan:
         return f"{self.paged.name}__{self.obj.name}"
 
     @property
+    def tiled(self) -> bool:
+        """A cache with split axes (format 3 tiles): its planes move on the torch path only (kvgen.plan.splits)."""
+        return any(splits.is_tiled(pc.plane.part) for pc in self.planes)
+
+    @property
     def strategy(self) -> str:
         names = ", ".join(pc.plane.name for pc in self.planes)
         per = "per layer" if self.mode is Mode.LAYERWISE else "all layers"

@@ -155,7 +155,7 @@ def planes_program(plan: PartsPlan) -> ProgramPlan:
     every layer), each plane's axes one dim per axis in those views."""
     if any(tuple(lp.axis for lp in pc.copy.loops) != ("L",) for pc in plan.planes):
         return ProgramPlan((("compiled", "caches of several planes with list levels besides L and the parts"),), ())
-    if any(splits.is_tiled(pc.plane.part) for pc in plan.planes):
+    if plan.tiled:
         return ProgramPlan((("compiled", splits.SPLITS_REASON),), ())
     layerwise = plan.mode is Mode.LAYERWISE
     planes = []
