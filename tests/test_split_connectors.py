@@ -21,7 +21,7 @@ from harness import SCENARIOS, Scenario, block_table_mapping, make_cache, tiled_
 
 from kvgen.emit.render import MODULE_KINDS
 from kvgen.oracle.scenarios import check_pair, fitted
-from kvgen.plan.kernel import RefusedKernelPlan, make_parts_kernel_plan
+from kvgen.plan.kernel import RefusedKernelPlan, kernel_grid, make_parts_kernel_plan, plan_refusal
 from kvgen.plan.package import plan_connectors
 from kvgen.plan.parts import PartsPlan
 from kvgen.plan.program import program_plan
@@ -95,6 +95,7 @@ def test_the_compiled_and_triton_movers_refuse_split_axes_and_say_why(monkeypatc
         assert program_plan(plan).compiled == SPLITS_REASON
         kernel = make_parts_kernel_plan(plan)
         assert isinstance(kernel, RefusedKernelPlan) and kernel.why == SPLITS_REASON
+        assert plan_refusal(plan) == SPLITS_REASON and kernel_grid(plan) == f"no Triton kernel: {SPLITS_REASON}"
     module = "sglang_mha_vectorized_5d__kv_planes"
     assert connector_class(module)(device="cpu").copy_backend_for("cpu") == "torch"
     with pytest.raises(KVLayoutError, match="backend='native'.*split"):

@@ -415,18 +415,29 @@ class RefusedKernelPlan:
     def sources(self) -> tuple[Spec, Spec]:
         return (self.parts.paged, self.parts.obj)
 
+    @property
+    def grid(self) -> str:
+        """For people, in place of a launch grid: that there is no kernel, and why."""
+        return f"no Triton kernel: {self.why}"
+
 
 def make_parts_kernel_plan(parts: PartsPlan) -> PartsKernelPlan | RefusedKernelPlan:
-    if parts.tiled:
-        return RefusedKernelPlan(parts, splits.SPLITS_REASON)
+    why = plan_refusal(parts)
+    if why is not None:
+        return RefusedKernelPlan(parts, why)
     planes = tuple(_plane_kernel(parts, pc, i) for i, pc in enumerate(parts.planes))
     leaf = "kvcaches" + "".join("[plane]" if a == PART_LEVEL else "[layer]" for a in parts.paged.lists)
     return PartsKernelPlan(parts, planes, f"[{leaf} for layer in range(g.L)]")
 
 
+def plan_refusal(plan: object) -> str | None:
+    """Why a connector's plan has no Triton kernel (its twin's KERNEL refuses), or None."""
+    return splits.SPLITS_REASON if isinstance(plan, PartsPlan) and plan.tiled else None
+
+
 def kernel_grid(plan: object) -> str | None:
     """The launch grid of a connector's kernel, for people; None for anything that is not a
-    connector's plan."""
+    connector's plan (a connector with no kernel says so, plan_refusal)."""
     if isinstance(plan, PartsPlan):
         return make_parts_kernel_plan(plan).grid
     return make_kernel_plan(plan).grid if isinstance(plan, CopyPlan) else None
