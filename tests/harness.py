@@ -1,7 +1,11 @@
 """Test helpers: the machinery lives in kvgen.oracle.scenarios, shared with `kvgen verify`."""
 
+import types
 from functools import cache
+from pathlib import Path
+from typing import Any
 
+from kvgen.emit.render import render_connector
 from kvgen.oracle.scenarios import (  # noqa: F401
     EXT,
     SCENARIOS,
@@ -20,6 +24,7 @@ from kvgen.oracle.scenarios import (  # noqa: F401
     same_bits,
     tensors_of,
 )
+from kvgen.plan.package import connector_plan, plan_connectors
 from kvgen.spec.library import Library, load_library
 
 
@@ -30,3 +35,25 @@ def builtin_library() -> Library:
     schema-checks every YAML file: ~0.2 s, paid by each of ~35 modules at collection, in
     each xdist worker. Tests of loading itself call load_library."""
     return load_library()
+
+
+#: Specs with split (tiled) axes, which no built-in spec has yet.
+TILED_SPECS = Path(__file__).parent / "specs_tiled"
+
+
+@cache
+def tiled_library() -> Library:
+    return load_library([TILED_SPECS])
+
+
+def tiled_connector(layout: str, obj: str, edit: tuple[str, str] | None = None) -> Any:
+    """The connector class of a pair of tests/specs_tiled, rendered from its plan and run from its
+    text (with `edit`, (old, new), applied: old must occur)."""
+    plan = next(p for p in plan_connectors(tiled_library()) if (p.paged.name, p.obj.name) == (layout, obj))
+    text = render_connector(connector_plan(plan))
+    if edit is not None:
+        assert edit[0] in text, edit[0]
+        text = text.replace(edit[0], edit[1])
+    space = types.ModuleType(plan.module)
+    exec(compile(text, plan.module, "exec"), space.__dict__)
+    return space.Connector

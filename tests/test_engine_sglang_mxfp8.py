@@ -4,8 +4,8 @@ values of a head, in scale tensors of their own (float8_e8m0fnu).
 The pool is built with SGLang's class on CPU. Its values come from SGLang's own quantizing write path
 (`set_kv_buffer` with bf16 K and V runs quant_store_kv_mxfp8, a Triton kernel, here in Triton's
 interpreter), which exists only for page_size 128, where the scales are interleaved in FA4's atoms
-(tests/specs_tiled/sglang_mha_mxfp8_interleaved.yaml: the reference addresses them, no connector moves
-them). For any other page_size the scales are flat per slot (specs/sglang/quant/mha_mxfp8.yaml, with
+(specs/sglang/quant/mha_mxfp8_interleaved.yaml, a split slot axis: its connector moves that kernel's
+output both ways). For any other page_size the scales are flat per slot (specs/sglang/quant/mha_mxfp8.yaml, with
 connectors), and SGLang writes that pool only on CUDA (`set_kv_buffer` asserts `_is_cuda`; its
 `_write_scales` is an index_put, which torch has no CPU kernel for on float8_e8m0fnu): the flat pool
 gets what SGLang's own read path (`get_cpu_copy`) reads out of a page-128 pool the kernel wrote,
@@ -38,17 +38,16 @@ except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain 
                 "`scripts/dev engines` runs these tests in .venv-sglang (sglang 0.5.23, torch 2.14.1)",
                 allow_module_level=True)
 
-from harness import builtin_library  # noqa: E402
+from harness import builtin_library, tiled_connector  # noqa: E402
 
 import kvgen  # noqa: E402
 from kvgen.oracle.address import plane_address  # noqa: E402
 from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
-from kvgen.spec.library import load_specs  # noqa: E402
 from kvgen.spec.model import Spec  # noqa: E402
 
 LIBRARY = builtin_library()
 FLAT = LIBRARY["sglang_mha_mxfp8"]
-TILED = load_specs([Path(__file__).parent / "specs_tiled" / "sglang_mha_mxfp8_interleaved.yaml"])[0][0]
+TILED = LIBRARY["sglang_mha_mxfp8_interleaved"]
 L, H, HEAD, BLOCK = 2, 3, 128, 32
 PAGE, SIZE = 16, 48  # the flat pool: 64 rows
 SLOTS = torch.tensor([17, 3, 40, 16, 31, 63, 50, 5])
@@ -217,9 +216,58 @@ def test_the_split_slot_axis_addresses_what_sglangs_store_kernel_writes(kernel_o
     assert nonzero <= L * len(slots) * H * 4  # the kernel wrote no scale the spec does not address
 
 
-def test_a_page_128_pool_is_refused_naming_the_interleaved_scales() -> None:
-    with pytest.raises(KVLayoutError, match="MHATokenToKVPoolMXFP8.*page_size 128 interleaves its scales"):
-        kvgen.from_sglang(pool(128, 128))
+def by_page(p: Any) -> tuple[list[torch.Tensor], ...]:
+    """A page-128 pool as the tiled spec reads it: K and V [rows, H, C] by page, the interleaved
+    scale atoms as SGLang allocates them ([pages, H, 32, 4, C / 32])."""
+    pages = [[b.view(-1, 128, H, HEAD) for b in getattr(p, n)] for n in BUFFERS[:2]]
+    return (*pages, *(list(getattr(p, n)) for n in BUFFERS[2:]))
+
+
+def interleaved_move(kernel_output: Any, edit: tuple[str, str] | None = None) -> tuple[Any, Any]:
+    """(the page-128 pool the store kernel wrote at TILE_SLOTS, an empty one whose connector filled
+    slots 1..T from a kv_planes object the source's connector stored those tokens into): the
+    connectors from_sglang gives, or with `edit` the tiled spec's rendered with it."""
+    source, fresh = written(kernel_output, TILE_SLOTS), pool(128, 256)
+    if edit is None:
+        out, back = kvgen.from_sglang(source), kvgen.from_sglang(fresh)
+        assert (out.layout, out.obj) == ("sglang_mha_mxfp8_interleaved", "kv_planes")
+        pairs = ((out.connector, out.kvcaches), (back.connector, back.kvcaches))
+    else:
+        connector = tiled_connector("sglang_mha_mxfp8_interleaved", "kv_planes", edit)(device="cpu")
+        pairs = ((connector, by_page(source)), (connector, by_page(fresh)))
+    (c_out, k_out), (c_back, k_back) = pairs
+    obj = MemoryObj(torch.zeros(tuple(c_out.get_shape(T, k_out)), dtype=torch.uint8))
+    c_out.from_gpu(obj, 0, T, kvcaches=k_out, slot_mapping=torch.tensor(TILE_SLOTS))
+    c_back.to_gpu(obj, 0, T, kvcaches=k_back, slot_mapping=torch.arange(1, T + 1))
+    return source, fresh
+
+
+def test_the_interleaved_pool_moves_both_ways_and_sglang_reads_the_same(kernel_output: Any) -> None:
+    """A page-128 pool through the connectors kvgen.from_sglang gives: tokens the store kernel wrote
+    on both sides of tile edges of two pages, moved out and back in at slots 1..T. Every byte is what
+    the kernel writes at 1..T, and SGLang's own reader (get_cpu_copy, _read_sf_interleaved) reads
+    there what it read at the old slots."""
+    source, fresh = interleaved_move(kernel_output)
+    for got, want in zip(raw(fresh), raw(written(kernel_output, list(range(1, T + 1)))), strict=True):
+        assert torch.equal(got, want)  # every byte, moved and not moved
+    for got, want in zip(cpu_copy(fresh, torch.arange(1, T + 1)), cpu_copy(source, torch.tensor(TILE_SLOTS)),
+                         strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_scale_moved_from_another_place_of_its_tile_is_what_sglang_reads_wrong(kernel_output: Any) -> None:
+    """The same move with a connector that reads token n's scales at place (n + 1) % 32 of its tile:
+    SGLang's reader sees other scales, so the check above can fail."""
+    source, fresh = interleaved_move(kernel_output, ("(ck.off % 32), (ck.off // 32)",
+                                                     "((ck.off + 1) % 32), (ck.off // 32)"))
+    got, want = cpu_copy(fresh, torch.arange(1, T + 1)), cpu_copy(source, torch.tensor(TILE_SLOTS))
+    assert [torch.equal(g, w) for g, w in zip(got, want, strict=True)][:4] == [True, True, False, False]
+
+
+def test_a_page_128_pool_binds_the_interleaved_spec_in_pages() -> None:
+    bound = kvgen.from_sglang(pool(128, 128))
+    assert (bound.layout, bound.obj, bound.connector.geometry.N) == ("sglang_mha_mxfp8_interleaved", "kv_planes", 128)
+    assert tuple(bound.kvcaches[0][0].shape) == (2, 128, H, HEAD)  # size 128 and the padding page
 
 
 def test_an_mxfp8_pool_of_another_head_size_is_refused_in_sglangs_words() -> None:

@@ -14,6 +14,7 @@ from kvgen import generated
 from kvgen.plan.copy import CopyPlan
 from kvgen.plan.package import plan_connectors
 from kvgen.plan.program import KERNEL_DIMS, ProgramPlan, program_plan, transfer_program
+from kvgen.plan.splits import SPLITS_REASON
 from kvgen.runtime import CopyPath, CopyProgram, TransferPath, native
 
 LIBRARY = builtin_library()
@@ -44,6 +45,8 @@ def test_every_generated_module_carries_its_planned_program(module: str) -> None
     if isinstance(PLANS[module], CopyPlan):
         assert got.compiled is None, got.compiled
         assert [p.name for p in got.paths] == (["tokens"] if got.folded else ["blocks", "tokens"])
+    elif PLANS[module].tiled:  # split axes: torch only, saying why (tests/test_split_connectors.py)
+        assert got.compiled == SPLITS_REASON and got.paths == () and got.planes == ()
     else:  # one program per plane, each planned like a one-tree copy over the plane's byte views
         assert got.compiled is None and got.paths == ()
         assert len(got.planes) == len(PLANS[module].planes) and all(p.compiled is None for p in got.planes)

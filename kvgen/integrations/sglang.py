@@ -44,7 +44,8 @@ class PoolConnector:
 #: planes where K and V differ in width or the cache has typed fields.
 DEFAULT_OBJECT = {"sglang_mha": "kv_2ltd", "sglang_mha_hnd": "kv_2ltd", "sglang_mha_v_head": "kv_planes",
                   "sglang_mla": "kv_mla", "vllm_dsa_indexer": "kv_planes", "sglang_mha_fp4": "kv_planes",
-                  "sglang_mla_fp4": "kv_planes", "sglang_mha_mxfp8": "kv_planes"}
+                  "sglang_mla_fp4": "kv_planes", "sglang_mha_mxfp8": "kv_planes",
+                  "sglang_mha_mxfp8_interleaved": "kv_planes"}
 
 
 def _describe(pool: Any) -> str:
@@ -119,16 +120,21 @@ def _fp4(pool: Any) -> tuple[str, Any, dict[str, Any]]:
 def _mxfp8(pool: Any) -> tuple[str, Any, dict[str, Any]]:
     """MHATokenToKVPoolMXFP8: fp8 K and V rows and UE8M0 scale rows (one per 32 values) per layer, the
     tuple of their lists. With page_size 128 SGLang interleaves the scales in FA4's atoms (token n of a
-    page at [n % 32, n // 32] of its [32, 4] tile): a split of N no connector moves, so it is refused."""
+    page at [n % 32, n // 32] of its [32, 4] tile, a split slot axis): K and V [rows, H, C] are then
+    handed over by page, [pages, 128, H, C], as sglang_mha_mxfp8_interleaved reads them."""
     dims = (int(pool.head_dim), int(pool.v_head_dim))
     if dims != (128, 128):
         raise _refuse(pool, f"kvgen's spec for it is for head_dim and v_head_dim 128, not {dims[0]} and {dims[1]}")
-    if getattr(pool, "mxfp8_sf_interleaved", False):
-        raise _refuse(pool, f"page_size {pool.page_size} interleaves its scales in FA4's BlockScaledBasicChunk "
-                            "atoms (token n of a page at [n % 32, n // 32]), a split slot axis kvgen generates no "
-                            "connector for; kvgen reads its flat scales (any other page_size)")
     names = ("k_buffer", "v_buffer", "k_scale_buffer", "v_scale_buffer")
-    return "sglang_mha_mxfp8", [list(getattr(pool, n)) for n in names], {"pool": type(pool).__name__}
+    hints = {"pool": type(pool).__name__}
+    if getattr(pool, "mxfp8_sf_interleaved", False):
+        page = int(pool.page_size)
+        rows = int(pool.k_buffer[0].shape[0]) if len(pool.k_buffer) else 0
+        if rows % page:
+            raise _refuse(pool, f"its K and V buffers hold {rows} rows, not whole pages of {page}")
+        pages = [[b.view(-1, page, *b.shape[1:]) for b in getattr(pool, n)] for n in names[:2]]
+        return "sglang_mha_mxfp8_interleaved", [*pages, *(list(getattr(pool, n)) for n in names[2:])], hints
+    return "sglang_mha_mxfp8", [list(getattr(pool, n)) for n in names], hints
 
 
 #: SGLang 0.5.23 pool classes, by exact class name (a subclass may lay its buffers out otherwise:
@@ -170,7 +176,7 @@ def from_sglang(pool: Any, obj: str | None = None, *, part: str = "kv", **connec
     obj = obj or DEFAULT_OBJECT[layout]
     cls = generated.get(layout, obj)
     per_part = ("sglang_mha", "sglang_mha_hnd", "sglang_mha_v_head", "sglang_mha_fp4", "sglang_mla_fp4",
-                "sglang_mha_mxfp8")
+                "sglang_mha_mxfp8", "sglang_mha_mxfp8_interleaved")
     count = len(kvcaches[0]) if layout in per_part else len(kvcaches)
     ids = _layers(pool, count) if inner is pool else tuple(sorted(pool.full_attention_layer_id_mapping,
                                                                   key=pool.full_attention_layer_id_mapping.get))

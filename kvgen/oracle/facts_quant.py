@@ -157,6 +157,41 @@ _register(PartsFact(
      PlaneFact("v_scale", 3, "float8_e8m0fnu", lambda g: HEAD // MXFP8_BLOCK, False, True, True,
                _pool(3, True, 0)))))
 
+# MHATokenToKVPoolMXFP8 with page_size 128 (mxfp8_sf_interleaved; _create_buffers): K and V as above,
+# [size + 128, heads, head_dim], here viewed by page, [pages, 128, heads, head_dim]; the scales of
+# each (page, head) in FA4's BlockScaledBasicChunk atom, [pages, heads, 32, 4, head_dim // 32]:
+# token n of a page at [n % 32, n // 32] (mxfp8_interleave_sf.py, _read_sf_interleaved).
+MXFP8_PAGE, MXFP8_ROWS = 128, 32
+
+
+def _page(part: int):  # noqa: ANN202 (a PlaneAddress)
+    """Value c of K or V by page: [pages, 128, heads, head_dim]."""
+    def where(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int):  # noqa: ANN202
+        return (part, layer), (slot // MXFP8_PAGE, slot % MXFP8_PAGE, h, c), 0
+    return where
+
+
+def _atom(part: int):  # noqa: ANN202 (a PlaneAddress)
+    """Scale c of a token's head in its page's atom: [pages, heads, n % 32, n // 32, c]."""
+    def where(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int):  # noqa: ANN202
+        n = slot % MXFP8_PAGE
+        return (part, layer), (slot // MXFP8_PAGE, h, n % MXFP8_ROWS, n // MXFP8_ROWS, c), 0
+    return where
+
+
+_ATOM = (MXFP8_ROWS, MXFP8_PAGE // MXFP8_ROWS, HEAD // MXFP8_BLOCK)
+_register(PartsFact(
+    "sglang_mha_mxfp8_interleaved", PAIR_OF_LISTS,
+    (PartFact("k", lambda g: (g.B, MXFP8_PAGE, g.H, HEAD), ("float8_e4m3fn",)),
+     PartFact("v", lambda g: (g.B, MXFP8_PAGE, g.H, HEAD), ("float8_e4m3fn",)),
+     PartFact("k_scale", lambda g: (g.B, g.H, *_ATOM), ("float8_e8m0fnu",)),
+     PartFact("v_scale", lambda g: (g.B, g.H, *_ATOM), ("float8_e8m0fnu",))),
+    (PlaneFact("k", 0, "float8_e4m3fn", lambda g: HEAD, False, True, True, _page(0)),
+     PlaneFact("v", 1, "float8_e4m3fn", lambda g: HEAD, False, True, True, _page(1)),
+     PlaneFact("k_scale", 2, "float8_e8m0fnu", lambda g: HEAD // MXFP8_BLOCK, False, True, True, _atom(2)),
+     PlaneFact("v_scale", 3, "float8_e8m0fnu", lambda g: HEAD // MXFP8_BLOCK, False, True, True, _atom(3))),
+    fixed={"N": MXFP8_PAGE}))
+
 # -- vLLM 0.33 TURBOQUANT modes (v1/attention/backends/turboquant_attn.py, ops/triton_turboquant_store.py) --
 # One slot per (token, head), K and V together, in LBNHC pages [B, N, H, slot], as TurboQuantConfig
 # (quantization/turboquant/config.py) sizes it: key_packed_size (fp8 keys: head_dim bytes; MSE keys:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import product
 
+from kvgen.plan import splits
 from kvgen.spec.library import Library
 from kvgen.spec.model import Dim, Spec, Vocabulary
 
@@ -231,24 +232,25 @@ def shape_exprs(obj: Spec) -> tuple[str, ...]:
     return tuple("1" if d.is_singleton else " * ".join(extent(a) for a in d.axes) for d in obj.dims)
 
 
-def _split_t(axes: tuple[str, ...]) -> tuple[str, ...]:
+def _split_t(axes: tuple[str, ...], into: tuple[str, ...] = ("B", "N")) -> tuple[str, ...]:
     t = axes.index("T")
-    return (*axes[:t], "B", "N", *axes[t + 1:])
+    return (*axes[:t], *into, *axes[t + 1:])
 
 
 def _block_path(cache: View, whole: View, fixed: dict[str, str], extent: dict[str, str] = EXTENT) -> BlockPath:
     # The chunk's whole blocks are split out of T once per chunk (`ob`); each loop step
-    # selects its part and orders it like x.
+    # selects its part and orders it like x. A split N (format 3) splits T into its tile and place too.
     t = whole.axes.index("T")
-    base = f"o.narrow({t}, ck.block_start, ck.block_tokens).unflatten({t}, (-1, g.N))"
-    part = select(View("ob", _split_t(whole.axes)), fixed)
+    into, sizes = splits.block_tokens(cache.axes)
+    base = f"o.narrow({t}, ck.block_start, ck.block_tokens).unflatten({t}, {sizes})"
+    part = select(View("ob", _split_t(whole.axes, into)), fixed)
     blocks = View(part.expr + permute_suffix(part.axes, cache.axes), cache.axes)
     b = cache.axes.index("B")
     inside = cache.axes[b + 1:]
-    loop_axes = [a for a in inside if a not in part.axes[part.axes.index("N"):]]
+    loop_axes = [a for a in inside if a not in part.axes[part.axes.index(into[1]):]]
     inner = {a: LOOP_VARS.get(a, f"i{a.lower()}") for a in loop_axes}
     loops = tuple(Loop(inner[a], a, extent[a]) for a in loop_axes)
-    return BlockPath(loops, base, _split_t(whole.axes), blocks, index_suffix(cache.axes, inner), b)
+    return BlockPath(loops, base, _split_t(whole.axes, into), blocks, index_suffix(cache.axes, inner), b)
 
 
 @dataclass(frozen=True)
@@ -312,19 +314,19 @@ def make_plan(paged: Spec, obj: Spec, source: Source | None = None) -> CopyPlan:
     part = select(View("o", whole_obj.axes), fixed)
 
     y = _part_name(part)
-    slot_axes = (SLOT,) if SLOT in cache.axes else ("B", "N")
-    index_names = {SLOT: "ck.slots", "B": "ck.blk", "N": "ck.off"}
+    slot_axes = (SLOT,) if SLOT in cache.axes else splits.slot_axes(cache.axes)
+    index_names = {SLOT: "ck.slots", **splits.slot_index(cache.axes)}
     token_index = index_suffix(cache.axes, {a: index_names[a] for a in slot_axes if a in cache.axes})
     has_slots = any(a in cache.axes for a in slot_axes)
     result = indexed_order(cache.axes, slot_axes) if has_slots else cache.axes
     token_object = View(y + permute_suffix(part.axes, result), result)
     token_rows = slot_axes == (SLOT,) and cache.axes[0] == SLOT and result[0] == "T"
-    block = _block_path(cache, whole_obj, fixed, extent) if slot_axes == ("B", "N") and has_slots else None
+    block = _block_path(cache, whole_obj, fixed, extent) if slot_axes != (SLOT,) and has_slots else None
 
     return CopyPlan(
         paged=paged, obj=obj, mode=mode, loops=loops, widen=widen, object_view=whole_obj, cache_view=cache,
         object_part=part, token_index=token_index, token_object=token_object, token_rows=token_rows,
-        block=block, shape=shape_exprs(obj),
+        block=block, shape=shape_exprs(obj) if source is None else (),  # a plane's object: its pair's shape
     )
 
 

@@ -9,6 +9,8 @@ nothing: it only runs the checks (`kvgen.runtime.CacheReader`) the body calls.
 from __future__ import annotations
 
 from kvgen.notation import format_dim
+from kvgen.plan import splits
+from kvgen.spec.elements import split_of
 from kvgen.spec.model import ITEMSIZE, Dim, Field, Part, Plane, Spec
 
 
@@ -127,8 +129,25 @@ class _PlanesReading:
             else:
                 self.known[axis] = name
                 self.plain.append(name)
+        self.solve_splits(p, part)
         if part.has("C"):
             self.lines.append(_byte_rows(part, p))
+
+    def solve_splits(self, p: int, part: Part) -> None:
+        """Each split axis of part `p` (format 3): its place's extent checked against the factor,
+        the whole axis solved as tile x place, or checked against another part's."""
+        for base in ("N", "H", "C"):
+            pair = splits.splits(part, base)
+            if not pair:
+                continue
+            tile, place = (self.known[_own(a, p)] for a in pair)
+            self.lines.append(f"reader.fixed({pair[1]!r}, {place}, {splits.factor(pair[1])})")
+            whole, axis = f"{tile} * {place}", _own(base, p)
+            if axis in self.known:
+                self.lines.append(f"reader.same({base!r}, {self.known[axis]}, {whole})")
+            else:
+                self.lines.append(f"{axis} = {whole}")
+                self.known[axis] = axis
 
     def fix_sizes(self) -> None:
         """The shared fixed extents, then each part's C (its own size, or the row its fields fill)."""
@@ -171,6 +190,8 @@ class _PlanesReading:
             self.lines.append(f"row{i} = {self.known[c]} * leaves[{p}].element_size()" if has_c
                               else f"row{i} = leaves[{p}].element_size()")
             size, word = f"row{i}", f"reader.word({p}, 0, row{i}{'' if has_c else ', keep_last=True'})"
+            if splits.is_tiled(plane.part):  # moved value by value (kvgen.plan.splits)
+                word = f"reader.word({p}, 0, leaves[{p}].element_size(), keep_last=True)"
             word += f", values={self.known[c] if has_c else 1}"
         return f"runtime.PlaneGeometry({plane.name!r}, {size}, {word})"
 
@@ -204,7 +225,13 @@ def _field_word(f: Field, part: Part, p: int) -> str:
 
 
 def _own(axis: str, part: int) -> str:
-    """C belongs to each part; every other axis is shared by all parts."""
+    """C belongs to each part; every other axis is shared by all parts. A split axis's
+    variable names its tile (`C/8`: C_t8) or place (`C%8`: C_p8)."""
+    split = split_of(axis)
+    if split is not None:
+        base, op, f = split
+        name = f"{base}_{'t' if op == '/' else 'p'}{f}"
+        return f"{name}_{part}" if base == "C" else name
     return f"C_{part}" if axis == "C" else axis
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvgen.plan import splits
 from kvgen.plan.copy import LOOP_VARS, SLOT, CopyPlan, Mode, View, canonical
 from kvgen.plan.planes import PlaneCopy, PlanesPlan
 from kvgen.spec.model import PART_LEVEL, Pack, Spec
@@ -398,15 +399,45 @@ def _plane_kernel(plan: PlanesPlan, pc: PlaneCopy, index: int) -> PlaneKernelPla
     return PlaneKernelPlan(index, pc.plane.name, axes, params, body, tuple(views))
 
 
-def make_planes_kernel_plan(plan: PlanesPlan) -> PlanesKernelPlan:
+@dataclass(frozen=True)
+class RefusedKernelPlan:
+    """The twin of a connector no Triton kernel moves yet: its KERNEL says why
+    (`kernels.Refused`), and the Triton mover refuses the connector before anything moves."""
+
+    copy: PlanesPlan
+    why: str
+
+    @property
+    def module(self) -> str:
+        return f"{self.copy.module}_triton"
+
+    @property
+    def sources(self) -> tuple[Spec, Spec]:
+        return (self.copy.paged, self.copy.obj)
+
+    @property
+    def grid(self) -> str:
+        """For people, in place of a launch grid: that there is no kernel, and why."""
+        return f"no Triton kernel: {self.why}"
+
+
+def make_planes_kernel_plan(plan: PlanesPlan) -> PlanesKernelPlan | RefusedKernelPlan:
+    why = plan_refusal(plan)
+    if why is not None:
+        return RefusedKernelPlan(plan, why)
     planes = tuple(_plane_kernel(plan, pc, i) for i, pc in enumerate(plan.planes))
     leaf = "kvcaches" + "".join("[plane]" if a == PART_LEVEL else "[layer]" for a in plan.paged.lists)
     return PlanesKernelPlan(plan, planes, f"[{leaf} for layer in range(g.L)]")
 
 
+def plan_refusal(plan: object) -> str | None:
+    """Why a connector's plan has no Triton kernel (its twin's KERNEL refuses), or None."""
+    return splits.SPLITS_REASON if isinstance(plan, PlanesPlan) and plan.tiled else None
+
+
 def kernel_grid(plan: object) -> str | None:
     """The launch grid of a connector's kernel, for people; None for anything that is not a
-    connector's plan."""
+    connector's plan (a connector with no kernel says so, plan_refusal)."""
     if isinstance(plan, PlanesPlan):
         return make_planes_kernel_plan(plan).grid
     return make_kernel_plan(plan).grid if isinstance(plan, CopyPlan) else None

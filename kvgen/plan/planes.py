@@ -22,8 +22,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from kvgen.plan import splits
 from kvgen.plan.copy import EXTENT, LOOP_VARS, CopyPlan, Mode, Source, make_plan, mode_of
-from kvgen.spec.elements import tiled
 from kvgen.spec.model import PART_LEVEL, Dim, FieldsIn, Pack, Plane, Spec
 from kvgen.spec.passes.parts import part_view
 
@@ -68,6 +68,11 @@ class PlanesPlan:
         return f"{self.paged.name}__{self.obj.name}"
 
     @property
+    def tiled(self) -> bool:
+        """A cache with split axes (format 3 tiles): its planes move on the torch path only (kvgen.plan.splits)."""
+        return any(splits.is_tiled(pc.plane.part) for pc in self.planes)
+
+    @property
     def strategy(self) -> str:
         names = ", ".join(pc.plane.name for pc in self.planes)
         per = "per layer" if self.mode is Mode.LAYERWISE else "all layers"
@@ -80,8 +85,10 @@ def compatible_planes(paged: Spec, obj: Spec) -> bool:
         return False  # a groups object pairs with a model (kvgen.plan.models)
     if obj.lists not in ((), ("L",)):
         return False
-    if any(tiled(p.tensor_axes) for p in paged.parts) or paged.token_ratio != (1, 1):
-        return False  # format 3 split axes and token ratios: the reference addresses them; no connector yet
+    if paged.token_ratio != (1, 1):
+        return False  # format 3 token ratios: the reference addresses them; no connector yet
+    if any(splits.is_tiled(p) for p in paged.parts) and obj.pack is not Pack.REGIONS:
+        return False  # a tiled plane is moved value by value, into a region of its own (kvgen.plan.splits)
     return all(_plane_fits(plane, obj) for plane in paged.moved_planes())
 
 
@@ -100,6 +107,8 @@ def _cache_dims(plane: Plane) -> tuple[tuple[Dim, ...], str]:
     """The part's dims over its byte view, and how a leaf becomes that view. A part without
     C gets a trailing byte dim (its value's bytes)."""
     part, f = plane.part, plane.field
+    if splits.is_tiled(part):  # each value's bytes a trailing dim: the innermost dim need not be C
+        return (*part.dims, Dim((splits.ELEMENT,))), "runtime.bytes_of({}.unsqueeze(-1))"
     if f is not None:
         if part.fields_in is FieldsIn.ROW and part.dims[-1].axes == ("KV", "C"):
             # Format 3: K's C then V's, each holding the fields; the field is a plane with KV.
@@ -181,11 +190,14 @@ def _plane_copy(paged: Spec, obj: Spec, i: int, plane: Plane, whole: bool) -> Pl
     view = dataclasses.replace(part_view(paged, plane.part), dims=dims)
     leaf = "kvcaches" + "".join(f"[{plane.index}]" if a == PART_LEVEL else f"[{LOOP_VARS[a]}]"
                                 for a in paged.lists)
+    extent = {**EXTENT, "C": f"(g.planes[{i}].C // wd[{i}])"}
     if obj.pack is Pack.REGIONS:
         odims = _region_dims(obj, plane)
         shape_i = ", ".join(" * ".join(_extent(a, i, TOKENS["copy"]) for a in d.axes) for d in odims)
         one = "," if len(odims) == 1 else ""
         tensor = f"runtime.region(rows, {1 if whole else 0}, at[{i}], ({shape_i}{one}), wd[{i}])"
+        if splits.is_tiled(plane.part):  # the dense region viewed as the tiled part's dims
+            odims, extent = splits.object_dims(plane.part, odims), {**EXTENT, **splits.extents(plane.part, i)}
         odims = ((Dim(("L",)),) if whole else ()) + odims
     else:
         odims = obj.dims
@@ -195,5 +207,5 @@ def _plane_copy(paged: Spec, obj: Spec, i: int, plane: Plane, whole: bool) -> Pl
     raw = f"runtime.as_words({raw}, wd[{i}])"
     if obj.pack is Pack.ROWS:
         tensor = f"runtime.as_words({tensor}, wd[{i}])"
-    source = Source(leaf, tensor, {**EXTENT, "C": f"(g.planes[{i}].C // wd[{i}])"}, raw)
+    source = Source(leaf, tensor, extent, raw)
     return PlaneCopy(plane, make_plan(view, ospec, source))

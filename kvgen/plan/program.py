@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvgen.plan import splits
 from kvgen.plan.copy import CopyPlan, Mode
 from kvgen.plan.planes import PlanesPlan
 from kvgen.spec.model import Spec
@@ -154,6 +155,8 @@ def planes_program(plan: PlanesPlan) -> ProgramPlan:
     every layer), each plane's axes one dim per axis in those views."""
     if any(tuple(lp.axis for lp in pc.copy.loops) != ("L",) for pc in plan.planes):
         return ProgramPlan((("compiled", "caches of several planes with list levels besides L and the parts"),), ())
+    if plan.tiled:
+        return ProgramPlan((("compiled", splits.SPLITS_REASON),), ())
     layerwise = plan.mode is Mode.LAYERWISE
     planes = []
     for pc in plan.planes:

@@ -426,10 +426,21 @@ class PlanesKernel:
             kernel.launch(grid, args, device)
 
 
+class Refused:
+    """The KERNEL of a connector no Triton kernel moves (its twin says why): the Triton mover
+    refuses the connector when it prepares it, before anything is written."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def __call__(self, program: CopyProgram, step: Step) -> None:
+        raise Unsupported(f"no Triton kernel: {self.why}")
+
+
 _MODULES: dict[str, Any] = {}
 
 
-def kernel_of(module: str) -> Kernel:
+def kernel_of(module: str) -> Kernel | PlanesKernel | Refused:
     """The Kernel of a connector module (its `_triton` twin), imported on first use.
     ModuleNotFoundError when the package was built without kernels."""
     found = _MODULES.get(module)

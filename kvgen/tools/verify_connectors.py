@@ -9,6 +9,7 @@ from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
+from kvgen.plan.kernel import plan_refusal
 from kvgen.tools.verify_pool import Rows, each
 
 #: Layers of the cache in Triton's interpreter (CPU, --backend triton), which runs every program
@@ -91,6 +92,15 @@ def check(package: ModuleType, plan: Any, device: str, backend: str | None) -> t
     return store, load, kernels.stats["launches"] > launches, len(chosen)
 
 
+def _with_kernels(selected: Sequence[Any]) -> list[Any]:
+    """The connectors that have a Triton kernel; each one whose twin refuses (split axes) named and left out."""
+    for plan in selected:
+        why = plan_refusal(plan)
+        if why is not None:
+            print(f"kvgen verify: {plan.module}: no Triton kernel ({why}), left out", file=sys.stderr)
+    return [plan for plan in selected if plan_refusal(plan) is None]
+
+
 def run(rows: Rows, selected: Sequence[Any], everything: Sequence[Any], devices: Sequence[str],
         backend: str | None) -> int:
     """Print one row per connector and device (checked by `rows`); the number of failed checks."""
@@ -98,6 +108,8 @@ def run(rows: Rows, selected: Sequence[Any], everything: Sequence[Any], devices:
     from kvgen.oracle.scenarios import SCENARIOS
 
     count = failures = ran = 0
+    if backend == "triton":
+        selected = _with_kernels(selected)
     wide = max([24, *(len(p.paged.name) for p in selected)]), max([13, *(len(p.obj.name) for p in selected)])
     print(f"{'layout':<{wide[0]}} {'object':<{wide[1]}} {'mode':<9} {'device':<6} {'store ok':<8} {'load ok':<8}")
     for plan, device, (store_ok, load_ok, launched, runs) in each(rows, "connector", selected, everything, devices):

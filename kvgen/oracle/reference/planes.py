@@ -23,7 +23,7 @@ import torch
 from kvgen.oracle.address import ByteAddress, ObjectAddresses, part_width, plane_address, plane_count
 from kvgen.oracle.reference.common import Span, leaf, one_thread, put_last, tokens
 from kvgen.runtime.ops import bits
-from kvgen.spec.elements import split_extents
+from kvgen.spec.elements import split_extents, tiled
 from kvgen.spec.model import ITEMSIZE, PART_LEVEL, Part, Plane, Spec
 
 Extents = Mapping[str, int]
@@ -184,6 +184,8 @@ def _plane_bytes(chunk: _PlanesChunk, plane: Plane) -> tuple[torch.Tensor, torch
     t, slot = (torch.tensor(v).view(-1, 1, 1, 1) for v in zip(*chunk.moved, strict=True)) if plane.has_slots \
         else (torch.zeros(1, 1, 1, 1, dtype=torch.long),) * 2
     rows = _value_grids(plane, ext)
+    if tiled(plane.part.tensor_axes):  # a split axis: a row's values lie apart, so each value is placed alone
+        return _value_bytes(chunk, plane, (t, slot, rows), count, size)
     # A row's values follow one another in both tensors' bytes (C is innermost and moves as
     # bytes): the address of its first and last value says where it lies.
     here = [chunk.cache.offsets(plane_address(paged, plane, {**rows, "slot": slot, "c": c}, ext, item),
@@ -192,6 +194,23 @@ def _plane_bytes(chunk: _PlanesChunk, plane: Plane) -> tuple[torch.Tensor, torch
              for c in (0, count - 1)]
     a, b = _runs(plane, here, count, size), _runs(plane, there, count, size)
     step = torch.arange(count * size)
+    a, b = (torch.broadcast_to(x, torch.broadcast_shapes(a.shape, b.shape)).reshape(-1, 1) + step for x in (a, b))
+    return a, b
+
+
+def _value_bytes(chunk: _PlanesChunk, plane: Plane, grids: tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]],
+                 count: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """_plane_bytes for a plane with split axes (format 3 tiles): every value's address on both
+    sides, each value c = 0 .. count - 1 on an index grid of its own, innermost."""
+    paged, ext = chunk.paged, chunk.ext
+    t, slot = (g.unsqueeze(-1) for g in grids[:2])
+    rows = {k: g.unsqueeze(-1) for k, g in grids[2].items()}
+    c = torch.arange(count).view(1, 1, 1, 1, -1)
+    item = chunk.items[plane.part.name]
+    _, a = chunk.cache.offsets(plane_address(paged, plane, {**rows, "slot": slot, "c": c}, ext, item),
+                               _list_sizes(paged, ext))
+    _, b = chunk.objs.offsets(chunk.there_of(plane, {**rows, "t": t, "c": c}), chunk.obj_sizes)
+    step = torch.arange(size)
     a, b = (torch.broadcast_to(x, torch.broadcast_shapes(a.shape, b.shape)).reshape(-1, 1) + step for x in (a, b))
     return a, b
 

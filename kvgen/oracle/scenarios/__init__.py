@@ -4,7 +4,8 @@ one module per kind, as the reference has:
 
 - `layouts`: connectors of a (layout, object) pair, both kinds PAIR_KINDS names (caches of one
   tensor tree, and caches of several parts or fields, whose caches and objects reference.planes
-  codes byte by byte): `SCENARIOS`, `check_pair`, `move_pair`, `check_connector`;
+  codes byte by byte): `SCENARIOS`, `check_pair`, `move_pair`, `check_connector`, `fitted` (a scenario's extents
+  fitted to a spec's split factors);
 - `transfers`: layout-to-layout transfers: `SCENARIOS`, `check_transfer`;
 - `models`: model connectors: `SCENARIOS`, `check_model`;
 - `common`: what they share: allocation as engines hand tensors out, bitwise comparison of trees.
@@ -23,6 +24,7 @@ from kvgen.oracle.scenarios.layouts import (
     check_pair,
     connector_load,
     connector_store,
+    fitted,
     make_cache,
     make_objects,
     move_pair,
@@ -32,5 +34,5 @@ from kvgen.oracle.scenarios.layouts import (
 )
 
 __all__ = ["EXT", "SCENARIOS", "Scenario", "allocate", "at_odd_offsets", "block_table_mapping", "check_connector",
-           "check_pair", "clone_tree", "connector_load", "connector_store", "make_cache", "make_objects", "move_pair",
-           "obj_tensors", "reference_load", "reference_store", "same_bits", "tensors_of"]
+           "check_pair", "clone_tree", "connector_load", "connector_store", "fitted", "make_cache", "make_objects",
+           "move_pair", "obj_tensors", "reference_load", "reference_store", "same_bits", "tensors_of"]

@@ -14,9 +14,10 @@ objects whose strides or storage offsets forbid wide copy words.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
@@ -27,6 +28,7 @@ from kvgen.oracle.reference import planes
 from kvgen.oracle.scenarios.common import allocate, block_table_mapping, clone_tree, same_bits
 from kvgen.runtime import MemoryObj
 from kvgen.runtime.ops import bits
+from kvgen.spec.elements import split_of
 from kvgen.spec.model import Spec
 
 #: Small geometry: 3 layers, 2 heads, 4 values per head, 12 blocks of 4 slots.
@@ -278,10 +280,39 @@ def _label(objs: list[Any], connector: Any) -> None:
             o.metadata.fmt = connector.format
 
 
+def _round_up(n: int, f: int) -> int:
+    return -(-n // f) * f
+
+
+def fitted(paged: Spec, scenario: Scenario) -> Scenario:
+    """The scenario at extents a cache's split axes (format 3 tiles) divide: N and H at the
+    spec's fixed extent or rounded up to a multiple of every factor that splits them, and each
+    part that splits C given a width its factors divide where the scenario gives it none
+    (planes.parts_extents keeps it)."""
+    ext = dict(scenario.ext)
+    factors: dict[str, int] = {}
+    for i, part in enumerate(paged.parts):
+        for axis in part.tensor_axes:
+            split = split_of(axis)
+            if split is None:
+                continue
+            base, _, f = split
+            if base == "C":
+                ext.setdefault(f"C.{part.name}", part.size("C") or _round_up(ext["C"] + 2 * i, f))
+            else:
+                factors[base] = math.lcm(factors.get(base, 1), f)
+    if not factors and ext == scenario.ext:
+        return scenario
+    for base, f in factors.items():
+        ext[base] = paged.size(base) or _round_up(ext[base], f)
+    return replace(scenario, ext=ext)
+
+
 def check_pair(connector: Any, paged: Spec, obj: Spec, scenario: Scenario,
                dtype: torch.dtype = torch.float32) -> tuple[bool, bool]:
     """(store ok, load ok) of one generated connector of (paged, obj), made for a device,
     against the reference."""
+    scenario = fitted(paged, scenario)
     mapping_list, mapping, lengths, cache, objs = _pair_inputs(connector, paged, obj, scenario, dtype)
     want = make_objects(connector, lengths, dtype, str(connector.device), salt=7)
     connector_store(connector, objs, scenario, cache, mapping)
@@ -299,6 +330,7 @@ def move_pair(connector: Any, paged: Spec, obj: Spec, scenario: Scenario,
               dtype: torch.dtype = torch.float32) -> None:
     """check_pair's store and load through the connector alone, nothing compared (what a
     rehearsal of its kernel launches runs, kvgen.tools.verify_connectors)."""
+    scenario = fitted(paged, scenario)
     _, mapping, _, cache, objs = _pair_inputs(connector, paged, obj, scenario, dtype)
     connector_store(connector, objs, scenario, cache, mapping)
     _label(objs, connector)

@@ -36,10 +36,13 @@ class TritonMover:
         if why is not None:
             raise Unsupported(why)
         try:
-            return connector, kernels.kernel_of(generated_module(connector))
+            kernel = kernels.kernel_of(generated_module(connector))
         except ModuleNotFoundError as exc:
             raise Unsupported(f"no kernel module was generated for this connector ({exc}); run `kvgen build`") \
                 from None
+        if isinstance(kernel, kernels.Refused):
+            raise Unsupported(f"no Triton kernel for this connector: {kernel.why}")
+        return connector, kernel
 
     def move(self, prepared: tuple[Any, Any], store: bool, tensor: torch.Tensor, call: Any, ck: Chunk,
              layer: int | None) -> None:

@@ -36,7 +36,7 @@ def check_kind_axes(spec: Spec, doc: Document) -> list[Problem]:
         if "T" in axes:
             out.append(doc.problem(path_of(spec, "T"), "T (token in a chunk) belongs to objects; "
                                                         "a paged layout addresses slots with B and N"))
-        missing = [a for a in ("B", "N") if a not in axes]
+        missing = [a for a in ("B", "N") if not spec.has(a)]
         if missing:
             out.append(doc.problem(("dims",), f"a paged layout must address slots: missing {' and '.join(missing)} "
                                               "(use B and N, or [B, N] for a folded slot axis)"))
@@ -48,7 +48,7 @@ def check_kind_axes(spec: Spec, doc: Document) -> list[Problem]:
         for axis in ("B", "N"):
             if axis in axes:
                 out.append(doc.problem(path_of(spec, axis), f"{axis} addresses a paged cache; objects use T"))
-    if "C" not in axes:
+    if not spec.has("C"):  # a split C (C/8 with C%8) holds it: kvgen.spec.passes.splits checks that
         out.append(doc.problem(("dims",), "every layout needs a C (content per head) axis"))
     return out
 

@@ -48,6 +48,22 @@ def _split_problems(spec: Spec, part: Part, path: YamlPath, axis: str, split: tu
     return out
 
 
+def check_split_trees(spec: Spec, doc: Document) -> list[Problem]:
+    """Split axes outside a cache of parts: kvgen plans them only plane by plane, in a cache of parts
+    whose object keeps every axis whole (kvgen.plan.splits), so a one-tree cache with split axes would
+    build with no connector, and an object has none."""
+    split = [a for d in spec.dims for a in d.axes if split_of(a) is not None]
+    if not split or "parts" in doc.data:
+        return []
+    shown = ", ".join(split)
+    if not spec.is_paged:
+        return [doc.problem(("dims",), f"an object keeps its axes whole; split axes ({shown}) describe a cache's "
+                                       "parts")]
+    return [doc.problem(("dims",), f"split axes ({shown}) are moved only in a cache of parts: declare the tree "
+                                   "under `parts:` (e.g. `parts: {k: {dims: [...]}, v: ...}` with P in lists); "
+                                   "kvgen plans no connector for a one-tree cache with split axes")]
+
+
 def check_ratio(spec: Spec, doc: Document) -> list[Problem]:
     """A token-to-slot ratio: one of tokens_per_slot and slots_per_token, format 3, paged."""
     given = [k for k in ("tokens_per_slot", "slots_per_token") if k in doc.data]
@@ -66,4 +82,4 @@ def check_ratio(spec: Spec, doc: Document) -> list[Problem]:
 
 
 #: The passes of tiles and ratios, in the order their problems are reported.
-PASSES: tuple[Pass, ...] = (check_splits, check_ratio)
+PASSES: tuple[Pass, ...] = (check_splits, check_split_trees, check_ratio)

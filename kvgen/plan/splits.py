@@ -1,0 +1,96 @@
+"""Split (tiled) axes in copy plans (spec format 3: `C/8` with `C%8`, `N/8` with `N%8`).
+
+A split axis is two dims of the copy, the tile (`C/8`, index c // 8) and the place in it
+(`C%8`, index c % 8), each at its own stride in the cache. The object keeps the whole axis
+dense, so its C (or H) is viewed as the same two dims, tile outer; its tokens T are viewed as
+(B, N/8, N%8) for whole blocks, and a single token's slot offset n reaches the cache as
+n // 8 and n % 8, one index per dim.
+
+A tiled plane moves in words no wider than its element: its innermost dim need not be C
+(AITER's V ends in N%8), so every value's bytes are a trailing axis `E` of their own, on both
+sides, and C counts values.
+
+String and tuple work on specs; torch is never imported.
+"""
+
+from __future__ import annotations
+
+from kvgen.spec.elements import split_of
+from kvgen.spec.model import Dim, Part
+
+#: Why a cache with split axes keeps the torch path: the compiled kernel and the Triton kernel
+#: take each axis's extent from the geometry by its name, and a tile or a place has none there.
+SPLITS_REASON = "split (tiled) axes move by torch ops"
+#: The trailing axis of a tiled plane: the words of one value (its bytes over the call's word).
+ELEMENT = "E"
+
+
+def is_tiled(part: Part) -> bool:
+    return any(split_of(a) is not None for a in part.tensor_axes)
+
+
+def splits(part: Part, base: str) -> tuple[str, ...]:
+    """The tile then the place of `base` in the part (`("C/8", "C%8")`), or () where it is whole."""
+    found = [a for a in part.tensor_axes if (split_of(a) or ("",))[0] == base]
+    return tuple(sorted(found, key=lambda a: (split_of(a) or ("", "", 0))[1] != "/"))
+
+
+def factor(axis: str) -> int:
+    split = split_of(axis)
+    if split is None:
+        raise ValueError(f"{axis} is not a split axis")
+    return split[2]
+
+
+def object_dims(part: Part, dims: tuple[Dim, ...]) -> tuple[Dim, ...]:
+    """An object's dims (T, H, C, ... as a plane's region or rows hold them) seen as a tiled
+    part's: a split H or C as its tile and place fused in one dim (a view of the dense axis),
+    and each value's words last."""
+    out = []
+    for d in dims:
+        axes: list[str] = []
+        for a in d.axes:
+            axes.extend(splits(part, a) or (a,))
+        if d.axes[-1:] == ("C",):
+            axes.append(ELEMENT)
+        out.append(Dim(tuple(axes)))
+    return tuple(out)
+
+
+def extents(part: Part, plane: int) -> dict[str, str]:
+    """The extent expressions of a tiled plane's axes in the generated copy (`wd` the words of
+    the call, `g` the geometry): C counts values, E a value's words, tiles and places theirs."""
+    geo = f"g.planes[{plane}]"
+    out = {"C": f"{geo}.values", ELEMENT: f"({geo}.C // {geo}.values // wd[{plane}])"}
+    for base, whole in (("C", f"{geo}.values"), ("H", "g.H"), ("N", "g.N")):
+        for a in splits(part, base):
+            out[a] = f"({whole} // {factor(a)})" if "/" in a else str(factor(a))
+    return out
+
+
+def slot_index(cache_axes: tuple[str, ...]) -> dict[str, str]:
+    """The index expression of each slot axis of a cache view for the token path: B by the
+    chunk's block of each token, N by its offset, a split N by the offset's tile and place."""
+    out = {"B": "ck.blk", "N": "ck.off"}
+    for a in cache_axes:
+        split = split_of(a)
+        if split is not None and split[0] == "N":
+            out[a] = f"(ck.off // {split[2]})" if split[1] == "/" else f"(ck.off % {split[2]})"
+    return out
+
+
+def slot_axes(cache_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes a token's slot (block, offset) addresses in a cache view: B and N, or B and N's tile and place."""
+    n = tuple(a for a in cache_axes if (split_of(a) or ("",))[0] == "N")
+    return ("B", *(n or ("N",)))
+
+
+def block_tokens(cache_axes: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
+    """The axes T of the object splits into for whole blocks, and the sizes of that unflatten:
+    (B, N) by (-1, g.N); for a split N (B, N/f, N%f) by (-1, g.N // f, f)."""
+    n = [a for a in cache_axes if (split_of(a) or ("",))[0] == "N"]
+    if not n:
+        return ("B", "N"), "(-1, g.N)"
+    tile = next(a for a in n if "/" in a)
+    place = next(a for a in n if "%" in a)
+    return ("B", tile, place), f"(-1, g.N // {factor(tile)}, {factor(place)})"
