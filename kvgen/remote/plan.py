@@ -305,7 +305,7 @@ def _estimate(cuts: list[Layout], *, exact: bool = False) -> tuple[int, int]:
     """(descriptors, bytes) of reads cut so: merged, where their descriptors before merging are
     at most EXACT together (cheap to cut for real) or `exact` asks, else that count (an upper bound)."""
     exact = exact or sum(x.count for x in cuts) <= EXACT
-    return sum(len(x.descs[0]) if exact else x.count for x in cuts), sum(x.bytes for x in cuts)
+    return sum(x.exact if exact else x.count for x in cuts), sum(x.bytes for x in cuts)
 
 
 def _words(cuts: list[Layout], *, exact: bool = False) -> str:

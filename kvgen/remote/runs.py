@@ -119,10 +119,15 @@ class Layout:
         """(src_descs, dst_descs), worked out once."""
         return descriptors(self)
 
+    @cached_property
+    def exact(self) -> int:
+        """Descriptors after neighbours merge: len(descs[0]), worked out without them where it can."""
+        return len(self.descs[0]) if "descs" in self.__dict__ else merged_count(self)
+
     @property
     def merged(self) -> int:
         """Descriptors after neighbours merge where that is cheap to know (see EXACT), else `count`."""
-        return len(self.descs[0]) if self.count <= EXACT else self.count
+        return self.exact if self.count <= EXACT else self.count
 
 
 def layout(src: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray, np.ndarray],
@@ -148,7 +153,93 @@ def layout(src: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray
 
 def descriptors(cut: Layout) -> tuple[np.ndarray, np.ndarray]:
     """(src_descs, dst_descs): int64 [n, 3] tensors of (address, bytes, device id), matching
-    row by row, of the read `cut` describes."""
+    row by row, of the read `cut` describes: the merge of every run of the index grid, worked
+    out on a merged template of the inner axes tiled over the outer ones (see _Factored), or on
+    the whole grid where the template would not be the same for every outer index."""
+    f = _factored(cut)
+    if f is None:
+        return descriptors_flat(cut)
+    a, b, sizes = f.tiled()
+    return merge(a, b, sizes, (cut.src.device_id, cut.dst.device_id))
+
+
+def merged_count(cut: Layout) -> int:
+    """len(descriptors(cut)[0]), without making them where the template allows."""
+    f = _factored(cut)
+    return len(descriptors_flat(cut)[0]) if f is None else f.count()
+
+
+@dataclass(frozen=True)
+class _Factored:
+    """A read's grid as inner axes (every axis from the tokens inwards that steps over no
+    leaf, on either side: a shift of both addresses by one byte offset per index) and outer
+    axes. Merging is shift-invariant, so the inner axes' runs merge once, into the template,
+    and only the template's last run of one outer index can continue into the first of the
+    next: tiling the merged template and merging again gives the whole grid's merge."""
+
+    template: tuple[np.ndarray, np.ndarray, np.ndarray]  # merged: source, destination offsets, bytes
+    shifts: tuple[np.ndarray, np.ndarray]  # each outer index's source and destination address
+
+    def tiled(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        (ta, tb, tn), (sa, sb) = self.template, self.shifts
+        return (sa[:, None] + ta).reshape(-1), (sb[:, None] + tb).reshape(-1), np.tile(tn, sa.size)
+
+    def count(self) -> int:
+        (ta, tb, tn), (sa, sb) = self.template, self.shifts
+        if not ta.size:
+            return 0
+        joins = (sa[1:] + ta[0] == sa[:-1] + ta[-1] + tn[-1]) & (sb[1:] + tb[0] == sb[:-1] + tb[-1] + tn[-1])
+        return sa.size * ta.size - int(joins.sum())
+
+
+def _factored(cut: Layout) -> _Factored | None:
+    """The template and shifts of `cut`, or None where the tokens are not inner (a leaf step
+    inside them) or, with axes inside them, runs of tokens differ in length."""
+    outer, at = cut.outer, cut.at
+    s_slots, d_slots, lengths = cut.tokens
+    inner = outer[at:]
+    if any(d.src[0] or d.dst[0] for d in inner):
+        return None
+    if inner and lengths.size and bool((lengths != lengths[0]).any()):
+        return None
+    size = int(lengths[0]) * cut.run if inner and lengths.size else cut.run
+    template = (np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), np.full(1, size, dtype=np.int64))
+    for d in reversed(inner):  # innermost first: each axis repeats the merged axes inside it
+        step = np.arange(d.n, dtype=np.int64)
+        template = _tile(template, (step * d.src[1], step * d.dst[1]))
+    tokens = (_token_offsets(cut.src, s_slots), _token_offsets(cut.dst, d_slots))
+    if inner:
+        template = _tile(template, tokens)
+    else:  # the tokens alone: each run of them is as long as it is
+        template = _runs(*tokens, lengths * cut.run)
+    return _Factored(template, (_shifts(cut.src, outer[:at], 0, cut.heads[0][0]),
+                                _shifts(cut.dst, outer[:at], 1, cut.heads[1][0])))
+
+
+def _tile(template: tuple[np.ndarray, np.ndarray, np.ndarray], shifts: tuple[np.ndarray, np.ndarray]
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The template repeated at each shift (outside it), merged."""
+    (ta, tb, tn), (sa, sb) = template, shifts
+    return _runs((sa[:, None] + ta).reshape(-1), (sb[:, None] + tb).reshape(-1), np.tile(tn, sa.size))
+
+
+def _shifts(desc: CacheDescription, outer: tuple[RunDim, ...], side: int, h0: int) -> np.ndarray:
+    """The address each index of the outer axes shifts a run to (outermost first, flat)."""
+    leaf_shift, byte_shift = _head_shift(desc, h0)
+    leaf = np.full([1] * len(outer), leaf_shift, dtype=np.int64)
+    off = np.full([1] * len(outer), byte_shift, dtype=np.int64)
+    for j, d in enumerate(outer):
+        grid = [1] * len(outer)
+        grid[j] = d.n
+        idx = np.arange(d.n, dtype=np.int64).reshape(grid)
+        ls, bs = d.src if side == 0 else d.dst
+        leaf, off = leaf + idx * ls, off + idx * bs
+    return (np.asarray(desc.leaves, dtype=np.int64)[leaf] + off).reshape(-1)
+
+
+def descriptors_flat(cut: Layout) -> tuple[np.ndarray, np.ndarray]:
+    """descriptors(cut) worked out on the whole index grid, one run per index (the reference
+    the factored path is tested against, and its fallback)."""
     outer, at = cut.outer, cut.at
     s_slots, d_slots, lengths = cut.tokens
     shape = [d.n for d in outer]
@@ -185,19 +276,26 @@ def outside(descs: np.ndarray, d: CacheDescription) -> int:
 def merge(a: np.ndarray, b: np.ndarray, sizes: np.ndarray, devices: tuple[int, int]
            ) -> tuple[np.ndarray, np.ndarray]:
     """Neighbouring runs that continue each other on both sides, as one descriptor."""
-    if a.size == 0:
-        empty = np.empty((0, 3), dtype=np.int64)
-        return empty, empty
-    starts = np.ones(a.size, dtype=bool)
-    starts[1:] = (a[1:] != a[:-1] + sizes[:-1]) | (b[1:] != b[:-1] + sizes[:-1])
-    first = np.flatnonzero(starts)
-    ends = np.cumsum(sizes)
-    last = np.append(first[1:] - 1, a.size - 1)
-    lengths = ends[last] - ends[first] + sizes[first]
+    first_a, first_b, lengths = _runs(a, b, sizes)
     out = []
-    for side, device in zip((a, b), devices, strict=True):
-        out.append(np.stack([side[first], lengths, np.full_like(lengths, device)], axis=1))
+    for side, device in zip((first_a, first_b), devices, strict=True):
+        desc = np.empty((side.size, 3), dtype=np.int64)
+        desc[:, 0], desc[:, 1], desc[:, 2] = side, lengths, device
+        out.append(desc)
     return out[0], out[1]
 
 
-__all__ = ["EXACT", "Heads", "Layout", "descriptors", "layout", "merge", "outside"]
+def _runs(a: np.ndarray, b: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(source starts, destination starts, bytes) of the merged runs of a, b, sizes."""
+    if a.size == 0:
+        return a, b, sizes
+    starts = np.ones(a.size, dtype=bool)
+    np.not_equal(a[1:], a[:-1] + sizes[:-1], out=starts[1:])
+    starts[1:] |= b[1:] != b[:-1] + sizes[:-1]
+    first = np.flatnonzero(starts)
+    ends = np.cumsum(sizes)
+    last = np.append(first[1:] - 1, a.size - 1)
+    return a[first], b[first], ends[last] - ends[first] + sizes[first]
+
+
+__all__ = ["EXACT", "Heads", "Layout", "descriptors", "descriptors_flat", "layout", "merge", "merged_count", "outside"]
