@@ -97,7 +97,7 @@ def profile(row: str, tokens: int, repeats: int) -> None:
     for _ in range(repeats):
         remote.plan(srcs, dst, s, t)
     prof.disable()
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+    pstats.Stats(prof).sort_stats(*(sys.argv[sys.argv.index("--sort") + 1].split(",") if "--sort" in sys.argv else ["cumulative"])).print_stats(30)
 
 
 def main(argv: list[str]) -> None:

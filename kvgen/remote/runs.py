@@ -16,7 +16,7 @@ milliseconds even on a host whose cores are busy (torch's small ops wait for a t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -37,15 +37,14 @@ class RunDim:
 
 
 def _axis(d: CacheDescription, axis: str) -> tuple[int, int]:
-    return dict(d.steps).get(axis, 0), dict(d.strides).get(axis, 0)
+    return d.step(axis), d.stride(axis)
 
 
 def _token_offsets(d: CacheDescription, slots: np.ndarray) -> np.ndarray:
     """Bytes from a leaf's start to each slot's first element."""
-    strides = dict(d.strides)
     if d.block is None:
-        return slots * strides["S"]
-    return (slots // d.block) * strides["B"] + (slots % d.block) * strides["N"]
+        return slots * d.stride("S")
+    return (slots // d.block) * d.stride("B") + (slots % d.block) * d.stride("N")
 
 
 def _dims(src: CacheDescription, dst: CacheDescription, count: int) -> list[RunDim]:
@@ -136,7 +135,7 @@ def layout(src: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray
     slots, sorted by destination slot), source heads heads[0] onto destination heads heads[1]."""
     count = heads[0][1] - heads[0][0]
     run, outer = _split(_dims(src, dst, count), src.itemsize)
-    tok = [dict(x.strides).get("N" if x.block else "S", 0) for x in (src, dst)]
+    tok = [x.stride("N" if x.block else "S") for x in (src, dst)]
     if tok == [run, run]:  # consecutive slots continue each other: a run of them is one descriptor
         run_of = _segments(dst, src, pairs)
     else:
@@ -146,7 +145,7 @@ def layout(src: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray
     # inside a block, such as HND's heads, follow each other and merge).
     step = tok[1]
     if dst.block and run_of[2].size and bool((run_of[2] == dst.block).all() and (run_of[1] % dst.block == 0).all()):
-        step = dict(dst.strides)["B"]
+        step = dst.stride("B")
     at = next((k for k, d in enumerate(outer) if d.dst[0] == 0 and d.dst[1] < step), len(outer))
     return Layout(src, dst, heads, run, tuple(outer), at, run_of)
 
@@ -223,8 +222,10 @@ def _tile(template: tuple[np.ndarray, np.ndarray, np.ndarray], shifts: tuple[np.
     return _runs((sa[:, None] + ta).reshape(-1), (sb[:, None] + tb).reshape(-1), np.tile(tn, sa.size))
 
 
+@lru_cache(maxsize=64)
 def _shifts(desc: CacheDescription, outer: tuple[RunDim, ...], side: int, h0: int) -> np.ndarray:
-    """The address each index of the outer axes shifts a run to (outermost first, flat)."""
+    """The address each index of the outer axes shifts a run to (outermost first, flat; read-only:
+    cached, since a staged plan's chunks and the sources of every plan ask the same)."""
     leaf_shift, byte_shift = _head_shift(desc, h0)
     leaf = np.full([1] * len(outer), leaf_shift, dtype=np.int64)
     off = np.full([1] * len(outer), byte_shift, dtype=np.int64)
@@ -234,7 +235,9 @@ def _shifts(desc: CacheDescription, outer: tuple[RunDim, ...], side: int, h0: in
         idx = np.arange(d.n, dtype=np.int64).reshape(grid)
         ls, bs = d.src if side == 0 else d.dst
         leaf, off = leaf + idx * ls, off + idx * bs
-    return (np.asarray(desc.leaves, dtype=np.int64)[leaf] + off).reshape(-1)
+    out = (np.asarray(desc.leaves, dtype=np.int64)[leaf] + off).reshape(-1)
+    out.flags.writeable = False
+    return out
 
 
 def descriptors_flat(cut: Layout) -> tuple[np.ndarray, np.ndarray]:
