@@ -4,11 +4,11 @@ time (time.thread_time: stable on a shared host, it counts only this thread) and
 min-median-max over REPEATS plans after one warm-up plan (which imports the layouts and fills
 the caches of their facts), milliseconds; the slowest destination rank of each row.
 
-    python benchmarks/plan_time.py [TOKENS] [REPEATS] [--profile PAIR]
+    python benchmarks/plan_time.py [TOKENS] [REPEATS] [--profile ROW [--sort tottime]]
 
 Caches and slot tables as `kvgen pd` makes them (kvgen.tools.pd_run: L=32, H=8, C=128, bf16,
 block tables of random blocks). `--profile nhd:hnd:2:4:16:32` prints cProfile's top functions
-of REPEATS plans of that row instead.
+(by cumulative thread CPU time, or --sort's key) of REPEATS plans of that row instead.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def table(tokens: int, repeats: int) -> None:
                   f"{count:>7}  {_mmm(cpu):<20}{_mmm(wall)}")
 
 
-def profile(row: str, tokens: int, repeats: int) -> None:
+def profile(row: str, tokens: int, repeats: int, sort: str) -> None:
     a, b, *shape = row.split(":")
     setups = _setups(_request((a, b), tuple(int(x) for x in shape), tokens))  # type: ignore[arg-type]
     srcs, dst, s, t = setups[0]
@@ -97,18 +97,17 @@ def profile(row: str, tokens: int, repeats: int) -> None:
     for _ in range(repeats):
         remote.plan(srcs, dst, s, t)
     prof.disable()
-    pstats.Stats(prof).sort_stats(*(sys.argv[sys.argv.index("--sort") + 1].split(",") if "--sort" in sys.argv else ["cumulative"])).print_stats(30)
+    pstats.Stats(prof).sort_stats(sort).print_stats(30)
 
 
 def main(argv: list[str]) -> None:
-    args = [a for a in argv if not a.startswith("--")]
-    at = argv.index("--profile") if "--profile" in argv else -1
-    row = argv[at + 1] if at >= 0 else None
-    args = [a for a in args if a != row]
+    row = argv[argv.index("--profile") + 1] if "--profile" in argv else None
+    sort = argv[argv.index("--sort") + 1] if "--sort" in argv else "cumulative"
+    args = [a for a in argv if not a.startswith("--") and a not in (row, sort)]
     tokens = int(args[0]) if args else 2048
     repeats = int(args[1]) if len(args) > 1 else 7
     if row:
-        profile(row, tokens, repeats)
+        profile(row, tokens, repeats, sort)
     else:
         table(tokens, repeats)
 

@@ -200,7 +200,7 @@ def _factored(cut: Layout) -> _Factored | None:
     if any(d.src[0] or d.dst[0] for d in inner):
         return None
     if inner and lengths.size and bool((lengths != lengths[0]).any()):
-        return None
+        return None  # a guard: layout() puts axes inside the tokens only where every run is a whole block
     size = int(lengths[0]) * cut.run if inner and lengths.size else cut.run
     template = (np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), np.full(1, size, dtype=np.int64))
     for d in reversed(inner):  # innermost first: each axis repeats the merged axes inside it
