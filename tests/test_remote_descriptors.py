@@ -3,10 +3,12 @@ descriptors merged from a tiled template (runs.descriptors) are the whole index 
 (runs.descriptors_flat), row for row, and merged_count is their number; and a plan made with the
 fast path is the plan the flat path makes: the same strategy and reasons, the same reads (staged
 reads compared by leaf and offset of their own staging caches, which each plan allocates anew)
-and the same staging permutes."""
+and the same staging permutes; a staged chunk's read cut from the whole read's cut (runs.part)
+is the read cut from the chunk's own pairs."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import numpy as np
@@ -22,9 +24,17 @@ from kvgen.tools.pd_request import Request, WorkerSide
 from tests.remote_harness import Case
 from tests.test_remote_properties import cases
 
+#: The planner's module (kvgen.remote.plan is also the name of its function there).
+plan_module = importlib.import_module("kvgen.remote.plan")
+
 
 def _flat_count(cut: runs.Layout) -> int:
     return len(runs.descriptors_flat(cut)[0])
+
+
+def _part_anew(cut: runs.Layout, pairs: tuple[np.ndarray, np.ndarray], lo: int, hi: int) -> runs.Layout:
+    """A staged chunk's read cut from its own pairs, as the planner cut it before runs.part."""
+    return runs.layout(cut.src, cut.dst, pairs, cut.heads)
 
 
 def _checked(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -87,6 +97,7 @@ def _both(monkeypatch: pytest.MonkeyPatch, srcs: Any, dst: Any, s: Any, t: Any,
     with monkeypatch.context() as m:
         m.setattr(runs, "descriptors", runs.descriptors_flat)
         m.setattr(runs, "merged_count", _flat_count)
+        m.setattr(plan_module, "part", _part_anew)
         flat = remote.plan(srcs, dst, s, t, strategy=strategy)
     return fast, flat, seen
 

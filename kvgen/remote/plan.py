@@ -24,7 +24,7 @@ import torch
 from kvgen import generated, tp
 from kvgen.remote.cost import Costs, costs
 from kvgen.remote.describe import CacheDescription, check_pair, describe, empty
-from kvgen.remote.runs import EXACT, Heads, Layout, layout, outside
+from kvgen.remote.runs import EXACT, Heads, Layout, layout, outside, part
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.errors import KVLayoutError
 
@@ -186,7 +186,7 @@ class _Stage:
             lo, hi = int(bounds[c]), int(bounds[c + 1])
             mine = (self.where >= lo) & (self.where < hi)
             read = ((self.blocks[lo:hi, None] * n + np.arange(n)).reshape(-1), np.arange(lo * n, hi * n))
-            cut = layout(self.src, self.here, read, self.heads[:2])
+            cut = part(self.whole, read, lo * n, hi * n)
             out.append((cut, Staging(self.pair, self.caches, torch.from_numpy(self.slots[0][mine]),
                                      torch.from_numpy(self.slots[1][mine]), self.heads[2], dst_heads, c)))
         return out

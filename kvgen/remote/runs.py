@@ -140,14 +140,31 @@ def layout(src: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray
         run_of = _segments(dst, src, pairs)
     else:
         run_of = (pairs[0], pairs[1], np.ones_like(pairs[0]))
-    # The tokens go outside every dim the destination steps over in less than one of them: a
-    # token, or a whole destination block where every run of tokens is one (then the dims
-    # inside a block, such as HND's heads, follow each other and merge).
-    step = tok[1]
+    return Layout(src, dst, heads, run, tuple(outer), _at(dst, tuple(outer), run_of, tok[1]), run_of)
+
+
+def _at(dst: CacheDescription, outer: tuple[RunDim, ...], run_of: tuple[np.ndarray, np.ndarray, np.ndarray],
+        step: int) -> int:
+    """Where the tokens go among the outer dims: outside every dim the destination steps over in
+    less than one of them (`step`, its token stride), or than a whole destination block where
+    every run of tokens is one (then the dims inside a block, such as HND's heads, follow each
+    other and merge)."""
     if dst.block and run_of[2].size and bool((run_of[2] == dst.block).all() and (run_of[1] % dst.block == 0).all()):
         step = dst.stride("B")
-    at = next((k for k, d in enumerate(outer) if d.dst[0] == 0 and d.dst[1] < step), len(outer))
-    return Layout(src, dst, heads, run, tuple(outer), at, run_of)
+    return next((k for k, d in enumerate(outer) if d.dst[0] == 0 and d.dst[1] < step), len(outer))
+
+
+def part(cut: Layout, pairs: tuple[np.ndarray, np.ndarray], lo: int, hi: int) -> Layout:
+    """layout(cut.src, cut.dst, pairs, cut.heads) where `pairs` are the pairs of `cut` whose
+    destination slots are in [lo, hi): from `cut`'s own cut (its run and dims depend on the sides
+    and heads alone) where no run of tokens crosses lo or hi, else made anew."""
+    s, t, n = cut.tokens
+    i, j = np.searchsorted(t, (lo, hi))
+    if (i and t[i - 1] + n[i - 1] > lo) or (j and t[j - 1] + n[j - 1] > hi):
+        return layout(cut.src, cut.dst, pairs, cut.heads)
+    run_of = (s[i:j], t[i:j], n[i:j])
+    step = cut.dst.stride("N" if cut.dst.block else "S")
+    return Layout(cut.src, cut.dst, cut.heads, cut.run, cut.outer, _at(cut.dst, cut.outer, run_of, step), run_of)
 
 
 def descriptors(cut: Layout) -> tuple[np.ndarray, np.ndarray]:
@@ -270,10 +287,17 @@ def outside(descs: np.ndarray, d: CacheDescription) -> int:
     """How many descriptors of `descs` are not inside one leaf of `d` (leaf address, + span)."""
     if not len(descs):
         return 0
-    bases = np.sort(np.asarray(d.leaves, dtype=np.int64))
+    bases = _sorted_leaves(d.leaves)
     at = np.searchsorted(bases, descs[:, 0], side="right") - 1
     ok = (at >= 0) & (descs[:, 0] + descs[:, 1] <= bases[np.maximum(at, 0)] + d.span)
     return int((~ok).sum())
+
+
+@lru_cache(maxsize=64)
+def _sorted_leaves(addresses: tuple[int, ...]) -> np.ndarray:
+    out = np.sort(np.asarray(addresses, dtype=np.int64))
+    out.flags.writeable = False
+    return out
 
 
 def merge(a: np.ndarray, b: np.ndarray, sizes: np.ndarray, devices: tuple[int, int]
@@ -301,4 +325,5 @@ def _runs(a: np.ndarray, b: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, 
     return a[first], b[first], ends[last] - ends[first] + sizes[first]
 
 
-__all__ = ["EXACT", "Heads", "Layout", "descriptors", "descriptors_flat", "layout", "merge", "merged_count", "outside"]
+__all__ = ["EXACT", "Heads", "Layout", "descriptors", "descriptors_flat", "layout", "merge", "merged_count", "outside",
+           "part"]
