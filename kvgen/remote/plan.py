@@ -14,7 +14,7 @@ A cost model (kvgen.remote.cost) picks the cheaper; `strategy=` forces one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -199,6 +199,24 @@ class _Stage:
         return layout(self.src, self.here, read, self.heads[:2])
 
 
+_shapes: dict[tuple[Any, ...], CacheDescription] = {}
+
+
+def _described(caches: Any, s: CacheDescription, ext: tuple[tuple[str, int], ...], device_id: int) -> CacheDescription:
+    """describe() of a staging cache `empty` made of s's layout with extents `ext`: what it reads
+    from the tensors (geometry, strides, span) is the same for every cache of those extents, so
+    it is read once per extents and the leaves' addresses put in."""
+    key = (s.spec, s.dtype, ext, s.tp_rank, s.tp_size, s.num_kv_heads, device_id)
+    found = _shapes.get(key)
+    if found is None:
+        if len(_shapes) >= 256:  # block counts vary by request: keep the cache bounded
+            _shapes.clear()
+        found = _shapes[key] = describe(caches, s.spec, tp_rank=s.tp_rank, tp_size=s.tp_size,
+                                        num_kv_heads=s.num_kv_heads, device_id=device_id)
+        return found
+    return replace(found, leaves=tuple(t.data_ptr() for t in leaves(caches)))
+
+
 def _staged(s: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray, np.ndarray], route: tp.Route,
             narrow: bool) -> _Stage:
     """The route's staging: with every head of the source rank, or (`narrow`) only the route's."""
@@ -210,8 +228,7 @@ def _staged(s: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray,
     ext = {"L": s.extent("L"), "KV": s.extent("KV"), "H": heads, "C": s.extent("C")}
     ext.update({"B": blocks.size, "N": n, "S": blocks.size * n} if s.block else {"S": blocks.size})
     caches = empty(s.spec, ext, getattr(torch, s.dtype))
-    here = describe(caches, s.spec, tp_rank=s.tp_rank, tp_size=s.tp_size, num_kv_heads=s.num_kv_heads,
-                    device_id=dst.device_id)
+    here = _described(caches, s, tuple(ext.items()), dst.device_id)
     read = (route.src_heads, (0, heads)) if narrow else ((0, heads), (0, heads))
     return _Stage(s, here, caches, (s.spec, dst.spec), blocks, where, (where * n + s_slots % n, d_slots),
                   (*read, (0, heads) if narrow else route.src_heads))
