@@ -198,7 +198,8 @@ class _Factored:
 
     def tiled(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         (ta, tb, tn), (sa, sb) = self.template, self.shifts
-        return (sa[:, None] + ta).reshape(-1), (sb[:, None] + tb).reshape(-1), np.tile(tn, sa.size)
+        return (sa[:, None] + ta).reshape(-1), (sb[:, None] + tb).reshape(-1), \
+            np.broadcast_to(tn, (sa.size, tn.size)).reshape(-1)
 
     def count(self) -> int:
         (ta, tb, tn), (sa, sb) = self.template, self.shifts
@@ -236,7 +237,8 @@ def _tile(template: tuple[np.ndarray, np.ndarray, np.ndarray], shifts: tuple[np.
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The template repeated at each shift (outside it), merged."""
     (ta, tb, tn), (sa, sb) = template, shifts
-    return _runs((sa[:, None] + ta).reshape(-1), (sb[:, None] + tb).reshape(-1), np.tile(tn, sa.size))
+    return _runs((sa[:, None] + ta).reshape(-1), (sb[:, None] + tb).reshape(-1),
+                 np.broadcast_to(tn, (sa.size, tn.size)).reshape(-1))
 
 
 @lru_cache(maxsize=64)
@@ -316,13 +318,16 @@ def _runs(a: np.ndarray, b: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, 
     """(source starts, destination starts, bytes) of the merged runs of a, b, sizes."""
     if a.size == 0:
         return a, b, sizes
-    starts = np.ones(a.size, dtype=bool)
-    np.not_equal(a[1:], a[:-1] + sizes[:-1], out=starts[1:])
-    starts[1:] |= b[1:] != b[:-1] + sizes[:-1]
-    first = np.flatnonzero(starts)
-    ends = np.cumsum(sizes)
-    last = np.append(first[1:] - 1, a.size - 1)
-    return a[first], b[first], ends[last] - ends[first] + sizes[first]
+    starts = np.empty(a.size + 1, dtype=bool)  # and one past the end: each run's bounds at once
+    starts[0] = starts[-1] = True
+    np.not_equal(a[1:], a[:-1] + sizes[:-1], out=starts[1:-1])
+    starts[1:-1] |= b[1:] != b[:-1] + sizes[:-1]
+    bounds = starts.nonzero()[0]
+    ends = np.empty(a.size + 1, dtype=np.int64)
+    ends[0] = 0
+    np.cumsum(sizes, out=ends[1:])
+    first = bounds[:-1]
+    return a[first], b[first], ends[bounds[1:]] - ends[first]
 
 
 __all__ = ["EXACT", "Heads", "Layout", "descriptors", "descriptors_flat", "layout", "merge", "merged_count", "outside",
