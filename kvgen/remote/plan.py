@@ -333,13 +333,18 @@ def _words(cuts: list[Layout], *, exact: bool = False) -> str:
 
 def _made(strategy: str, why: str, dst: CacheDescription, cuts: list[Layout],
           staging: tuple[Staging, ...] = ()) -> Plan:
+    # A description whose strides or extents claim more than its leaves span (a corrupt or
+    # hostile handshake) must not turn into a read or a write outside them. Checked once per
+    # description over every read on it (a staged plan's chunks share their two sides).
+    sides: dict[int, tuple[CacheDescription, list[np.ndarray]]] = {}
     for cut in cuts:
-        # A description whose strides or extents claim more than its leaves span (a corrupt or
-        # hostile handshake) must not turn into a read or a write outside them.
         for descs, side in zip(cut.descs, (cut.src, cut.dst), strict=True):
-            if outside(descs, side):
-                raise KVLayoutError(f"{outside(descs, side)} descriptors would fall outside the tensors of {side} "
-                                    f"(its strides and extents do not fit its leaves of {side.span} bytes)")
+            sides.setdefault(id(side), (side, []))[1].append(descs)
+    for side, found in sides.values():
+        wrong = outside(np.concatenate(found) if len(found) > 1 else found[0], side)
+        if wrong:
+            raise KVLayoutError(f"{wrong} descriptors would fall outside the tensors of {side} "
+                                f"(its strides and extents do not fit its leaves of {side.span} bytes)")
     chunks = [st.chunk for st in staging] if staging else [0] * len(cuts)
     reads = tuple(sorted((Read(cut.src.tp_rank, *cut.descs, chunk) for cut, chunk in zip(cuts, chunks, strict=True)),
                          key=lambda r: r.chunk))
