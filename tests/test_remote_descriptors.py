@@ -3,7 +3,7 @@ descriptors merged from a tiled template (runs.descriptors) are the whole index 
 (runs.descriptors_flat), row for row, and merged_count is their number; and a plan made with the
 fast path is the plan the flat path makes: the same strategy and reasons, the same reads (staged
 reads compared by leaf and offset of their own staging caches, which each plan allocates anew)
-and the same staging permutes; a staged chunk's read cut from the whole read's cut (runs.part)
+and the same staging permutes; a staged chunk's read cut from the whole read's cut (runs.parts)
 is the read cut from the chunk's own pairs."""
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ def _flat_count(cut: runs.Layout) -> int:
     return len(runs.descriptors_flat(cut)[0])
 
 
-def _part_anew(cut: runs.Layout, pairs: tuple[np.ndarray, np.ndarray], lo: int, hi: int) -> runs.Layout:
-    """A staged chunk's read cut from its own pairs, as the planner cut it before runs.part."""
-    return runs.layout(cut.src, cut.dst, pairs, cut.heads)
+def _parts_anew(cut: runs.Layout, reads: list[tuple[np.ndarray, np.ndarray]], bounds: Any) -> list[runs.Layout]:
+    """A staged plan's chunks each cut from its own pairs, as the planner cut them before runs.parts."""
+    return [runs.layout(cut.src, cut.dst, pairs, cut.heads) for pairs in reads]
 
 
 def _checked(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -97,7 +97,7 @@ def _both(monkeypatch: pytest.MonkeyPatch, srcs: Any, dst: Any, s: Any, t: Any,
     with monkeypatch.context() as m:
         m.setattr(runs, "descriptors", runs.descriptors_flat)
         m.setattr(runs, "merged_count", _flat_count)
-        m.setattr(plan_module, "part", _part_anew)
+        m.setattr(plan_module, "parts", _parts_anew)
         flat = remote.plan(srcs, dst, s, t, strategy=strategy)
     return fast, flat, seen
 
@@ -117,17 +117,21 @@ def test_fast_descriptors_make_the_flat_grids_plan_for_random_pairs(
 
 
 SIDES = {"nhd": "vllm_flash_attn_nhd", "hnd": "vllm_flash_attn_hnd", "sglang_mla": "sglang_mla",
-         "vllm_mla": "vllm_mla"}
+         "vllm_mla": "vllm_mla", "hicache_mla": "hicache_mla_page_first_direct"}
 
 
-@pytest.mark.parametrize("pair", [("nhd", "nhd"), ("nhd", "hnd"), ("hnd", "nhd"), ("sglang_mla", "vllm_mla")])
+@pytest.mark.parametrize("pair", [("nhd", "nhd"), ("nhd", "hnd"), ("hnd", "nhd"), ("sglang_mla", "vllm_mla"),
+                                  ("vllm_mla", "hicache_mla")])
 @pytest.mark.parametrize("shape", [(1, 1, 16, 16), (2, 4, 16, 32), (4, 2, 16, 16)])
+@pytest.mark.parametrize("layers", [1, 3])
 def test_fast_descriptors_make_the_flat_grids_plan_for_pd_requests(
-        monkeypatch: pytest.MonkeyPatch, pair: tuple[str, str], shape: tuple[int, int, int, int]) -> None:
-    """`kvgen pd`'s requests (random block tables, whole blocks staged in chunks), smaller: 256
-    tokens of 4 layers."""
+        monkeypatch: pytest.MonkeyPatch, pair: tuple[str, str], shape: tuple[int, int, int, int], layers: int) -> None:
+    """`kvgen pd`'s requests (random block tables), smaller: 1024 tokens (64 source blocks: a
+    staged plan reads and permutes them in 4 chunks) of 1 layer (a paged MLA source: no dim
+    outside the tokens, so the last run of one chunk can continue into the next chunk's first,
+    where consecutive blocks meet at a chunk edge) or 3."""
     req = Request(WorkerSide(SIDES[pair[0]], shape[0], shape[2]), WorkerSide(SIDES[pair[1]], shape[1], shape[3]),
-                  256, layers=4)
+                  1024, layers=layers)
     trees = [remote.empty(req.src.layout, pd_run.extents(req, req.src), torch.bfloat16) for _ in range(req.src.tp)]
     srcs = [remote.describe(tr, req.src.layout, tp_rank=r, tp_size=req.src.tp, num_kv_heads=req.heads)
             for r, tr in enumerate(trees)]
@@ -136,6 +140,8 @@ def test_fast_descriptors_make_the_flat_grids_plan_for_pd_requests(
     s, t = pd_run.slots(req, req.src, 1), pd_run.slots(req, req.dst, 2)
     t[::7] = -1  # skipped tokens break the runs of consecutive slots
     for strategy in (None, "direct", "staged"):
-        fast, flat, seen = _both(monkeypatch, srcs, dst, s, t, strategy)
-        _same_plans(fast, flat)
-        assert fast.count == sum(len(r.dst_descs) for r in fast.reads) > 0 and seen
+        fast, flat, _ = _both(monkeypatch, srcs, dst, s, t, strategy)
+        _same_plans(fast, flat)  # chunks' descriptors are made together (runs.chunked_descriptors): compared here
+        assert fast.count == sum(len(r.dst_descs) for r in fast.reads) > 0
+        if fast.strategy == "staged":
+            assert len(fast.chunks) == plan_module.STAGE_CHUNKS

@@ -24,7 +24,7 @@ import torch
 from kvgen import generated, tp
 from kvgen.remote.cost import Costs, costs
 from kvgen.remote.describe import CacheDescription, check_pair, describe, empty
-from kvgen.remote.runs import EXACT, Heads, Layout, layout, outside, part
+from kvgen.remote.runs import EXACT, Heads, Layout, layout, outside, parts
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.errors import KVLayoutError
 
@@ -180,13 +180,14 @@ class _Stage:
         """The read and the permute cut into k chunks of consecutive staged blocks, each read and
         permuted on its own."""
         n = self.src.block or 1
-        bounds = np.linspace(0, self.blocks.size, k + 1).astype(np.int64)
+        edges = np.linspace(0, self.blocks.size, k + 1).astype(np.int64)
+        blocks = [(int(edges[c]), int(edges[c + 1])) for c in range(k)]
+        reads = [((self.blocks[lo:hi, None] * n + np.arange(n)).reshape(-1), np.arange(lo * n, hi * n))
+                 for lo, hi in blocks]
+        cuts = parts(self.whole, reads, [(lo * n, hi * n) for lo, hi in blocks])  # staged slots of blocks lo..hi
         out = []
-        for c in range(k):
-            lo, hi = int(bounds[c]), int(bounds[c + 1])
+        for c, ((lo, hi), cut) in enumerate(zip(blocks, cuts, strict=True)):
             mine = (self.where >= lo) & (self.where < hi)
-            read = ((self.blocks[lo:hi, None] * n + np.arange(n)).reshape(-1), np.arange(lo * n, hi * n))
-            cut = part(self.whole, read, lo * n, hi * n)
             out.append((cut, Staging(self.pair, self.caches, torch.from_numpy(self.slots[0][mine]),
                                      torch.from_numpy(self.slots[1][mine]), self.heads[2], dst_heads, c)))
         return out

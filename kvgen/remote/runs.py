@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -154,17 +155,56 @@ def _at(dst: CacheDescription, outer: tuple[RunDim, ...], run_of: tuple[np.ndarr
     return next((k for k, d in enumerate(outer) if d.dst[0] == 0 and d.dst[1] < step), len(outer))
 
 
-def part(cut: Layout, pairs: tuple[np.ndarray, np.ndarray], lo: int, hi: int) -> Layout:
-    """layout(cut.src, cut.dst, pairs, cut.heads) where `pairs` are the pairs of `cut` whose
-    destination slots are in [lo, hi): from `cut`'s own cut (its run and dims depend on the sides
-    and heads alone) where no run of tokens crosses lo or hi, else made anew."""
+def parts(cut: Layout, reads: list[tuple[np.ndarray, np.ndarray]], bounds: list[tuple[int, int]]) -> list[Layout]:
+    """layout(cut.src, cut.dst, reads[c], cut.heads) for each c, where reads[c] are the pairs of
+    `cut` whose destination slots are in bounds[c] = [lo, hi) (ascending, apart): from `cut`'s own
+    cut (its run and dims depend on the sides and heads alone) where no run of tokens crosses lo
+    or hi, else made anew; where every one is such a slice with `cut`'s token place, their
+    descriptors are worked out together (chunked_descriptors)."""
     s, t, n = cut.tokens
-    i, j = np.searchsorted(t, (lo, hi))
-    if (i and t[i - 1] + n[i - 1] > lo) or (j and t[j - 1] + n[j - 1] > hi):
-        return layout(cut.src, cut.dst, pairs, cut.heads)
-    run_of = (s[i:j], t[i:j], n[i:j])
     step = cut.dst.stride("N" if cut.dst.block else "S")
-    return Layout(cut.src, cut.dst, cut.heads, cut.run, cut.outer, _at(cut.dst, cut.outer, run_of, step), run_of)
+    out, ranges = [], []
+    for pairs, (lo, hi) in zip(reads, bounds, strict=True):
+        i, j = (int(x) for x in np.searchsorted(t, (lo, hi)))
+        if (i and t[i - 1] + n[i - 1] > lo) or (j and t[j - 1] + n[j - 1] > hi):
+            out.append(layout(cut.src, cut.dst, pairs, cut.heads))
+            continue
+        run_of = (s[i:j], t[i:j], n[i:j])
+        out.append(Layout(cut.src, cut.dst, cut.heads, cut.run, cut.outer, _at(cut.dst, cut.outer, run_of, step),
+                          run_of))
+        ranges.append((i, j))
+    if len(ranges) == len(out) > 1 and all(x.at == cut.at for x in out):
+        found = chunked_descriptors(cut, ranges)
+        if found is not None:
+            for x, descs in zip(out, found, strict=True):
+                x.__dict__["descs"] = descs  # Layout.descs, worked out here (it is a cached_property)
+    return out
+
+
+def chunked_descriptors(cut: Layout, ranges: list[tuple[int, int]]) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """descriptors() of each slice [i, j) of `cut`'s token runs, as reads of their own, in one
+    merge: every slice's grid (outer axes, its tokens, inner axes) one after the other, a run
+    forced to start where each begins. None where the factored path does not apply."""
+    inner = _inner(cut)
+    if inner is None:
+        return None
+    s_slots, d_slots, lengths = cut.tokens
+    tokens = (_token_offsets(cut.src, s_slots), _token_offsets(cut.dst, d_slots))
+    (sa, sb), grids = _outer_shifts(cut), []
+    for i, j in ranges:
+        ta, tb, tn = _with_tokens(cut, inner, (tokens[0][i:j], tokens[1][i:j]), lengths[i:j])
+        grids.append(((sa[:, None] + ta).reshape(-1), (sb[:, None] + tb).reshape(-1),
+                      np.broadcast_to(tn, (sa.size, tn.size)).reshape(-1)))
+    sizes = [g[0].size for g in grids]
+    starts = np.cumsum([0, *sizes])
+    a, b, nb = (np.concatenate([g[k] for g in grids]) for k in range(3))
+    first_a, first_b, runs, first = _runs(a, b, nb, starts[:-1], True)
+    at = np.searchsorted(first, starts)
+    out = []
+    for c in range(len(ranges)):
+        lo, hi = at[c], at[c + 1]
+        out.append(_descs(first_a[lo:hi], first_b[lo:hi], runs[lo:hi], (cut.src.device_id, cut.dst.device_id)))
+    return out
 
 
 def descriptors(cut: Layout) -> tuple[np.ndarray, np.ndarray]:
@@ -212,9 +252,19 @@ class _Factored:
 def _factored(cut: Layout) -> _Factored | None:
     """The template and shifts of `cut`, or None where the tokens are not inner (a leaf step
     inside them) or, with axes inside them, runs of tokens differ in length."""
-    outer, at = cut.outer, cut.at
+    inner = _inner(cut)
+    if inner is None:
+        return None
     s_slots, d_slots, lengths = cut.tokens
-    inner = outer[at:]
+    tokens = (_token_offsets(cut.src, s_slots), _token_offsets(cut.dst, d_slots))
+    return _Factored(_with_tokens(cut, inner, tokens, lengths), _outer_shifts(cut))
+
+
+def _inner(cut: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The merged template of the axes inside the tokens (one run where there are none), or None
+    where the factored path does not apply (see _factored)."""
+    inner = cut.outer[cut.at:]
+    lengths = cut.tokens[2]
     if any(d.src[0] or d.dst[0] for d in inner):
         return None
     if inner and lengths.size and bool((lengths != lengths[0]).any()):
@@ -224,13 +274,21 @@ def _factored(cut: Layout) -> _Factored | None:
     for d in reversed(inner):  # innermost first: each axis repeats the merged axes inside it
         step = np.arange(d.n, dtype=np.int64)
         template = _tile(template, (step * d.src[1], step * d.dst[1]))
-    tokens = (_token_offsets(cut.src, s_slots), _token_offsets(cut.dst, d_slots))
-    if inner:
-        template = _tile(template, tokens)
-    else:  # the tokens alone: each run of them is as long as it is
-        template = _runs(*tokens, lengths * cut.run)
-    return _Factored(template, (_shifts(cut.src, outer[:at], 0, cut.heads[0][0]),
-                                _shifts(cut.dst, outer[:at], 1, cut.heads[1][0])))
+    return template
+
+
+def _with_tokens(cut: Layout, inner: tuple[np.ndarray, np.ndarray, np.ndarray], tokens: tuple[np.ndarray, np.ndarray],
+                 lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The template of the tokens (their byte offsets on both sides, their runs' lengths) and the
+    axes inside them."""
+    if cut.at < len(cut.outer):
+        return _tile(inner, tokens)
+    return _runs(*tokens, lengths * cut.run)  # the tokens alone: each run of them is as long as it is
+
+
+def _outer_shifts(cut: Layout) -> tuple[np.ndarray, np.ndarray]:
+    outer = cut.outer[:cut.at]
+    return _shifts(cut.src, outer, 0, cut.heads[0][0]), _shifts(cut.dst, outer, 1, cut.heads[1][0])
 
 
 def _tile(template: tuple[np.ndarray, np.ndarray, np.ndarray], shifts: tuple[np.ndarray, np.ndarray]
@@ -305,30 +363,39 @@ def _sorted_leaves(addresses: tuple[int, ...]) -> np.ndarray:
 def merge(a: np.ndarray, b: np.ndarray, sizes: np.ndarray, devices: tuple[int, int]
            ) -> tuple[np.ndarray, np.ndarray]:
     """Neighbouring runs that continue each other on both sides, as one descriptor."""
-    first_a, first_b, lengths = _runs(a, b, sizes)
+    return _descs(*_runs(a, b, sizes), devices)
+
+
+def _descs(a: np.ndarray, b: np.ndarray, lengths: np.ndarray, devices: tuple[int, int]
+           ) -> tuple[np.ndarray, np.ndarray]:
     out = []
-    for side, device in zip((first_a, first_b), devices, strict=True):
+    for side, device in zip((a, b), devices, strict=True):
         desc = np.empty((side.size, 3), dtype=np.int64)
         desc[:, 0], desc[:, 1], desc[:, 2] = side, lengths, device
         out.append(desc)
     return out[0], out[1]
 
 
-def _runs(a: np.ndarray, b: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(source starts, destination starts, bytes) of the merged runs of a, b, sizes."""
+def _runs(a: np.ndarray, b: np.ndarray, sizes: np.ndarray, cuts: np.ndarray | None = None,
+          where: bool = False) -> Any:
+    """(source starts, destination starts, bytes) of the merged runs of a, b, sizes; a run starts
+    at every index of `cuts` too; `where`: and the index each run starts at."""
     if a.size == 0:
-        return a, b, sizes
+        return (a, b, sizes, np.zeros(0, dtype=np.int64)) if where else (a, b, sizes)
     starts = np.empty(a.size + 1, dtype=bool)  # and one past the end: each run's bounds at once
     starts[0] = starts[-1] = True
     np.not_equal(a[1:], a[:-1] + sizes[:-1], out=starts[1:-1])
     starts[1:-1] |= b[1:] != b[:-1] + sizes[:-1]
+    if cuts is not None:
+        starts[cuts] = True
     bounds = starts.nonzero()[0]
     ends = np.empty(a.size + 1, dtype=np.int64)
     ends[0] = 0
     np.cumsum(sizes, out=ends[1:])
     first = bounds[:-1]
-    return a[first], b[first], ends[bounds[1:]] - ends[first]
+    found = a[first], b[first], ends[bounds[1:]] - ends[first]
+    return (*found, first) if where else found
 
 
 __all__ = ["EXACT", "Heads", "Layout", "descriptors", "descriptors_flat", "layout", "merge", "merged_count", "outside",
-           "part"]
+           "parts"]
