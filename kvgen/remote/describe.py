@@ -16,7 +16,7 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass
-from functools import cache
+from functools import cache, cached_property
 from typing import Any
 
 import torch
@@ -56,7 +56,20 @@ class CacheDescription:
     # -- reading -------------------------------------------------------------------------
 
     def extent(self, axis: str) -> int:
-        return dict(self.extents).get(axis, 1)
+        return self._axes[0].get(axis, 1)
+
+    def stride(self, axis: str) -> int:
+        """Byte stride of a tensor axis (0 where the axis is not one)."""
+        return self._axes[1].get(axis, 0)
+
+    def step(self, axis: str) -> int:
+        """Leaf step of a list-level axis (0 where the axis is not one)."""
+        return self._axes[2].get(axis, 0)
+
+    @cached_property
+    def _axes(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        # Planning asks these hundreds of times per plan; the fields stay the tuples the wire form has.
+        return dict(self.extents), dict(self.strides), dict(self.steps)
 
     @property
     def block(self) -> int | None:
@@ -70,7 +83,7 @@ class CacheDescription:
     @property
     def mla(self) -> bool:
         """Whether the layout holds one latent without heads (every TP rank keeps it whole)."""
-        return "H" not in dict(self.strides) and "H" not in dict(self.steps)
+        return "H" not in self._axes[1] and "H" not in self._axes[2]
 
     @property
     def fingerprint(self) -> str:
@@ -194,14 +207,20 @@ def describe(caches: Any, layout: str, *, tp_rank: int, tp_size: int, device_id:
                             tp_rank, tp_size, heads, device_id)
 
 
+@cache
+def _digest_of(spec: str) -> str:
+    """digest() of this side's layout named `spec` (the generated layouts do not change in a process)."""
+    return digest(layout_of(spec)[0])
+
+
 def check_pair(src: CacheDescription, dst: CacheDescription) -> None:
     """Refuse two descriptions whose content cannot move one onto the other, naming both; and a
     description whose digest differs from this side's spec of the same name (another version)."""
     for d in (src, dst):
-        paged, _ = layout_of(d.spec)
-        if digest(paged) != d.digest:
+        here = _digest_of(d.spec)
+        if here != d.digest:
             raise KVLayoutError(f"{d.spec}: the description's layout digest {d.digest} is not this side's "
-                                f"{digest(paged)} (another version of the spec): {d}")
+                                f"{here} (another version of the spec): {d}")
     problems = [f"{what} {a} vs {b}" for what, a, b in (
         ("dtype", src.dtype, dst.dtype), ("head size C", src.extent("C"), dst.extent("C")),
         ("layers L", src.extent("L"), dst.extent("L")), ("KV planes", src.extent("KV"), dst.extent("KV")),

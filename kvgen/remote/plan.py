@@ -14,7 +14,7 @@ A cost model (kvgen.remote.cost) picks the cheaper; `strategy=` forces one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -24,7 +24,7 @@ import torch
 from kvgen import generated, tp
 from kvgen.remote.cost import Costs, costs
 from kvgen.remote.describe import CacheDescription, check_pair, describe, empty
-from kvgen.remote.runs import EXACT, Heads, Layout, layout, outside
+from kvgen.remote.runs import EXACT, Heads, Layout, layout, outside, parts
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.errors import KVLayoutError
 
@@ -180,13 +180,14 @@ class _Stage:
         """The read and the permute cut into k chunks of consecutive staged blocks, each read and
         permuted on its own."""
         n = self.src.block or 1
-        bounds = np.linspace(0, self.blocks.size, k + 1).astype(np.int64)
+        edges = np.linspace(0, self.blocks.size, k + 1).astype(np.int64)
+        blocks = [(int(edges[c]), int(edges[c + 1])) for c in range(k)]
+        reads = [((self.blocks[lo:hi, None] * n + np.arange(n)).reshape(-1), np.arange(lo * n, hi * n))
+                 for lo, hi in blocks]
+        cuts = parts(self.whole, reads, [(lo * n, hi * n) for lo, hi in blocks])  # staged slots of blocks lo..hi
         out = []
-        for c in range(k):
-            lo, hi = int(bounds[c]), int(bounds[c + 1])
+        for c, ((lo, hi), cut) in enumerate(zip(blocks, cuts, strict=True)):
             mine = (self.where >= lo) & (self.where < hi)
-            read = ((self.blocks[lo:hi, None] * n + np.arange(n)).reshape(-1), np.arange(lo * n, hi * n))
-            cut = layout(self.src, self.here, read, self.heads[:2])
             out.append((cut, Staging(self.pair, self.caches, torch.from_numpy(self.slots[0][mine]),
                                      torch.from_numpy(self.slots[1][mine]), self.heads[2], dst_heads, c)))
         return out
@@ -197,6 +198,24 @@ class _Stage:
         n = self.src.block or 1
         read = ((self.blocks[:, None] * n + np.arange(n)).reshape(-1), np.arange(self.blocks.size * n))
         return layout(self.src, self.here, read, self.heads[:2])
+
+
+_shapes: dict[tuple[Any, ...], CacheDescription] = {}
+
+
+def _described(caches: Any, s: CacheDescription, ext: tuple[tuple[str, int], ...], device_id: int) -> CacheDescription:
+    """describe() of a staging cache `empty` made of s's layout with extents `ext`: what it reads
+    from the tensors (geometry, strides, span) is the same for every cache of those extents, so
+    it is read once per extents and the leaves' addresses put in."""
+    key = (s.spec, s.dtype, ext, s.tp_rank, s.tp_size, s.num_kv_heads, device_id)
+    found = _shapes.get(key)
+    if found is None:
+        if len(_shapes) >= 256:  # block counts vary by request: keep the cache bounded
+            _shapes.clear()
+        found = _shapes[key] = describe(caches, s.spec, tp_rank=s.tp_rank, tp_size=s.tp_size,
+                                        num_kv_heads=s.num_kv_heads, device_id=device_id)
+        return found
+    return replace(found, leaves=tuple(t.data_ptr() for t in leaves(caches)))
 
 
 def _staged(s: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray, np.ndarray], route: tp.Route,
@@ -210,8 +229,7 @@ def _staged(s: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray,
     ext = {"L": s.extent("L"), "KV": s.extent("KV"), "H": heads, "C": s.extent("C")}
     ext.update({"B": blocks.size, "N": n, "S": blocks.size * n} if s.block else {"S": blocks.size})
     caches = empty(s.spec, ext, getattr(torch, s.dtype))
-    here = describe(caches, s.spec, tp_rank=s.tp_rank, tp_size=s.tp_size, num_kv_heads=s.num_kv_heads,
-                    device_id=dst.device_id)
+    here = _described(caches, s, tuple(ext.items()), dst.device_id)
     read = (route.src_heads, (0, heads)) if narrow else ((0, heads), (0, heads))
     return _Stage(s, here, caches, (s.spec, dst.spec), blocks, where, (where * n + s_slots % n, d_slots),
                   (*read, (0, heads) if narrow else route.src_heads))
@@ -305,7 +323,7 @@ def _estimate(cuts: list[Layout], *, exact: bool = False) -> tuple[int, int]:
     """(descriptors, bytes) of reads cut so: merged, where their descriptors before merging are
     at most EXACT together (cheap to cut for real) or `exact` asks, else that count (an upper bound)."""
     exact = exact or sum(x.count for x in cuts) <= EXACT
-    return sum(len(x.descs[0]) if exact else x.count for x in cuts), sum(x.bytes for x in cuts)
+    return sum(x.exact if exact else x.count for x in cuts), sum(x.bytes for x in cuts)
 
 
 def _words(cuts: list[Layout], *, exact: bool = False) -> str:
@@ -316,13 +334,18 @@ def _words(cuts: list[Layout], *, exact: bool = False) -> str:
 
 def _made(strategy: str, why: str, dst: CacheDescription, cuts: list[Layout],
           staging: tuple[Staging, ...] = ()) -> Plan:
+    # A description whose strides or extents claim more than its leaves span (a corrupt or
+    # hostile handshake) must not turn into a read or a write outside them. Checked once per
+    # description over every read on it (a staged plan's chunks share their two sides).
+    sides: dict[int, tuple[CacheDescription, list[np.ndarray]]] = {}
     for cut in cuts:
-        # A description whose strides or extents claim more than its leaves span (a corrupt or
-        # hostile handshake) must not turn into a read or a write outside them.
         for descs, side in zip(cut.descs, (cut.src, cut.dst), strict=True):
-            if outside(descs, side):
-                raise KVLayoutError(f"{outside(descs, side)} descriptors would fall outside the tensors of {side} "
-                                    f"(its strides and extents do not fit its leaves of {side.span} bytes)")
+            sides.setdefault(id(side), (side, []))[1].append(descs)
+    for side, found in sides.values():
+        wrong = outside(np.concatenate(found) if len(found) > 1 else found[0], side)
+        if wrong:
+            raise KVLayoutError(f"{wrong} descriptors would fall outside the tensors of {side} "
+                                f"(its strides and extents do not fit its leaves of {side.span} bytes)")
     chunks = [st.chunk for st in staging] if staging else [0] * len(cuts)
     reads = tuple(sorted((Read(cut.src.tp_rank, *cut.descs, chunk) for cut, chunk in zip(cuts, chunks, strict=True)),
                          key=lambda r: r.chunk))

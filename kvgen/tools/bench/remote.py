@@ -23,7 +23,7 @@ from kvgen import generated, remote
 from kvgen.integrations import nixl
 from kvgen.tools import pd, pd_run
 
-HEADERS = ("source", "destination", "tp", "N", "strategy", "descriptors", "mean B", "plan ms", "GB/s",
+HEADERS = ("source", "destination", "tp", "N", "strategy", "descriptors", "mean B", "plan CPU ms", "GB/s",
            "x NIXL 4 MiB", "x memcpy", "right")
 #: TP sizes and block sizes of the rows, SRC_TP:DST_TP:SRC_N:DST_N.
 DEFAULT_SHAPES = ("1:1:16:16", "2:4:16:32", "4:2:16:16")
