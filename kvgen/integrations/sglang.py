@@ -45,8 +45,8 @@ class PoolConnector:
 #: planes where K and V differ in width or the cache has typed fields.
 DEFAULT_OBJECT = {"sglang_mha": "kv_2ltd", "sglang_mha_hnd": "kv_2ltd", "sglang_mha_v_head": "kv_planes",
                   "sglang_mla": "kv_mla", "vllm_dsa_indexer": "kv_planes", "sglang_mha_fp4": "kv_planes",
-                  "sglang_mla_fp4": "kv_planes", "sglang_mha_mxfp8": "kv_planes", "sglang_minimax_m3_nvfp4": "kv_planes",
-                  "sglang_minimax_m3_nvfp4_index": "kv_planes"}
+                  "sglang_mla_fp4": "kv_planes", "sglang_mha_mxfp8": "kv_planes",
+                  "sglang_minimax_m3_nvfp4": "kv_planes", "sglang_minimax_m3_nvfp4_index": "kv_planes"}
 
 
 def _describe(pool: Any) -> str:
