@@ -41,6 +41,7 @@ except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain 
 from harness import builtin_library  # noqa: E402
 
 import kvgen  # noqa: E402
+from kvgen import generated  # noqa: E402
 from kvgen.integrations.detect import detect  # noqa: E402
 from kvgen.oracle.address import packed_value, plane_address, scale_index  # noqa: E402
 from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
@@ -266,6 +267,37 @@ def test_detection_takes_the_pool_class_and_refuses_where_two_readings_fit() -> 
         detect(main, engine="sglang", pool="MHATokenToKVPoolFP4")
     with pytest.raises(KVLayoutError, match="no layout fits"):
         detect(index, engine="sglang", pool=MAIN)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_the_hicache_host_mirror_holds_the_device_rows_per_layer(layout: str) -> None:
+    """MiniMaxM3Nvfp4MainKVPoolHost (pool_host/minimax_m3_nvfp4.py) backs pages up with SGLang's own copy
+    (its CPU path); each layer's host rows, [pages, row_bytes] with page stride row_bytes (layer_first)
+    or L * row_bytes (page_first), viewed as the device pool's rows, are the device spec's tree: its
+    connector stores from host page p what it stores from the device page SGLang copied there."""
+    host_cls = pytest.importorskip("sglang.srt.mem_cache.pool_host.minimax_m3_nvfp4").MiniMaxM3Nvfp4MainKVPoolHost
+    info_cls = pytest.importorskip("sglang.srt.mem_cache.device_pool_info").PageRowBufferInfo
+    pool = main_pool()
+    write(pool, SLOTS, SLOTS)
+    info = info_cls(slab=pool.slab, rows=tuple(pool.rows), row_bytes=pool.row_bytes, page_size=PAGE,
+                    num_pages=pool.num_pages)
+    host = host_cls(info, host_to_device_ratio=2.0, host_size=0, page_size=PAGE, layout=layout, pin_memory=False,
+                    device="cpu", device_capacity_tokens=SIZE, start_layer=0, end_layer=L)
+    device_pages = torch.tensor([2, 0, 1])  # host page k + 1 holds device page device_pages[k]
+    host.backup_from_device_all_layer(pool, torch.arange(PAGE, 4 * PAGE), (device_pages[:, None] * PAGE +
+                                                                          torch.arange(PAGE)).reshape(-1), "kernel")
+    layers = [host.kv_buffer[layer] if layout == "layer_first" else host.kv_buffer[:, layer, 0] for layer in range(L)]
+    views = [rows.view(host.page_num, 2, H, PAGE, 72) for rows in layers]
+    device = kvgen.from_sglang(pool)
+    connector = generated.get("sglang_minimax_m3_nvfp4", "kv_planes")()
+    on_device = torch.remainder(SLOTS, PAGE) + device_pages[torch.div(SLOTS, PAGE, rounding_mode="floor")] * PAGE
+    host_slots = SLOTS + PAGE
+    out = []
+    for tree, slots, conn in ((views, host_slots, connector), (device.kvcaches, on_device, device.connector)):
+        obj = torch.zeros(tuple(conn.get_shape(T, tree)), dtype=torch.uint8)
+        conn.from_gpu(MemoryObj(obj), 0, T, kvcaches=tree, slot_mapping=slots)
+        out.append(obj)
+    assert int(out[1].count_nonzero()) > 0 and torch.equal(out[0], out[1])
 
 
 def test_a_pool_whose_rows_are_not_the_specs_is_refused_in_sglangs_words() -> None:
