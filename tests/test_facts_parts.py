@@ -78,15 +78,17 @@ def code_bytes(label: str, size: int) -> bytes:
 
 @pytest.mark.parametrize("name", sorted(PARTS_FACTS))
 def test_plane_facts_cover_every_byte_of_every_part_once(name: str) -> None:
-    """The table itself: the values of a part's planes tile its tensors' bytes exactly."""
+    """The table itself: the values of a part's planes tile its tensors' bytes exactly, at the extents
+    the source fixes (a page of 128 slots, say)."""
     fact = PARTS_FACTS[name]
+    g = source_geometry(fact, G)
     owners: dict[tuple[tuple[int, ...], int], str] = {}
-    cache = _build(fact, G, lambda path, part: torch.zeros(fact.parts[part].shape(G), dtype=_dtype(fact, part)))
-    leaves = _leaves(cache, _paths(fact, G))
+    cache = _build(fact, g, lambda path, part: torch.zeros(fact.parts[part].shape(g), dtype=_dtype(fact, part)))
+    leaves = _leaves(cache, _paths(fact, g))
     for plane in fact.planes:
         size = fact.value_bytes(plane)
-        for value in values(fact, plane, G):
-            path, index, byte = plane.address(G, *value)
+        for value in values(fact, plane, g):
+            path, index, byte = plane.address(g, *value)
             at = leaves[path].offset(index, byte)
             for k in range(size):
                 assert (path, at + k) not in owners, (plane.name, value, owners.get((path, at + k)))
