@@ -208,8 +208,10 @@ def from_sglang(pool: Any, obj: str | None = None, *, part: str = "kv", **connec
 
     `pool`: an SGLang MHATokenToKVPool (kv_cache_layout 'nhd' or 'hnd'; a V head size other
     than K's gives the (K, V) planes spec), MLATokenToKVPool, DSATokenToKVPool (`part='kv'` the
-    latent rows, `part='indexer'` the index keys) or HybridLinearKVPool (its full-attention
-    layers; `layer_ids` says which model layers they are). `obj`: the object layout (default:
+    latent rows, `part='indexer'` the index keys), HybridLinearKVPool (its full-attention
+    layers; `layer_ids` says which model layers they are), the FP4 and MXFP8 pools, or
+    MiniMaxM3Nvfp4KVPool (`part='kv'` its main pool's page rows, `part='indexer'` its K-only index
+    pool's; either sub-pool may be passed itself). `obj`: the object layout (default:
     the layout's usual one, DEFAULT_OBJECT). Other arguments go to the connector (device,
     use_gpu, backend, ...). KVLayoutError names the pool's class and kv_cache_layout when
     kvgen has no spec for it.
