@@ -161,10 +161,15 @@ def test_the_pool_moves_both_ways_and_sglang_reads_the_same(cls: str, on_sm90: N
     assert agrees(pool, fresh, oracle)
 
 
+def sides_and_heads(cls: str) -> tuple[int, int]:
+    """K and V sides and heads of a pool's rows: the main pool's K and V of H heads, the index's one K head."""
+    return (2, H) if cls == MAIN else (1, 1)
+
+
 def _planes_regions(cls: str) -> tuple[int, int]:
-    """Bytes per layer of the kv_planes object's values region and the scale region's [KV T H 8] shape
-    start (kvgen's regions object: values [KV T H 64], then scales, each starting at a multiple of 16)."""
-    sides, heads = (2, H) if cls == MAIN else (1, 1)
+    """The bytes per layer of a kv_planes object's two regions (kvgen's regions object): the values
+    [KV T H 64], then the scales [KV T H 8] (which start at a multiple of 16, right after)."""
+    sides, heads = sides_and_heads(cls)
     return sides * T * heads * DATA, sides * T * heads * SCALES
 
 
@@ -173,7 +178,7 @@ def test_a_nibble_swapped_or_a_scale_moved_with_another_token_fails_the_check(cl
     """The object corrupted between store and load: the check of the move above must fail."""
     make, _ = POOLS[cls]
     values, scale = _planes_regions(cls)
-    sides, heads = (2, H) if cls == MAIN else (1, 1)
+    sides, heads = sides_and_heads(cls)
 
     def swap_nibbles(obj: torch.Tensor) -> None:
         region = obj.view(L, -1)[:, :values]
@@ -193,12 +198,12 @@ def decode(spec: Spec, pool: Any, layer: int, slot: int) -> list[torch.Tensor]:
     """Each side (K, V) at (layer, slot) dequantized from the spec's address arithmetic alone: the
     nibble packed_value names, times the fp8 scale scale_index names (unit global scale)."""
     tree = kvgen.from_sglang(pool, part=PART[type(pool).__name__]).kvcaches
-    heads = H if type(pool).__name__ == MAIN else 1
+    sides, heads = sides_and_heads(type(pool).__name__)
     ext = {"L": L, "B": PAGES, "N": PAGE, "H": heads, "KV": 2, "C": 0}
     data, scale = spec.moved_planes()
     e2m1 = torch.tensor(kvfp4_tensor.E2M1_VALUES, dtype=torch.float32)
     out = []
-    for kv in range(2 if heads == H else 1):
+    for kv in range(sides):
         got = torch.zeros(heads, HEAD)
         for h in range(heads):
             for c in range(HEAD):
