@@ -83,8 +83,9 @@ def quant_mismatch(quant: Mapping[str, str], hints: Mapping[str, Any]) -> str | 
 
 
 def _quantized_pool(pool: str) -> bool:
-    """SGLang 0.5.23's pools that keep packed values and scales (sglang/srt/mem_cache/)."""
-    return any(word in pool for word in ("FP4", "MXFP8", "NVFP4", "FP8Scale"))
+    """SGLang 0.5.23's pools that keep packed values and scales (sglang/srt/mem_cache/), in any case
+    (MiniMaxM3Nvfp4MainKVPool)."""
+    return any(word in pool.upper() for word in ("FP4", "MXFP8", "FP8SCALE"))
 
 
 def quant_deciders(quant: Mapping[str, str], fits: Sequence[Mapping[str, str]]) -> dict[str, Any]:

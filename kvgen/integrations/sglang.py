@@ -3,7 +3,8 @@
 The pool states its layout (its class and `kv_cache_layout`), so nothing is read from the
 shapes: the class and the word choose the spec, and detection and the generated geometry
 reader then check that the buffers agree with it. Pools this module does not know (another
-class, a quantized pool other than the FP4 and flat MXFP8 ones, a layout word without a spec) are refused in
+class, a quantized pool other than the FP4, flat MXFP8 and MiniMax M3 NVFP4 ones, a layout word without a spec) are
+refused in
 SGLang's own terms.
 Written against SGLang 0.5.23 (sglang/srt/mem_cache/memory_pool.py); SGLang itself is never
 imported here: the pool is read through its attributes.
@@ -45,7 +46,8 @@ class PoolConnector:
 DEFAULT_OBJECT = {"sglang_mha": "kv_2ltd", "sglang_mha_hnd": "kv_2ltd", "sglang_mha_v_head": "kv_planes",
                   "sglang_mla": "kv_mla", "vllm_dsa_indexer": "kv_planes", "sglang_mha_fp4": "kv_planes",
                   "sglang_mla_fp4": "kv_planes", "sglang_mha_mxfp8": "kv_planes",
-                  "sglang_mha_mxfp8_interleaved": "kv_planes"}
+                  "sglang_mha_mxfp8_interleaved": "kv_planes",
+                  "sglang_minimax_m3_nvfp4": "kv_planes", "sglang_minimax_m3_nvfp4_index": "kv_planes"}
 
 
 def _describe(pool: Any) -> str:
@@ -57,7 +59,8 @@ def _refuse(pool: Any, why: str) -> KVLayoutError:
     return KVLayoutError(f"kvgen has no connector for SGLang's {_describe(pool)}: {why}; kvgen reads "
                          "MHATokenToKVPool (kv_cache_layout 'nhd' or 'hnd'), MLATokenToKVPool, DSATokenToKVPool, "
                          "MHATokenToKVPoolFP4 and MLATokenToKVPoolFP4 (head_dim 128, kv_cache_dim 576), "
-                         "MHATokenToKVPoolMXFP8 (head_dim 128, a page_size other than 128) and "
+                         "MHATokenToKVPoolMXFP8 (head_dim 128, a page_size other than 128), "
+                         "MiniMaxM3Nvfp4KVPool and its MiniMaxM3Nvfp4MainKVPool and MiniMaxM3Nvfp4IndexKPool, and "
                          "HybridLinearKVPool's attention layers")
 
 
@@ -67,6 +70,21 @@ def _layers(pool: Any, count: int) -> tuple[int, ...]:
         return tuple(int(i) for i in ids)
     start = int(getattr(pool, "start_layer", 0) or 0)
     return tuple(range(start, start + count))
+
+
+def _layer_ids(pool: Any, inner: Any, part: str, count: int) -> tuple[int, ...]:
+    """The model layer of each entry of the tree's layer lists: a hybrid model's attention layers,
+    MiniMaxM3Nvfp4KVPool's index layers (index_k_layer_id_mapping) or its main pool's."""
+    mapping = None
+    if inner is not pool:
+        mapping = pool.full_attention_layer_id_mapping
+    elif type(pool).__name__ == "MiniMaxM3Nvfp4KVPool":
+        if part != "indexer":
+            return _layers(pool.main_pool, count)
+        mapping = pool.index_k_layer_id_mapping
+    if mapping is None:
+        return _layers(pool, count)
+    return tuple(sorted(mapping, key=mapping.get))
 
 
 def _mha(pool: Any) -> tuple[str, Any, dict[str, Any]]:
@@ -137,6 +155,45 @@ def _mxfp8(pool: Any) -> tuple[str, Any, dict[str, Any]]:
     return "sglang_mha_mxfp8", [list(getattr(pool, n)) for n in names], hints
 
 
+#: MiniMax M3 NVFP4's page rows: 128 tokens a page, each token and head 64 fp4 data bytes and 8 scale bytes.
+MINIMAX_PAGE, MINIMAX_CELL = 128, 64 + 8
+
+
+def _page_rows(pool: Any, heads: int, layout: str) -> tuple[str, Any, dict[str, Any]]:
+    """MiniMax M3 NVFP4 pools keep one page row per (layer, page), pool.rows[layer] ([pages, row_bytes]):
+    per K (and V) side every (head, token) cell's data, then every cell's scales, each region a multiple
+    of 128 bytes, so no padding (_page_row_layout). Handed over as the rows' free view by cell."""
+    sides = 2 if layout == "sglang_minimax_m3_nvfp4" else 1
+    width = sides * heads * MINIMAX_PAGE * MINIMAX_CELL
+    if int(pool.page_size) != MINIMAX_PAGE or int(pool.row_bytes) != width:
+        raise _refuse(pool, f"kvgen's spec for it is for page_size {MINIMAX_PAGE} and rows of {width} bytes "
+                            f"({heads} heads of head_dim 128), not page_size {pool.page_size} and {pool.row_bytes}")
+    cells = (sides, heads, MINIMAX_PAGE, MINIMAX_CELL) if sides == 2 else (MINIMAX_PAGE, MINIMAX_CELL)
+    return layout, [r.view(r.shape[0], *cells) for r in pool.rows], {"pool": type(pool).__name__}
+
+
+def _minimax_main(pool: Any) -> tuple[str, Any, dict[str, Any]]:
+    """MiniMaxM3Nvfp4MainKVPool: a row is [K data | K scales | V data | V scales], every (head, token) cell."""
+    if int(pool.head_dim) != 128:
+        raise _refuse(pool, f"kvgen's spec for it is for head_dim 128, not {pool.head_dim}")
+    return _page_rows(pool, int(pool.head_num), "sglang_minimax_m3_nvfp4")
+
+
+def _minimax_index(pool: Any) -> tuple[str, Any, dict[str, Any]]:
+    """MiniMaxM3Nvfp4IndexKPool: a row is every token's index K data, then every token's scales."""
+    return _page_rows(pool, 1, "sglang_minimax_m3_nvfp4_index")
+
+
+def _minimax_part(part: str) -> Callable[[Any], tuple[str, Any, dict[str, Any]]]:
+    """MiniMaxM3Nvfp4KVPool: its main pool (`kv`) or its K-only index pool (`indexer`)."""
+    def read(pool: Any) -> tuple[str, Any, dict[str, Any]]:
+        inner = pool.main_pool if part == "kv" else pool.index_k_pool
+        if inner is None:
+            raise _refuse(pool, f"it has no {'main' if part == 'kv' else 'K-only index'} pool")
+        return (_minimax_main if part == "kv" else _minimax_index)(inner)
+    return read
+
+
 #: SGLang 0.5.23 pool classes, by exact class name (a subclass may lay its buffers out otherwise:
 #: MHATokenToKVPoolFP4 and MHATokenToKVPoolMXFP8 do), and how each hands its cache over.
 READERS: dict[str, dict[str, Callable[[Any], tuple[str, Any, dict[str, Any]]]]] = {
@@ -146,6 +203,9 @@ READERS: dict[str, dict[str, Callable[[Any], tuple[str, Any, dict[str, Any]]]]] 
     "MHATokenToKVPoolFP4": {"kv": _fp4},
     "MLATokenToKVPoolFP4": {"kv": _fp4},
     "MHATokenToKVPoolMXFP8": {"kv": _mxfp8},
+    "MiniMaxM3Nvfp4MainKVPool": {"kv": _minimax_main},
+    "MiniMaxM3Nvfp4IndexKPool": {"indexer": _minimax_index},
+    "MiniMaxM3Nvfp4KVPool": {"kv": _minimax_part("kv"), "indexer": _minimax_part("indexer")},
 }
 
 
@@ -154,8 +214,10 @@ def from_sglang(pool: Any, obj: str | None = None, *, part: str = "kv", **connec
 
     `pool`: an SGLang MHATokenToKVPool (kv_cache_layout 'nhd' or 'hnd'; a V head size other
     than K's gives the (K, V) planes spec), MLATokenToKVPool, DSATokenToKVPool (`part='kv'` the
-    latent rows, `part='indexer'` the index keys) or HybridLinearKVPool (its full-attention
-    layers; `layer_ids` says which model layers they are). `obj`: the object layout (default:
+    latent rows, `part='indexer'` the index keys), HybridLinearKVPool (its full-attention
+    layers; `layer_ids` says which model layers they are), the FP4 and MXFP8 pools, or
+    MiniMaxM3Nvfp4KVPool (`part='kv'` its main pool's page rows, `part='indexer'` its K-only index
+    pool's; either sub-pool may be passed itself). `obj`: the object layout (default:
     the layout's usual one, DEFAULT_OBJECT). Other arguments go to the connector (device,
     use_gpu, backend, ...). KVLayoutError names the pool's class and kv_cache_layout when
     kvgen has no spec for it.
@@ -178,8 +240,7 @@ def from_sglang(pool: Any, obj: str | None = None, *, part: str = "kv", **connec
     per_part = ("sglang_mha", "sglang_mha_hnd", "sglang_mha_v_head", "sglang_mha_fp4", "sglang_mla_fp4",
                 "sglang_mha_mxfp8", "sglang_mha_mxfp8_interleaved")
     count = len(kvcaches[0]) if layout in per_part else len(kvcaches)
-    ids = _layers(pool, count) if inner is pool else tuple(sorted(pool.full_attention_layer_id_mapping,
-                                                                  key=pool.full_attention_layer_id_mapping.get))
+    ids = _layer_ids(pool, inner, part, count)
     connector = cls(**connector_args)
     connector.bind(kvcaches)  # ready: get_shape and get_dtype answer before the first transfer
     return PoolConnector(type(pool).__name__, layout, obj, connector, kvcaches, ids)

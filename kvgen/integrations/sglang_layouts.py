@@ -34,6 +34,7 @@ HINT = "kv_layout= the pool's kv_cache_layout ('nhd' or 'hnd')"
 class _Facts(Protocol):
     name: str
     dims: tuple[tuple[str, ...], ...]
+    quant: Mapping[str, str]
 
     def order(self) -> str | None: ...
     def families(self) -> set[str]: ...
@@ -76,8 +77,10 @@ def word_of(f: _Facts) -> str | None:
 
 
 def needs_word(f: _Facts, hints: Mapping[str, Any], named: bool) -> bool:
-    """Whether `f` is a 4-D SGLang buffer read without the pool's word (nor a spec named)."""
-    return not named and hints.get("kv_layout") is None and word_of(f) is not None
+    """Whether `f` is a 4-D SGLang buffer read without the pool's word (nor a spec named, nor the pool
+    class of a quantized spec: MiniMaxM3Nvfp4MainKVPool has one layout and no kv_cache_layout)."""
+    said = hints.get("pool") is not None and f.quant.get("sglang") == hints["pool"]
+    return not named and not said and hints.get("kv_layout") is None and word_of(f) is not None
 
 
 def neighbours(fits: Sequence[tuple[Any, dict[str, int]]], facts: Sequence[Any], hints: Mapping[str, Any],

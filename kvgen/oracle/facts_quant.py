@@ -192,6 +192,57 @@ _register(PartsFact(
      PlaneFact("v_scale", 3, "float8_e8m0fnu", lambda g: HEAD // MXFP8_BLOCK, False, True, True, _atom(3))),
     fixed={"N": MXFP8_PAGE}))
 
+# -- SGLang 0.5.23 MiniMax M3.1 NVFP4 (sglang/srt/mem_cache/minimax_m3_nvfp4_pool.py) -----------------
+# _allocate_page_rows: one uint8 slab [layers, pages, row_bytes]; row (layer, page) is the components
+# one after another, each rounded up to _PAGE_ROW_ALIGN (128) bytes (_page_row_layout). Main pool
+# (_main_page_components): K [heads, page, head_dim // 2], K scale [heads, page, head_dim // 16], V, V
+# scale; index pool (_index_page_components): K [page, 64], K scale [page, 8]. Page size and head_dim
+# are 128 (MSA_V1_PAGE_SIZE, the classes' checks); set_quantized_kv_buffer writes slot s of head h at
+# [s // page, h, s % page] of each component. Handed over as [pages, 2, heads, page, 72] and
+# [pages, page, 72] views of pool.rows (kvgen.integrations.sglang).
+MINIMAX_PAGE, MINIMAX_ALIGN = 128, 128
+MINIMAX_DATA, MINIMAX_SCALES = HEAD // 2, HEAD // 16
+MINIMAX_CELL = MINIMAX_DATA + MINIMAX_SCALES
+
+
+def _minimax_offsets(heads: int, components: int) -> list[int]:
+    """Where each component starts in a page row: [K, K scale] (index), then V, V scale (main)."""
+    sizes = [heads * MINIMAX_PAGE * w for w in (MINIMAX_DATA, MINIMAX_SCALES)] * (components // 2)
+    out, at = [], 0
+    for size in sizes:
+        out.append(at)
+        at += -(-size // MINIMAX_ALIGN) * MINIMAX_ALIGN
+    return out
+
+
+def _minimax(scale: bool, main: bool):  # noqa: ANN202 (a PlaneAddress)
+    """Byte c of the data (or scales) of (slot, head), K or V, in its page row, as SGLang places it."""
+    def where(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int):  # noqa: ANN202
+        heads = g.H if main else 1
+        start = _minimax_offsets(heads, 4 if main else 2)[2 * kv + scale]
+        width = MINIMAX_SCALES if scale else MINIMAX_DATA
+        byte = start + ((h if main else 0) * MINIMAX_PAGE + slot % MINIMAX_PAGE) * width + c
+        cell, col = divmod(byte, MINIMAX_CELL)
+        if not main:
+            return (layer,), (slot // MINIMAX_PAGE, cell, col), 0
+        side, rest = divmod(cell, heads * MINIMAX_PAGE)
+        return (layer,), (slot // MINIMAX_PAGE, side, rest // MINIMAX_PAGE, rest % MINIMAX_PAGE, col), 0
+    return where
+
+
+_register(PartsFact(
+    "sglang_minimax_m3_nvfp4", (("list", "L"),),
+    (PartFact("", lambda g: (g.B, 2, g.H, MINIMAX_PAGE, MINIMAX_CELL), ("uint8",)),),
+    (PlaneFact("values", 0, "fp4_e2m1", lambda g: MINIMAX_DATA, True, True, True, _minimax(False, True)),
+     PlaneFact("scale", 0, "float8_e4m3fn", lambda g: MINIMAX_SCALES, True, True, True, _minimax(True, True))),
+    fixed={"KV": 2, "N": MINIMAX_PAGE}))
+_register(PartsFact(
+    "sglang_minimax_m3_nvfp4_index", (("list", "L"),),
+    (PartFact("", lambda g: (g.B, MINIMAX_PAGE, MINIMAX_CELL), ("uint8",)),),
+    (PlaneFact("values", 0, "fp4_e2m1", lambda g: MINIMAX_DATA, False, False, True, _minimax(False, False)),
+     PlaneFact("scale", 0, "float8_e4m3fn", lambda g: MINIMAX_SCALES, False, False, True, _minimax(True, False))),
+    fixed={"N": MINIMAX_PAGE}))
+
 # -- vLLM 0.33 TURBOQUANT modes (v1/attention/backends/turboquant_attn.py, ops/triton_turboquant_store.py) --
 # One slot per (token, head), K and V together, in LBNHC pages [B, N, H, slot], as TurboQuantConfig
 # (quantization/turboquant/config.py) sizes it: key_packed_size (fp8 keys: head_dim bytes; MSE keys:
@@ -373,6 +424,9 @@ UNITS: dict[str, dict[str, tuple[str | None, str | None, int | None]]] = {
     "sglang_mha_fp4": {"k.values": ("low_first", None, None), "v.values": ("low_first", None, None),
                        "k_scale": (None, None, None), "v_scale": (None, None, None)},
     "sglang_mla_fp4": {"kv.values": ("low_first", None, None), "scale": (None, None, None)},
+    # SGLang's NVFP4KVQuantizeUtil (MiniMax M3.1 pools): value 2j low, one fp8 e4m3 scale per 16 values.
+    "sglang_minimax_m3_nvfp4": {"values": ("low_first", None, None), "scale": (None, "values", 16)},
+    "sglang_minimax_m3_nvfp4_index": {"values": ("low_first", None, None), "scale": (None, "values", 16)},
 }
 
 
