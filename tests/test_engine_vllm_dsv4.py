@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import VLLM_GROUP, vllm_module
+from harness import VLLM_GROUP, builtin_library, vllm_module
 
 iface = vllm_module("vllm.v1.kv_cache_interface")
 pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
@@ -43,9 +43,8 @@ vllm_layouts = vllm_module("vllm.v1.kv_cache_layout")
 from kvgen import generated  # noqa: E402
 from kvgen.oracle.facts_models import DEEPSEEK_V4_FLASH  # noqa: E402
 from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
-from kvgen.spec.library import load_library  # noqa: E402
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 MODEL = LIBRARY.model("deepseek_v4_flash")
 #: vLLM's DeepSeek-V4 block (the compressor's "KV block shape [256 // 4, head_dim]").
 BLOCK_SIZE = 256

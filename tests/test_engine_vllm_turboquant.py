@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import VLLM_GROUP, vllm_module
+from harness import VLLM_GROUP, builtin_library, vllm_module
 
 iface = vllm_module("vllm.v1.kv_cache_interface")
 pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
@@ -37,10 +37,9 @@ worker = vllm_module("vllm.v1.worker.utils")
 import kvgen  # noqa: E402
 from kvgen.oracle.address import packed_value, plane_address  # noqa: E402
 from kvgen.runtime import MemoryObj  # noqa: E402
-from kvgen.spec.library import load_library  # noqa: E402
 from kvgen.spec.model import Packing  # noqa: E402
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 #: H == N, so a (head, slot) cell read as (slot, head) still fits the tensors and only the values tell.
 L, B, N, H, HS = 2, 5, 4, 4, 128
 SLOTS = [17, 3, 8, 9, 10, 11, 0, 19, 6]
