@@ -1,9 +1,13 @@
 """Test helpers: the machinery lives in kvgen.oracle.scenarios, shared with `kvgen verify`."""
 
+import importlib
+import importlib.util
 import types
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kvgen.emit.render import render_connector
 from kvgen.oracle.scenarios import (  # noqa: F401
@@ -57,3 +61,34 @@ def tiled_connector(layout: str, obj: str, edit: tuple[str, str] | None = None) 
     space = types.ModuleType(plan.module)
     exec(compile(text, plan.module, "exec"), space.__dict__)
     return space.Connector
+
+
+# -- vLLM, imported by the tests that use it, not at collection ------------------------------------
+
+#: The tests of vLLM's own code share one xdist worker: only that one pays vLLM's import (seconds).
+VLLM_GROUP = "vllm"
+VLLM_MISSING = "vllm 0.33.0 is not installed (scripts/dev installs it unless KVGEN_NO_ENGINES=1)"
+
+
+class _LazyModule:
+    """A module imported at its first read of a public attribute. pytest's collection asks every
+    module-level object for private and dunder attributes (fixture markers, __test__): those
+    are not the module's and import nothing."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        return getattr(importlib.import_module(self._name), attr)
+
+
+def vllm_module(name: str) -> Any:
+    """vLLM's module `name`, imported when a test first reads from it: every xdist worker collects
+    every test module, and importing vLLM at collection cost each ~10 s. Where vLLM is not
+    installed the calling module is skipped, as pytest.importorskip did (find_spec of the top
+    package imports nothing)."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip(VLLM_MISSING, allow_module_level=True)
+    return _LazyModule(name)

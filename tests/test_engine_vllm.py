@@ -21,28 +21,29 @@ from typing import Any
 
 import pytest
 import torch
+from harness import VLLM_GROUP, builtin_library, vllm_module
 
-iface = pytest.importorskip("vllm.v1.kv_cache_interface",
-                            reason="vllm 0.33.0 is not installed (scripts/dev installs it unless KVGEN_NO_ENGINES=1)")
+import kvgen
+from kvgen import generated
+from kvgen.integrations.detect import AmbiguousLayout, NoLayout, detect
+from kvgen.integrations.vllm import Pairing
+from kvgen.oracle import facts_vllm, reference
+from kvgen.runtime import KVLayoutError, MemoryObj
 
-from harness import builtin_library  # noqa: E402
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
-
-import kvgen  # noqa: E402
-from kvgen import generated  # noqa: E402
-from kvgen.integrations.detect import AmbiguousLayout, NoLayout, detect  # noqa: E402
-from kvgen.integrations.vllm import Pairing  # noqa: E402
-from kvgen.oracle import facts_vllm, reference  # noqa: E402
-from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
+iface = vllm_module("vllm.v1.kv_cache_interface")
+planning = vllm_module("vllm.v1.core.kv_cache_planning")
+vllm_layouts = vllm_module("vllm.v1.kv_cache_layout")
+worker = vllm_module("vllm.v1.worker.utils")
+pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
 
 LIBRARY = builtin_library()
 #: No two extents equal: a swapped pair of axes changes a shape or a value.
 L, B, N, H, C = 2, 5, 4, 3, 6
-LAYOUTS = [layout.name for layout in KVCacheLayout]
+#: vLLM's KVCacheLayouts as kvgen's facts name them (parametrizing needs no vLLM import);
+#: test_facts_agree_with_vllms_own_tables_and_views holds both lists to vLLM's enum.
+LAYOUTS = list(facts_vllm.KV_CACHE_LAYOUTS)
 #: Layouts whose pages are whole runs (L and B outermost): the ones vLLM can pad.
-PADDABLE = [name for name in LAYOUTS if KVCacheLayout[name].is_block_compact]
+PADDABLE = ["LBHNC", "LBNHC", "BLHNC", "BLNHC"]
 #: Scattered slots, a whole block (8..11) among them.
 SLOTS = [17, 3, 8, 9, 10, 11, 0, 19, 6]
 VERSION = "0.33.0"
@@ -50,7 +51,7 @@ VERSION = "0.33.0"
 
 def _vllm_config(layout: str, num_blocks: int) -> Any:
     """The VllmConfig fields get_kv_cache_config_from_groups reads (a whole VllmConfig needs a model)."""
-    cache = SimpleNamespace(get_resolved_kv_cache_layout=lambda: KVCacheLayout[layout],
+    cache = SimpleNamespace(get_resolved_kv_cache_layout=lambda: vllm_layouts.KVCacheLayout[layout],
                             prefix_cache_retention_interval=None, num_gpu_blocks_override=num_blocks)
     return SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None), cache_config=cache)
 
@@ -67,9 +68,9 @@ def mla(**kw: Any) -> Any:
 def engine_cache(layout: str, groups: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any]:
     """vLLM's cache for groups {prefix: spec} of L layers each: its views and its KVCacheConfig."""
     specs = [iface.KVCacheGroupSpec([f"{p}.{i}" for i in range(L)], spec) for p, spec in groups.items()]
-    config = get_kv_cache_config_from_groups(_vllm_config(layout, B), specs, 1 << 30)
+    config = planning.get_kv_cache_config_from_groups(_vllm_config(layout, B), specs, 1 << 30)
     config.kv_cache_layout = layout
-    return allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout[layout]), config
+    return worker.allocate_kv_cache(config, torch.device("cpu"), vllm_layouts.KVCacheLayout[layout]), config
 
 
 def code(layer: int, shape: torch.Size, salt: int = 0) -> torch.Tensor:
@@ -117,7 +118,7 @@ def roundtrip(layout: str, groups: dict[str, Any], planes: int, **kw: Any) -> No
     kv, config = engine_cache(layout, groups)
     names = list(config.kv_cache_groups[0].layer_names)
     write(kv, names)
-    (group,) = kvgen.from_vllm(kv, config, KVCacheLayout[layout], engine_version=VERSION, **kw)
+    (group,) = kvgen.from_vllm(kv, config, vllm_layouts.KVCacheLayout[layout], engine_version=VERSION, **kw)
     obj = store(group, planes, SLOTS)
     assert torch.equal(obj.tensor, expected(kv, names, SLOTS, planes))
     fresh, fresh_config = engine_cache(layout, groups)
@@ -171,8 +172,8 @@ def test_kernel_blocks_smaller_than_the_manager_block_keep_the_manager_views() -
     kv, config = engine_cache("LBNHC", {"attn": spec})
     tensor = config.kv_cache_tensors[0]
     raw = torch.tensor([], dtype=torch.int8).set_(kv["attn.0"].untyped_storage())  # the one backing buffer
-    kernel = iface.create_kv_cache_views(raw, spec, config.num_blocks, KVCacheLayout.LBNHC, tensor,
-                                         kernel_block_size=N)
+    kernel = iface.create_kv_cache_views(raw, spec, config.num_blocks, vllm_layouts.KVCacheLayout.LBNHC,
+                                         tensor, kernel_block_size=N)
     names = list(config.kv_cache_groups[0].layer_names)
     for i, view in enumerate(kernel):  # what attention writes: kernel blocks of N slots
         view.copy_(code(i, view.shape))
@@ -228,9 +229,11 @@ def test_hybrid_groups_overlay_one_buffer_and_each_has_its_connector(layout: str
 
 
 def test_facts_agree_with_vllms_own_tables_and_views() -> None:
-    assert set(facts_vllm.KV_CACHE_LAYOUTS) == set(LAYOUTS)
+    members = list(vllm_layouts.KVCacheLayout)
+    assert set(facts_vllm.KV_CACHE_LAYOUTS) == set(LAYOUTS) == {m.name for m in members}
+    assert PADDABLE == [m.name for m in members if m.is_block_compact]
     for name in LAYOUTS:
-        member = KVCacheLayout[name]
+        member = vllm_layouts.KVCacheLayout[name]
         assert facts_vllm.KV_CACHE_LAYOUTS[name] == member.value
         assert facts_vllm.layer_view_order(name) == member.layer_view_order
         spec = LIBRARY[facts_vllm.SPEC_OF[name]]
@@ -290,7 +293,8 @@ def test_without_a_declaration_layouts_that_fit_the_same_tensors_are_refused() -
     views = [kv[n] for n in config.kv_cache_groups[0].layer_names]
     with pytest.raises(AmbiguousLayout, match="kv_layout='BLHNC'"):
         detect(views, engine="vllm", engine_version=VERSION, num_kv_heads=H, block_size=N)
-    declared = detect(views, engine="vllm", engine_version=VERSION, kv_layout=KVCacheLayout.BLHNC)  # vLLM's enum
+    declared = detect(views, engine="vllm", engine_version=VERSION,
+                      kv_layout=vllm_layouts.KVCacheLayout.BLHNC)  # vLLM's enum
     assert declared.layout == "vllm_blhnc" and "given" in declared.decided_by
     assert "vllm_blhnc" in generated.LAYOUTS
 
@@ -334,7 +338,8 @@ def test_a_wrong_vllm_fact_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     wrong, _ = verify_engines.vllm_disagreements()
     assert len(wrong) == 1 and wrong[0].startswith("vllm_canonical_lbnhc:"), wrong
     monkeypatch.setitem(facts.FACTS, "vllm_canonical_lbnhc", page)
-    monkeypatch.setitem(facts_vllm.KV_CACHE_LAYOUTS, "LBNHC", KVCacheLayout.LBHNC.value)  # a wrong table entry
+    # a wrong table entry
+    monkeypatch.setitem(facts_vllm.KV_CACHE_LAYOUTS, "LBNHC", vllm_layouts.KVCacheLayout.LBHNC.value)
     wrong, _ = verify_engines.vllm_disagreements()
     assert wrong and wrong[0].startswith("KVCacheLayout:")
     assert verify_engines.run() == len(wrong)

@@ -24,24 +24,27 @@ from typing import Any
 
 import pytest
 import torch
+from harness import VLLM_GROUP, builtin_library, vllm_module
 
-iface = pytest.importorskip("vllm.v1.kv_cache_interface",
-                            reason="vllm 0.33.0 is not installed (scripts/dev installs it unless KVGEN_NO_ENGINES=1)")
+iface = vllm_module("vllm.v1.kv_cache_interface")
+pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
 
-from vllm.models.deepseek_v4 import attention as dsv4_attention  # noqa: E402
-from vllm.models.deepseek_v4 import compressor as dsv4_compressor  # noqa: E402
-from vllm.platforms import current_platform  # noqa: E402
-from vllm.v1.attention.backends.mla import sparse_swa  # noqa: E402
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups  # noqa: E402
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-from vllm.v1.worker.utils import allocate_kv_cache, bind_kv_cache  # noqa: E402
+DSV4_ATTENTION = "vllm.models.deepseek_v4.attention"
+dsv4_attention = vllm_module(DSV4_ATTENTION)
+DSV4_COMPRESSOR = "vllm.models.deepseek_v4.compressor"
+dsv4_compressor = vllm_module(DSV4_COMPRESSOR)
+platforms = vllm_module("vllm.platforms")
+SPARSE_SWA = "vllm.v1.attention.backends.mla.sparse_swa"
+sparse_swa = vllm_module(SPARSE_SWA)
+planning = vllm_module("vllm.v1.core.kv_cache_planning")
+worker = vllm_module("vllm.v1.worker.utils")
+vllm_layouts = vllm_module("vllm.v1.kv_cache_layout")
 
 from kvgen import generated  # noqa: E402
 from kvgen.oracle.facts_models import DEEPSEEK_V4_FLASH  # noqa: E402
 from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
-from kvgen.spec.library import load_library  # noqa: E402
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 MODEL = LIBRARY.model("deepseek_v4_flash")
 #: vLLM's DeepSeek-V4 block (the compressor's "KV block shape [256 // 4, head_dim]").
 BLOCK_SIZE = 256
@@ -65,7 +68,7 @@ class _Context:
 def _vllm_config() -> Any:
     """The VllmConfig fields vLLM's grouping and planning read (a whole VllmConfig needs a model)."""
     cache = SimpleNamespace(cache_dtype="fp8_ds_mla", block_size=BLOCK_SIZE, num_gpu_blocks_override=BLOCKS,
-                            get_resolved_kv_cache_layout=lambda: KVCacheLayout[LAYOUT],
+                            get_resolved_kv_cache_layout=lambda: vllm_layouts.KVCacheLayout[LAYOUT],
                             prefix_cache_retention_interval=None)
     return SimpleNamespace(cache_config=cache, scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
                            attention_config=SimpleNamespace(hisparse_config=None))
@@ -105,19 +108,19 @@ def engine() -> Iterator[SimpleNamespace]:
     """vLLM's specs, groups and plan for the model, and a function making a fresh allocation."""
     with pytest.MonkeyPatch.context() as mp:
         context = _Context()
-        for module in (sparse_swa, dsv4_attention, dsv4_compressor):
-            mp.setattr(module, "get_current_vllm_config", lambda: context)
+        for module in (SPARSE_SWA, DSV4_ATTENTION, DSV4_COMPRESSOR):  # by name: the real modules, not their proxies
+            mp.setattr(f"{module}.get_current_vllm_config", lambda: context)
         # Several caches per decoder layer: CUDA's model runner lists them all (CudaPlatform's check is a no-op).
-        mp.setattr(current_platform, "check_runner_kv_caches_multi_layer", lambda: None)
+        mp.setattr(platforms.current_platform, "check_runner_kv_caches_multi_layer", lambda: None)
         vc = _vllm_config()
         specs = _layer_specs(vc)
-        groups = get_kv_cache_groups(vc, specs)
-        config = get_kv_cache_config_from_groups(vc, groups, 1 << 30)
+        groups = planning.get_kv_cache_groups(vc, specs)
+        config = planning.get_kv_cache_config_from_groups(vc, groups, 1 << 30)
 
         def allocate() -> SimpleNamespace:
-            kv = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout[LAYOUT])
+            kv = worker.allocate_kv_cache(config, torch.device("cpu"), vllm_layouts.KVCacheLayout[LAYOUT])
             runner: list[torch.Tensor] = []
-            bind_kv_cache(kv, {name: SimpleNamespace(bind_kv_cache=lambda t: None) for name in kv}, runner)
+            worker.bind_kv_cache(kv, {name: SimpleNamespace(bind_kv_cache=lambda t: None) for name in kv}, runner)
             name_of = {id(t): name for name, t in kv.items()}
             first = next(iter(kv.values()))
             backing = torch.tensor([], dtype=torch.uint8).set_(first.untyped_storage())

@@ -20,14 +20,15 @@ from typing import Any
 
 import pytest
 import torch
+from harness import VLLM_GROUP, builtin_library, vllm_module
 
-iface = pytest.importorskip("vllm.v1.kv_cache_interface",
-                            reason="vllm 0.33.0 is not installed (scripts/dev installs it unless KVGEN_NO_ENGINES=1)")
+iface = vllm_module("vllm.v1.kv_cache_interface")
+pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
 
-from harness import builtin_library  # noqa: E402
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+planning = vllm_module("vllm.v1.core.kv_cache_planning")
+worker = vllm_module("vllm.v1.worker.utils")
+vllm_layouts = vllm_module("vllm.v1.kv_cache_layout")
 
 import kvgen  # noqa: E402
 from kvgen.oracle.address import packed_value, plane_address  # noqa: E402
@@ -40,20 +41,24 @@ L, B, N = 2, 4, 16
 SLOTS = torch.tensor([17, 3, 40, 16, 31, 63, 50, 5])
 AGAIN = torch.tensor([60, 1, 33, 20, 7, 45, 28, 12])
 NOPE, ROPE, SCALES, ROW = 512, 64, 32, 352
-LAYOUT = KVCacheLayout.LBNHC
+
+
+def _layout() -> Any:
+    """vLLM's KVCacheLayout of these caches (read when a test runs: vLLM is not imported at collection)."""
+    return vllm_layouts.KVCacheLayout.LBNHC
 
 
 def allocate() -> tuple[dict[str, torch.Tensor], Any]:
     spec = iface.MLAAttentionSpec(block_size=N, num_kv_heads=1, head_size=576, dtype=torch.uint8,
                                   cache_dtype_str="nvfp4_ds_mla", kv_quant_mode=iface.KVQuantMode.NVFP4_DS_MLA,
                                   state_content_bytes=ROW)  # as MLAAttention.get_kv_cache_spec sets them
-    cache = SimpleNamespace(get_resolved_kv_cache_layout=lambda: LAYOUT, prefix_cache_retention_interval=None,
+    cache = SimpleNamespace(get_resolved_kv_cache_layout=_layout, prefix_cache_retention_interval=None,
                             num_gpu_blocks_override=B)
     vllm_config = SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None), cache_config=cache)
     group = iface.KVCacheGroupSpec([f"attn.{i}" for i in range(L)], spec)
-    config = get_kv_cache_config_from_groups(vllm_config, [group], 1 << 30)
-    config.kv_cache_layout = LAYOUT.name
-    kv = allocate_kv_cache(config, torch.device("cpu"), LAYOUT)
+    config = planning.get_kv_cache_config_from_groups(vllm_config, [group], 1 << 30)
+    config.kv_cache_layout = _layout().name
+    kv = worker.allocate_kv_cache(config, torch.device("cpu"), _layout())
     for view in kv.values():
         view.zero_()
     return kv, config
@@ -95,7 +100,7 @@ def test_the_engines_cache_is_the_specs_rows() -> None:
 def test_the_cache_moves_both_ways_at_its_offsets() -> None:
     kv, config = allocate()
     write(kv, SLOTS)
-    (group,) = kvgen.from_vllm(kv, config, LAYOUT, engine_version="0.33.0")
+    (group,) = kvgen.from_vllm(kv, config, _layout(), engine_version="0.33.0")
     assert (group.detection.layout, group.connector.memory.name) == ("vllm_nvfp4_ds_mla", "kv_planes")
     obj = MemoryObj(torch.zeros(tuple(group.connector.get_shape(len(SLOTS), group.kvcaches)), dtype=torch.uint8))
     group.connector.from_gpu(obj, 0, len(SLOTS), kvcaches=group.kvcaches, slot_mapping=SLOTS)
@@ -109,7 +114,7 @@ def test_the_cache_moves_both_ways_at_its_offsets() -> None:
     fresh, fresh_config = allocate()
     oracle, _ = allocate()
     write(oracle, AGAIN)
-    (target,) = kvgen.from_vllm(fresh, fresh_config, LAYOUT, engine_version="0.33.0")
+    (target,) = kvgen.from_vllm(fresh, fresh_config, _layout(), engine_version="0.33.0")
     target.connector.to_gpu(obj, 0, len(SLOTS), kvcaches=target.kvcaches, slot_mapping=AGAIN)
     for layer in range(L):
         assert torch.equal(fresh[f"attn.{layer}"], oracle[f"attn.{layer}"])  # every byte, moved and not moved

@@ -21,16 +21,17 @@ from typing import Any
 
 import pytest
 import torch
+from harness import VLLM_GROUP, builtin_library, vllm_module
 
-iface = pytest.importorskip("vllm.v1.kv_cache_interface",
-                            reason="vllm 0.33.0 is not installed (scripts/dev installs it unless KVGEN_NO_ENGINES=1)")
+iface = vllm_module("vllm.v1.kv_cache_interface")
+pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
 
-from harness import builtin_library  # noqa: E402
-from vllm.v1.attention.backends.rocm_octave_attn import RocmOctaveAttentionBackend  # noqa: E402
-from vllm.v1.attention.ops import rocm_octave as sq  # noqa: E402
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+octave_attn = vllm_module("vllm.v1.attention.backends.rocm_octave_attn")
+sq = vllm_module("vllm.v1.attention.ops.rocm_octave")
+planning = vllm_module("vllm.v1.core.kv_cache_planning")
+worker = vllm_module("vllm.v1.worker.utils")
+vllm_layouts = vllm_module("vllm.v1.kv_cache_layout")
 
 import kvgen  # noqa: E402
 from kvgen.oracle.reference import Span  # noqa: E402
@@ -43,8 +44,17 @@ L, B, N, H, HS, ROPE = 2, 4, 16, 2, 256, 64
 SLOTS = torch.tensor([17, 3, 40, 16, 31, 63, 50, 5])
 AGAIN = torch.tensor([60, 1, 33, 20, 7, 45, 28, 12])
 MODES = ("OCTAVE_K3V4", "OCTAVE_K3V3", "OCTAVE_K3V3_COMPACT")
-LAYOUT = KVCacheLayout.LBHNC
-sq.register_rope_dim(HS, ROPE)  # what vLLM registers from the model's rotary dim before sizing the cache
+
+
+def _layout() -> Any:
+    """vLLM's KVCacheLayout of these caches (read when a test runs: vLLM is not imported at collection)."""
+    return vllm_layouts.KVCacheLayout.LBHNC
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _rope_dim() -> None:
+    """What vLLM registers from the model's rotary dim before sizing the cache."""
+    sq.register_rope_dim(HS, ROPE)
 
 
 def fmt(mode: str) -> Any:
@@ -52,18 +62,18 @@ def fmt(mode: str) -> Any:
 
 
 def _vllm_config() -> Any:
-    cache = SimpleNamespace(get_resolved_kv_cache_layout=lambda: LAYOUT, prefix_cache_retention_interval=None,
+    cache = SimpleNamespace(get_resolved_kv_cache_layout=_layout, prefix_cache_retention_interval=None,
                             num_gpu_blocks_override=B)
     return SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None), cache_config=cache)
 
 
 def allocate(mode: str) -> tuple[dict[str, torch.Tensor], Any]:
-    spec = RocmOctaveAttentionBackend.customize_spec(iface.FullAttentionSpec(
+    spec = octave_attn.RocmOctaveAttentionBackend.customize_spec(iface.FullAttentionSpec(
         block_size=N, num_kv_heads=H, head_size=HS, dtype=torch.uint8, kv_quant_mode=iface.KVQuantMode[mode]))
     group = iface.KVCacheGroupSpec([f"attn.{i}" for i in range(L)], spec)
-    config = get_kv_cache_config_from_groups(_vllm_config(), [group], 1 << 30)
-    config.kv_cache_layout = LAYOUT.name
-    kv = allocate_kv_cache(config, torch.device("cpu"), LAYOUT)
+    config = planning.get_kv_cache_config_from_groups(_vllm_config(), [group], 1 << 30)
+    config.kv_cache_layout = _layout().name
+    kv = worker.allocate_kv_cache(config, torch.device("cpu"), _layout())
     for view in kv.values():
         view.zero_()
     return kv, config
@@ -131,13 +141,13 @@ def test_the_engines_slot_is_the_specs_row(mode: str) -> None:
 def test_the_engines_cache_moves_both_ways_and_vllm_dequantizes_the_same(mode: str) -> None:
     kv, config = allocate(mode)
     write(mode, kv, SLOTS)
-    (group,) = kvgen.from_vllm(kv, config, LAYOUT, engine_version="0.33.0")
+    (group,) = kvgen.from_vllm(kv, config, _layout(), engine_version="0.33.0")
     assert (group.detection.layout, group.connector.memory.name) == (f"vllm_{mode.lower()}", "kv_planes")
     obj = MemoryObj(torch.zeros(tuple(group.connector.get_shape(len(SLOTS), group.kvcaches)), dtype=torch.uint8))
     group.connector.from_gpu(obj, 0, len(SLOTS), kvcaches=group.kvcaches, slot_mapping=SLOTS)
     check_object(mode, obj.tensor, kv)
     fresh, fresh_config = allocate(mode)
-    (target,) = kvgen.from_vllm(fresh, fresh_config, LAYOUT, engine_version="0.33.0")
+    (target,) = kvgen.from_vllm(fresh, fresh_config, _layout(), engine_version="0.33.0")
     target.connector.to_gpu(obj, 0, len(SLOTS), kvcaches=target.kvcaches, slot_mapping=AGAIN)
     oracle, _ = allocate(mode)
     write(mode, oracle, AGAIN)  # the reference itself at AGAIN

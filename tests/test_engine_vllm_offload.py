@@ -19,14 +19,15 @@ from typing import Any
 
 import pytest
 import torch
+from harness import VLLM_GROUP, vllm_module
 
-cm = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping",
-                         reason="vllm 0.33.0 is not installed (scripts/dev installs it unless KVGEN_NO_ENGINES=1)")
+cm = vllm_module("vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping")
+pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
 
-from vllm.v1 import kv_cache_interface as iface  # noqa: E402
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+iface = vllm_module("vllm.v1.kv_cache_interface")
+planning = vllm_module("vllm.v1.core.kv_cache_planning")
+worker = vllm_module("vllm.v1.worker.utils")
+vllm_layouts = vllm_module("vllm.v1.kv_cache_layout")
 
 from kvgen import generated  # noqa: E402
 from kvgen.oracle import facts_vllm  # noqa: E402
@@ -34,9 +35,13 @@ from kvgen.tp import HeadRanges  # noqa: E402
 
 #: No two extents equal, so a swap of heads and slots, or K and V, changes the bytes.
 L, B, N, H, C = 2, 5, 4, 3, 6
-LAYOUTS = [layout.name for layout in KVCacheLayout]
+#: vLLM's KVCacheLayouts as kvgen's facts name them (parametrizing needs no vLLM import);
+#: test_the_layouts_are_vllms holds these three to vLLM's enum.
+LAYOUTS = list(facts_vllm.KV_CACHE_LAYOUTS)
+#: Layouts whose pages are whole runs (L and B outermost).
+COMPACT = ["LBHNC", "LBNHC", "BLHNC", "BLNHC"]
 #: The canonical page of each layout's in-block order (N before H: v1-nhd; H before N: v1-hnd).
-FAMILY = {name: "LBNHC" if KVCacheLayout[name].layer_view_order.index(2) < KVCacheLayout[name].layer_view_order.index(1)
+FAMILY = {name: "LBNHC" if facts_vllm.layer_view_order(name).index(2) < facts_vllm.layer_view_order(name).index(1)
           else "LBHNC" for name in LAYOUTS}
 CANONICAL = {"LBNHC": "vllm_canonical_lbnhc", "LBHNC": "vllm_canonical_lbhnc"}
 #: GPU blocks offloaded, in CPU row order.
@@ -44,12 +49,12 @@ BLOCKS = [3, 0, 4]
 
 
 def engine_cache(layout: str, spec: Any, num_blocks: int = B) -> tuple[dict[str, torch.Tensor], Any, list[str]]:
-    cache = SimpleNamespace(get_resolved_kv_cache_layout=lambda: KVCacheLayout[layout],
+    cache = SimpleNamespace(get_resolved_kv_cache_layout=lambda: vllm_layouts.KVCacheLayout[layout],
                             prefix_cache_retention_interval=None, num_gpu_blocks_override=num_blocks)
     vllm_config = SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None), cache_config=cache)
     names = [f"attn.{i}" for i in range(L)]
-    config = get_kv_cache_config_from_groups(vllm_config, [iface.KVCacheGroupSpec(names, spec)], 1 << 30)
-    return allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout[layout]), config, names
+    config = planning.get_kv_cache_config_from_groups(vllm_config, [iface.KVCacheGroupSpec(names, spec)], 1 << 30)
+    return worker.allocate_kv_cache(config, torch.device("cpu"), vllm_layouts.KVCacheLayout[layout]), config, names
 
 
 def full(heads: int = H, **kw: Any) -> Any:
@@ -145,7 +150,7 @@ def test_every_layout_moves_into_vllms_canonical_page_byte_exactly(layout: str) 
     kv, config, _ = engine_cache(layout, full())
     fill(kv, names)
     own = mappings(kv, config, H)
-    if KVCacheLayout[layout].is_block_compact:  # L and B outermost: a layer's page is one run
+    if vllm_layouts.KVCacheLayout[layout].is_block_compact:  # L and B outermost: a layer's page is one run
         assert all(own[n].parallelism_agnostic for n in names)
         mine = torch.zeros_like(want)
         vllm_rows(kv, names, own, mine)
@@ -159,7 +164,7 @@ def test_every_layout_moves_into_vllms_canonical_page_byte_exactly(layout: str) 
     load_back(layout, full(), rows, host, False)
 
 
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if KVCacheLayout[name].is_block_compact])
+@pytest.mark.parametrize("layout", COMPACT)
 def test_padded_pages_move_into_vllms_canonical_page_byte_exactly(layout: str) -> None:
     """page_size_padded widens the block stride; the canonical page is the unpadded page's bytes."""
     spec = full(page_size_padded=H * N * 2 * C * 4 + 64)
@@ -243,3 +248,11 @@ def test_a_canonical_spec_mutated_to_the_neighbouring_page_fails(layout: str) ->
             transfers.TransferSide(spec, {**ext, "B": len(BLOCKS)}, rows,
                                             slots(list(range(len(BLOCKS)))).tolist()))
         assert torch.equal(rows.view(torch.int8).reshape(len(BLOCKS), -1), want) is right
+
+
+def test_the_layouts_are_vllms() -> None:
+    members = list(vllm_layouts.KVCacheLayout)
+    assert LAYOUTS == [m.name for m in members]
+    assert COMPACT == [m.name for m in members if m.is_block_compact]
+    assert FAMILY == {m.name: "LBNHC" if m.layer_view_order.index(2) < m.layer_view_order.index(1) else "LBHNC"
+                      for m in members}

@@ -23,23 +23,25 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib.util
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from harness import VLLM_GROUP, builtin_library, vllm_module
 
-iface = pytest.importorskip("vllm.v1.kv_cache_interface",
-                            reason="vllm 0.33.0 is not installed (scripts/dev installs it unless KVGEN_NO_ENGINES=1)")
+iface = vllm_module("vllm.v1.kv_cache_interface")
+pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
 
-from harness import builtin_library  # noqa: E402
-from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim, nvfp4_split_data_scale  # noqa: E402
-from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl  # noqa: E402
-from vllm.v1.attention.ops.int4_per_token_head import pack_int4_nibbles  # noqa: E402
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+torch_utils = vllm_module("vllm.utils.torch_utils")
+triton_attn = vllm_module("vllm.v1.attention.backends.triton_attn")
+int4 = vllm_module("vllm.v1.attention.ops.int4_per_token_head")
+planning = vllm_module("vllm.v1.core.kv_cache_planning")
+worker = vllm_module("vllm.v1.worker.utils")
+vllm_layouts = vllm_module("vllm.v1.kv_cache_layout")
 
 import kvgen  # noqa: E402
 from kvgen import generated  # noqa: E402
@@ -92,14 +94,17 @@ def _vllm_function(module: str, name: str, **scope: Any) -> Any:
     return namespace[name]
 
 
-#: FlashInfer's views of an NVFP4 page: ((K data, V data), (K scales, V scales), "HND" or "NHD").
-NVFP4_KV_VIEWS = _vllm_function("vllm.v1.attention.backends.flashinfer", "_nvfp4_kv_views",
-                                _KVPair=tuple, nvfp4_split_data_scale=nvfp4_split_data_scale)
+@functools.cache
+def nvfp4_kv_views() -> Any:
+    """FlashInfer's views of an NVFP4 page: ((K data, V data), (K scales, V scales), "HND" or "NHD").
+    Made when a test first asks (finding the module imports vLLM's packages)."""
+    return _vllm_function("vllm.v1.attention.backends.flashinfer", "_nvfp4_kv_views",
+                          _KVPair=tuple, nvfp4_split_data_scale=torch_utils.nvfp4_split_data_scale)
 
 
 def _vllm_config(layout: str) -> Any:
     """The VllmConfig fields get_kv_cache_config_from_groups reads (a whole VllmConfig needs a model)."""
-    cache = SimpleNamespace(get_resolved_kv_cache_layout=lambda: KVCacheLayout[layout],
+    cache = SimpleNamespace(get_resolved_kv_cache_layout=lambda: vllm_layouts.KVCacheLayout[layout],
                             prefix_cache_retention_interval=None, num_gpu_blocks_override=B)
     return SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None), cache_config=cache)
 
@@ -109,17 +114,18 @@ def attention_spec(name: str) -> Any:
     spec = iface.FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=HS, dtype=mode.dtype,
                                    kv_quant_mode=iface.KVQuantMode[mode.quant])
     if name in NVFP4:  # FlashInferBackend.customize_spec
-        return dataclasses.replace(spec, num_head_slots=2 * H, state_content_bytes=nvfp4_kv_cache_full_dim(HS))
-    return TritonAttentionBackend.customize_spec(spec)
+        return dataclasses.replace(spec, num_head_slots=2 * H,
+                                   state_content_bytes=torch_utils.nvfp4_kv_cache_full_dim(HS))
+    return triton_attn.TritonAttentionBackend.customize_spec(spec)
 
 
 def allocate(name: str) -> tuple[dict[str, torch.Tensor], Any]:
     """vLLM's layer name -> view dict and its KVCacheConfig."""
     layout = MODES[name].layout
     group = iface.KVCacheGroupSpec([f"attn.{i}" for i in range(L)], attention_spec(name))
-    config = get_kv_cache_config_from_groups(_vllm_config(layout), [group], 1 << 30)
+    config = planning.get_kv_cache_config_from_groups(_vllm_config(layout), [group], 1 << 30)
     config.kv_cache_layout = layout
-    return allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout[layout]), config
+    return worker.allocate_kv_cache(config, torch.device("cpu"), vllm_layouts.KVCacheLayout[layout]), config
 
 
 def engine_cache(name: str) -> tuple[list[torch.Tensor], list[list[tuple[torch.Tensor, torch.Tensor]]]]:
@@ -135,13 +141,13 @@ def engine_cache(name: str) -> tuple[list[torch.Tensor], list[list[tuple[torch.T
 def engine_views(name: str, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per side (K, V): vLLM's data bytes and scale bytes, each [B, N, H, bytes]."""
     if name in NVFP4:
-        (k, v), (k_scale, v_scale), order = NVFP4_KV_VIEWS(kv_cache, H)
+        (k, v), (k_scale, v_scale), order = nvfp4_kv_views()(kv_cache, H)
         assert order == ("NHD" if MODES[name].layout == "LBNHC" else "HND")
         if order == "HND":  # [B, H, N, bytes]
             k, v, k_scale, v_scale = (t.transpose(1, 2) for t in (k, v, k_scale, v_scale))
         return [(k, k_scale.view(torch.uint8)), (v, v_scale.view(torch.uint8))]
     impl = SimpleNamespace(_k_scale_cache=None, _v_scale_cache=None)
-    TritonAttentionImpl._ensure_scale_caches(impl, kv_cache)  # type: ignore[arg-type]
+    triton_attn.TritonAttentionImpl._ensure_scale_caches(impl, kv_cache)  # type: ignore[arg-type]
     padded = kv_cache.shape[-1] // 2
     k, v = kv_cache.transpose(1, 2).split(padded, dim=-1)  # as _pth_key_value_caches
     data = padded - 4
@@ -167,7 +173,7 @@ def data_bytes(name: str, layer: int, kv: int, slot: int, h: int) -> torch.Tenso
     if bits == 8:
         return vals.to(torch.uint8)
     # INT4: vLLM's pack_int4_nibbles (value 2j low); NVFP4: low nibble first (break_fp4_bytes).
-    return pack_int4_nibbles(vals[0::2], vals[1::2]).to(torch.uint8)
+    return int4.pack_int4_nibbles(vals[0::2], vals[1::2]).to(torch.uint8)
 
 
 def write(name: str, sides: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:

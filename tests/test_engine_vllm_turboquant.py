@@ -24,31 +24,37 @@ from typing import Any
 
 import pytest
 import torch
+from harness import VLLM_GROUP, builtin_library, vllm_module
 
-iface = pytest.importorskip("vllm.v1.kv_cache_interface",
-                            reason="vllm 0.33.0 is not installed (scripts/dev installs it unless KVGEN_NO_ENGINES=1)")
+iface = vllm_module("vllm.v1.kv_cache_interface")
+pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
 
-from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig  # noqa: E402
-from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend  # noqa: E402
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
-from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+tq_config = vllm_module("vllm.model_executor.layers.quantization.turboquant.config")
+tq_attn = vllm_module("vllm.v1.attention.backends.turboquant_attn")
+planning = vllm_module("vllm.v1.core.kv_cache_planning")
+worker = vllm_module("vllm.v1.worker.utils")
 
 import kvgen  # noqa: E402
 from kvgen.oracle.address import packed_value, plane_address  # noqa: E402
 from kvgen.runtime import MemoryObj  # noqa: E402
-from kvgen.spec.library import load_library  # noqa: E402
 from kvgen.spec.model import Packing  # noqa: E402
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 #: H == N, so a (head, slot) cell read as (slot, head) still fits the tensors and only the values tell.
 L, B, N, H, HS = 2, 5, 4, 4, 128
 SLOTS = [17, 3, 8, 9, 10, 11, 0, 19, 6]
 MODES = ("TURBOQUANT_K8V4", "TURBOQUANT_4BIT_NC", "TURBOQUANT_K3V4_NC", "TURBOQUANT_3BIT_NC")
-(LAYOUT,) = TurboQuantAttentionBackend.supported_kv_cache_layouts()
+
+
+def _layout() -> Any:
+    """The one KVCacheLayout the backend supports (read when a test runs: vLLM is not imported at
+    collection)."""
+    (layout,) = tq_attn.TurboQuantAttentionBackend.supported_kv_cache_layouts()
+    return layout
 
 
 def config(mode: str) -> Any:
-    return TurboQuantConfig.from_cache_dtype(mode.lower(), HS)
+    return tq_config.TurboQuantConfig.from_cache_dtype(mode.lower(), HS)
 
 
 def spec_name(mode: str) -> str:
@@ -56,7 +62,7 @@ def spec_name(mode: str) -> str:
 
 
 def _vllm_config() -> Any:
-    cache = SimpleNamespace(get_resolved_kv_cache_layout=lambda: LAYOUT, prefix_cache_retention_interval=None,
+    cache = SimpleNamespace(get_resolved_kv_cache_layout=_layout, prefix_cache_retention_interval=None,
                             num_gpu_blocks_override=B)
     return SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None), cache_config=cache)
 
@@ -64,14 +70,14 @@ def _vllm_config() -> Any:
 def attention_spec(mode: str) -> Any:
     spec = iface.FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=HS, dtype=torch.uint8,
                                    kv_quant_mode=iface.KVQuantMode[mode])
-    return TurboQuantAttentionBackend.customize_spec(spec)
+    return tq_attn.TurboQuantAttentionBackend.customize_spec(spec)
 
 
 def allocate(mode: str) -> tuple[dict[str, torch.Tensor], Any]:
     group = iface.KVCacheGroupSpec([f"attn.{i}" for i in range(L)], attention_spec(mode))
-    config_ = get_kv_cache_config_from_groups(_vllm_config(), [group], 1 << 30)
-    config_.kv_cache_layout = LAYOUT.name
-    return allocate_kv_cache(config_, torch.device("cpu"), LAYOUT), config_
+    config_ = planning.get_kv_cache_config_from_groups(_vllm_config(), [group], 1 << 30)
+    config_.kv_cache_layout = _layout().name
+    return worker.allocate_kv_cache(config_, torch.device("cpu"), _layout()), config_
 
 
 def code(layer: int, slot: int, h: int, c: int, bits: int) -> int:
@@ -143,7 +149,7 @@ def test_the_engines_spec_is_the_specs_slot(mode: str) -> None:
 def test_the_engines_cache_moves_both_ways_at_its_offsets(mode: str) -> None:
     kv, config_ = allocate(mode)
     write(mode, kv)
-    (group,) = kvgen.from_vllm(kv, config_, LAYOUT, engine_version="0.33.0")
+    (group,) = kvgen.from_vllm(kv, config_, _layout(), engine_version="0.33.0")
     assert (group.detection.layout, group.connector.memory.name) == (spec_name(mode), "kv_planes")
     connector = group.connector  # given the leaves in the spec's memory order, as from_vllm hands them
     obj = MemoryObj(torch.zeros(tuple(connector.get_shape(len(SLOTS), group.kvcaches)), dtype=torch.uint8))
@@ -162,7 +168,7 @@ def test_the_engines_cache_moves_both_ways_at_its_offsets(mode: str) -> None:
                 for h in range(H):
                     assert torch.equal(region[k, h], fields(mode, layer, slot, h)[name]), (layer, name, slot, h)
     fresh, fresh_config = allocate(mode)
-    (target,) = kvgen.from_vllm(fresh, fresh_config, LAYOUT, engine_version="0.33.0")
+    (target,) = kvgen.from_vllm(fresh, fresh_config, _layout(), engine_version="0.33.0")
     target.connector.to_gpu(obj, 0, len(SLOTS), kvcaches=target.kvcaches, slot_mapping=torch.tensor(SLOTS))
     size = config(mode).slot_size_aligned
     for layer in range(L):

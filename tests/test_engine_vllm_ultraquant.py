@@ -23,16 +23,17 @@ from typing import Any
 
 import pytest
 import torch
+from harness import VLLM_GROUP, builtin_library, vllm_module
 
-iface = pytest.importorskip("vllm.v1.kv_cache_interface",
-                            reason="vllm 0.33.0 is not installed (scripts/dev installs it unless KVGEN_NO_ENGINES=1)")
+iface = vllm_module("vllm.v1.kv_cache_interface")
+pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
 
-from harness import builtin_library  # noqa: E402
-from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend  # noqa: E402
-from vllm.v1.attention.ops.ultraquant import format as uqf  # noqa: E402
-from vllm.v1.attention.ops.ultraquant.reference import UltraQuantEncoded, ultraquant_dequant, ultraquant_encode  # noqa: E402
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
-from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+tq_attn = vllm_module("vllm.v1.attention.backends.turboquant_attn")
+uqf = vllm_module("vllm.v1.attention.ops.ultraquant.format")
+uq_reference = vllm_module("vllm.v1.attention.ops.ultraquant.reference")
+planning = vllm_module("vllm.v1.core.kv_cache_planning")
+worker = vllm_module("vllm.v1.worker.utils")
 
 import kvgen  # noqa: E402
 from kvgen.oracle.address import packed_value, plane_address, scale_index  # noqa: E402
@@ -45,7 +46,15 @@ SPEC = LIBRARY["vllm_ultraquant_4bit"]
 L, B, N, H, HS = 2, 5, 4, 4, 128
 SLOTS = torch.tensor([17, 3, 8, 9, 10, 11, 0, 19])
 AGAIN = torch.tensor([1, 12, 5, 18, 2, 14, 7, 16])
-(LAYOUT,) = TurboQuantAttentionBackend.supported_kv_cache_layouts()  # UltraQuant's backend is a TurboQuant one
+
+
+def _layout() -> Any:
+    """The one KVCacheLayout the backend supports (UltraQuant's backend is a TurboQuant one), read when
+    a test runs: vLLM is not imported at collection."""
+    (layout,) = tq_attn.TurboQuantAttentionBackend.supported_kv_cache_layouts()
+    return layout
+
+
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -53,13 +62,13 @@ def allocate() -> tuple[dict[str, torch.Tensor], Any]:
     spec = iface.FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=HS, dtype=torch.uint8,
                                    kv_quant_mode=iface.KVQuantMode.ULTRAQUANT_4BIT)
     spec = dataclasses.replace(spec, state_content_bytes=uqf.slot_size(HS))  # UltraQuantAttentionBackend.customize_spec
-    cache = SimpleNamespace(get_resolved_kv_cache_layout=lambda: LAYOUT, prefix_cache_retention_interval=None,
+    cache = SimpleNamespace(get_resolved_kv_cache_layout=_layout, prefix_cache_retention_interval=None,
                             num_gpu_blocks_override=B)
     vllm_config = SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None), cache_config=cache)
     group = iface.KVCacheGroupSpec([f"attn.{i}" for i in range(L)], spec)
-    config = get_kv_cache_config_from_groups(vllm_config, [group], 1 << 30)
-    config.kv_cache_layout = LAYOUT.name
-    kv = allocate_kv_cache(config, torch.device("cpu"), LAYOUT)
+    config = planning.get_kv_cache_config_from_groups(vllm_config, [group], 1 << 30)
+    config.kv_cache_layout = _layout().name
+    kv = worker.allocate_kv_cache(config, torch.device("cpu"), _layout())
     for view in kv.values():
         view.zero_()
     return kv, config
@@ -73,8 +82,8 @@ def inputs(layer: int, kv: int, tokens: torch.Tensor) -> torch.Tensor:
     return torch.sin(0.41 * d + 1.7 * t + 0.6 * h + 2.3 * layer + kv) * 2.0 ** ((t + h + d // 32 + kv) % 7 - 3)
 
 
-def encoded(layer: int, kv: int, tokens: torch.Tensor) -> UltraQuantEncoded:
-    return ultraquant_encode(inputs(layer, kv, tokens), rotate=kv == 0)  # K is Hadamard-rotated at store
+def encoded(layer: int, kv: int, tokens: torch.Tensor) -> uq_reference.UltraQuantEncoded:
+    return uq_reference.ultraquant_encode(inputs(layer, kv, tokens), rotate=kv == 0)  # K is Hadamard-rotated at store
 
 
 def cells(view: torch.Tensor) -> torch.Tensor:
@@ -106,14 +115,14 @@ def test_the_engines_slot_is_the_specs_row() -> None:
 def test_the_engines_cache_moves_both_ways() -> None:
     kv, config = allocate()
     write(kv, SLOTS)
-    (group,) = kvgen.from_vllm(kv, config, LAYOUT, engine_version="0.33.0")
+    (group,) = kvgen.from_vllm(kv, config, _layout(), engine_version="0.33.0")
     assert (group.detection.layout, group.connector.memory.name) == ("vllm_ultraquant_4bit", "kv_planes")
     obj = MemoryObj(torch.zeros(tuple(group.connector.get_shape(len(SLOTS), group.kvcaches)), dtype=torch.uint8))
     group.connector.from_gpu(obj, 0, len(SLOTS), kvcaches=group.kvcaches, slot_mapping=SLOTS)
     fresh, fresh_config = allocate()
     oracle, _ = allocate()
     write(oracle, AGAIN)
-    (target,) = kvgen.from_vllm(fresh, fresh_config, LAYOUT, engine_version="0.33.0")
+    (target,) = kvgen.from_vllm(fresh, fresh_config, _layout(), engine_version="0.33.0")
     target.connector.to_gpu(obj, 0, len(SLOTS), kvcaches=target.kvcaches, slot_mapping=AGAIN)
     for layer in range(L):
         assert torch.equal(fresh[f"attn.{layer}"], oracle[f"attn.{layer}"])  # every byte, moved and not moved
@@ -144,7 +153,7 @@ def decode(spec: Spec, kv: dict[str, torch.Tensor], layer: int, slot: int) -> li
 def dequantizes_as_vllm(spec: Spec, kv: dict[str, torch.Tensor]) -> bool:
     for layer, t in ((0, 0), (1, 6)):
         token = SLOTS[t:t + 1]
-        want = [ultraquant_dequant(encoded(layer, side, token), HS)[0] for side in (0, 1)]
+        want = [uq_reference.ultraquant_dequant(encoded(layer, side, token), HS)[0] for side in (0, 1)]
         if not all(torch.equal(g, w) for g, w in zip(decode(spec, kv, layer, int(SLOTS[t])), want, strict=True)):
             return False
     return True

@@ -8,17 +8,20 @@ so a scale stored for the wrong token, a field read at the wrong offset or a swa
 
 from __future__ import annotations
 
+import functools
 import random
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 from kvgen import generated
+from kvgen.oracle.agreement import grids
 from kvgen.oracle.fact_table import FREE_DTYPE, ByteAddress, PartsFact, PlaneFact
 from kvgen.oracle.facts import EngineGeometry
-from kvgen.oracle.facts_planes import PACKED_FACTS, PARTS_FACTS, source_geometry, values
+from kvgen.oracle.facts_planes import PACKED_FACTS, PARTS_FACTS, PackedFact, source_geometry, value_sizes
 from kvgen.oracle.reference.planes import Leaf, read_leaf
 from kvgen.oracle.scenarios import Scenario, connector_load, connector_store
 from kvgen.runtime import MemoryObj
@@ -66,32 +69,119 @@ def _paths(fact: PartsFact, g: EngineGeometry) -> list[tuple[int, ...]]:
     return list(itertools.product(*(range(_level(a, fact, g)) for _, a in fact.container)))
 
 
-def _code(plane: PlaneFact, *coords: int) -> str:
-    return f"{plane.name}/" + "/".join(map(str, coords))
+# The facts are integer arithmetic that also takes index tensors (kvgen.oracle.agreement): every
+# value of a plane is addressed in one call, on its coordinates flattened in values() order.
+
+def _coords(sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    """(layer, kv, pos, h, c) of every value of a plane, each flattened in values() order."""
+    return [grid.expand(sizes).reshape(-1) for grid in grids(sizes)]
 
 
-def code_bytes(label: str, size: int) -> bytes:
-    """`size` bytes from a checksum of `label` (a value's plane and coordinates)."""
-    word = zlib.crc32(label.encode()).to_bytes(4, "little")
-    return (word * (size // 4 + 1))[:size]
+def _value(sizes: tuple[int, ...], row: int) -> tuple[int, ...]:
+    """The coordinates of the value at `row` of values() order."""
+    out = []
+    for n in reversed(sizes):
+        row, i = divmod(row, n)
+        out.append(i)
+    return tuple(reversed(out))
+
+
+def _located(where: Any, coords: list[torch.Tensor]) -> Iterator[tuple[tuple[int, ...], torch.Tensor, Any, Any]]:
+    """`where(*coords)` grouped by container path: (path, rows of those values, index, byte)."""
+    count = coords[0].numel()
+    path, index, byte = where(*coords)
+
+    def flat(x: Any) -> torch.Tensor:
+        return torch.as_tensor(x).expand(count)
+
+    columns = [flat(p) for p in path]
+    if all(bool((c == c[0]).all()) for c in columns):  # one container (the common case): nothing to group
+        yield tuple(int(c[0]) for c in columns), torch.arange(count), tuple(flat(i) for i in index), flat(byte)
+        return
+    key = torch.zeros(count, dtype=torch.int64)
+    for column in columns:  # one number per path (a 1-D unique is far cheaper than unique rows)
+        key = key * (int(column.max()) + 1) + column
+    inverse = torch.unique(key, return_inverse=True)[1]
+    for j in range(int(inverse.max()) + 1):
+        rows = (inverse == j).nonzero().reshape(-1)
+        yield tuple(int(c[rows[0]]) for c in columns), rows, tuple(flat(i)[rows] for i in index), flat(byte)[rows]
+
+
+def _spans(starts: torch.Tensor, size: int) -> torch.Tensor:
+    """The bytes [start, start + size) of each value, one row per value."""
+    return starts[:, None] + torch.arange(size)
+
+
+MASK = 0xFFFFFFFF
+
+
+def _mix(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finalizer on int64 tensors of 32-bit words (every bit depends on every bit)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & MASK
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & MASK
+    return h ^ (h >> 16)
+
+
+def code_bytes(label: str, coords: list[torch.Tensor], size: int) -> torch.Tensor:
+    """`size` bytes per value: a 32-bit hash of `label` (where the value comes from and its plane)
+    and its coordinates, repeated; one row per value."""
+    word = torch.full_like(coords[0], zlib.crc32(label.encode()))
+    for x in coords:
+        word = _mix(word ^ x)
+    return ((word[:, None] >> (8 * (torch.arange(size) % 4))) & 0xFF).to(torch.uint8)
+
+
+def _claims(fact: PartsFact, located: Any, byte_of: Any) -> dict[tuple[int, ...], list]:
+    """Per container path, (bytes, plane index, rows) of every value of every plane of `fact`;
+    located(plane) gives _located's groups and byte_of(plane, path, rows, index, byte) each
+    value's first byte."""
+    claims: dict[tuple[int, ...], list] = {}
+    for k, plane in enumerate(fact.planes):
+        size = fact.value_bytes(plane)
+        for path, rows, index, byte in located(plane):
+            spans = _spans(byte_of(plane, path, rows, index, byte), size)
+            claims.setdefault(path, []).append((spans.reshape(-1), k, rows.repeat_interleave(size)))
+    return claims
+
+
+def _shared_byte(fact: PartsFact, sizes: Any, claims: list) -> tuple | None:
+    """The first byte two values claim, as (byte, (plane, value), (plane, value)), or None."""
+    at = torch.cat([b for b, _, _ in claims])
+    plane = torch.cat([torch.full_like(b, k) for b, k, _ in claims])
+    row = torch.cat([r for _, _, r in claims])
+    order = torch.argsort(at, stable=True)
+    same = (at[order][1:] == at[order][:-1]).nonzero().reshape(-1)
+    if not same.numel():
+        return None
+    i, j = order[same[0]].item(), order[same[0] + 1].item()
+    named = [(fact.planes[plane[x]].name, _value(sizes(fact.planes[plane[x]]), int(row[x]))) for x in (i, j)]
+    return at[i].item(), *named
 
 
 @pytest.mark.parametrize("name", sorted(PARTS_FACTS))
 def test_plane_facts_cover_every_byte_of_every_part_once(name: str) -> None:
     """The table itself: the values of a part's planes tile its tensors' bytes exactly."""
-    fact, g = PARTS_FACTS[name], source_geometry(PARTS_FACTS[name], G)  # with the extents the source fixes
-    owners: dict[tuple[tuple[int, ...], int], str] = {}
+    fact = PARTS_FACTS[name]
+    g = source_geometry(fact, G)  # with the extents the source fixes (a page of 128 slots, say)
     cache = _build(fact, g, lambda path, part: torch.zeros(fact.parts[part].shape(g), dtype=_dtype(fact, part)))
     leaves = _leaves(cache, _paths(fact, g))
-    for plane in fact.planes:
-        size = fact.value_bytes(plane)
-        for value in values(fact, plane, g):
-            path, index, byte = plane.address(g, *value)
-            at = leaves[path].offset(index, byte)
-            for k in range(size):
-                assert (path, at + k) not in owners, (plane.name, value, owners.get((path, at + k)))
-                owners[(path, at + k)] = plane.name
-    assert len(owners) == sum(len(leaf.data) for leaf in leaves.values())
+
+    def sizes(plane: PlaneFact) -> tuple[int, ...]:
+        return value_sizes(plane, g)
+
+    def located(plane: PlaneFact) -> Any:
+        return _located(functools.partial(plane.address, g), _coords(sizes(plane)))
+
+    def byte_of(plane: PlaneFact, path: tuple[int, ...], rows: torch.Tensor, index: Any, byte: Any) -> torch.Tensor:
+        return leaves[path].offset(index, byte)
+
+    claims = _claims(fact, located, byte_of)
+    for path, owned in claims.items():
+        assert _shared_byte(fact, sizes, owned) is None, path
+    assert sum(b.numel() for owned in claims.values() for b, _, _ in owned) == sum(
+        len(leaf.data) for leaf in leaves.values())
 
 
 # Each format-2 spec against its facts at three geometries: tests/test_facts.py::test_spec_matches_the_facts.
@@ -104,20 +194,20 @@ def test_every_format2_layout_has_connectors() -> None:
     assert {layout for layout, _ in PAIRS} == set(PARTS_FACTS)
 
 
-def _fill(fact: PartsFact, g: EngineGeometry, tree: Any, tag: str, where: Any, pos_range: int,
-          planes: list[PlaneFact]) -> None:
-    """Write each value's code at `where(plane, layer, kv, pos, h, c)`."""
-    paths: dict[tuple[int, ...], Leaf] = {}
-    for plane in planes:
+def _fill(fact: PartsFact, gv: EngineGeometry, tree: Any, tag: str, where: Any) -> None:
+    """Write each value's code (of `tag`, its plane and coordinates) at `where(plane, layer, kv,
+    pos, h, c)`, for the values of every plane on the geometry `gv`."""
+    leaves: dict[tuple[int, ...], Leaf] = {}
+    for plane in fact.planes:
         size = fact.value_bytes(plane)
-        for layer, kv, pos, h, c in values(fact, plane, _positions(g, pos_range)):
-            path, index, byte = where(plane, layer, kv, pos, h, c)
-            if path not in paths:
-                paths[path] = read_leaf(_leaf(tree, path))
-            leaf = paths[path]
-            at = leaf.offset(index, byte)
-            leaf.data[at:at + size] = code_bytes(f"{tag}/{_code(plane, layer, kv, pos, h, c)}", size)
-    for leaf in paths.values():
+        coords = _coords(value_sizes(plane, gv))
+        codes = code_bytes(f"{tag}/{plane.name}", coords, size)
+        for path, rows, index, byte in _located(functools.partial(where, plane), coords):
+            if path not in leaves:
+                leaves[path] = read_leaf(_leaf(tree, path))
+            leaf = leaves[path]
+            torch.frombuffer(leaf.data, dtype=torch.uint8)[_spans(leaf.offset(index, byte), size)] = codes[rows]
+    for leaf in leaves.values():
         leaf.write_back()
 
 
@@ -126,22 +216,28 @@ def _positions(g: EngineGeometry, count: int) -> EngineGeometry:
     return EngineGeometry(L=g.L, B=1, N=count, H=g.H, C=g.C, T=g.T)
 
 
-def _mismatches(fact: PartsFact, g: EngineGeometry, tree: Any, where: Any, want: Any, pos_range: int,
-                planes: list[PlaneFact]) -> list[tuple]:
+def _mismatches(fact: PartsFact, gv: EngineGeometry, tree: Any, where: Any, want: Any) -> list[tuple]:
+    """(plane, value) of every value of `gv` whose bytes at `where` are not `want(plane, coords, size)`."""
     leaves: dict[tuple[int, ...], Leaf] = {}
     bad = []
-    for plane in planes:
+    for plane in fact.planes:
         size = fact.value_bytes(plane)
-        for value in values(fact, plane, _positions(g, pos_range)):
-            path, index, byte = where(plane, *value)
+        sizes = value_sizes(plane, gv)
+        coords = _coords(sizes)
+        expected = want(plane, coords, size)
+        for path, rows, index, byte in _located(functools.partial(where, plane), coords):
             if path not in leaves:
                 leaves[path] = read_leaf(_leaf(tree, path))
             leaf = leaves[path]
-            at = leaf.offset(index, byte)
-            expected = want(plane, *value, size)
-            if bytes(leaf.data[at:at + size]) != expected:
-                bad.append((plane.name, value))
+            got = torch.frombuffer(leaf.data, dtype=torch.uint8)[_spans(leaf.offset(index, byte), size)]
+            wrong = rows[(got != expected[rows]).any(1)]
+            bad += [(plane.name, _value(sizes, r)) for r in sorted(wrong.tolist())]
     return bad
+
+
+def _where_moved(moved: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """The codes of values that moved, zero bytes for the others."""
+    return torch.where(moved[:, None], codes, 0)
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}-{p[1]}")
@@ -153,22 +249,22 @@ def test_format2_connector_moves_values_where_the_facts_say(pair: tuple[str, str
     layout, obj = pair
     fact, packed = PARTS_FACTS[layout], PACKED_FACTS[obj]
     g = source_geometry(fact, G)
-    planes = list(fact.planes)
     rng = random.Random(f"{layout}/{obj}")
     order = rng.sample(range(g.B), g.B)
     mapping = [order[i // g.N] * g.N + i % g.N for i in range(g.T)]
     mapping[3] = -1  # a skipped token inside a block: its values must not move
     sc = Scenario("facts", (0,), (g.T,), lambda r, e: mapping)
     slot_mapping = torch.tensor(mapping)
+    slots, tokens = _positions(g, g.B * g.N), _positions(g, g.T)
 
-    def cache_at(plane: PlaneFact, layer: int, kv: int, slot: int, h: int, c: int) -> ByteAddress:
+    def cache_at(plane: PlaneFact, layer: Any, kv: Any, slot: Any, h: Any, c: Any) -> ByteAddress:
         return plane.address(g, layer, kv, slot, h, c)
 
-    def object_at(plane: PlaneFact, layer: int, kv: int, t: int, h: int, c: int) -> ByteAddress:
+    def object_at(plane: PlaneFact, layer: Any, kv: Any, t: Any, h: Any, c: Any) -> ByteAddress:
         return packed.address(g, fact, plane, layer, kv, t, h, c)
 
     cache = _build(fact, g, lambda path, part: torch.zeros(fact.parts[part].shape(g), dtype=_dtype(fact, part)))
-    _fill(fact, g, cache, "cache", cache_at, g.B * g.N, planes)
+    _fill(fact, slots, cache, "cache", cache_at)
     connector = generated.get(layout, obj)(device="cpu")
     connector.bind(cache)
     dtype = torch.uint8 if obj.startswith("kv_planes") else _dtype(fact, 0)
@@ -185,37 +281,60 @@ def test_format2_connector_moves_values_where_the_facts_say(pair: tuple[str, str
     connector_store(connector, stored, sc, cache, slot_mapping)
     tree = [o.tensor for o in stored[0]] if packed.layerwise else stored[0].tensor
 
-    def stored_want(plane: PlaneFact, layer: int, kv: int, t: int, h: int, c: int, size: int) -> bytes:
-        slot = mapping[t] if plane.slots else 0
-        if plane.slots and slot < 0:
-            return bytes(size)
-        return code_bytes(f"cache/{_code(plane, layer, kv, slot, h, c)}", size)
+    def stored_want(plane: PlaneFact, coords: list[torch.Tensor], size: int) -> torch.Tensor:
+        layer, kv, t, h, c = coords
+        slot = slot_mapping[t] if plane.slots else torch.zeros_like(t)
+        return _where_moved(slot >= 0, code_bytes(f"cache/{plane.name}", [layer, kv, slot.clamp(min=0), h, c], size))
 
-    assert _mismatches(fact, g, tree if packed.layerwise else [tree], _wrap(object_at, packed.layerwise),
-                       stored_want, g.T, planes)[:5] == []
+    assert _mismatches(fact, tokens, tree if packed.layerwise else [tree], _wrap(object_at, packed.layerwise),
+                       stored_want)[:5] == []
 
     loaded = objects(connector.format)
     tree = [o.tensor for o in loaded[0]] if packed.layerwise else loaded[0].tensor
-    _fill(fact, g, tree if packed.layerwise else [tree], "object", _wrap(object_at, packed.layerwise), g.T, planes)
+    _fill(fact, tokens, tree if packed.layerwise else [tree], "object", _wrap(object_at, packed.layerwise))
     fresh = _build(fact, g, lambda path, part: torch.zeros(fact.parts[part].shape(g), dtype=_dtype(fact, part)))
     connector_load(connector, loaded, sc, fresh, slot_mapping)
-    token_of = {slot: t for t, slot in enumerate(mapping) if slot >= 0}
+    token_of = torch.full((g.B * g.N,), -1)
+    moved = slot_mapping >= 0
+    token_of[slot_mapping[moved]] = torch.arange(g.T)[moved]
 
-    def loaded_want(plane: PlaneFact, layer: int, kv: int, slot: int, h: int, c: int, size: int) -> bytes:
-        if not plane.slots:
-            return code_bytes(f"object/{_code(plane, layer, kv, 0, h, c)}", size)
-        t = token_of.get(slot)
-        return bytes(size) if t is None else code_bytes(f"object/{_code(plane, layer, kv, t, h, c)}", size)
+    def loaded_want(plane: PlaneFact, coords: list[torch.Tensor], size: int) -> torch.Tensor:
+        layer, kv, slot, h, c = coords
+        t = token_of[slot] if plane.slots else torch.zeros_like(slot)
+        return _where_moved(t >= 0, code_bytes(f"object/{plane.name}", [layer, kv, t.clamp(min=0), h, c], size))
 
-    assert _mismatches(fact, g, fresh, cache_at, loaded_want, g.B * g.N, planes)[:5] == []
+    assert _mismatches(fact, slots, fresh, cache_at, loaded_want)[:5] == []
 
 
 def _wrap(where: Any, layerwise: bool) -> Any:
     """Object addresses as paths into a list: the per-layer list itself, or [the one tensor]."""
-    def at(plane: PlaneFact, *value: int) -> ByteAddress:
+    def at(plane: PlaneFact, *value: Any) -> ByteAddress:
         path, index, byte = where(plane, *value)
         return (path if layerwise else (0,)), index, byte
     return at
+
+
+def _packed_claims(fact: PartsFact, packed: PackedFact, name: str) -> tuple[dict, Any]:
+    """_claims of every value of `fact`'s planes in `packed` (bytes counted in the object's
+    elements, flattened row-major), each element index checked against the object's shape."""
+    shape = packed.shape(G, fact)
+    item = 1 if packed.name.startswith("kv_planes") else fact.parts[0].item()
+
+    def sizes(plane: PlaneFact) -> tuple[int, ...]:
+        return value_sizes(plane, _positions(G, G.T))
+
+    def located(plane: PlaneFact) -> Any:
+        return _located(functools.partial(packed.address, G, fact, plane), _coords(sizes(plane)))
+
+    def byte_of(plane: PlaneFact, path: tuple[int, ...], rows: torch.Tensor, index: Any, byte: Any) -> torch.Tensor:
+        flat = torch.zeros_like(rows)
+        for i, n in zip(index, shape, strict=True):
+            outside = rows[(i < 0) | (i >= n)]
+            assert not outside.numel(), (name, packed.name, plane.name, _value(sizes(plane), int(outside[0])), shape)
+            flat = flat * n + i
+        return flat * item + byte
+
+    return _claims(fact, located, byte_of), sizes
 
 
 def test_packed_objects_hold_every_value_once() -> None:
@@ -225,19 +344,10 @@ def test_packed_objects_hold_every_value_once() -> None:
         for packed in PACKED_FACTS.values():
             if not packed.fits(fact):
                 continue
-            shape = packed.shape(G, fact)
-            item = 1 if packed.name.startswith("kv_planes") else fact.parts[0].item()
-            owner: dict[tuple[tuple[int, ...], int], str] = {}
-            for plane in fact.planes:
-                for value in values(fact, plane, _positions(G, G.T)):
-                    path, index, byte = packed.address(G, fact, plane, *value)
-                    flat = 0
-                    for i, n in zip(index, shape, strict=True):
-                        assert 0 <= i < n, (name, packed.name, plane.name, value, index, shape)
-                        flat = flat * n + i
-                    for k in range(fact.value_bytes(plane)):
-                        key = (path, flat * item + byte + k)
-                        assert key not in owner, (name, packed.name, plane.name, value, owner[key])
-                        owner[key] = plane.name
+            claims, sizes = _packed_claims(fact, packed, name)
+            for path, owned in claims.items():
+                assert _shared_byte(fact, sizes, owned) is None, (name, packed.name, path)
             if packed.name.startswith("kv_mla_rows"):  # no padding in a row: every byte is a value's
-                assert len(owner) == G.L * G.T * shape[-1] * item
+                shape = packed.shape(G, fact)
+                item = fact.parts[0].item()
+                assert sum(b.numel() for owned in claims.values() for b, _, _ in owned) == G.L * G.T * shape[-1] * item

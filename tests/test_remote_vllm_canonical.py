@@ -10,9 +10,10 @@ import ctypes
 
 import pytest
 import torch
+from harness import VLLM_GROUP, vllm_module
 
-pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping",
-                    reason="vllm 0.33.0 is not installed (scripts/dev installs it unless KVGEN_NO_ENGINES=1)")
+vllm_module("vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping")
+pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
 
 from kvgen import remote  # noqa: E402
 from kvgen.oracle import facts_vllm  # noqa: E402

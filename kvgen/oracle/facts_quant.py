@@ -68,7 +68,7 @@ def _nvfp4(start: int, size: int):  # noqa: ANN202 (a PlaneAddress)
     def where(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int):  # noqa: ANN202
         cells = g.H * g.N
         byte = kv * cells * NVFP4_CELL + start * cells + (h * g.N + slot % g.N) * size + c
-        row, col = divmod(byte, NVFP4_CELL)
+        row, col = byte // NVFP4_CELL, byte % NVFP4_CELL  # not divmod: index grids take // and %
         return (layer,), (slot // g.N, row // g.N, row % g.N, col), 0
     return where
 
@@ -88,7 +88,7 @@ def _nvfp4_nhd(start: int, size: int):  # noqa: ANN202 (a PlaneAddress)
     def where(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int):  # noqa: ANN202
         cells = g.H * g.N
         byte = kv * cells * NVFP4_CELL + start * cells + (slot % g.N * g.H + h) * size + c
-        row, col = divmod(byte, NVFP4_CELL)
+        row, col = byte // NVFP4_CELL, byte % NVFP4_CELL  # not divmod: index grids take // and %
         return (layer,), (slot // g.N, row // (2 * g.H), row % (2 * g.H), col), 0
     return where
 

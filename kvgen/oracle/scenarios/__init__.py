@@ -20,6 +20,7 @@ from kvgen.oracle.scenarios.layouts import (
     SCENARIOS,
     Scenario,
     at_odd_offsets,
+    check_backends,
     check_connector,
     check_pair,
     connector_load,
@@ -33,6 +34,6 @@ from kvgen.oracle.scenarios.layouts import (
     reference_store,
 )
 
-__all__ = ["EXT", "SCENARIOS", "Scenario", "allocate", "at_odd_offsets", "block_table_mapping", "check_connector",
-           "check_pair", "clone_tree", "connector_load", "connector_store", "fitted", "make_cache", "make_objects",
-           "move_pair", "obj_tensors", "reference_load", "reference_store", "same_bits", "tensors_of"]
+__all__ = ["EXT", "SCENARIOS", "Scenario", "allocate", "at_odd_offsets", "block_table_mapping", "check_backends",
+           "check_connector", "check_pair", "clone_tree", "connector_load", "connector_store", "fitted", "make_cache",
+           "make_objects", "move_pair", "obj_tensors", "reference_load", "reference_store", "same_bits", "tensors_of"]

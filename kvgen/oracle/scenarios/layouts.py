@@ -25,7 +25,7 @@ import torch
 
 from kvgen.oracle import reference
 from kvgen.oracle.reference import planes
-from kvgen.oracle.scenarios.common import allocate, block_table_mapping, clone_tree, same_bits
+from kvgen.oracle.scenarios.common import allocate, block_table_mapping, clone_tree, same_bits, tensors_of
 from kvgen.runtime import MemoryObj
 from kvgen.runtime.ops import bits
 from kvgen.spec.elements import split_of
@@ -335,6 +335,34 @@ def move_pair(connector: Any, paged: Spec, obj: Spec, scenario: Scenario,
     connector_store(connector, objs, scenario, cache, mapping)
     _label(objs, connector)
     connector_load(connector, objs, scenario, cache, mapping)
+
+
+def check_backends(connectors: Sequence[Any], paged: Spec, obj: Spec, scenario: Scenario,
+                   dtype: torch.dtype = torch.float32) -> list[tuple[bool, bool]]:
+    """check_pair of each of several connectors of one pair (one per backend) in one scenario,
+    the reference run once for all of them. Each stores from a fresh coded cache, compared with
+    the reference's objects; each then loads the reference's objects (what a right store gives),
+    written into its own objects (at their storage offsets), into that cache, compared with the
+    reference's load of them into an untouched copy."""
+    scenario = fitted(paged, scenario)
+    mapping_list, _, lengths, cache, _ = _pair_inputs(connectors[0], paged, obj, scenario, dtype)
+    want = make_objects(connectors[0], lengths, dtype, str(connectors[0].device), salt=7)
+    reference_store(paged, obj, cache, want, scenario, mapping_list)
+    _label(want, connectors[0])
+    expected = clone_tree(cache)
+    reference_load(paged, obj, expected, want, scenario, mapping_list)
+    results = []
+    for connector in connectors:
+        _, mapping, _, mine, objs = _pair_inputs(connector, paged, obj, scenario, dtype)
+        connector_store(connector, objs, scenario, mine, mapping)
+        store_ok = same_bits([obj_tensors(o) for o in objs], [obj_tensors(o) for o in want])
+        for got, right in zip(tensors_of([obj_tensors(o) for o in objs]), tensors_of([obj_tensors(o) for o in want]),
+                              strict=True):
+            got.copy_(right)
+        _label(objs, connector)
+        connector_load(connector, objs, scenario, mine, mapping)
+        results.append((store_ok, same_bits(mine, expected)))
+    return results
 
 
 def check_connector(package: Any, paged: Spec, obj: Spec, device: str, scenarios: Sequence[Scenario],
