@@ -219,13 +219,15 @@ def _minimax(scale: bool, main: bool):  # noqa: ANN202 (a PlaneAddress)
     """Byte c of the data (or scales) of (slot, head), K or V, in its page row, as SGLang places it."""
     def where(g: Geometry, layer: int, kv: int, slot: int, h: int, c: int):  # noqa: ANN202
         heads = g.H if main else 1
-        start = _minimax_offsets(heads, 4 if main else 2)[2 * kv + scale]
+        # [K, K scale, V, V scale] of _minimax_offsets, with kv possibly an index grid
+        scales_at, side = _minimax_offsets(heads, 4)[1:3]  # K's scales, then V (one side's bytes)
+        start = (kv * side if main else 0) + (scales_at if scale else 0)
         width = MINIMAX_SCALES if scale else MINIMAX_DATA
         byte = start + ((h if main else 0) * MINIMAX_PAGE + slot % MINIMAX_PAGE) * width + c
-        cell, col = divmod(byte, MINIMAX_CELL)
+        cell, col = byte // MINIMAX_CELL, byte % MINIMAX_CELL
         if not main:
             return (layer,), (slot // MINIMAX_PAGE, cell, col), 0
-        side, rest = divmod(cell, heads * MINIMAX_PAGE)
+        side, rest = cell // (heads * MINIMAX_PAGE), cell % (heads * MINIMAX_PAGE)
         return (layer,), (slot // MINIMAX_PAGE, side, rest // MINIMAX_PAGE, rest % MINIMAX_PAGE, col), 0
     return where
 
