@@ -179,6 +179,10 @@ def test_no_module_is_a_format_sibling_of_another() -> None:
     names = [p.relative_to(PACKAGE.parent) for p in [*SOURCES, *TEMPLATES.glob("*.j2")]]
     found = [str(n) for n in names if SIBLING_NAME.match(n.name.split(".")[0])]
     assert not found, f"modules named as a sibling of another kind's: {found}"
+    # The tests too, by what follows `test_` (tests/test_planes_connectors.py, not test_parts_connectors.py).
+    tests = [p.name for p in Path(__file__).parent.glob("test_*.py")]
+    found = [n for n in tests if SIBLING_NAME.match(n.removeprefix("test_").removesuffix(".py"))]
+    assert not found, f"test modules named as a sibling of another kind's: {found}"
 
 
 def test_the_sibling_rule_names_the_siblings_kinds_replaced() -> None:

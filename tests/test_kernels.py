@@ -35,16 +35,15 @@ from harness import (
 from kvgen import generated
 from kvgen.oracle.scenarios import Scenario, check_connector, clone_tree, same_bits
 from kvgen.plan.copy import CopyPlan, plan_library
-from kvgen.plan.kernel import make_kernel_plan
-from kvgen.plan.kernel import make_planes_kernel_plan as make_parts_kernel_plan
+from kvgen.plan.kernel import make_kernel_plan, make_planes_kernel_plan
 from kvgen.plan.package import plan_connectors, plan_package
-from kvgen.plan.planes import PlanesPlan as PartsPlan
+from kvgen.plan.planes import PlanesPlan
 from kvgen.runtime import KVLayoutError, available_devices, kernels, native
 from kvgen.tools import verify_connectors
 
 LIBRARY = builtin_library()
 PLANS = {p.module: p for p in plan_library(LIBRARY)}
-PARTS = {p.module: p for p in plan_connectors(LIBRARY) if isinstance(p, PartsPlan)}
+PARTS = {p.module: p for p in plan_connectors(LIBRARY) if isinstance(p, PlanesPlan)}
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if HAVE_TRITON and available_devices() == ["cpu"]:
     # Kernel modules are imported on first use, after collection: they see the interpreter.
@@ -127,7 +126,7 @@ def test_launch_facts_are_the_plans() -> None:
         "tile": 64, "slotless": False, "widen": True}
     sglang = dict(make_kernel_plan(PLANS["sglang_mha__kv_2td"]).spec_fields)
     assert (sglang["blocks"], sglang["tile"], sglang["table"]) == (False, 64, True)
-    scales = make_parts_kernel_plan(PARTS["vllm_fp8_tensor_scales__kv_planes"])
+    scales = make_planes_kernel_plan(PARTS["vllm_fp8_tensor_scales__kv_planes"])
     kv, k_scale = dict(scales.planes[0].spec_fields), dict(scales.planes[1].spec_fields)
     assert (kv["blocks"], kv["tile"], kv["aligned"]) == (True, 64, True)
     assert kv["cache_starts"] == ("B", "N") and "KV" not in kv["cache_starts"]

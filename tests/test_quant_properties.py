@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kvgen.oracle.address import packed_value, plane_address, scale_index, stored_slots
 from kvgen.oracle.reference.planes import part_shape
 from kvgen.plan.copy import compatible
-from kvgen.plan.planes import compatible_planes as compatible_parts
+from kvgen.plan.planes import compatible_planes
 from kvgen.spec.library import load_library, load_specs
 from kvgen.spec.model import Spec
 
@@ -146,5 +146,5 @@ def test_a_token_ratio_says_which_slots_hold_a_token_and_pairs_with_no_object(tm
     library = load_library()
     plain = dataclasses.replace(compressed, token_ratio=(1, 1))
     assert compatible(plain, library["kv_2ltd"])  # the same cache one token a slot pairs as before
-    assert not any(compatible(s, library[o]) or compatible_parts(s, library[o])
+    assert not any(compatible(s, library[o]) or compatible_planes(s, library[o])
                    for s in (compressed, pooled) for o in ("kv_2ltd", "kv_planes"))

@@ -26,7 +26,7 @@ from kvgen.spec.library import BUILTIN_SPECS, load_specs
 #: No two extents equal (KV is 2), so no swap of two axes keeps every address.
 G = EngineGeometry(L=3, B=5, N=4, H=6, C=7, T=9)
 
-# Format-2 specs (parts, fields, packs) have mutants of their own: tests/test_spec_mutations_parts.py.
+# Format-2 specs (parts, fields, packs) have mutants of their own: tests/test_spec_mutations_planes.py.
 FILES = {spec.name: Path(spec.source).resolve() for spec in builtin_library().specs if spec.is_simple}
 
 #: The edits that passed every test and `kvgen verify` before the facts existed.

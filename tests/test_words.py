@@ -58,7 +58,7 @@ def test_widest_respects_storage_offset(offset: int, width: int) -> None:
 def test_plane_words_view_a_single_row_with_an_odd_row_stride() -> None:
     """A one-token chunk of a row-packed object: its row stride (30 bytes) is no whole word,
     but a dim of one element addresses nothing, so the 4-byte view of its plane is allowed.
-    (Found by test_parts_properties: the view raised.)"""
+    (Found by test_planes_properties: the view raised.)"""
     from kvgen.runtime.planes import as_words
 
     big = torch.arange(60, dtype=torch.uint8)

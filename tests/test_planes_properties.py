@@ -21,8 +21,7 @@ from hypothesis import strategies as st
 from kvgen.emit.render import render_connector, render_package, seal
 from kvgen.errors import SpecError
 from kvgen.plan.package import connector_plan, plan_package
-from kvgen.plan.planes import compatible_planes as compatible_parts
-from kvgen.plan.planes import plan_planes as plan_parts
+from kvgen.plan.planes import compatible_planes, plan_planes
 from kvgen.runtime import KVLayoutError
 from kvgen.spec.library import BUILTIN_SPECS, load_library
 
@@ -129,10 +128,10 @@ def test_random_parts_layouts_match_the_reference(spec: dict[str, Any], obj_name
         # kv_t2d: the rows objects accept its label
         library = load_library([path, *OBJECTS.values(), BUILTIN_SPECS / "lmcache" / "kv_t2d.yaml"], builtin=False)
     paged, obj = library["prop_parts"], library[obj_name]
-    if not compatible_parts(paged, obj):  # planes with KV, H or no slot: rows cannot hold them
+    if not compatible_planes(paged, obj):  # planes with KV, H or no slot: rows cannot hold them
         assert obj_name.startswith("kv_mla_rows"), "every format-2 cache fits a regions object"
         obj = library[obj_name.replace("kv_mla_rows", "kv_planes")]
-    plan = plan_parts(paged, obj)
+    plan = plan_planes(paged, obj)
     text = seal(f"{plan.module}.py", render_connector(connector_plan(plan)))
     connector = _module(text, plan.module).Connector(device="cpu")
     mapping = torch.tensor(mapping_list)

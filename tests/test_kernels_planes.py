@@ -20,13 +20,13 @@ from test_kernels import interpreted
 
 from kvgen import generated
 from kvgen.oracle.scenarios import check_connector, clone_tree, same_bits
-from kvgen.plan.kernel import make_planes_kernel_plan as make_parts_kernel_plan
+from kvgen.plan.kernel import make_planes_kernel_plan
 from kvgen.plan.package import plan_connectors
-from kvgen.plan.planes import PlanesPlan as PartsPlan
+from kvgen.plan.planes import PlanesPlan
 from kvgen.runtime import KVLayoutError, available_devices, kernels
 
 #: Caches with split axes have no Triton kernel yet (their twin refuses: tests/test_split_connectors.py).
-PARTS = {p.module: p for p in plan_connectors(builtin_library()) if isinstance(p, PartsPlan) and not p.tiled}
+PARTS = {p.module: p for p in plan_connectors(builtin_library()) if isinstance(p, PlanesPlan) and not p.tiled}
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if HAVE_TRITON and available_devices() == ["cpu"]:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
@@ -59,7 +59,7 @@ def _kernel_device(device: str) -> None:
 def test_plane_kernels_cover_every_value_once(module: str) -> None:
     """Per plane: each value axis is in the row, enumerated by grid axis 1, or the fixed
     layer; slots are (B, N), a folded S, or none for a plane without slots."""
-    k = make_parts_kernel_plan(PARTS[module])
+    k = make_planes_kernel_plan(PARTS[module])
     assert [p.name for p in k.planes] == [pc.plane.name for pc in PARTS[module].planes]
     for plane, pc in zip(k.planes, PARTS[module].planes, strict=True):
         values = {"L", *(a for a in plane.leaf.axes if a not in ("B", "N", "S"))}
@@ -70,12 +70,12 @@ def test_plane_kernels_cover_every_value_once(module: str) -> None:
 
 
 def test_kernel_plans_of_known_layouts() -> None:
-    scales = make_parts_kernel_plan(PARTS["vllm_fp8_tensor_scales__kv_planes"])
+    scales = make_planes_kernel_plan(PARTS["vllm_fp8_tensor_scales__kv_planes"])
     assert [(p.name, p.slotless, p.row, p.outer) for p in scales.planes] == [
         ("kv", False, ("KV", "H", "C"), ("L",)), ("k_scale", True, ("C",), ("L",)), ("v_scale", True, ("C",), ("L",))]
     assert "(0, 0, 0), (BN, TILE, VA)" in "\n".join(scales.planes[1].body)  # every slot stride 0
     assert scales.leaves == "[kvcaches[layer][plane] for layer in range(g.L)]"
-    sglang = make_parts_kernel_plan(PARTS["sglang_mha_v_head__kv_planes_layer"])
+    sglang = make_planes_kernel_plan(PARTS["sglang_mha_v_head__kv_planes_layer"])
     assert sglang.leaves == "[kvcaches[plane][layer] for layer in range(g.L)]"
     assert [p.slot for p in sglang.planes] == [("S",), ("S",)] and all(p.outer == () for p in sglang.planes)
 
@@ -84,7 +84,7 @@ def test_kernel_plans_of_known_layouts() -> None:
 
 @needs_triton
 @pytest.mark.parametrize("module", list(SUBSET))
-def test_parts_kernel_matches_reference(module: str, device: str) -> None:
+def test_planes_kernel_matches_reference(module: str, device: str) -> None:
     _kernel_device(device)
     plan = PARTS[module]
     before = kernels.stats["launches"]

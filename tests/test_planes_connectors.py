@@ -37,11 +37,11 @@ from kvgen import generated
 from kvgen.emit.render import render_connector, seal
 from kvgen.oracle.scenarios import check_backends, check_pair
 from kvgen.plan.package import connector_plan, plan_connectors
-from kvgen.plan.planes import PlanesPlan as PartsPlan
+from kvgen.plan.planes import PlanesPlan
 from kvgen.runtime import KVLayoutError, MemoryObj
 
 LIBRARY = builtin_library()
-PLANS = {p.module: p for p in plan_connectors(LIBRARY) if isinstance(p, PartsPlan)}
+PLANS = {p.module: p for p in plan_connectors(LIBRARY) if isinstance(p, PlanesPlan)}
 
 
 def test_every_format2_pair_is_generated() -> None:
