@@ -60,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
           f"{req.tokens} tokens, L={req.layers} H={req.heads} C={req.head_size} {req.dtype}")
     for r in rows:
         print(f"  decode rank {r['rank']}: {r['strategy']} ({r['why']}); {r['count']} descriptors; "
-              f"plan {r['plan_ms']:.2f} ms; {r['bytes'] / r['seconds'] / 1e9:.2f} GB/s vs NIXL 4 MiB "
+              f"plan {r['plan_ms']:.2f} ms of CPU; {r['bytes'] / r['seconds'] / 1e9:.2f} GB/s vs NIXL 4 MiB "
               f"{r['bytes'] / r['plain'] / 1e9:.2f} GB/s")
     print(f"{total - wrong}/{total} elements right")
     print(f"throughput {nbytes / seconds / 1e9:.2f} GB/s, NIXL's 4 MiB-descriptor copy of the same bytes "
