@@ -6,6 +6,7 @@ place ready lines. Lines are unindented; nesting adds four spaces per level.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvgen.plan.copy import MODULE_PROGRAM, CopyPlan, Loop, Mode, View, placed
@@ -40,11 +41,44 @@ def _axes(axes: tuple[str, ...]) -> str:
     return f"[{' '.join(axes)}]"
 
 
+#: Generated lines stay within ruff's 120 columns; statements of a method body start at column 8.
+LINE = 120 - 8
+
+
+def _chain(expr: str) -> list[str]:
+    """`a(...).b(...).c(...)` as ["a(...)", ".b(...)", ".c(...)"]: its calls at the outermost level."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(expr):
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "." and depth == 0 and i and expr[i - 1] == ")":
+            parts.append(expr[start:i])
+            start = i
+    return [*parts, expr[start:]]
+
+
+def _assign(name: str, expr: str, comment: str) -> list[str]:
+    """`name = expr  # comment` on one line where it fits in LINE; else the comment on a line
+    above it, and a chain of calls too long for one line taken a call or more at a time."""
+    one = f"{name} = {expr}  # {comment}"
+    if len(one) <= LINE:
+        return [one]
+    lines, parts = [f"# {comment}"], _chain(expr)
+    if re.search(rf"\b{re.escape(name)}\b", "".join(parts[1:])):  # a later call reads the name: one line
+        return [*lines, f"{name} = {expr}"]
+    line = f"{name} = {parts[0]}"
+    for part in parts[1:]:
+        if len(line + part) > LINE:
+            lines.append(line)
+            line = f"{name} = {name}"
+        line += part
+    return [*lines, line]
+
+
 def _bind(name: str, view: View, program: str | None, side: str) -> list[str]:
     """`name = view`; with `program` (a CopyProgram in the module whose places were planned
     over this view's dims) the view then taken at its places, on a line of its own."""
     if program is None:
-        return [f"{name} = {view.expr}  # {_axes(view.axes)}"]
+        return _assign(name, view.expr, _axes(view.axes))
     return [f"{name} = {view.expr}", f"{name} = {placed(name, program, side)}  # {_axes(view.axes)}"]
 
 
@@ -85,9 +119,9 @@ def copy_methods(plan: CopyPlan) -> tuple[Method, ...]:
     suffix = "_layer" if layerwise else ""
     methods = []
     for direction in ("store", "load"):
-        body = [f"o = {plan.object_view.expr}  # {_axes(plan.object_view.axes)}"]
+        body = _assign("o", plan.object_view.expr, _axes(plan.object_view.axes))
         if plan.block is not None:
-            body.append(f"ob = {plan.block.base}  # whole blocks: {_axes(plan.block.base_axes)}")
+            body += _assign("ob", plan.block.base, f"whole blocks: {_axes(plan.block.base_axes)}")
         body += _loops(loops, _copy(plan, direction == "store"))
         methods.append(Method(f"_{direction}{suffix}", params, tuple(body)))
     return tuple(methods)
@@ -109,7 +143,7 @@ def _plane_copy(pc: PlaneCopy, store: bool, loops: tuple[Loop, ...], program: st
     if not pc.slotless:
         body = list(whole)
         if plan.block is not None:
-            body.append(f"ob = {plan.block.base}  # whole blocks: {_axes(plan.block.base_axes)}")
+            body += _assign("ob", plan.block.base, f"whole blocks: {_axes(plan.block.base_axes)}")
         return head + body + _loops(loops, _copy(plan, store, program))
     inner = _bind("x", plan.cache_view, program, "cache")
     if plan.part_name != "o":

@@ -191,7 +191,8 @@ class _PlanesReading:
                               else f"row{i} = leaves[{p}].element_size()")
             size, word = f"row{i}", f"reader.word({p}, 0, row{i}{'' if has_c else ', keep_last=True'})"
             if splits.is_tiled(plane.part):  # moved value by value (kvgen.plan.splits)
-                word = f"reader.word({p}, 0, leaves[{p}].element_size(), keep_last=True)"
+                self.lines.append(f"word{i} = reader.word({p}, 0, leaves[{p}].element_size(), keep_last=True)")
+                word = f"word{i}"
             word += f", values={self.known[c] if has_c else 1}"
         return f"runtime.PlaneGeometry({plane.name!r}, {size}, {word})"
 
