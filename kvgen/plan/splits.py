@@ -15,7 +15,7 @@ String and tuple work on specs; torch is never imported.
 
 from __future__ import annotations
 
-from kvgen.spec.elements import split_of
+from kvgen.spec.elements import split_of, tiled
 from kvgen.spec.model import Dim, Part
 
 #: Why a cache with split axes keeps the torch path: the compiled kernel and the Triton kernel
@@ -26,7 +26,7 @@ ELEMENT = "E"
 
 
 def is_tiled(part: Part) -> bool:
-    return any(split_of(a) is not None for a in part.tensor_axes)
+    return tiled(part.tensor_axes)
 
 
 def splits(part: Part, base: str) -> tuple[str, ...]:

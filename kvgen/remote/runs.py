@@ -188,13 +188,10 @@ def chunked_descriptors(cut: Layout, ranges: list[tuple[int, int]]) -> list[tupl
     inner = _inner(cut)
     if inner is None:
         return None
-    s_slots, d_slots, lengths = cut.tokens
-    tokens = (_token_offsets(cut.src, s_slots), _token_offsets(cut.dst, d_slots))
-    (sa, sb), grids = _outer_shifts(cut), []
-    for i, j in ranges:
-        ta, tb, tn = _with_tokens(cut, inner, (tokens[0][i:j], tokens[1][i:j]), lengths[i:j])
-        grids.append(((sa[:, None] + ta).reshape(-1), (sb[:, None] + tb).reshape(-1),
-                      np.broadcast_to(tn, (sa.size, tn.size)).reshape(-1)))
+    tokens, lengths = _tokens(cut)
+    shifts = _outer_shifts(cut)
+    grids = [_repeat(_with_tokens(cut, inner, (tokens[0][i:j], tokens[1][i:j]), lengths[i:j]), shifts)
+             for i, j in ranges]
     sizes = [g[0].size for g in grids]
     starts = np.cumsum([0, *sizes])
     a, b, nb = (np.concatenate([g[k] for g in grids]) for k in range(3))
@@ -237,9 +234,7 @@ class _Factored:
     shifts: tuple[np.ndarray, np.ndarray]  # each outer index's source and destination address
 
     def tiled(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        (ta, tb, tn), (sa, sb) = self.template, self.shifts
-        return (sa[:, None] + ta).reshape(-1), (sb[:, None] + tb).reshape(-1), \
-            np.broadcast_to(tn, (sa.size, tn.size)).reshape(-1)
+        return _repeat(self.template, self.shifts)
 
     def count(self) -> int:
         (ta, tb, tn), (sa, sb) = self.template, self.shifts
@@ -255,9 +250,14 @@ def _factored(cut: Layout) -> _Factored | None:
     inner = _inner(cut)
     if inner is None:
         return None
-    s_slots, d_slots, lengths = cut.tokens
-    tokens = (_token_offsets(cut.src, s_slots), _token_offsets(cut.dst, d_slots))
+    tokens, lengths = _tokens(cut)
     return _Factored(_with_tokens(cut, inner, tokens, lengths), _outer_shifts(cut))
+
+
+def _tokens(cut: Layout) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:
+    """The byte offsets of `cut`'s token runs on both sides, and the runs' lengths in tokens."""
+    s_slots, d_slots, lengths = cut.tokens
+    return (_token_offsets(cut.src, s_slots), _token_offsets(cut.dst, d_slots)), lengths
 
 
 def _inner(cut: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -291,12 +291,18 @@ def _outer_shifts(cut: Layout) -> tuple[np.ndarray, np.ndarray]:
     return _shifts(cut.src, outer, 0, cut.heads[0][0]), _shifts(cut.dst, outer, 1, cut.heads[1][0])
 
 
+def _repeat(template: tuple[np.ndarray, np.ndarray, np.ndarray], shifts: tuple[np.ndarray, np.ndarray]
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The template's runs repeated at each shift (outside it): source, destination, bytes."""
+    (ta, tb, tn), (sa, sb) = template, shifts
+    return (sa[:, None] + ta).reshape(-1), (sb[:, None] + tb).reshape(-1), \
+        np.broadcast_to(tn, (sa.size, tn.size)).reshape(-1)
+
+
 def _tile(template: tuple[np.ndarray, np.ndarray, np.ndarray], shifts: tuple[np.ndarray, np.ndarray]
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The template repeated at each shift (outside it), merged."""
-    (ta, tb, tn), (sa, sb) = template, shifts
-    return _runs((sa[:, None] + ta).reshape(-1), (sb[:, None] + tb).reshape(-1),
-                 np.broadcast_to(tn, (sa.size, tn.size)).reshape(-1))
+    return _runs(*_repeat(template, shifts))
 
 
 @lru_cache(maxsize=64)

@@ -94,11 +94,14 @@ def check(package: ModuleType, plan: Any, device: str, backend: str | None) -> t
 
 def _with_kernels(selected: Sequence[Any]) -> list[Any]:
     """The connectors that have a Triton kernel; each one whose twin refuses (split axes) named and left out."""
+    kept = []
     for plan in selected:
         why = plan_refusal(plan)
-        if why is not None:
+        if why is None:
+            kept.append(plan)
+        else:
             print(f"kvgen verify: {plan.module}: no Triton kernel ({why}), left out", file=sys.stderr)
-    return [plan for plan in selected if plan_refusal(plan) is None]
+    return kept
 
 
 def run(rows: Rows, selected: Sequence[Any], everything: Sequence[Any], devices: Sequence[str],
