@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,12 +33,11 @@ except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain 
                 "`scripts/dev engines` runs these tests in .venv-sglang (sglang 0.5.23, torch 2.14.1)",
                 allow_module_level=True)
 
-from harness import builtin_library, tiled_connector  # noqa: E402
+from harness import builtin_library  # noqa: E402
 
 import kvgen  # noqa: E402
 from kvgen.oracle.address import packed_value, plane_address  # noqa: E402
 from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
-from kvgen.spec.library import load_specs  # noqa: E402
 from kvgen.spec.model import Packing, Spec  # noqa: E402
 
 LIBRARY = builtin_library()
@@ -197,73 +195,6 @@ def test_a_scale_moved_with_another_token_changes_what_sglang_reads() -> None:
         rolled = fresh.k_scale_buffer[layer][AGAIN].roll(1, 0)
         fresh.k_scale_buffer[layer][AGAIN] = rolled
     assert not torch.equal(reads(fresh, 0, AGAIN)[0], reads(pool, 0, SLOTS)[0])
-
-
-# -- split axes: SGLang's vectorized_5d (AITER SHUFFLE) buffers ------------------------------------
-
-TILED = load_specs([Path(__file__).parent / "specs_tiled" / "sglang_mha_vectorized_5d.yaml"])[0][0]
-
-
-def test_the_split_axes_address_what_sglangs_shuffle_kernel_writes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SGLang's own writer (reshape_and_cache_shuffle_5d, a Triton kernel run by Triton's
-    interpreter) puts each value where the spec's split axes (C/8 with C%8 for K, N/8 with N%8 for
-    V) say, and nowhere else."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    shuffle = pytest.importorskip("sglang.kernels.ops.kvcache.shuffle_5d_cache")
-    blocks, heads, page, width = 4, 3, 16, 24
-    k = torch.zeros(blocks, heads, width // 8, page, 8, dtype=torch.bfloat16)
-    v = torch.zeros(blocks, heads, page // 8, width, 8, dtype=torch.bfloat16)
-    loc = torch.tensor([5, 17, 40, 63])
-    inputs = torch.arange(1, 1 + len(loc) * heads * width, dtype=torch.float32).reshape(len(loc), heads, width)
-    shuffle.launch_reshape_and_cache_shuffle_5d(inputs.bfloat16(), -inputs.bfloat16(), k, v, loc)
-    ext = {"L": 1, "B": blocks, "N": page, "H": heads, "C": width, "C.k": width, "C.v": width}
-    seen = [torch.zeros_like(k, dtype=torch.bool), torch.zeros_like(v, dtype=torch.bool)]
-    for plane, tensor, sign in zip(TILED.moved_planes(), (k, v), (1, -1), strict=True):
-        for t, slot in enumerate(loc.tolist()):
-            for h in range(heads):
-                for c in range(width):
-                    _, index, _ = plane_address(TILED, plane, {"l": 0, "slot": slot, "h": h, "c": c}, ext, 2)
-                    assert float(tensor[index]) == sign * float(inputs[t, h, c].bfloat16()), (plane.name, slot, h, c)
-                    seen[plane.index][index] = True
-    assert all(int(s.sum()) == len(loc) * heads * width for s in seen)  # one place per value
-    assert all(int(t.count_nonzero()) == len(loc) * heads * width for t in (k, v))  # and nothing else written
-
-
-def shuffled(loc: torch.Tensor, blocks: int, page: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(inputs [tokens, H, width], K, V): vectorized_5d buffers where SGLang's own writer
-    (reshape_and_cache_shuffle_5d) stored K = inputs and V = -inputs at slots `loc`; each input
-    codes its token, head and position."""
-    shuffle = pytest.importorskip("sglang.kernels.ops.kvcache.shuffle_5d_cache")
-    k = torch.zeros(blocks, H, width // 8, page, 8, dtype=torch.bfloat16)
-    v = torch.zeros(blocks, H, page // 8, width, 8, dtype=torch.bfloat16)
-    inputs = torch.arange(1, 1 + T * H * width, dtype=torch.float32).reshape(T, H, width)
-    shuffle.launch_reshape_and_cache_shuffle_5d(inputs.bfloat16(), -inputs.bfloat16(), k, v, loc)
-    return inputs.bfloat16(), k, v
-
-
-@pytest.mark.parametrize("edit", [None, ("(ck.off // 8), :, (ck.off % 8)", "(ck.off % 8), :, (ck.off // 8)")])
-def test_the_shuffle_buffers_move_both_ways_through_the_tiled_connector(
-        monkeypatch: pytest.MonkeyPatch, edit: tuple[str, str] | None) -> None:
-    """K and V that SGLang's shuffle writer put at SLOTS, stored through the vectorized_5d connector
-    into a kv_planes object (K's and V's regions [T, H, C] hold the inputs in token order) and loaded
-    at AGAIN into empty buffers: every byte is what the writer puts at AGAIN. Pages of 64 tokens
-    (8 tiles of 8), so with V's token tile and place swapped the copy stays in bounds, and V's bytes differ."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    blocks, page, width = 2, 64, 24
-    inputs, k, v = shuffled(SLOTS, blocks, page, width)
-    _, k_again, v_again = shuffled(AGAIN, blocks, page, width)
-    connector = tiled_connector("sglang_mha_vectorized_5d", "kv_planes", edit)(device="cpu")
-    obj = MemoryObj(torch.zeros(tuple(connector.get_shape(T, ([k], [v]))), dtype=torch.uint8))
-    connector.from_gpu(obj, 0, T, kvcaches=([k], [v]), slot_mapping=SLOTS)
-    region = T * H * width * 2  # bytes of K's region, a multiple of 16 here: V's starts right after
-    stored = [obj.tensor[0, i * region:(i + 1) * region].view(torch.bfloat16).view(T, H, width) for i in (0, 1)]
-    fresh = [torch.zeros_like(k), torch.zeros_like(v)]
-    connector.to_gpu(obj, 0, T, kvcaches=([fresh[0]], [fresh[1]]), slot_mapping=AGAIN)
-    if edit is None:
-        assert torch.equal(stored[0], inputs) and torch.equal(stored[1], -inputs)
-        assert torch.equal(fresh[0], k_again) and torch.equal(fresh[1], v_again)
-    else:
-        assert torch.equal(stored[0], inputs) and not torch.equal(stored[1], -inputs)
 
 
 def test_an_fp4_pool_of_another_head_size_is_refused_in_sglangs_words() -> None:

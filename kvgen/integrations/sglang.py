@@ -3,9 +3,8 @@
 The pool states its layout (its class and `kv_cache_layout`), so nothing is read from the
 shapes: the class and the word choose the spec, and detection and the generated geometry
 reader then check that the buffers agree with it. Pools this module does not know (another
-class, a quantized pool other than the FP4, flat MXFP8 and MiniMax M3 NVFP4 ones, a layout word without a spec) are
-refused in
-SGLang's own terms.
+class, a quantized pool other than the FP4, flat MXFP8 and MiniMax M3 NVFP4 ones, a layout word without a
+spec) are refused in SGLang's own terms.
 Written against SGLang 0.5.23 (sglang/srt/mem_cache/memory_pool.py); SGLang itself is never
 imported here: the pool is read through its attributes.
 """
@@ -19,7 +18,7 @@ from typing import Any
 from kvgen import generated
 from kvgen.errors import KVLayoutError
 from kvgen.integrations.detect import detect, detectable
-from kvgen.integrations.sglang_layouts import NO_SPEC
+from kvgen.integrations.sglang_layouts import FROM_POOL, NO_SPEC, TILED_SPECS
 
 __all__ = ["PoolConnector", "from_sglang"]
 
@@ -46,7 +45,8 @@ class PoolConnector:
 DEFAULT_OBJECT = {"sglang_mha": "kv_2ltd", "sglang_mha_hnd": "kv_2ltd", "sglang_mha_v_head": "kv_planes",
                   "sglang_mla": "kv_mla", "vllm_dsa_indexer": "kv_planes", "sglang_mha_fp4": "kv_planes",
                   "sglang_mla_fp4": "kv_planes", "sglang_mha_mxfp8": "kv_planes",
-                  "sglang_mha_mxfp8_interleaved": "kv_planes",
+                  "sglang_mha_mxfp8_interleaved": "kv_planes", "sglang_mha_vectorized_5d": "kv_planes",
+                  "sglang_mha_vectorized_5d_fp8": "kv_planes",
                   "sglang_minimax_m3_nvfp4": "kv_planes", "sglang_minimax_m3_nvfp4_index": "kv_planes"}
 
 
@@ -57,7 +57,8 @@ def _describe(pool: Any) -> str:
 
 def _refuse(pool: Any, why: str) -> KVLayoutError:
     return KVLayoutError(f"kvgen has no connector for SGLang's {_describe(pool)}: {why}; kvgen reads "
-                         "MHATokenToKVPool (kv_cache_layout 'nhd' or 'hnd'), MLATokenToKVPool, DSATokenToKVPool, "
+                         "MHATokenToKVPool (kv_cache_layout 'nhd', 'hnd' or 'vectorized_5d'), MLATokenToKVPool, "
+                         "DSATokenToKVPool, "
                          "MHATokenToKVPoolFP4 and MLATokenToKVPoolFP4 (head_dim 128, kv_cache_dim 576), "
                          "MHATokenToKVPoolMXFP8 (head_dim 128, a page_size other than 128), "
                          "MiniMaxM3Nvfp4KVPool and its MiniMaxM3Nvfp4MainKVPool and MiniMaxM3Nvfp4IndexKPool, and "
@@ -96,6 +97,8 @@ def _mha(pool: Any) -> tuple[str, Any, dict[str, Any]]:
     k, v = list(pool.k_buffer), list(pool.v_buffer)
     if not k or len(k) != len(v):
         raise _refuse(pool, f"it has {len(k)} K and {len(v)} V buffers")
+    if word in FROM_POOL:
+        return _vectorized_5d(pool, k, v), [k, v], {}
     same = tuple(k[0].shape) == tuple(v[0].shape)
     if word == "nhd" and k[0].dim() == 3:
         return ("sglang_mha" if same else "sglang_mha_v_head"), [k, v], {"kv_layout": "nhd"}
@@ -103,6 +106,28 @@ def _mha(pool: Any) -> tuple[str, Any, dict[str, Any]]:
         return "sglang_mha_hnd", [k, v], {"kv_layout": "hnd"}
     shapes = f"K {list(k[0].shape)}, V {list(v[0].shape)}"
     raise _refuse(pool, f"no kvgen spec holds its buffers ({shapes})")
+
+
+def _vectorized_5d(pool: Any, k: list[Any], v: list[Any]) -> str:
+    """kv_cache_layout 'vectorized_5d' (ROCm AITER's SHUFFLE tiles): K [blocks, H, C/x, page, x] and V
+    [blocks, H, page/x, C, x] per layer, x = 16 // the storage itemsize (memory_pool.py
+    _create_buffers_normal). The word and the storage dtype choose the spec; the buffers must be the
+    5-D tiles of that x and of the pool's page_size, else the pool is refused before anything binds."""
+    dtype = str(k[0].dtype).removeprefix("torch.")
+    layout = TILED_SPECS.get(dtype)
+    if layout is None:
+        raise _refuse(pool, f"its buffers are {dtype}; kvgen's specs for it are for bfloat16 and float16 "
+                            "(x 8) and fp8, which SGLang stores as uint8 (x 16)")
+    x, page = 16 // k[0].element_size(), int(pool.page_size)
+    for kb, vb in zip(k, v, strict=True):
+        shapes = f"K {list(kb.shape)}, V {list(vb.shape)}"
+        if kb.dim() != 5 or vb.dim() != 5 or not kb.dtype == vb.dtype == k[0].dtype:
+            raise _refuse(pool, f"its buffers are not 5-D tiles of one dtype ({shapes})")
+        blocks, heads = kb.shape[:2]
+        if tuple(kb.shape[3:]) != (page, x) or tuple(vb.shape[:3]) != (blocks, heads, page // x) or vb.shape[4] != x:
+            raise _refuse(pool, f"its buffers are not tiles of x {x} and page_size {page} ({shapes}): "
+                                "K [blocks, H, C/x, page, x] and V [blocks, H, page/x, C, x]")
+    return layout
 
 
 def _mla(pool: Any) -> tuple[str, Any, dict[str, Any]]:
@@ -212,8 +237,9 @@ READERS: dict[str, dict[str, Callable[[Any], tuple[str, Any, dict[str, Any]]]]] 
 def from_sglang(pool: Any, obj: str | None = None, *, part: str = "kv", **connector_args: Any) -> PoolConnector:
     """A connector bound to an SGLang pool's layout, and the kvcaches tree to pass it.
 
-    `pool`: an SGLang MHATokenToKVPool (kv_cache_layout 'nhd' or 'hnd'; a V head size other
-    than K's gives the (K, V) planes spec), MLATokenToKVPool, DSATokenToKVPool (`part='kv'` the
+    `pool`: an SGLang MHATokenToKVPool (kv_cache_layout 'nhd' or 'hnd', a V head size other
+    than K's giving the (K, V) planes spec; or 'vectorized_5d', ROCm AITER's SHUFFLE tiles, bf16,
+    fp16 or fp8), MLATokenToKVPool, DSATokenToKVPool (`part='kv'` the
     latent rows, `part='indexer'` the index keys), HybridLinearKVPool (its full-attention
     layers; `layer_ids` says which model layers they are), the FP4 and MXFP8 pools, or
     MiniMaxM3Nvfp4KVPool (`part='kv'` its main pool's page rows, `part='indexer'` its K-only index
@@ -238,7 +264,8 @@ def from_sglang(pool: Any, obj: str | None = None, *, part: str = "kv", **connec
     obj = obj or DEFAULT_OBJECT[layout]
     cls = generated.get(layout, obj)
     per_part = ("sglang_mha", "sglang_mha_hnd", "sglang_mha_v_head", "sglang_mha_fp4", "sglang_mla_fp4",
-                "sglang_mha_mxfp8", "sglang_mha_mxfp8_interleaved")
+                "sglang_mha_mxfp8", "sglang_mha_mxfp8_interleaved", "sglang_mha_vectorized_5d",
+                "sglang_mha_vectorized_5d_fp8")
     count = len(kvcaches[0]) if layout in per_part else len(kvcaches)
     ids = _layer_ids(pool, inner, part, count)
     connector = cls(**connector_args)

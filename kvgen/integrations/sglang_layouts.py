@@ -7,6 +7,11 @@ sglang/srt/mem_cache/memory_pool.py, and `KVBufferLayout` in device_pool_info.py
 (only the extents differ), so detection takes the pool's word, never the shape, and never a
 head or page count, to choose between them: without `kv_layout=` such a buffer is refused and
 the refusal names that hint. Words kvgen has no spec for are refused in SGLang's terms.
+
+"vectorized_5d" (ROCm AITER's SHUFFLE layout) keeps K and V in tiles of different shapes, a cache of
+two parts: detection, which reads one tree of tensors, refuses the word and names what binds it,
+kvgen.from_sglang(pool), which takes the spec from the word and the storage dtype (TILED_SPECS). A
+5-D buffer is never read as vectorized_5d without the word, nor as any other layout.
 """
 
 from __future__ import annotations
@@ -16,13 +21,20 @@ from typing import Any, Protocol
 
 from kvgen.errors import KVLayoutError
 
-__all__ = ["NO_SPEC", "WORDS", "is_sglang", "needs_word", "neighbours", "pool_order", "read_word", "word_of"]
+__all__ = ["FROM_POOL", "NO_SPEC", "TILED_SPECS", "WORDS", "is_sglang", "needs_word", "neighbours", "pool_order",
+           "read_word", "word_of"]
 
 #: kv_cache_layout values kvgen has specs for, and the in-block order each names.
 WORDS = {"nhd": "NHD", "paged_nhd": "NHD", "hnd": "HND"}
+#: kv_cache_layout values of SGLang 0.5.23 whose specs have parts: bound from the pool, not detected.
+FROM_POOL = {
+    "vectorized_5d": "ROCm AITER's K [blocks, H, C/x, page, x] and V [blocks, H, page/x, C, x] tiles",
+}
+#: vectorized_5d's spec by the pool's storage dtype (x = 16 // its itemsize; fp8 is stored as uint8).
+TILED_SPECS = {"bfloat16": "sglang_mha_vectorized_5d", "float16": "sglang_mha_vectorized_5d",
+               "uint8": "sglang_mha_vectorized_5d_fp8"}
 #: kv_cache_layout values of SGLang 0.5.23 with no kvgen spec, and what SGLang keeps under them.
 NO_SPEC = {
-    "vectorized_5d": "ROCm AITER's K [blocks, H, C/x, page, x] and V [blocks, H, page/x, C, x]",
     "page_major_layer_major": "PageMajorMHATokenToKVPool's page-major envelope (SGLang refuses to build it)",
 }
 #: Hints that count extents: they never choose between SGLang's 4-D readings.
@@ -51,6 +63,11 @@ def read_word(hints: dict[str, Any]) -> None:
     if word is None or not is_sglang(hints.get("engine")):
         return
     key = str(getattr(word, "value", word)).lower()
+    if key in FROM_POOL:
+        specs = ", ".join(sorted(set(TILED_SPECS.values())))
+        raise KVLayoutError(f"SGLang's kv_cache_layout {key!r} ({FROM_POOL[key]}) is a cache of two parts, "
+                            f"which detection does not read from tensors: kvgen.from_sglang(pool) binds it ({specs}), "
+                            "or take the connector by name, kvgen.generated.get(layout, 'kv_planes')")
     if key in NO_SPEC:
         raise KVLayoutError(f"SGLang's kv_cache_layout {key!r} ({NO_SPEC[key]}) has no kvgen spec; kvgen "
                             f"reads SGLang's pools with kv_cache_layout {', '.join(map(repr, WORDS))}")

@@ -25,7 +25,9 @@ Sources (projects as named on GitHub):
   hpu_model_runner.py before commit 472ed884 (kv_scales_shape = kv_cache_shape[:-1] + (1,),
   bfloat16; `kv_caches[layer_name] = (key_cache, value_cache, key_scales, value_scales)`).
 - SGLang (sgl-project/sglang): python/sglang/srt/mem_cache/memory_pool.py MHATokenToKVPool
-  (k_buffer [size + page_size, head_num, head_dim], v_buffer [..., head_num, v_head_dim]).
+  (k_buffer [size + page_size, head_num, head_dim], v_buffer [..., head_num, v_head_dim]; under
+  kv_cache_layout "vectorized_5d" the 5-D tiles of _create_buffers_normal), python/sglang/kernels/ops/
+  kvcache/shuffle_5d_cache.py (reshape_and_cache_shuffle_5d: where the tiles keep each value).
 - LMCache 0.5.6 (LMCache/LMCache): kv_format/specs/nl_x_np_x_nb_bs_one_hs.py ("NL x NP x [NB, BS,
   1, HS]": a tuple of NP planes [num_blocks, block_size, 1, width], 2 for MLA (latent, rope), 3
   for DSA (latent, rope, dsa); "The transferred object is one flat plane of the summed width";
@@ -179,6 +181,35 @@ _register(PartsFact(
                lambda g, layer, kv, slot, h, c: ((0, layer), (slot, h, c), 0)),
      PlaneFact("v", 1, None, lambda g: width(g, 1), False, True, True,
                lambda g, layer, kv, slot, h, c: ((1, layer), (slot, h, c), 0)))))
+
+
+# -- SGLang MHA, kv_cache_layout vectorized_5d (ROCm AITER's SHUFFLE layout) -------------------------
+# memory_pool.py MHATokenToKVPool._create_buffers_normal: per layer K (num_blocks, head_num,
+# head_dim // X, page_size, X) and V (num_blocks, head_num, page_size // X, v_head_dim, X), X = 16 //
+# store_dtype.itemsize (fp8 kv_cache_dtypes are stored as uint8: X = 16); (k_buffer, v_buffer) lists.
+# sglang/kernels/ops/kvcache/shuffle_5d_cache.py reshape_and_cache_shuffle_5d: value d of slot s (head
+# h) at K [s // page, h, d // X, s % page, d % X], V [s // page, h, (s % page) // X, d, s % page % X].
+def _shuffle_k(x: int) -> PlaneAddress:
+    return lambda g, layer, kv, slot, h, c: ((0, layer), (slot // g.N, h, c // x, slot % g.N, c % x), 0)
+
+
+def _shuffle_v(x: int) -> PlaneAddress:
+    return lambda g, layer, kv, slot, h, c: ((1, layer), (slot // g.N, h, slot % g.N // x, c, slot % g.N % x), 0)
+
+
+def _vectorized_5d(name: str, x: int, dtypes: tuple[str, ...]) -> PartsFact:
+    value = dtypes[0] if len(dtypes) == 1 else None  # a value is the part's element, whichever dtype it has
+    return PartsFact(
+        name, (("seq", "P"), ("list", "L")),
+        (PartFact("k", lambda g: (g.B, g.H, width(g, 0) // x, g.N, x), dtypes),
+         PartFact("v", lambda g: (g.B, g.H, g.N // x, width(g, 1), x), dtypes)),
+        (PlaneFact("k", 0, value, lambda g: width(g, 0), False, True, True, _shuffle_k(x)),
+         PlaneFact("v", 1, value, lambda g: width(g, 1), False, True, True, _shuffle_v(x))),
+        tiles={"N": x, "C": x})
+
+
+_register(_vectorized_5d("sglang_mha_vectorized_5d", 8, ("bfloat16", "float16")))
+_register(_vectorized_5d("sglang_mha_vectorized_5d_fp8", 16, ("uint8",)))
 
 
 # -- packed objects ------------------------------------------------------------------------------------
@@ -369,8 +400,12 @@ def parts_disagreement(spec: Spec, g: EngineGeometry) -> str | None:
 
 
 def source_geometry(fact: PartsFact, g: EngineGeometry) -> EngineGeometry:
-    """`g` with the extents the source fixes (one head slot, say): the source has no other."""
-    return dataclasses.replace(g, **{k: v for k, v in fact.fixed.items() if k in {"L", "B", "N", "H", "C", "T"}})
+    """`g` with the extents the source fixes (one head slot, say): the source has no other; and the
+    extents it takes in whole tiles counted in tiles (N = 4 with tiles of 8 is a page of 32 slots),
+    which keeps the geometry's extents apart from one another."""
+    axes = {"L", "B", "N", "H", "C", "T"}
+    g = dataclasses.replace(g, **{k: getattr(g, k) * f for k, f in fact.tiles.items() if k in axes})
+    return dataclasses.replace(g, **{k: v for k, v in fact.fixed.items() if k in axes})
 
 
 @functools.cache
