@@ -107,21 +107,22 @@ def test_the_layout_word_must_agree_with_the_buffers() -> None:
         detect(nhd_pool(), engine="sglang", kv_layout="hnd")  # 3-D buffers are no HND pool
 
 
-@pytest.mark.parametrize("word", ["vectorized_5d", "page_major_layer_major"])
-def test_a_pool_layout_kvgen_has_no_spec_for_is_refused_in_sglangs_words(word: str) -> None:
-    with pytest.raises(KVLayoutError, match=f"kv_cache_layout {word!r}"):
-        detect(hnd_pool(), engine="sglang", kv_layout=word)
+def test_a_pool_layout_kvgen_has_no_spec_for_is_refused_in_sglangs_words() -> None:
+    with pytest.raises(KVLayoutError, match="kv_cache_layout 'page_major_layer_major'.*has no kvgen spec"):
+        detect(hnd_pool(), engine="sglang", kv_layout="page_major_layer_major")
 
 
 class MHATokenToKVPool:
     """A stand-in with what kvgen.from_sglang reads of SGLang's pool of that name (the real
     class is exercised in tests/test_engine_sglang.py, where SGLang imports)."""
 
-    def __init__(self, layout: str, buffers: list[list[torch.Tensor]]):
+    def __init__(self, layout: str, buffers: list[list[torch.Tensor]], dtype: torch.dtype = torch.float32,
+                 page_size: int = PAGE):
         self.kv_cache_layout = layout
         self.k_buffer, self.v_buffer = buffers
         self.k_scale_buffer = None
         self.start_layer = 0
+        self.store_dtype, self.page_size = dtype, page_size
 
 
 @pytest.mark.parametrize(("word", "make", "layout"),
@@ -137,8 +138,109 @@ def test_from_sglang_takes_the_layout_from_the_pool(word: str, make: object, lay
 def test_from_sglang_refuses_a_pool_whose_word_disagrees_with_its_buffers() -> None:
     with pytest.raises(KVLayoutError, match="MHATokenToKVPool with kv_cache_layout 'nhd'"):
         kvgen.from_sglang(MHATokenToKVPool("nhd", hnd_pool()))
-    with pytest.raises(KVLayoutError, match="kv_cache_layout 'vectorized_5d'.*ROCm AITER"):
-        kvgen.from_sglang(MHATokenToKVPool("vectorized_5d", hnd_pool()))
+    with pytest.raises(KVLayoutError, match="'vectorized_5d': its buffers are not 5-D tiles"):
+        kvgen.from_sglang(MHATokenToKVPool("vectorized_5d", [[b.bfloat16() for b in side] for side in hnd_pool()]))
+    with pytest.raises(KVLayoutError, match="kv_cache_layout 'page_major_layer_major'"):
+        kvgen.from_sglang(MHATokenToKVPool("page_major_layer_major", hnd_pool()))
+
+
+# -- kv_cache_layout "vectorized_5d": ROCm AITER's SHUFFLE tiles, a cache of two parts ----------------
+
+#: (storage dtype, x = 16 // its itemsize, the spec): bf16 and fp16 tiles of 8; fp8, stored as uint8, of 16.
+TILED = [(torch.bfloat16, 8, "sglang_mha_vectorized_5d"), (torch.float16, 8, "sglang_mha_vectorized_5d"),
+         (torch.uint8, 16, "sglang_mha_vectorized_5d_fp8")]
+TILE_PAGE, TILE_HEAD = 32, 48  # page_size and head_dim: whole tiles of 8 and of 16, three tiles of 16 wide
+
+
+def tile_code(layer: int, kv: int, slot: int, h: int, c: int, dtype: torch.dtype) -> int:
+    """The stored bit pattern of (layer, K or V, slot, head, content): a positive normal bf16 / fp16
+    (bits 0x2000 + a code below 0x4000) or a nonzero byte (uint8); every c of a row, and a step of
+    any other coordinate, gives another pattern."""
+    mixed = 7 * c + 1031 * h + 97 * slot + 4099 * kv + 211 * layer
+    return mixed % 255 + 1 if dtype == torch.uint8 else 0x2000 + mixed % 0x4000
+
+
+def tiled_pool(dtype: torch.dtype, x: int, slots: list[int],
+               codes: list[int] | None = None) -> list[list[torch.Tensor]]:
+    """[K layers, V layers] as SGLang 0.5.23 allocates them under vectorized_5d (memory_pool.py
+    _create_buffers_normal: K [blocks, H, head_dim // x, page, x], V [blocks, H, page // x, head_dim, x]),
+    token i's values (those of slot codes[i], by default slots[i]) where SGLang's writer
+    (shuffle_5d_cache.py reshape_and_cache_shuffle_5d) puts slot slots[i]'s: zero elsewhere."""
+    bits = torch.int16 if dtype != torch.uint8 else torch.uint8
+    k = [torch.zeros(PAGES, H, TILE_HEAD // x, TILE_PAGE, x, dtype=bits) for _ in range(L)]
+    v = [torch.zeros(PAGES, H, TILE_PAGE // x, TILE_HEAD, x, dtype=bits) for _ in range(L)]
+    for layer in range(L):
+        for slot, coded in zip(slots, codes or slots, strict=True):
+            block, n = divmod(slot, TILE_PAGE)
+            for h in range(H):
+                for c in range(TILE_HEAD):
+                    k[layer][block, h, c // x, n, c % x] = tile_code(layer, 0, coded, h, c, dtype)
+                    v[layer][block, h, n // x, c, n % x] = tile_code(layer, 1, coded, h, c, dtype)
+    return [[b.view(dtype) for b in k], [b.view(dtype) for b in v]]
+
+
+def tile_rows(dtype: torch.dtype, slots: list[int]) -> list[torch.Tensor]:
+    """Per layer, K's then V's [T, H, C] rows of `slots` in token order, as a kv_planes object holds them."""
+    bits = torch.int16 if dtype != torch.uint8 else torch.uint8
+    return [torch.tensor([[[[tile_code(layer, kv, s, h, c, dtype) for c in range(TILE_HEAD)] for h in range(H)]
+                           for s in slots] for kv in range(2)], dtype=bits).view(dtype) for layer in range(L)]
+
+
+TILE_SLOTS = [1, 7, 8, 33, 47, 64, 90, 95]  # both sides of tile edges (8 and 16), three pages
+TILE_AGAIN = [40, 2, 71, 16, 9, 31, 56, 80]
+
+
+@pytest.mark.parametrize(("dtype", "x", "layout"), TILED, ids=lambda p: str(p).removeprefix("torch."))
+def test_from_sglang_binds_a_vectorized_5d_pool_by_its_word_and_dtype(dtype: torch.dtype, x: int, layout: str) -> None:
+    """The pool's word and storage dtype choose the spec; stored through the bound connector, each
+    layer's object holds K's and then V's rows of the tokens in order (the layout the reference
+    reads), and loaded at other slots into an empty pool, every byte is where SGLang's writer puts
+    those tokens."""
+    source = MHATokenToKVPool("vectorized_5d", tiled_pool(dtype, x, TILE_SLOTS), dtype, TILE_PAGE)
+    bound = kvgen.from_sglang(source)
+    assert (bound.layout, bound.obj, bound.layer_ids) == (layout, "kv_planes", tuple(range(L)))
+    assert bound.kvcaches[0][0] is source.k_buffer[0]  # the pool's own buffers, no copy
+    t = len(TILE_SLOTS)
+    obj = MemoryObj(torch.zeros(tuple(bound.connector.get_shape(t)), dtype=torch.uint8))
+    bound.connector.from_gpu(obj, 0, t, kvcaches=bound.kvcaches, slot_mapping=torch.tensor(TILE_SLOTS))
+    for layer, rows in enumerate(tile_rows(dtype, TILE_SLOTS)):
+        assert torch.equal(obj.tensor[layer].view(dtype).reshape(rows.shape), rows)
+    empty = MHATokenToKVPool("vectorized_5d", tiled_pool(dtype, x, []), dtype, TILE_PAGE)
+    back = kvgen.from_sglang(empty)
+    back.connector.to_gpu(obj, 0, t, kvcaches=back.kvcaches, slot_mapping=torch.tensor(TILE_AGAIN))
+    want = tiled_pool(dtype, x, TILE_AGAIN, TILE_SLOTS)
+    for got, ref in zip((*empty.k_buffer, *empty.v_buffer), (*want[0], *want[1]), strict=True):
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))  # every byte, moved and not
+
+
+def test_a_vectorized_5d_pool_is_never_detected_from_its_tensors() -> None:
+    """5-D tiles are no 4-D layout read otherwise, with or without another word; the word itself names
+    what binds it (detection reads one tree of tensors, this cache has two parts)."""
+    cache = tiled_pool(torch.bfloat16, 8, TILE_SLOTS)
+    # head_dim 64 and page_size 64 (the page SGLang picks for vectorized_5d): K and V of one shape
+    square = [[torch.zeros(PAGES, H, 8, 64, 8, dtype=torch.bfloat16) for _ in range(L)] for _ in "kv"]
+    for hints in ({}, {"engine": "sglang"}, {"engine": "sglang", "kv_layout": "hnd"},
+                  {"engine": "sglang", "kv_layout": "nhd"}):
+        with pytest.raises(NoLayout):
+            detect(square, **hints)
+        with pytest.raises(KVLayoutError, match="every tensor must have one shape"):
+            detect(cache, **hints)
+    with pytest.raises(KVLayoutError, match=r"'vectorized_5d'.*two parts.*kvgen.from_sglang\(pool\) binds it"):
+        detect(square, engine="sglang", kv_layout="vectorized_5d")
+
+
+def test_from_sglang_refuses_a_vectorized_5d_pool_it_has_no_spec_for() -> None:
+    """float32 (x 4: SGLang builds it, AITER's kernels read bf16, fp16 and fp8) and tiles of another x."""
+    k, v = tiled_pool(torch.uint8, 16, [])
+    four = [[torch.zeros(PAGES, H, TILE_HEAD // 4, TILE_PAGE, 4)] * L,
+            [torch.zeros(PAGES, H, TILE_PAGE // 4, TILE_HEAD, 4)] * L]
+    with pytest.raises(KVLayoutError, match="'vectorized_5d': its buffers are float32; kvgen's specs"):
+        kvgen.from_sglang(MHATokenToKVPool("vectorized_5d", four, page_size=TILE_PAGE))
+    sixteen = [[b.view(torch.bfloat16) for b in k], [b.view(torch.bfloat16) for b in v]]  # bf16 is x 8, not 16
+    with pytest.raises(KVLayoutError, match="not tiles of x 8 and page_size 32"):
+        kvgen.from_sglang(MHATokenToKVPool("vectorized_5d", sixteen, page_size=TILE_PAGE))
+    with pytest.raises(KVLayoutError, match="not tiles of x 16 and page_size 64"):
+        kvgen.from_sglang(MHATokenToKVPool("vectorized_5d", [k, v], page_size=64))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed: the checks run")

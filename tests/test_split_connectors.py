@@ -1,8 +1,8 @@
 """Connectors for caches with split (tiled) axes (spec format 3: `C/8` with `C%8`, `N/8` with `N%8`),
 against the byte-level reference, which places every value from the spec's own address arithmetic
-(kvgen.oracle.address); tests/specs_tiled holds the specs (SGLang's vectorized_5d, AITER's SHUFFLE
-layout, and MHATokenToKVPoolMXFP8's page-128 interleaved scales), whose addresses
-tests/test_engine_sglang_quant.py and tests/test_engine_sglang_mxfp8.py check against SGLang's kernels.
+(kvgen.oracle.address): the built-in specs of SGLang's vectorized_5d pools (AITER's SHUFFLE layout,
+tiles of 8 and of 16) and of MHATokenToKVPoolMXFP8's page-128 interleaved scales, whose addresses
+tests/test_engine_sglang_vectorized_5d.py and tests/test_engine_sglang_mxfp8.py check against SGLang's kernels.
 
 Every byte of a cache carries a code of its part, tensor and position, so a value moved from a
 transposed tile, or a token placed at another offset in its block, changes bytes the comparison sees:
@@ -31,7 +31,7 @@ from kvgen.runtime.movers.base import Unsupported
 from kvgen.runtime.movers.triton import TritonMover
 
 LIBRARY = tiled_library()
-NAMES = ("sglang_mha_vectorized_5d", "sglang_mha_mxfp8_interleaved")
+NAMES = ("sglang_mha_vectorized_5d", "sglang_mha_vectorized_5d_fp8", "sglang_mha_mxfp8_interleaved")
 PLANS = {p.module: p for p in plan_connectors(LIBRARY) if isinstance(p, PlanesPlan) and p.paged.name in NAMES}
 
 
