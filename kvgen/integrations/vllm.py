@@ -10,6 +10,14 @@ at a time), so each connector sees its own group's layers only, and its alias ch
 refuse layers of one group that share memory. Keep the manager views (`allocate_kv_cache`
 without kernel block sizes): views re-cut into smaller kernel blocks are refused, their block
 size differs from the group's.
+
+ROCm AITER's SHUFFLE cells (rocm_aiter_fa.py, `kv_cache_layout="SHUFFLE"` when
+VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT is set) are declared by passing `layout="SHUFFLE"`: vLLM publishes
+them as two head slots of num_kv_heads * head_size values (customize_spec), as it publishes ROCM_ATTN's
+cells, whose bytes differ, so the word decides, never the views. Each layer's (side, block) page is
+then K [H, C/x, N, x] and V [H, N/x, C, x], x = 16 // the element size (reshape_and_cache_shuffle_kernel):
+the bytes of SGLang's vectorized_5d pool, so from_vllm hands each side over as those 5-D tiles (free
+views) to the same specs (sglang_layouts.TILED_SPECS).
 """
 
 from __future__ import annotations
@@ -21,7 +29,10 @@ from typing import Any
 
 from kvgen.errors import KVLayoutError
 from kvgen.integrations.detect import Detection, _package, detect
+from kvgen.integrations.hints import engine_version as release_of
 from kvgen.integrations.quant import packs_k_and_v
+from kvgen.integrations.sglang_layouts import TILED_SPECS
+from kvgen.versions import version_in
 
 __all__ = ["Pairing", "VllmGroup", "from_vllm"]
 
@@ -90,8 +101,10 @@ def from_vllm(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: Any = 
 
     `kv_caches`: layer name -> view, as vLLM's `allocate_kv_cache` returns (the manager views);
     `kv_cache_config`: vLLM's `KVCacheConfig`; `layout`: the resolved `KVCacheLayout` (member or
-    name; default `kv_cache_config.kv_cache_layout`); `engine_version`: default the installed
-    vllm's; `pairing`: the memory object to pair with and the generated package (`Pairing`);
+    name; default `kv_cache_config.kv_cache_layout`), or "SHUFFLE" for ROCm AITER's shuffled cells
+    (rocm_aiter_ops.is_shuffle_kv_cache_enabled(); under LHBNC, each side a plane of whole blocks);
+    `engine_version`: default the installed vllm's; `pairing`: the memory object to pair with and
+    the generated package (`Pairing`);
     `connector_args` (device, use_gpu, staging_bytes, backend) go to each connector.
     """
     package = pairing.package
@@ -106,6 +119,10 @@ def from_vllm(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: Any = 
         if missing:
             raise KVLayoutError(f"from_vllm: group {index} names layers {missing} that kv_caches does not hold "
                                 f"(it holds {sorted(kv_caches)[:8]}...)")
+        if name.upper() == "SHUFFLE":
+            out.append(_shuffle_group(index, names, [kv_caches[n] for n in names], group.kv_cache_spec,
+                                      (engine_version, pairing, connector_args)))
+            continue
         hints = _spec_hints(group.kv_cache_spec, index)
         views = [kv_caches[n] for n in names]
         found = detect(views, package=package, engine="vllm", engine_version=engine_version, kv_layout=name,
@@ -115,3 +132,53 @@ def from_vllm(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: Any = 
         connector = _package(package).get(found.layout, obj)(**connector_args)
         out.append(VllmGroup(index, names, found.view(views), found, connector))
     return out
+
+
+def _shuffle_spec(spec: Any, index: int) -> tuple[int, int, int, str]:
+    """(heads, head size, x, the spec) of a group whose KVCacheSpec AITER's customize_spec made: two
+    head slots of num_kv_heads * head_size values each, K and V of one head size."""
+    dtype = str(getattr(spec, "dtype", None)).removeprefix("torch.")
+    heads, size = int(spec.num_kv_heads), int(spec.head_size)
+    item = {"bfloat16": 2, "float16": 2, "uint8": 1}.get(dtype)
+    quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
+    if (getattr(spec, "num_head_slots", None), getattr(spec, "state_content_bytes", None)) != (
+            2, heads * size * (item or 0)) or spec.head_size_v != size or quant not in ("NONE", "FP8_PER_TENSOR"):
+        raise KVLayoutError(f"from_vllm: group {index} ({type(spec).__name__}, {dtype}, kv_quant_mode={quant}) is not "
+                            "ROCm AITER's SHUFFLE cache: customize_spec makes it two head slots of num_kv_heads * "
+                            "head_size bfloat16, float16 or fp8 (uint8) values, K and V of one head size")
+    return heads, size, 16 // item, TILED_SPECS[dtype]
+
+
+def _shuffle_sides(view: Any, heads: int, size: int, x: int) -> tuple[Any, Any]:
+    """A layer's logical [B, 2, N, H * hs] view as its K [B, H, hs/x, N, x] and V [B, H, N/x, hs, x] tiles
+    (views): each (side, block) page must be dense, as the shuffle kernels address it."""
+    if view.dim() != 4 or view.shape[1] != 2 or view.shape[3] != heads * size or view.shape[2] % x or size % x or \
+            view.stride(3) != 1 or view.stride(2) != heads * size:
+        raise KVLayoutError(f"from_vllm: a SHUFFLE layer view {list(view.shape)} strides {list(view.stride())} is "
+                            f"not [blocks, 2, block_size, {heads} * {size}] with dense pages of whole {x}-tiles")
+    blocks, slots = view.shape[0], view.shape[2]
+    if view.stride(0) != slots * heads * size or abs(view.stride(1)) < blocks * view.stride(0):
+        raise KVLayoutError(f"from_vllm: a SHUFFLE layer view strides {list(view.stride())} alternate K and V pages "
+                            "block by block (LBHNC); kvgen binds SHUFFLE caches whose sides are planes of whole "
+                            "blocks (LHBNC, as AITER's paged attention reads them)")
+    k, v = (view[:, i].as_strided((blocks, slots * heads * size), (view.stride(0), 1)) for i in (0, 1))
+    return (k.view(blocks, heads, size // x, slots, x), v.view(blocks, heads, slots // x, size, x))
+
+
+def _shuffle_group(index: int, names: tuple[str, ...], views: list[Any], spec: Any, rest: tuple[Any, Any, Any]
+                   ) -> VllmGroup:
+    """One group of ROCm AITER SHUFFLE layers bound to the vectorized_5d spec of its dtype."""
+    version, pairing, connector_args = rest
+    heads, size, x, layout = _shuffle_spec(spec, index)
+    package = _package(pairing.package)
+    span = dict(package.LAYOUTS[layout].get("versions", ())).get("vllm")
+    release = release_of({"engine": "vllm", "engine_version": version})
+    if span is None or (release is not None and not version_in(release, span)):
+        raise KVLayoutError(f"from_vllm: {layout} describes vLLM {span or 'no'} SHUFFLE caches, not {release}")
+    sides = [_shuffle_sides(v, heads, size, x) for v in views]
+    kvcaches = [[k for k, _ in sides], [v for _, v in sides]]  # (K layers, V layers), as SGLang's pool
+    extents = {"L": len(views), "B": int(views[0].shape[0]), "N": int(views[0].shape[2]), "H": heads, "C": size}
+    found = Detection(layout, None, extents, tuple(range(5)), ("kv_layout",))
+    connector = package.get(layout, pairing.kv_object or "kv_planes")(**connector_args)
+    connector.bind(kvcaches)
+    return VllmGroup(index, names, kvcaches, found, connector)
