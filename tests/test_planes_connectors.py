@@ -35,7 +35,7 @@ from harness import (
 
 from kvgen import generated
 from kvgen.emit.render import render_connector, seal
-from kvgen.oracle.scenarios import check_backends, check_pair
+from kvgen.oracle.scenarios import check_backends, check_pair, fitted
 from kvgen.plan.package import connector_plan, plan_connectors
 from kvgen.plan.planes import PlanesPlan
 from kvgen.runtime import KVLayoutError, MemoryObj
@@ -78,18 +78,20 @@ def test_parts_of_other_dtypes(module: str, dtype: torch.dtype) -> None:
 
 
 def _setup(module: str, scenario: Scenario, device: str) -> tuple[Any, ...]:
+    """(plan, connector, cache): the cache at the scenario's extents fitted to the spec's split
+    factors (vectorized_5d's tiles of 8 and 16 need whole tiles of slots and of C)."""
     plan = PLANS[module]
     connector = generated.get(plan.paged.name, plan.obj.name)(device=device)
-    cache = make_cache(plan.paged, torch.float32, device)
+    cache = make_cache(plan.paged, torch.float32, device, ext=fitted(plan.paged, scenario).ext)
     connector.bind(cache)
     return plan, connector, cache
 
 
 @pytest.mark.parametrize("module", sorted(PLANS))
 def test_round_trip_into_zeroed_cache(module: str) -> None:
-    sc = SCENARIOS["partial_blocks"]
+    sc = fitted(PLANS[module].paged, SCENARIOS["partial_blocks"])
     plan, connector, cache = _setup(module, sc, "cpu")
-    mapping_list = sc.mapping(random.Random(module), EXT)
+    mapping_list = sc.mapping(random.Random(module), dict(sc.ext))
     mapping = torch.tensor(mapping_list)
     objs = make_objects(connector, [sc.ends[0] - sc.starts[0]], torch.float32, "cpu", salt=3)
     connector_store(connector, objs, sc, cache, mapping)
@@ -108,10 +110,11 @@ def test_round_trip_into_zeroed_cache(module: str) -> None:
 @pytest.mark.parametrize("module", sorted(PLANS))
 def test_skip_prefix_and_offset(module: str) -> None:
     plan, connector, cache = _setup(module, SCENARIOS["whole_blocks"], "cpu")
-    full = block_table_mapping(24, random.Random(module), EXT)
+    ext = dict(fitted(plan.paged, SCENARIOS["whole_blocks"]).ext)
+    full = block_table_mapping(24, random.Random(module), ext)
     full[9] = -1
     offset = 8
-    sc = Scenario("offset", (8, 16), (16, 24), lambda r, e: full[offset:], offset=offset)
+    sc = Scenario("offset", (8, 16), (16, 24), lambda r, e: full[offset:], offset=offset, ext=ext)
     partial = torch.tensor(full[offset:])
     objs = make_objects(connector, [8, 8], torch.float32, "cpu", salt=9, fmt=connector.format)
     expected = clone_tree(cache)
@@ -130,7 +133,7 @@ def test_skip_prefix_and_offset(module: str) -> None:
 def test_layerwise_yield_counts_with_nothing_to_move(module: str) -> None:
     plan, connector, cache = _setup(module, SCENARIOS["minus1_all"], "cpu")
     before = clone_tree(cache)
-    sc = Scenario("empty", (0, 4), (4, 4), lambda r, e: [-1] * 4)
+    sc = Scenario("empty", (0, 4), (4, 4), lambda r, e: [-1] * 4, ext=fitted(plan.paged, SCENARIOS["minus1_all"]).ext)
     objs = make_objects(connector, [4, 0], torch.float32, "cpu", salt=2, fmt=connector.format)
     assert connector_store(connector, objs, sc, cache, torch.full((4,), -1)) == EXT["L"] + 1
     assert connector_load(connector, objs, sc, cache, torch.full((4,), -1)) == EXT["L"] + 2

@@ -10,7 +10,7 @@ from kvgen import generated
 from kvgen.oracle import reference
 from kvgen.oracle.address import element_address
 from kvgen.oracle.reference import planes, transfers
-from kvgen.oracle.scenarios import at_odd_offsets, clone_tree, make_objects
+from kvgen.oracle.scenarios import SCENARIOS, at_odd_offsets, clone_tree, fitted, make_objects
 from kvgen.oracle.scenarios.transfers import DST_EXT, SRC_EXT
 from kvgen.oracle.scenarios.transfers import make_cache as transfer_cache
 from kvgen.plan.copy import plan_library
@@ -219,19 +219,39 @@ def _rows_one_by_one(paged, obj, ext, cache, objects, slots, *, to_cache: bool) 
         count, size = plane_count(paged, plane, ext), sizes[plane.name]
         part_item = reference.leaf(cache, next(p for p in leaves if plane_address(
             paged, plane, {"l": 0, "kv": 0, "h": 0, "slot": 0, "c": 0}, ext, 1)[0] == p)).element_size()
+        # a row is one run of bytes unless split axes tile C or put another axis inside it (vectorized_5d):
+        # then each value is its own run
+        runs = [(0, count)] if _row_is_one_run(paged, plane, ext, part_item, leaves, count, size) else [
+            (c, 1) for c in range(count)]
         for t, slot in moved if plane.has_slots else moved[:1] and [(0, 0)]:
             for v in planes.value_rows(plane, ext):
-                cpath, cidx, cbyte = plane_address(paged, plane, {**v, "slot": slot, "c": 0}, ext, part_item)
-                opath, oidx, obyte = there_of(plane, {**v, "t": t, "c": 0})
-                a = leaves[cpath].offset(cidx, cbyte)
-                b = owned[opath].offset(oidx, obyte)
-                n = count * size
-                if to_cache:
-                    leaves[cpath].data[a:a + n] = owned[opath].data[b:b + n]
-                else:
-                    owned[opath].data[b:b + n] = leaves[cpath].data[a:a + n]
+                for c, values in runs:
+                    cpath, cidx, cbyte = plane_address(paged, plane, {**v, "slot": slot, "c": c}, ext, part_item)
+                    opath, oidx, obyte = there_of(plane, {**v, "t": t, "c": c})
+                    a = leaves[cpath].offset(cidx, cbyte)
+                    b = owned[opath].offset(oidx, obyte)
+                    n = values * size
+                    if to_cache:
+                        leaves[cpath].data[a:a + n] = owned[opath].data[b:b + n]
+                    else:
+                        owned[opath].data[b:b + n] = leaves[cpath].data[a:a + n]
     for written in (leaves if to_cache else owned).values():
         written.write_back()
+
+
+def _row_is_one_run(paged, plane, ext, item, leaves, count, size) -> bool:  # noqa: ANN001
+    """Whether the first row's values lie one after another in the cache's bytes."""
+    from kvgen.oracle.address import plane_address
+
+    row = {**next(iter(planes.value_rows(plane, ext))), "slot": 0}
+    first = None
+    for c in range(count):
+        path, index, byte = plane_address(paged, plane, {**row, "c": c}, ext, item)
+        at = leaves[path].offset(index, byte)
+        first = at if first is None else first
+        if at != first + c * size:
+            return False
+    return True
 
 
 def _parts_pairs() -> list[tuple[str, str]]:
@@ -243,10 +263,11 @@ def test_planes_reference_moves_each_row_where_the_addresses_say(pair: tuple[str
     """Store and load of every format-2 built-in pair equal the row-by-row loop, with a
     skipped token and, on load, a slot written twice (the later token wins)."""
     paged, obj = LIB[pair[0]], LIB[pair[1]]
-    ext = planes.parts_extents(paged, EXT)
+    fit = fitted(paged, SCENARIOS["random_slots"]).ext  # whole tiles of slots and C for split axes
+    ext = planes.parts_extents(paged, fit)
     connector = generated.get(paged.name, obj.name)(device="cpu")
     for slots, to_cache in (([13, -1, 2, 40, 7], False), ([13, -1, 2, 13, 7], True)):
-        cache = make_cache(paged, torch.float32, "cpu")
+        cache = make_cache(paged, torch.float32, "cpu", ext=fit)
         connector.bind(cache)
         shape, dtype = connector.get_shape(len(slots)), connector.get_dtype()
         made = []
@@ -256,7 +277,7 @@ def test_planes_reference_moves_each_row_where_the_addresses_say(pair: tuple[str
             for j, t in enumerate(tensors_of(tree)):
                 planes.fill_bytes(t, f"object/{j}")
             made.append(tree)
-        other = make_cache(paged, torch.float32, "cpu")
+        other = make_cache(paged, torch.float32, "cpu", ext=fit)
         move = planes.load if to_cache else planes.store
         move(paged, obj, ext, cache, made[0], reference.Span(slots, 0, len(slots)))
         _rows_one_by_one(paged, obj, ext, other, made[1], slots, to_cache=to_cache)
