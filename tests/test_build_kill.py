@@ -31,8 +31,10 @@ from kvgen.emit.build import build, check, recover, render, write_atomically
 from kvgen.errors import BuildError
 from kvgen.spec.library import BUILTIN_SPECS, REPO_ROOT
 
-# Kills at timed points and lock waits: run alone (conftest.py).
-pytestmark = pytest.mark.serial
+# The kills that assert where they land are placed, not timed, and the lock tests wait on the
+# lock, not on a clock, so this file runs beside others; on one worker, which renders the
+# library once for all its tests (conftest.py).
+pytestmark = pytest.mark.xdist_group("build_kill")
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
