@@ -113,3 +113,28 @@ def test_the_shared_sglang_venv_is_refused_where_another_user_could_write_it(tmp
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert "that no one else can write" in done.stderr, done.stderr
     assert not ran.exists()
+
+
+def test_a_whole_test_run_runs_the_sglang_tests_beside_the_parallel_pass_and_fails_with_them(tmp_path: Path) -> None:
+    """With SGLang's venv in place, its engine tests run in the background beside the parallel
+    pass and are joined before the serial pass; when they fail, the run fails with their output."""
+    log = tmp_path / "calls"
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    vpy = venv / "bin" / "python"  # the set-up check passes; the tests fail
+    vpy.write_text(f'#!/bin/sh\ncase "$*" in *"-m pytest"*) echo "sglang $*" >> {log}; echo "2 failed in SGLang";'
+                   ' exit 1;; esac\nexit 0\n')
+    vpy.chmod(0o755)
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexit 0\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "KVGEN_NO_ENGINES"}
+    done = subprocess.run([str(ROOT / "scripts" / "dev"), "test"], capture_output=True, text=True, timeout=60,
+                          env={**env, "PYTHON": str(fake), "KVGEN_TEST_WORKERS": "2",
+                               "KVGEN_SGLANG_VENV": str(venv), "KVGEN_SGLANG_BASE": str(venv)})
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "2 failed in SGLang" in done.stdout and "SGLang engine tests failed" in done.stderr, done
+    calls = [c for c in log.read_text().splitlines() if "-m pytest" in c]
+    sglang = next(i for i, c in enumerate(calls) if c.startswith("sglang "))
+    serial = calls.index("-m pytest -q -m serial")
+    assert "tests/test_engine_sglang" in calls[sglang] and sglang < serial, calls
