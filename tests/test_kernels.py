@@ -39,7 +39,7 @@ from kvgen.plan.kernel import make_kernel_plan, make_planes_kernel_plan
 from kvgen.plan.package import plan_connectors, plan_package
 from kvgen.plan.planes import PlanesPlan
 from kvgen.runtime import KVLayoutError, available_devices, kernels, native
-from kvgen.tools import verify_connectors
+from kvgen.tools.verify import connectors as verify_connectors
 
 LIBRARY = builtin_library()
 PLANS = {p.module: p for p in plan_library(LIBRARY)}
@@ -312,7 +312,7 @@ def test_kernels_compile_for_h200_with_16_byte_rows() -> None:
 
 def test_verify_backend_triton_refuses_what_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvgen.errors import KVGenError
-    from kvgen.tools import verify
+    from kvgen.tools.verify import run as verify
 
     if HAVE_TRITON:
         with pytest.raises(KVGenError, match="verify --device cpu and the GPU devices separately"):

@@ -38,7 +38,7 @@ from kvgen.tools.paths import (
     temporary_build,
 )
 from kvgen.tools.specset import load_lenient, twin_warnings, validate
-from kvgen.tools.verify import main as verify_main
+from kvgen.tools.verify.run import main as verify_main
 from kvgen.tp import explain
 
 #: Exit statuses: bad input, Ctrl-C (128 + SIGINT), a closed output pipe (128 + SIGPIPE, as a
