@@ -38,7 +38,7 @@ from harness import builtin_library, tiled_connector  # noqa: E402
 
 import kvgen  # noqa: E402
 from kvgen.oracle.address import packed_value, plane_address  # noqa: E402
-from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
+from kvgen.runtime import KVLayoutError, MemoryObj, native  # noqa: E402
 from kvgen.spec.library import load_specs  # noqa: E402
 from kvgen.spec.model import Packing, Spec  # noqa: E402
 
@@ -241,18 +241,26 @@ def shuffled(loc: torch.Tensor, blocks: int, page: int, width: int) -> tuple[tor
     return inputs.bfloat16(), k, v
 
 
-@pytest.mark.parametrize("edit", [None, ("(ck.off // 8), :, (ck.off % 8)", "(ck.off % 8), :, (ck.off // 8)")])
+@pytest.mark.parametrize("edit, backend", [
+    (None, None),
+    (None, "torch"),
+    (("(ck.off // 8), :, (ck.off % 8)", "(ck.off % 8), :, (ck.off // 8)"), "torch"),  # the torch path's index
+    (("slot_split=('N/8', 'N%8')", "slot_split=('N%8', 'N/8')"), "native"),  # the compiled kernel's PROGRAM
+])
 def test_the_shuffle_buffers_move_both_ways_through_the_tiled_connector(
-        monkeypatch: pytest.MonkeyPatch, edit: tuple[str, str] | None) -> None:
+        monkeypatch: pytest.MonkeyPatch, edit: tuple[str, str] | None, backend: str | None) -> None:
     """K and V that SGLang's shuffle writer put at SLOTS, stored through the vectorized_5d connector
     into a kv_planes object (K's and V's regions [T, H, C] hold the inputs in token order) and loaded
     at AGAIN into empty buffers: every byte is what the writer puts at AGAIN. Pages of 64 tokens
-    (8 tiles of 8), so with V's token tile and place swapped the copy stays in bounds, and V's bytes differ."""
+    (8 tiles of 8), so with V's token tile and place swapped (on the torch path or in the compiled
+    kernel's PROGRAM) the copy stays in bounds, and V's bytes differ."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     blocks, page, width = 2, 64, 24
     inputs, k, v = shuffled(SLOTS, blocks, page, width)
     _, k_again, v_again = shuffled(AGAIN, blocks, page, width)
-    connector = tiled_connector("sglang_mha_vectorized_5d", "kv_planes", edit)(device="cpu")
+    if backend == "native" and native.compiler() is None:
+        pytest.skip("no C compiler here")
+    connector = tiled_connector("sglang_mha_vectorized_5d", "kv_planes", edit)(device="cpu", backend=backend)
     obj = MemoryObj(torch.zeros(tuple(connector.get_shape(T, ([k], [v]))), dtype=torch.uint8))
     connector.from_gpu(obj, 0, T, kvcaches=([k], [v]), slot_mapping=SLOTS)
     region = T * H * width * 2  # bytes of K's region, a multiple of 16 here: V's starts right after
