@@ -2,10 +2,12 @@
 complete new output, killed builds leave nothing that the next build does not clean up,
 and concurrent builds of one folder take turns.
 
-Kills are real: a helper process imports kvgen once, then forks one child per build and
-sends it SIGKILL after a chosen delay (a fork costs milliseconds where a fresh interpreter
-costs half a second, so 30+ kills stay cheap). The test hook KVGEN_TESTHOOK_BUILD_PAUSE
-makes the build sleep at each step so the kills land in every window between steps.
+Kills are real SIGKILLs: a helper process imports kvgen once, then forks one child per build
+(a fork costs milliseconds where a fresh interpreter costs half a second). Most kills are placed,
+not timed: the child watches its own file-system changes through Python's audit hooks and kills
+itself just before a chosen one, so every window between two changes is hit on every run,
+however loaded the machine, and without hooks in the code under test. A few more land at times
+spread over a write, one after another, each write starting on what the last kill left.
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,14 +31,15 @@ from kvgen.emit.build import build, check, recover, render, write_atomically
 from kvgen.errors import BuildError
 from kvgen.spec.library import BUILTIN_SPECS, REPO_ROOT
 
-# Kills at timed points and lock waits: run alone (conftest.py).
-pytestmark = pytest.mark.serial
+# The kills that assert where they land are placed, not timed, and the lock tests wait on the
+# lock, not on a clock, so this file runs beside others; on one worker, which renders the
+# library once for all its tests (conftest.py).
+pytestmark = pytest.mark.xdist_group("build_kill")
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 Snapshot = dict[str, bytes]
 _PACKAGES = itertools.count()
-KILLS = 32
 
 fcntl = pytest.importorskip("fcntl")
 
@@ -60,6 +61,22 @@ def outputs(extra_specs: Path) -> dict[str, dict[str, str]]:
     a, b = render(), render([extra_specs])
     assert set(a) < set(b) and a["__init__.py"] != b["__init__.py"]
     return {"A": a, "B": b}
+
+
+@pytest.fixture(scope="module")
+def small_outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
+    """Two different complete outputs of a small library (a few files, so that a write takes
+    milliseconds and the kill tests can kill dozens): one layout and LMCache's object (A), and one
+    more layout (B)."""
+    outs = {}
+    for which, names in (("A", ("vllm/flash_attn_nhd", "lmcache/kv_2ltd")),
+                         ("B", ("vllm/flash_attn_nhd", "vllm/flash_attn_hnd", "lmcache/kv_2ltd"))):
+        specs = tmp_path_factory.mktemp(f"small_{which}")
+        for name in names:
+            (specs / f"{Path(name).name}.yaml").write_text((BUILTIN_SPECS / f"{name}.yaml").read_text())
+        outs[which] = render([specs], builtin=False)
+    assert set(outs["A"]) < set(outs["B"]) and len(outs["A"]) >= 3
+    return outs
 
 
 def encoded(files: dict[str, str]) -> Snapshot:
@@ -96,23 +113,46 @@ def import_package(folder: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -
         shutil.rmtree(root)
 
 
-# The helper reads lines "WHICH DELAY": it forks a child that writes output WHICH into OUT,
-# sends it SIGKILL after DELAY seconds (a negative delay lets it finish) and prints how the
-# child ended and how long it ran.
+# The helper reads lines "WHICH AT DELAY": it forks a child that writes output WHICH into OUT and
+# prints how the child ended and how long it ran. With AT = k > 0 the child SIGKILLs itself just
+# before the k-th operation of the write that changes the file system (an audit event, see
+# _WRITES), with AT = 0 it writes the names of those operations to OUT's parent as events.json,
+# and a DELAY >= 0 has the helper send it SIGKILL after that many seconds.
 _HELPER = r"""
 import json, os, signal, sys, time
 from pathlib import Path
 from kvgen.emit.build import write_atomically
 out, outputs = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
+CHANGES = {"os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree", "fcntl.flock", "os.truncate"}
+
+def changes(event, args):
+    if event == "open":  # open(path, mode, flags): a write, a create or an append
+        mode, flags = args[1], args[2]
+        return any(c in (mode or "") for c in "wax+") or bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+    return event in CHANGES
+
+def watch(at):
+    seen = []
+    def hook(event, args):
+        if changes(event, args):
+            seen.append(event)
+            if len(seen) == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+    sys.addaudithook(hook)
+    return seen
+
 print("ready", flush=True)
 for line in sys.stdin:
-    which, delay = line.split()
+    which, at, delay = line.split()
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
+            seen = watch(int(at)) if at != "-" else []
             write_atomically(out, outputs[which])
+            if at == "0":
+                (out.parent / "events.json").write_text(json.dumps(seen))
         except BaseException as exc:
             print(f"child failed: {exc!r}", file=sys.stderr, flush=True)
             code = 3
@@ -129,13 +169,17 @@ for line in sys.stdin:
 class Killer:
     """The fork-and-kill helper process."""
 
-    def __init__(self, out: Path, outputs: dict[str, dict[str, str]], pause: float, no_exchange: bool) -> None:
+    def __init__(self, out: Path, outputs: dict[str, dict[str, str]], no_exchange: bool, pause: float = 0) -> None:
+        self.out = out
         data = out.parent / "outputs.json"
         data.write_text(json.dumps(outputs))
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), kbuild.PAUSE_HOOK: str(pause)}
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         env.pop(kbuild.NO_EXCHANGE_HOOK, None)
+        env.pop(kbuild.PAUSE_HOOK, None)
         if no_exchange:
             env[kbuild.NO_EXCHANGE_HOOK] = "1"
+        if pause:
+            env[kbuild.PAUSE_HOOK] = str(pause)
         self.proc = subprocess.Popen([sys.executable, "-c", _HELPER, str(out), str(data)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
         assert self.readline() == "ready"
@@ -146,12 +190,19 @@ class Killer:
         assert line, f"helper died (rc {self.proc.poll()})"
         return line
 
-    def run(self, which: str, delay: float) -> tuple[str, float]:
+    def run(self, which: str, at: int | None = None, delay: float = -1) -> tuple[str, float]:
+        """How a write of `which` ended ("killed", "exit0", ...) and its seconds: killed before
+        its `at`-th change of the file system, or after `delay` seconds, or neither."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{which} {delay}\n")
+        self.proc.stdin.write(f"{which} {'-' if at is None else at} {delay}\n")
         self.proc.stdin.flush()
         ended, seconds = self.readline().split()
         return ended, float(seconds)
+
+    def events(self, which: str) -> list[str]:
+        """The file-system changes of a whole write of `which`, in order (`which` is then in place)."""
+        assert self.run(which, 0)[0] == "exit0"
+        return json.loads((self.out.parent / "events.json").read_text())
 
     def close(self) -> None:
         assert self.proc.stdin is not None
@@ -159,98 +210,123 @@ class Killer:
         assert self.proc.wait(timeout=30) == 0
 
 
-def kill_many(out: Path, outputs: dict[str, dict[str, str]], *, no_exchange: bool, stretch: float = 1.0
-              ) -> Counter[str]:
-    """Alternate builds of A and B into `out`, killing each at a different point over `stretch`
-    times a whole build's time; after every kill `out` (or, in the fallback, the backup that
-    recovery restores) is the complete old or the complete new output. Returns what was seen:
-    "new" and "old" count the builds that were killed, "exit0" those that ended first."""
+def kill_points(events: list[str]) -> list[int]:
+    """Where to kill a write whose file-system changes are `events` (1-based: before that
+    change): before every change that is one of a kind, and before the first, a middle and the
+    last of each run of one kind (the files written into staging, the old output's files deleted),
+    and after the last."""
+    points: set[int] = {len(events) + 1}
+    i = 0
+    while i < len(events):
+        j = i
+        while j + 1 < len(events) and events[j + 1] == events[i]:
+            j += 1
+        points.update({i + 1, (i + j) // 2 + 1, j + 1})
+        i = j + 1
+    return sorted(points)
+
+
+#: What a kill leaves, in the order a write passes through them: the old output, no output but
+#: the old one in a backup (the fallback, between its two renames), the new output.
+OLD, ASIDE, NEW = "old", "aside", "new"
+
+
+def kill_everywhere(out: Path, outputs: dict[str, dict[str, str]], *, no_exchange: bool) -> dict[str, list[str]]:
+    """Write B over A and A over B, killed before each of their file-system changes that
+    kill_points picks, the earlier kill's debris cleared by `recover` first. After each kill
+    `out` is the complete old or new output (or, in the fallback, missing with the old one in
+    its backup, which `recover` puts back). Returns what each transition's kills left, in order."""
+    snaps = {k: encoded(v) for k, v in outputs.items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    killer = Killer(out, outputs, no_exchange=no_exchange)
+    left: dict[str, list[str]] = {}
+    try:
+        for current, target in (("A", "B"), ("B", "A")):
+            write_atomically(out, outputs[current])
+            events = killer.events(target)
+            killer.events(current)
+            left[target] = []
+            for at in kill_points(events):
+                ended, _ = killer.run(target, at)
+                assert ended == ("exit0" if at > len(events) else "killed"), (target, at, ended)
+                state = snapshot(out)
+                if state is None:
+                    backups = [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.old-")]
+                    assert len(backups) == 1 and snapshot(backups[0]) == snaps[current], (target, at, events[at - 1])
+                    left[target].append(ASIDE)
+                else:
+                    assert state in (snaps[current], snaps[target]), f"killed before change {at}: neither output"
+                    left[target].append(NEW if state == snaps[target] else OLD)
+                recover(out)
+                assert leftovers(out.parent, out.name) == [], "recover must clean what a killed write left"
+                if snapshot(out) == snaps[target]:
+                    write_atomically(out, outputs[current])
+    finally:
+        killer.close()
+    return left
+
+
+def kill_at_random(out: Path, outputs: dict[str, dict[str, str]], *, no_exchange: bool, kills: int = 12) -> None:
+    """Writes killed one after another at points spread over a whole write's time, each write
+    starting on the debris the last kill left. Each kill must leave the old or the new output
+    (in the fallback, perhaps only the old one in a backup); where the kills land depends on
+    the machine's load, so which windows they hit is not asserted (kill_everywhere is)."""
     snaps = {k: encoded(v) for k, v in outputs.items()}
     write_atomically(out, outputs["A"])
-    # Each step of a build waits this long, so every window (between the renames, after the
-    # swap) stays a sizeable share of a build however many files the library writes.
-    killer = Killer(out, outputs, pause=0.03, no_exchange=no_exchange)
-    seen: Counter[str] = Counter()
+    killer = Killer(out, outputs, no_exchange=no_exchange)
     try:
-        spans = []
-        for which in "BAB":  # whole builds: how long the kills have to land in
-            ended, seconds = killer.run(which, -1)
-            assert ended == "exit0" and snapshot(out) == snaps[which]
-            spans.append(seconds)
-        span = sorted(spans)[1]
+        span = sorted(killer.run(which)[1] for which in "BAB")[1]
         current = "B"
-        for i in range(KILLS):
+        for i in range(kills):
             target = "A" if current == "B" else "B"
-            ended, _ = killer.run(target, stretch * span * (i + 0.5) / KILLS)  # over the whole build
-            seen[ended] += 1
+            killer.run(target, delay=span * (i + 0.5) / kills)
             state = snapshot(out)
             if state is None:
-                # only the fallback may leave `out` missing, and only with the old output
-                # complete in one backup, which the next build, check or recover restores
                 assert no_exchange, f"kill {i}: --out is missing"
                 backups = [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.old-")]
                 assert len(backups) == 1 and snapshot(backups[0]) == snaps[current], f"kill {i}"
-                seen["missing"] += 1
                 if i % 2:
-                    recover(out)  # else the next build recovers it itself
-                    state = snapshot(out)
-                else:
-                    continue
+                    recover(out)  # else the next write recovers it itself
+                continue
             assert state in (snaps[current], snaps[target]), f"kill {i}: --out is neither old nor new output"
-            if ended == "killed":
-                seen["new" if state == snaps[target] else "old"] += 1
-            seen["stale"] += bool([n for n in leftovers(out.parent, out.name) if not n.endswith(".lock")])
             current = target if state == snaps[target] else current
-        ended, _ = killer.run("A", -1)
-        assert ended == "exit0"
+        assert killer.run("A")[0] == "exit0"
     finally:
         killer.close()
     assert snapshot(out) == snaps["A"]
-    assert leftovers(out.parent, out.name) == [], "a normal build must clean what killed builds left"
-    return seen
+    assert leftovers(out.parent, out.name) == [], "a normal write must clean what killed writes left"
 
 
-def test_both_outputs_import(outputs: dict[str, dict[str, str]], tmp_path: Path,
-                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """The two outputs the kill tests compare against are complete, importable packages, so a
-    folder equal to one of them byte for byte is too."""
-    for which, layout in (("A", "vllm_flash_attn_nhd"), ("B", "my_layout")):
-        write_atomically(tmp_path / which, outputs[which])
+def in_order(left: list[str]) -> bool:
+    """The kills of one write left the old output first, then (the fallback) its backup, then the new one."""
+    rank = {OLD: 0, ASIDE: 1, NEW: 2}
+    return [rank[x] for x in left] == sorted(rank[x] for x in left)
+
+
+def test_both_outputs_import(outputs: dict[str, dict[str, str]], small_outputs: dict[str, dict[str, str]],
+                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The outputs the kill and lock tests compare against are complete, importable packages, so
+    a folder equal to one of them byte for byte is too."""
+    for which, files, layout in (("A", outputs["A"], "vllm_flash_attn_nhd"), ("B", outputs["B"], "my_layout"),
+                                 ("small_A", small_outputs["A"], "vllm_flash_attn_nhd"),
+                                 ("small_B", small_outputs["B"], "vllm_flash_attn_hnd")):
+        write_atomically(tmp_path / which, files)
         import_package(tmp_path / which, monkeypatch, layout)
 
 
-def kill_rounds(out: Path, outputs: dict[str, dict[str, str]], *, no_exchange: bool,
-                enough: Callable[[Counter[str]], bool], rounds: int = 3) -> Counter[str]:
-    """kill_many until the kills have landed at every point `enough` asks for. Where a kill
-    lands depends on the machine's load (a build killed mid-way may run slower than the whole
-    builds it was timed by), so a busy machine may need another round, each spread a quarter
-    further past the timed build; every kill of every round must leave the old or the new output."""
-    seen: Counter[str] = Counter()
-    for k in range(rounds):
-        seen += kill_many(out, outputs, no_exchange=no_exchange, stretch=1.0 + 0.25 * k)
-        if enough(seen):
-            break
-    return seen
+def test_sigkill_at_any_point_leaves_old_or_new_output(small_outputs: dict[str, dict[str, str]],
+                                                       tmp_path: Path) -> None:
+    for target, left in kill_everywhere(tmp_path / "generated", small_outputs, no_exchange=False).items():
+        assert in_order(left) and OLD in left and NEW in left and ASIDE not in left, (target, left)
+    kill_at_random(tmp_path / "timed" / "generated", small_outputs, no_exchange=False)
 
 
-def test_sigkill_at_any_point_leaves_old_or_new_output(outputs: dict[str, dict[str, str]], tmp_path: Path) -> None:
-    def enough(seen: Counter[str]) -> bool:
-        # the kills did land inside builds, before and after the swap, and left debris to clean
-        return seen["killed"] >= KILLS // 2 and seen["old"] >= 3 and seen["new"] >= 3 and seen["stale"] >= 3
-
-    seen = kill_rounds(tmp_path / "generated", outputs, no_exchange=False, enough=enough)
-    assert enough(seen), seen
-    assert seen["missing"] == 0
-
-
-def test_sigkill_without_exchange_is_recovered(outputs: dict[str, dict[str, str]], tmp_path: Path) -> None:
+def test_sigkill_without_exchange_is_recovered(small_outputs: dict[str, dict[str, str]], tmp_path: Path) -> None:
     """Where the folders cannot be exchanged in one step, a kill between the two renames
     leaves the old output in a backup, and the next build, check or recover puts it back."""
-    def enough(seen: Counter[str]) -> bool:
-        return seen["killed"] >= KILLS // 2 and seen["old"] >= 3 and seen["new"] >= 3 and seen["missing"] >= 1
-
-    seen = kill_rounds(tmp_path / "generated", outputs, no_exchange=True, enough=enough)
-    assert enough(seen), f"kills did not land at every point (between the renames: 'missing'): {seen}"
+    for target, left in kill_everywhere(tmp_path / "generated", small_outputs, no_exchange=True).items():
+        assert in_order(left) and {OLD, ASIDE, NEW} <= set(left), (target, left)
+    kill_at_random(tmp_path / "timed" / "generated", small_outputs, no_exchange=True)
 
 
 def test_concurrent_cli_builds_take_turns(outputs: dict[str, dict[str, str]], extra_specs: Path,

@@ -105,7 +105,11 @@ def test_verify_checks_the_built_in_specs_facts_only_when_it_verifies_everything
     """--only is a quick look at some connectors, and --backend a look at one way of moving
     data: the fact and engine checks of the built-in specs (tens of seconds, vLLM's import
     among them), which depend on neither, are a whole verify's."""
-    from kvgen.tools import verify, verify_connectors, verify_engines, verify_models, verify_transfers
+    from kvgen.tools.verify import connectors as verify_connectors
+    from kvgen.tools.verify import engines as verify_engines
+    from kvgen.tools.verify import models as verify_models
+    from kvgen.tools.verify import run as verify
+    from kvgen.tools.verify import transfers as verify_transfers
 
     calls: list[str] = []
     monkeypatch.setattr(verify, "_check_facts", lambda library: calls.append("facts") or 0)
@@ -133,7 +137,7 @@ def test_verify_in_tritons_interpreter_runs_every_scenario_on_two_layers() -> No
     from dataclasses import replace
 
     from kvgen.oracle.scenarios import EXT, SCENARIOS
-    from kvgen.tools.verify_connectors import scenarios
+    from kvgen.tools.verify.connectors import scenarios
 
     interpreted = scenarios("triton", "cpu")
     assert [s.name for s in interpreted] == list(SCENARIOS)

@@ -10,9 +10,9 @@ import pytest
 from harness import builtin_library
 
 from kvgen.plan.package import plan_package
-from kvgen.tools import verify_models
 from kvgen.tools.cli import main
 from kvgen.tools.models_view import layer_text
+from kvgen.tools.verify import models as verify_models
 
 HYBRID = """\
 kvgen: 2

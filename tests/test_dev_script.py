@@ -73,23 +73,28 @@ def test_a_pass_that_selects_no_test_fails_only_when_both_do(tmp_path: Path, emp
     assert done.returncode == code, done.stderr
 
 
-def test_a_whole_test_run_sets_up_sglang_meanwhile_and_fails_when_that_set_up_fails(tmp_path: Path) -> None:
-    """The SGLang venv is set up in the background while the suite runs; a set-up that fails
-    fails the run with its output, after both passes of the suite ran."""
+def _whole_test_run(tmp_path: Path, venv_python: str) -> subprocess.CompletedProcess[str]:
+    """A whole `scripts/dev test` with a stand-in Python that logs its calls to tmp_path/calls and
+    passes, and SGLang's venv (its base too) a folder whose python runs the script `venv_python`."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     vpy = venv / "bin" / "python"
-    vpy.write_text('#!/bin/sh\ncase "$*" in *"pip install"*) echo "no wheel for sglang here" >&2; exit 1;; esac\n'
-                   'exit 1\n')
+    vpy.write_text(venv_python)
     vpy.chmod(0o755)
     fake = tmp_path / "python"
-    log = tmp_path / "calls"
-    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexit 0\n')
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "calls"}\nexit 0\n')
     fake.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "KVGEN_NO_ENGINES"}
-    done = subprocess.run([str(ROOT / "scripts" / "dev"), "test"], capture_output=True, text=True, timeout=60,
+    return subprocess.run([str(ROOT / "scripts" / "dev"), "test"], capture_output=True, text=True, timeout=60,
                           env={**env, "PYTHON": str(fake), "KVGEN_TEST_WORKERS": "2",
                                "KVGEN_SGLANG_VENV": str(venv), "KVGEN_SGLANG_BASE": str(venv)})
+
+
+def test_a_whole_test_run_sets_up_sglang_meanwhile_and_fails_when_that_set_up_fails(tmp_path: Path) -> None:
+    """The SGLang venv is set up in the background while the suite runs; a set-up that fails
+    fails the run with its output, after both passes of the suite ran."""
+    done = _whole_test_run(tmp_path, '#!/bin/sh\ncase "$*" in *"pip install"*) echo "no wheel for sglang here" >&2;'
+                           ' exit 1;; esac\nexit 1\n')
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert "setting up" in done.stderr and "no wheel for sglang here" in done.stderr, done.stderr
     assert len(_pytest_calls(tmp_path)) == 2
@@ -113,3 +118,18 @@ def test_the_shared_sglang_venv_is_refused_where_another_user_could_write_it(tmp
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert "that no one else can write" in done.stderr, done.stderr
     assert not ran.exists()
+
+
+def test_a_whole_test_run_runs_the_sglang_tests_beside_the_parallel_pass_and_fails_with_them(tmp_path: Path) -> None:
+    """With SGLang's venv in place, its engine tests run in the background beside the parallel
+    pass and are joined before the serial pass; when they fail, the run fails with their output."""
+    log = tmp_path / "calls"
+    # the set-up check passes; the tests fail
+    done = _whole_test_run(tmp_path, f'#!/bin/sh\ncase "$*" in *"-m pytest"*) echo "sglang $*" >> {log};'
+                           ' echo "2 failed in SGLang"; exit 1;; esac\nexit 0\n')
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "2 failed in SGLang" in done.stdout and "SGLang engine tests failed" in done.stderr, done
+    calls = [c for c in log.read_text().splitlines() if "-m pytest" in c]
+    sglang = next(i for i, c in enumerate(calls) if c.startswith("sglang "))
+    serial = calls.index("-m pytest -q -m serial")
+    assert "tests/test_engine_sglang" in calls[sglang] and sglang < serial, calls

@@ -395,7 +395,7 @@ def test_hicache_host_pools_built_by_sglang_move_right_both_ways(layout: str, mu
 
 def test_kvgen_verify_checks_the_hand_written_facts_against_sglangs_live_pools(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from kvgen.tools import verify_engines
+    from kvgen.tools.verify import engines as verify_engines
 
     wrong, checked = verify_engines.sglang_disagreements()
     assert (wrong, checked) == ([], 7)
@@ -404,8 +404,8 @@ def test_kvgen_verify_checks_the_hand_written_facts_against_sglangs_live_pools(
 
 
 def test_a_wrong_fact_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvgen.oracle import facts
-    from kvgen.tools import verify_engines
+    from kvgen.oracle.facts import layouts as facts
+    from kvgen.tools.verify import engines as verify_engines
 
     hnd = facts.FACTS["sglang_mha_hnd"]
 

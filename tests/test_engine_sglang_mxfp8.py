@@ -42,7 +42,7 @@ from harness import builtin_library, tiled_connector  # noqa: E402
 
 import kvgen  # noqa: E402
 from kvgen.oracle.address import plane_address  # noqa: E402
-from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
+from kvgen.runtime import KVLayoutError, MemoryObj, native  # noqa: E402
 from kvgen.spec.model import Spec  # noqa: E402
 
 LIBRARY = builtin_library()
@@ -223,7 +223,8 @@ def by_page(p: Any) -> tuple[list[torch.Tensor], ...]:
     return (*pages, *(list(getattr(p, n)) for n in BUFFERS[2:]))
 
 
-def interleaved_move(kernel_output: Any, edit: tuple[str, str] | None = None) -> tuple[Any, Any]:
+def interleaved_move(kernel_output: Any, edit: tuple[str, str] | None = None, backend: str | None = None
+                     ) -> tuple[Any, Any]:
     """(the page-128 pool the store kernel wrote at TILE_SLOTS, an empty one whose connector filled
     slots 1..T from a kv_planes object the source's connector stored those tokens into): the
     connectors from_sglang gives, or with `edit` the tiled spec's rendered with it."""
@@ -233,7 +234,7 @@ def interleaved_move(kernel_output: Any, edit: tuple[str, str] | None = None) ->
         assert (out.layout, out.obj) == ("sglang_mha_mxfp8_interleaved", "kv_planes")
         pairs = ((out.connector, out.kvcaches), (back.connector, back.kvcaches))
     else:
-        connector = tiled_connector("sglang_mha_mxfp8_interleaved", "kv_planes", edit)(device="cpu")
+        connector = tiled_connector("sglang_mha_mxfp8_interleaved", "kv_planes", edit)(device="cpu", backend=backend)
         pairs = ((connector, by_page(source)), (connector, by_page(fresh)))
     (c_out, k_out), (c_back, k_back) = pairs
     obj = MemoryObj(torch.zeros(tuple(c_out.get_shape(T, k_out)), dtype=torch.uint8))
@@ -255,11 +256,19 @@ def test_the_interleaved_pool_moves_both_ways_and_sglang_reads_the_same(kernel_o
         assert torch.equal(got, want)
 
 
-def test_a_scale_moved_from_another_place_of_its_tile_is_what_sglang_reads_wrong(kernel_output: Any) -> None:
-    """The same move with a connector that reads token n's scales at place (n + 1) % 32 of its tile:
-    SGLang's reader sees other scales, so the check above can fail."""
-    source, fresh = interleaved_move(kernel_output, ("(ck.off % 32), (ck.off // 32)",
-                                                     "((ck.off + 1) % 32), (ck.off // 32)"))
+@pytest.mark.parametrize("edit, backend", [
+    (("(ck.off % 32), (ck.off // 32)", "((ck.off + 1) % 32), (ck.off // 32)"), "torch"),
+    (("slot_split=('N/32', 'N%32')", "slot_split=('N%32', 'N/32')"), "native"),
+])
+def test_a_scale_moved_from_another_place_of_its_tile_is_what_sglang_reads_wrong(kernel_output: Any,
+                                                                                edit: tuple[str, str],
+                                                                                backend: str) -> None:
+    """The same move with a connector that reads token n's scales from another place: on the torch
+    path at place (n + 1) % 32 of its tile, on the compiled kernel with the PROGRAM's tile and place
+    swapped. SGLang's reader sees other scales, so the check above can fail."""
+    if backend == "native" and native.compiler() is None:
+        pytest.skip("no C compiler here")
+    source, fresh = interleaved_move(kernel_output, edit, backend)
     got, want = cpu_copy(fresh, torch.arange(1, T + 1)), cpu_copy(source, torch.tensor(TILE_SLOTS))
     assert [torch.equal(g, w) for g, w in zip(got, want, strict=True)][:4] == [True, True, False, False]
 

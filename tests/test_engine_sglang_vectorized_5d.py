@@ -36,7 +36,7 @@ from harness import builtin_library, tiled_connector  # noqa: E402
 
 import kvgen  # noqa: E402
 from kvgen.oracle.address import plane_address  # noqa: E402
-from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
+from kvgen.runtime import KVLayoutError, MemoryObj, native  # noqa: E402
 from kvgen.spec.library import load_specs  # noqa: E402
 from kvgen.spec.model import Spec  # noqa: E402
 
@@ -172,13 +172,15 @@ def gathered(p: Any, slots: list[int]) -> list[torch.Tensor]:
     return out
 
 
-def moved(dtype: torch.dtype, store: torch.dtype, edit: tuple[str, str] | None = None) -> tuple[Any, Any, MemoryObj]:
+def moved(dtype: torch.dtype, store: torch.dtype, edit: tuple[str, str] | None = None,
+          backend: str | None = None) -> tuple[Any, Any, MemoryObj]:
     """(the pool SGLang wrote at SLOTS, an empty pool the connector filled at AGAIN, the kv_planes object
-    between them): the connectors kvgen.from_sglang gives, or with `edit` the spec's rendered with it."""
+    between them): the connectors kvgen.from_sglang gives (on `backend`), or with `edit` the spec's
+    rendered with it."""
     source, fresh = written(dtype, store, SLOTS), pool(dtype)
-    out, back = kvgen.from_sglang(source), kvgen.from_sglang(fresh)
+    out, back = kvgen.from_sglang(source, backend=backend), kvgen.from_sglang(fresh, backend=backend)
     assert (out.layout, out.obj, out.layer_ids) == (back.layout, "kv_planes", tuple(range(L)))
-    c_out = c_back = tiled_connector(out.layout, "kv_planes", edit)(device="cpu") if edit else None
+    c_out = c_back = tiled_connector(out.layout, "kv_planes", edit)(device="cpu", backend=backend) if edit else None
     c_out, c_back = (c_out or out.connector), (c_back or back.connector)
     obj = MemoryObj(torch.zeros(tuple(c_out.get_shape(T, out.kvcaches)), dtype=torch.uint8))
     c_out.from_gpu(obj, 0, T, kvcaches=out.kvcaches, slot_mapping=torch.tensor(SLOTS))
@@ -186,13 +188,21 @@ def moved(dtype: torch.dtype, store: torch.dtype, edit: tuple[str, str] | None =
     return source, fresh, obj
 
 
+def has_compiler(backend: str | None) -> None:
+    if backend == "native" and native.compiler() is None:
+        pytest.skip("no C compiler here")
+
+
+@pytest.mark.parametrize("backend", [None, "torch", "native"])
 @pytest.mark.parametrize(("dtype", "store", "x", "layout"), DTYPES, ids=IDS)
 def test_the_pool_moves_both_ways_and_sglang_reads_the_same(dtype: torch.dtype, store: torch.dtype, x: int,
-                                                            layout: str) -> None:
+                                                            layout: str, backend: str | None) -> None:
     """kvgen.from_sglang binds the pool to its spec; the object holds each layer's K rows then V rows of
     the tokens in order; loaded at AGAIN, every byte of the empty pool is what SGLang's writer puts
-    there, and SGLang's reader reads at AGAIN what it read at SLOTS."""
-    source, fresh, obj = moved(dtype, store)
+    there, and SGLang's reader reads at AGAIN what it read at SLOTS (by default, on the torch path and
+    on the compiled kernel)."""
+    has_compiler(backend)
+    source, fresh, obj = moved(dtype, store, backend=backend)
     assert kvgen.from_sglang(source).layout == layout
     region = T * H * HEAD * store.itemsize  # a multiple of 16 bytes: V's region starts right after K's
     for layer in range(L):
@@ -205,12 +215,16 @@ def test_the_pool_moves_both_ways_and_sglang_reads_the_same(dtype: torch.dtype, 
         assert torch.equal(got, want)
 
 
-def test_a_token_placed_by_a_swapped_tile_is_what_sglang_reads_wrong() -> None:
+@pytest.mark.parametrize(("edit", "backend"), [
+    (("(ck.off // 8), :, (ck.off % 8)", "(ck.off % 8), :, (ck.off // 8)"), "torch"),  # the torch path's index
+    (("slot_split=('N/8', 'N%8')", "slot_split=('N%8', 'N/8')"), "native"),  # the compiled kernel's PROGRAM
+], ids=["torch", "native"])
+def test_a_token_placed_by_a_swapped_tile_is_what_sglang_reads_wrong(edit: tuple[str, str], backend: str) -> None:
     """The same move through a connector that splits V's token offset the other way round (n % 8 as
-    the tile, n // 8 as the place; bf16, where both have 8 entries): SGLang's reader sees other V rows,
-    K's still right."""
-    source, fresh, _ = moved(torch.bfloat16, torch.bfloat16, ("(ck.off // 8), :, (ck.off % 8)",
-                                                              "(ck.off % 8), :, (ck.off // 8)"))
+    the tile, n // 8 as the place; bf16, where both have 8 entries), on the torch path or in the
+    compiled kernel's PROGRAM: SGLang's reader sees other V rows, K's still right."""
+    has_compiler(backend)
+    source, fresh, _ = moved(torch.bfloat16, torch.bfloat16, edit, backend)
     got, want = gathered(fresh, AGAIN), gathered(source, SLOTS)
     assert [torch.equal(g, w) for g, w in zip(got, want, strict=True)] == [True, False] * L
 

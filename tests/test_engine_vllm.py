@@ -27,7 +27,8 @@ import kvgen
 from kvgen import generated
 from kvgen.integrations.detect import AmbiguousLayout, NoLayout, detect
 from kvgen.integrations.vllm import Pairing
-from kvgen.oracle import facts_vllm, reference
+from kvgen.oracle import reference
+from kvgen.oracle.facts import vllm as facts_vllm
 from kvgen.runtime import KVLayoutError, MemoryObj
 
 iface = vllm_module("vllm.v1.kv_cache_interface")
@@ -302,7 +303,7 @@ def test_without_a_declaration_layouts_that_fit_the_same_tensors_are_refused() -
 # -- `kvgen verify`: the hand-written facts against vLLM's live caches ----------------------------
 
 def test_kvgen_verify_checks_the_vllm_facts_against_vllms_live_caches(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvgen.tools import verify_engines
+    from kvgen.tools.verify import engines as verify_engines
 
     # the KVCacheLayout table, each layout's fact and the MLA fact under each layout, and the canonical
     # offload pages v1-nhd, v1-hnd and MLA
@@ -312,8 +313,8 @@ def test_kvgen_verify_checks_the_vllm_facts_against_vllms_live_caches(capsys: py
 
 
 def test_a_wrong_vllm_fact_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvgen.oracle import facts
-    from kvgen.tools import verify_engines
+    from kvgen.oracle.facts import layouts as facts
+    from kvgen.tools.verify import engines as verify_engines
 
     right = facts.FACTS["vllm_lbnhc"]
 
@@ -350,7 +351,7 @@ def test_kvgen_verify_says_why_the_vllm_checks_were_skipped(monkeypatch: pytest.
     import importlib.metadata
     import importlib.util
 
-    from kvgen.tools import verify_engines
+    from kvgen.tools.verify import engines as verify_engines
 
     found, version = importlib.util.find_spec, importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.34.0" if name == "vllm" else version(name))

@@ -41,7 +41,7 @@ worker = vllm_module("vllm.v1.worker.utils")
 vllm_layouts = vllm_module("vllm.v1.kv_cache_layout")
 
 from kvgen import generated  # noqa: E402
-from kvgen.oracle.facts_models import DEEPSEEK_V4_FLASH  # noqa: E402
+from kvgen.oracle.facts.models import DEEPSEEK_V4_FLASH  # noqa: E402
 from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
 
 LIBRARY = builtin_library()

@@ -30,7 +30,7 @@ worker = vllm_module("vllm.v1.worker.utils")
 vllm_layouts = vllm_module("vllm.v1.kv_cache_layout")
 
 from kvgen import generated  # noqa: E402
-from kvgen.oracle import facts_vllm  # noqa: E402
+from kvgen.oracle.facts import vllm as facts_vllm  # noqa: E402
 from kvgen.tp import HeadRanges  # noqa: E402
 
 #: No two extents equal, so a swap of heads and slots, or K and V, changes the bytes.

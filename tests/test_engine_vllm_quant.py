@@ -47,8 +47,8 @@ import kvgen  # noqa: E402
 from kvgen import generated  # noqa: E402
 from kvgen.integrations.detect import AmbiguousLayout, NoLayout, detect  # noqa: E402
 from kvgen.oracle.address import packed_value, plane_address, scale_index  # noqa: E402
-from kvgen.oracle.fact_table import EngineGeometry as Geometry  # noqa: E402
-from kvgen.oracle.facts_planes import PARTS_FACTS  # noqa: E402
+from kvgen.oracle.facts.planes import PARTS_FACTS  # noqa: E402
+from kvgen.oracle.facts.table import EngineGeometry as Geometry  # noqa: E402
 from kvgen.oracle.reference import Span  # noqa: E402
 from kvgen.oracle.reference import planes as reference  # noqa: E402
 from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
@@ -346,7 +346,7 @@ def test_a_scale_taken_from_another_token_fails(name: str) -> None:
 
 @pytest.mark.parametrize("name", MODES)
 def test_the_fact_tables_shapes_are_vllms(name: str) -> None:
-    """kvgen.oracle.facts_quant states each cache's memory-order shape from vLLM's sources; the
+    """kvgen.oracle.facts.quant states each cache's memory-order shape from vLLM's sources; the
     live cache vLLM allocates has it."""
     views, _ = engine_cache(name)
     fact = PARTS_FACTS[MODES[name].spec]

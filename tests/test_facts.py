@@ -20,7 +20,8 @@ from harness import builtin_library
 
 from kvgen import generated
 from kvgen.oracle import reference
-from kvgen.oracle.facts import (
+from kvgen.oracle.facts.groups import GROUPS_FACTS
+from kvgen.oracle.facts.layouts import (
     FACTS,
     EngineGeometry,
     Fact,
@@ -30,8 +31,7 @@ from kvgen.oracle.facts import (
     level_size,
     positions,
 )
-from kvgen.oracle.facts_groups import GROUPS_FACTS
-from kvgen.oracle.facts_planes import PACKED_FACTS, PARTS_FACTS
+from kvgen.oracle.facts.planes import PACKED_FACTS, PARTS_FACTS
 from kvgen.oracle.scenarios import Scenario, connector_load, connector_store
 from kvgen.runtime import MemoryObj
 
@@ -47,7 +47,7 @@ GEOMETRIES = (
 
 
 def test_every_builtin_spec_has_a_fact_and_every_fact_a_spec() -> None:
-    # Format-2 specs (parts, fields, packed objects) are in kvgen.oracle.facts_planes.
+    # Format-2 specs (parts, fields, packed objects) are in kvgen.oracle.facts.planes.
     every = [*FACTS, *PARTS_FACTS, *PACKED_FACTS, *GROUPS_FACTS]
     assert sorted(SPECS) == sorted(every), (
         f"specs without facts: {sorted(set(SPECS) - set(every))}; "
@@ -220,9 +220,9 @@ def test_generated_connector_moves_elements_where_the_facts_say(pair: tuple[str,
 
 @pytest.mark.parametrize("g", GEOMETRIES, ids=str)
 def test_vllm_033_specs_say_the_order_vllm_hands_a_layer_over_in(g: EngineGeometry) -> None:
-    """`given` against vLLM's sources (kvgen.oracle.facts_vllm): the memory-order leaf, read in the
+    """`given` against vLLM's sources (kvgen.oracle.facts.vllm): the memory-order leaf, read in the
     spec's given order, is vLLM's logical [B, H, N, C] view (MLA: [B, 1, N, C])."""
-    from kvgen.oracle import facts_vllm
+    from kvgen.oracle.facts import vllm as facts_vllm
 
     ext = extents(g)
     for name in [*facts_vllm.SPEC_OF.values(), facts_vllm.MLA_SPEC]:

@@ -1,4 +1,4 @@
-"""The groups objects against their facts (kvgen.oracle.facts_groups), and every edit of one
+"""The groups objects against their facts (kvgen.oracle.facts.groups), and every edit of one
 caught by the loader or the facts."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import yaml
 from harness import builtin_library
 
 from kvgen.errors import SpecError
-from kvgen.oracle.facts import EngineGeometry, disagreement
-from kvgen.oracle.facts_groups import GROUPS_FACTS
+from kvgen.oracle.facts.groups import GROUPS_FACTS
+from kvgen.oracle.facts.layouts import EngineGeometry, disagreement
 from kvgen.spec.library import load_specs
 
 LIBRARY = builtin_library()

@@ -1,4 +1,4 @@
-"""The built-in model specs against kvgen.oracle.facts_models, and edits of them that must be caught.
+"""The built-in model specs against kvgen.oracle.facts.models, and edits of them that must be caught.
 
 The facts derive every group's layers, layout and sizes and every state tensor's shape from the
 models' published configs without reading specs; each mutation below changes one thing a wrong
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvgen.oracle.facts_models import MODEL_FACTS, model_disagreement
+from kvgen.oracle.facts.models import MODEL_FACTS, model_disagreement
 from kvgen.spec.library import BUILTIN_SPECS, load_each, load_library, spec_files
 from kvgen.spec.models import ModelSpec
 from kvgen.spec.passes.models import check_model_library
@@ -158,7 +158,7 @@ def test_spec_without_facts_is_reported(tmp_path: Path) -> None:
 
 def test_verify_counts_a_model_that_disagrees(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from kvgen.spec.library import Library
-    from kvgen.tools.verify import _check_model_facts
+    from kvgen.tools.verify.run import _check_model_facts
 
     lib = _library()
     good = lib.model("llama31_8b")

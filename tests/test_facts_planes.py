@@ -1,4 +1,4 @@
-"""The format-2 built-in specs (parts, fields, packed objects) against kvgen.oracle.facts_planes.
+"""The format-2 built-in specs (parts, fields, packed objects) against kvgen.oracle.facts.planes.
 
 The reference reads the same spec as the generator; these tests check each spec against what the
 engines' and LMCache's sources say, and run every format-2 connector on caches and objects laid
@@ -19,9 +19,9 @@ import torch
 
 from kvgen import generated
 from kvgen.oracle.agreement import grids
-from kvgen.oracle.fact_table import FREE_DTYPE, ByteAddress, PartsFact, PlaneFact
-from kvgen.oracle.facts import EngineGeometry
-from kvgen.oracle.facts_planes import PACKED_FACTS, PARTS_FACTS, PackedFact, source_geometry, value_sizes
+from kvgen.oracle.facts.layouts import EngineGeometry
+from kvgen.oracle.facts.planes import PACKED_FACTS, PARTS_FACTS, PackedFact, source_geometry, value_sizes
+from kvgen.oracle.facts.table import FREE_DTYPE, ByteAddress, PartsFact, PlaneFact
 from kvgen.oracle.reference.planes import Leaf, read_leaf
 from kvgen.oracle.scenarios import Scenario, connector_load, connector_store
 from kvgen.runtime import MemoryObj

@@ -1,5 +1,5 @@
 """The packed units of the built-in quantized specs (format 3) against the engines' sources as
-kvgen.oracle.facts_quant states them: which nibble comes first, which plane each scale scales and
+kvgen.oracle.facts.quant states them: which nibble comes first, which plane each scale scales and
 how many values share it. Mutants of those keys (a packing flipped, a group changed, a scale's
 relation dropped) are refused by the loader or disagree."""
 
@@ -13,9 +13,9 @@ import yaml
 from harness import builtin_library
 
 from kvgen.errors import SpecError
-from kvgen.oracle.facts_quant import UNITS, units_disagreement
+from kvgen.oracle.facts.quant import UNITS, units_disagreement
 from kvgen.spec.library import load_specs
-from kvgen.tools.verify import _check_facts
+from kvgen.tools.verify.run import _check_facts
 
 LIBRARY = builtin_library()
 PACKED = sorted(s.name for s in LIBRARY.paged if any(f.is_sub_byte or f.scales for p in s.parts for f in p.fields))

@@ -39,7 +39,7 @@ from kvgen.plan.kernel import make_kernel_plan, make_planes_kernel_plan
 from kvgen.plan.package import plan_connectors, plan_package
 from kvgen.plan.planes import PlanesPlan
 from kvgen.runtime import KVLayoutError, available_devices, kernels, native
-from kvgen.tools import verify_connectors
+from kvgen.tools.verify import connectors as verify_connectors
 
 LIBRARY = builtin_library()
 PLANS = {p.module: p for p in plan_library(LIBRARY)}
@@ -312,7 +312,7 @@ def test_kernels_compile_for_h200_with_16_byte_rows() -> None:
 
 def test_verify_backend_triton_refuses_what_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvgen.errors import KVGenError
-    from kvgen.tools import verify
+    from kvgen.tools.verify import run as verify
 
     if HAVE_TRITON:
         with pytest.raises(KVGenError, match="verify --device cpu and the GPU devices separately"):
@@ -341,9 +341,14 @@ def test_list_and_explain_show_kernels_and_backends(capsys: pytest.CaptureFixtur
     assert main(["explain", "NHD"]) == 0
     out = capsys.readouterr().out
     assert "triton kernel: one launch per layer and chunk" in out and f"copy backend (backend=None): cpu {cpu}" in out
-    assert main(["explain", "vllm_mla_fp8"]) == 0  # several planes: the compiled CPU kernel does not move them
-    planes = "torch (caches of several planes)" if cpu == "native" else cpu
-    assert f"copy backend (backend=None): cpu {planes}," in capsys.readouterr().out
+    assert all(c["cpu_kernel"].startswith("compiled") for c in data["connectors"])
+    assert main(["explain", "vllm_mla_fp8"]) == 0  # several planes: one program per plane
+    out = capsys.readouterr().out
+    assert f"copy backend (backend=None): cpu {cpu}," in out and "cpu kernel:    compiled\n" in out
+    assert main(["explain", "sglang_mha_mxfp8_interleaved"]) == 0  # split block slots
+    out = capsys.readouterr().out
+    assert "cpu kernel:    compiled (block slots split as N/32 x N%32)" in out
+    assert "triton kernel: no Triton kernel: split (tiled) axes have no named extent" in out
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install 'kvgen[triton]')")

@@ -21,7 +21,7 @@ pytest.importorskip("lmcache", reason="lmcache 0.5.6 is not installed (scripts/d
 pytestmark = pytest.mark.xdist_group("lmcache_engine")
 
 SCRIPT = Path(__file__).with_name("lmcache_engine.py")
-from kvgen.oracle.facts_vllm import KV_CACHE_LAYOUTS  # noqa: E402
+from kvgen.oracle.facts.vllm import KV_CACHE_LAYOUTS  # noqa: E402
 
 CASES = ["store-retrieve", "prefix-hit", "vllm-cached-tokens", "layerwise", "mla", "sglang"]
 #: vLLM 0.33's KVCacheLayouts, run in the same engine process when vllm is installed.

@@ -376,7 +376,9 @@ def test_skipped_pairs_say_why(tmp_path: Path) -> None:
 
 
 def test_verify_runs_and_matches_model_connectors(toys: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvgen.tools import verify, verify_models, verify_pool
+    from kvgen.tools.verify import models as verify_models
+    from kvgen.tools.verify import pool as verify_pool
+    from kvgen.tools.verify import run as verify
 
     twin = [p for p in toys.plans if p.model.name == "toy_twin"]
     ctx = verify_pool.Context(verify_pool.Inputs(Path("out"), (), None), toys.library, [], [], twin, toys)

@@ -37,10 +37,10 @@ from kvgen.runtime.slots import Chunk
 
 LIBRARY = builtin_library()
 PLANS = plan_connectors(LIBRARY)
-#: Connectors of one-tree caches (the compiled path's), and of caches of several planes (torch's).
+#: Connectors of one-tree caches, and of caches of several planes (split axes among them:
+#: tests/test_split_connectors.py), all on the compiled path.
 TREE = [p for p in PLANS if isinstance(p, CopyPlan)]
-#: Caches with split axes move on torch (their PROGRAM says why): tests/test_split_connectors.py.
-PLANES = [p for p in PLANS if not isinstance(p, CopyPlan) and not p.tiled]
+PLANES = [p for p in PLANS if not isinstance(p, CopyPlan)]
 #: Scenarios that reach every branch of the kernel: whole blocks by id and as one slice,
 #: token paths with and without positions, -1 everywhere, several chunks, strided and odd caches.
 SOME = [SCENARIOS[n] for n in ("partial_blocks", "consecutive_blocks", "minus1_chunk_ends", "random_slots",
@@ -70,7 +70,7 @@ def reloaded():
 def test_cpu_connectors_default_to_native() -> None:
     """So the default suite's connector checks run this path: connectors of one-tree caches
     and of caches of several planes (one description per plane, kvgen.plan.program) alike."""
-    assert len(TREE) > 50 and len(PLANES) > 10
+    assert len(TREE) > 50 and len(PLANES) > 10 and any(p.tiled for p in PLANES)
     for p in TREE + PLANES:
         assert generated.get(p.paged.name, p.obj.name)(device="cpu").copy_backend_for("cpu") == "native", p.module
         assert generated.get(p.paged.name, p.obj.name)(device="cpu", backend="native").copy_backend_for("cpu") \
@@ -81,6 +81,17 @@ def test_cpu_connectors_default_to_native() -> None:
 @pytest.mark.parametrize("plan", TREE, ids=lambda p: p.module)
 def test_native_matches_reference(plan) -> None:
     """Forced native, each connector against the reference in both directions; the kernel ran."""
+    before = native.stats["calls"], native.stats["fallbacks"]
+    results = check_connector(generated, plan.paged, plan.obj, "cpu", SOME, backend="native")
+    assert results == [(True, True)] * len(SOME)
+    assert native.stats["calls"] > before[0] and native.stats["fallbacks"] == before[1]
+
+
+@needs_compiler
+@pytest.mark.parametrize("plan", [p for p in PLANES if p.tiled], ids=lambda p: p.module)
+def test_native_moves_split_axes_like_the_reference(plan) -> None:
+    """Built-in caches with split (tiled) axes, forced native, against the reference both ways:
+    the kernel ran every chunk (a refusal would have raised, a fallback counted)."""
     before = native.stats["calls"], native.stats["fallbacks"]
     results = check_connector(generated, plan.paged, plan.obj, "cpu", SOME, backend="native")
     assert results == [(True, True)] * len(SOME)

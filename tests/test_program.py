@@ -11,10 +11,10 @@ import pytest
 from harness import builtin_library
 
 from kvgen import generated
+from kvgen.plan import splits
 from kvgen.plan.copy import CopyPlan
 from kvgen.plan.package import plan_connectors
 from kvgen.plan.program import KERNEL_DIMS, ProgramPlan, program_plan, transfer_program
-from kvgen.plan.splits import SPLITS_REASON
 from kvgen.runtime import CopyPath, CopyProgram, TransferPath, native
 
 LIBRARY = builtin_library()
@@ -45,9 +45,8 @@ def test_every_generated_module_carries_its_planned_program(module: str) -> None
     if isinstance(PLANS[module], CopyPlan):
         assert got.compiled is None, got.compiled
         assert [p.name for p in got.paths] == (["tokens"] if got.folded else ["blocks", "tokens"])
-    elif PLANS[module].tiled:  # split axes: torch only, saying why (tests/test_split_connectors.py)
-        assert got.compiled == SPLITS_REASON and got.paths == () and got.planes == ()
     else:  # one program per plane, each planned like a one-tree copy over the plane's byte views
+        # (split axes among them: tests/test_split_connectors.py)
         assert got.compiled is None and got.paths == ()
         assert len(got.planes) == len(PLANS[module].planes) and all(p.compiled is None for p in got.planes)
         assert got.planes == tuple(_program_of(p) for p in plan.planes)
@@ -55,6 +54,7 @@ def test_every_generated_module_carries_its_planned_program(module: str) -> None
             assert program.slotless == pc.slotless
             assert [p.name for p in program.paths] == (["plane"] if pc.slotless else
                                                       ["tokens"] if program.folded else ["blocks", "tokens"])
+            assert program.slot_split == splits.splits(pc.plane.part, "N")  # (N/f, N%f), or ()
 
 def test_an_nhd_block_is_one_run_and_a_split_content_is_not() -> None:
     """NHD cache [KV B N H C] to [KV L T (H C)]: a block's slots, heads and content are adjacent

@@ -16,7 +16,7 @@ vllm_module("vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_m
 pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
 
 from kvgen import remote  # noqa: E402
-from kvgen.oracle import facts_vllm  # noqa: E402
+from kvgen.oracle.facts import vllm as facts_vllm  # noqa: E402
 from tests.test_engine_vllm_offload import (  # noqa: E402
     BLOCKS,
     CANONICAL,

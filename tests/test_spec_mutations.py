@@ -4,7 +4,7 @@ For each built-in spec this writes mutated copies of its YAML (every swap of two
 entries of `dims`, of `lists` and of the axes inside a fused dim; every move of an axis between
 `lists` and `dims`; dropping an entry or adding a singleton; dropping, re-valuing, re-keying or
 adding `sizes`) and loads each one as a user's spec file would be loaded. A mutant is caught when
-the loader refuses it or when it disagrees with the independent facts of kvgen.oracle.facts
+the loader refuses it or when it disagrees with the independent facts of kvgen.oracle.facts.layouts
 (shape, containers, sizes, or the address of some element). Pure Python, no tensors.
 """
 
@@ -20,7 +20,7 @@ import yaml
 from harness import builtin_library
 
 from kvgen.errors import SpecError
-from kvgen.oracle.facts import EngineGeometry, disagreement
+from kvgen.oracle.facts.layouts import EngineGeometry, disagreement
 from kvgen.spec.library import BUILTIN_SPECS, load_specs
 
 #: No two extents equal (KV is 2), so no swap of two axes keeps every address.

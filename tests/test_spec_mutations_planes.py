@@ -1,5 +1,5 @@
 """Mutation check for the format-2 built-in specs: any edit of their parts, fields, dims, lists,
-sizes, dtypes or pack must be refused by the loader or disagree with kvgen.oracle.facts_planes.
+sizes, dtypes or pack must be refused by the loader or disagree with kvgen.oracle.facts.planes.
 
 Mutants: swapping adjacent parts, fields, dims, list levels or fused axes; dropping a dim, a part
 or a field; adding a singleton; changing a field's count, dtype or place (row <-> block, `at`);
@@ -18,7 +18,7 @@ import yaml
 from harness import builtin_library
 
 from kvgen.errors import SpecError
-from kvgen.oracle.facts import EngineGeometry, disagreement
+from kvgen.oracle.facts.layouts import EngineGeometry, disagreement
 from kvgen.spec.library import load_specs
 
 G = EngineGeometry(L=3, B=5, N=4, H=6, C=7, T=9)

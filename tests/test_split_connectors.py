@@ -20,13 +20,23 @@ import torch
 from harness import SCENARIOS, Scenario, block_table_mapping, make_cache, tiled_connector, tiled_library
 
 from kvgen.emit.render import MODULE_KINDS
-from kvgen.oracle.scenarios import check_pair, fitted
+from kvgen.oracle.scenarios import (
+    check_pair,
+    clone_tree,
+    connector_load,
+    connector_store,
+    fitted,
+    make_objects,
+    obj_tensors,
+    same_bits,
+)
 from kvgen.plan.kernel import RefusedKernelPlan, kernel_grid, make_planes_kernel_plan, plan_refusal
 from kvgen.plan.package import plan_connectors
 from kvgen.plan.planes import PlanesPlan
 from kvgen.plan.program import program_plan
 from kvgen.plan.splits import SPLITS_REASON
-from kvgen.runtime import KVLayoutError, kernels
+from kvgen.runtime import KVLayoutError, kernels, native
+from kvgen.runtime.movers import native as native_mover
 from kvgen.runtime.movers.base import Unsupported
 from kvgen.runtime.movers.triton import TritonMover
 
@@ -44,11 +54,11 @@ def test_each_tiled_spec_pairs_with_both_planes_objects() -> None:
     assert sorted(PLANS) == sorted(f"{n}__{o}" for n in NAMES for o in ("kv_planes", "kv_planes_layer"))
 
 
-@pytest.mark.parametrize("backend", [None, "torch"])
+@pytest.mark.parametrize("backend", [None, "torch", "native"])
 @pytest.mark.parametrize("module", sorted(PLANS))
 def test_every_scenario_matches_the_reference(module: str, backend: str | None) -> None:
     """All 16 slot scenarios (-1 at every place, partial and whole blocks, strided caches, odd
-    storage offsets) through one connector, store and load, by default and on torch."""
+    storage offsets) through one connector, store and load, by default, on torch and on the compiled kernel."""
     plan = PLANS[module]
     connector = connector_class(module)(device="cpu", backend=backend)
     results = {name: check_pair(connector, plan.paged, plan.obj, sc) for name, sc in SCENARIOS.items()}
@@ -87,19 +97,24 @@ def test_a_transposed_tile_fails_the_reference(module: str, edit: tuple[str, str
     assert not store_ok and not load_ok
 
 
-def test_the_compiled_and_triton_movers_refuse_split_axes_and_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The compiled kernel and the Triton kernel read each axis's extent from the geometry by name,
-    which a tile or a place has not: PROGRAM says so, the twin's KERNEL refuses, auto picks torch
-    and a named mover fails before anything moves."""
+def test_the_compiled_mover_runs_split_axes_and_the_triton_kernel_refuses_them(monkeypatch: pytest.MonkeyPatch
+                                                                                ) -> None:
+    """Each plane's program walks a split N as two dims (tile, place) and a split C as two shared
+    dims, every extent read from the plane's views: the compiled kernel moves them, by default on
+    a CPU. The Triton kernel reads each axis's extent from the geometry by name, which a tile or a
+    place has not: its twin's KERNEL refuses and a named Triton mover fails before anything moves."""
     for plan in PLANS.values():
-        assert program_plan(plan).compiled == SPLITS_REASON
+        program = program_plan(plan)
+        assert program.compiled is None and len(program.planes) == len(plan.planes)
         kernel = make_planes_kernel_plan(plan)
         assert isinstance(kernel, RefusedKernelPlan) and kernel.why == SPLITS_REASON
         assert plan_refusal(plan) == SPLITS_REASON and kernel_grid(plan) == f"no Triton kernel: {SPLITS_REASON}"
+    splits = {m: [dict(p.fields).get("slot_split", ()) for p in program_plan(plan).planes] for m, plan in PLANS.items()}
+    assert splits["sglang_mha_vectorized_5d__kv_planes"] == [(), ("N/8", "N%8")]
+    assert splits["sglang_mha_mxfp8_interleaved__kv_planes"] == [(), (), ("N/32", "N%32"), ("N/32", "N%32")]
     module = "sglang_mha_vectorized_5d__kv_planes"
-    assert connector_class(module)(device="cpu").copy_backend_for("cpu") == "torch"
-    with pytest.raises(KVLayoutError, match="backend='native'.*split"):
-        connector_class(module)(device="cpu", backend="native").copy_backend_for("cpu")
+    if native.compiler() is not None:
+        assert connector_class(module)(device="cpu").copy_backend_for("cpu") == "native"
     twin = types.ModuleType(f"{module}_triton")
     text = next(k for k in MODULE_KINDS if k.field == "kernels").render(make_planes_kernel_plan(PLANS[module]))
     exec(compile(text, twin.__name__, "exec"), twin.__dict__)
@@ -108,6 +123,136 @@ def test_the_compiled_and_triton_movers_refuse_split_axes_and_say_why(monkeypatc
     monkeypatch.setattr(kernels, "kernel_of", lambda name: twin.KERNEL)
     with pytest.raises(Unsupported, match="no Triton kernel for this connector: split"):
         TritonMover().prepare(connector_class(module)(device="cpu"), torch.device("cpu"))
+
+
+needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C compiler here")
+
+
+@needs_compiler
+@pytest.mark.parametrize("module", sorted(PLANS))
+def test_the_compiled_mover_matches_the_reference_in_every_scenario(module: str) -> None:
+    """backend="native": all 16 slot scenarios and the square ones, store and load, every call
+    on the kernel (none fell back to torch)."""
+    plan = PLANS[module]
+    connector = connector_class(module)(device="cpu", backend="native")
+    calls, fallbacks = native.stats["calls"], native.stats["fallbacks"]
+    results = {name: check_pair(connector, plan.paged, plan.obj, sc) for name, sc in MORE.items()}
+    assert all(ok == (True, True) for ok in results.values()), results
+    assert native.stats["calls"] > calls and native.stats["fallbacks"] == fallbacks
+
+
+#: K's cache places of vectorized_5d, [B H C/8 N C%8 E], from C/8 to C%8.
+K_PLACES = "('{}', 2, ()),\n                ('N', 3, ()),\n                ('{}', 4, ())"
+#: PROGRAM edits that swap a tile and its place: the plane's block slot (tokens of a block read
+#: from place-major cells, a token's offset split by the tile count) or K's C/8 and C%8 dims.
+SWAPS = [
+    ("sglang_mha_mxfp8_interleaved__kv_planes", ("slot_split=('N/32', 'N%32')", "slot_split=('N%32', 'N/32')"),
+     "random_slots"),
+    ("sglang_mha_mxfp8_interleaved__kv_planes_layer", ("slot_split=('N/32', 'N%32')", "slot_split=('N%32', 'N/32')"),
+     "partial_blocks"),
+    ("sglang_mha_vectorized_5d__kv_planes", ("slot_split=('N/8', 'N%8')", "slot_split=('N%8', 'N/8')"),
+     "square_blocks"),
+    ("sglang_mha_vectorized_5d__kv_planes_layer", ("slot_split=('N/8', 'N%8')", "slot_split=('N%8', 'N/8')"),
+     "square_pages"),
+    ("sglang_mha_vectorized_5d__kv_planes", (K_PLACES.format("C/8", "C%8"), K_PLACES.format("C%8", "C/8")),
+     "square_tiles"),
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("module, edit, scenario", SWAPS)
+def test_a_program_with_tile_and_place_swapped_fails_the_reference(module: str, edit: tuple[str, str],
+                                                                   scenario: str) -> None:
+    plan = PLANS[module]
+    connector = connector_class(module, edit)(device="cpu", backend="native")
+    assert check_pair(connector, plan.paged, plan.obj, MORE[scenario]) == (False, False)
+
+
+def _swapped_strides(rows: list[list[int]]) -> list[list[int]]:
+    """The kernel's dims of a split slot with its tile's and place's cache strides swapped, both paths."""
+    for r in rows:
+        if r[9] > 1:  # a token's offset split into tile and place
+            r[4], r[10] = r[10], r[4]
+    return rows
+
+
+@needs_compiler
+@pytest.mark.parametrize("scenario", ["square_blocks", "square_pages"])
+@pytest.mark.parametrize("break_", ["swap_strides", "drop_last_tile"])
+def test_kernel_dims_with_a_tile_broken_fail_the_reference(scenario: str, break_: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mover's own rows, broken after the plan: a split slot's tile and place at each other's
+    cache strides (whole blocks and single tokens), or the last tile of every block left out."""
+    module = "sglang_mha_vectorized_5d__kv_planes"
+    slot_rows, token_row = native_mover._slot_rows, native_mover._token_row
+
+    def slots(cache: Any, ext: Any, os_t: int, split: Any) -> list[list[int]]:
+        rows = slot_rows(cache, ext, os_t, split)
+        if split and break_ == "swap_strides":
+            rows[0][4], rows[1][4] = rows[1][4], rows[0][4]
+        if split and break_ == "drop_last_tile":
+            rows[0][0] -= 1
+        return rows
+
+    def tokens(*args: Any) -> list[int]:
+        row = token_row(*args)
+        return _swapped_strides([row])[0] if break_ == "swap_strides" else row
+
+    monkeypatch.setattr(native_mover, "_slot_rows", slots)
+    monkeypatch.setattr(native_mover, "_token_row", tokens)
+    plan = PLANS[module]
+    connector = connector_class(module)(device="cpu", backend="native")
+    assert check_pair(connector, plan.paged, plan.obj, MORE[scenario]) == (False, False)
+
+
+@needs_compiler
+@pytest.mark.parametrize("module", ["sglang_mha_mxfp8_interleaved__kv_planes", "sglang_mha_vectorized_5d__kv_planes"])
+def test_a_cache_tensor_one_tile_short_is_refused_before_any_write(module: str) -> None:
+    """A split plane's tensor whose storage ends one tile of its last block early (memory freed
+    under the view): store and load are refused and neither the objects nor the cache change."""
+    plan = PLANS[module]
+    sc = fitted(plan.paged, SCENARIOS["consecutive_blocks"])
+    connector = connector_class(module)(device="cpu", backend="native")
+    cache = make_cache(plan.paged, torch.bfloat16, "cpu", ext=sc.ext)
+    part = next(i for i, p in enumerate(plan.paged.parts) if "N/8" in p.tensor_axes or "N/32" in p.tensor_axes)
+    leaf, axes = cache[part][0], [d.axes[0] for d in plan.paged.parts[part].dims]
+    tile = leaf.stride(next(i for i, a in enumerate(axes) if a.startswith("N/"))) * leaf.element_size()
+    mapping = torch.arange(sum(e - s for s, e in zip(sc.starts, sc.ends, strict=False)), dtype=torch.long)
+    lengths = [e - s for s, e in zip(sc.starts, sc.ends, strict=False)]
+    connector.bind(cache)
+    objs = make_objects(connector, lengths, torch.bfloat16, "cpu", salt=7)
+    before_objs, before_cache = clone_tree([obj_tensors(o) for o in objs]), clone_tree(cache)
+    leaf.untyped_storage().resize_(leaf.untyped_storage().nbytes() - tile)
+    with pytest.raises(KVLayoutError, match="storage"):
+        connector_store(connector, objs, sc, cache, mapping)
+    with pytest.raises(KVLayoutError, match="storage"):
+        connector_load(connector, objs, sc, cache, mapping)
+    assert same_bits([obj_tensors(o) for o in objs], before_objs)
+    assert all(same_bits(a, b) for i, (a, b) in enumerate(zip(cache, before_cache, strict=True)) if i != part)
+
+
+@needs_compiler
+def test_plane_extents_refuse_views_that_disagree_or_hold_too_few_slots() -> None:
+    """The mover's own checks, before any call is made: a leaf one tile short of the geometry's
+    block, an object view whose values differ from the cache's, and a leaf whose storage ends early."""
+    plan = PLANS["sglang_mha_mxfp8_interleaved__kv_planes"]
+    program = runtime_program(plan).planes[2]  # k_scale: [B H N%32 N/32 C E]
+    g = types.SimpleNamespace(S=4 * 128, N=128)
+    leaf, obj = (4, 2, 32, 4, 4, 1), (3, 10, 2, 4, 1)
+    assert native_mover.plane_extents(program, leaf, obj, g)["N"] == 128
+    with pytest.raises(Unsupported, match="slots"):
+        native_mover.plane_extents(program, (4, 2, 32, 3, 4, 1), obj, g)
+    with pytest.raises(Unsupported, match="plane axis C"):
+        native_mover.plane_extents(program, leaf, (3, 10, 2, 5, 1), g)
+    t = torch.zeros(leaf, dtype=torch.uint8)
+    t.untyped_storage().resize_(t.numel() - 32 * 4 * 4)
+    with pytest.raises(Unsupported, match="storage"):
+        native_mover.LeafSet(None, [t], program.cache_places, program.cache_lists, {"L": 1})
+
+
+def runtime_program(plan: PlanesPlan) -> Any:
+    """The module's PROGRAM of a rendered tiled connector."""
+    return connector_class(plan.module).program
 
 
 def _cache(module: str) -> Any:

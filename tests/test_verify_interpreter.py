@@ -30,7 +30,7 @@ from kvgen.oracle.scenarios import (
 )
 from kvgen.plan.package import plan_connectors
 from kvgen.runtime import available_devices, kernels
-from kvgen.tools import verify_connectors
+from kvgen.tools.verify import connectors as verify_connectors
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or available_devices() != ["cpu"],

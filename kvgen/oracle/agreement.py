@@ -1,7 +1,7 @@
 """Whether two address functions agree on every element of a product of ranges, worked out
 on index grids at once, and the first element where they differ.
 
-The fact tables (kvgen.oracle.facts, facts_planes) and kvgen.oracle.address are plain integer
+The fact tables (kvgen.oracle.facts.layouts, facts.planes) and kvgen.oracle.address are plain integer
 arithmetic: given index grids that broadcast over the product of the ranges instead of
 integers, they give every element's address in one evaluation. `agree_everywhere` says True
 only when both give equal addresses for every element; anything else (a difference, a

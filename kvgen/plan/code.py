@@ -45,7 +45,7 @@ def _axes(axes: tuple[str, ...]) -> str:
 LINE = 120 - 8
 
 
-def _chain(expr: str) -> list[str]:
+def chain_calls(expr: str) -> list[str]:
     """`a(...).b(...).c(...)` as ["a(...)", ".b(...)", ".c(...)"]: its calls at the outermost level."""
     parts, depth, start = [], 0, 0
     for i, ch in enumerate(expr):
@@ -62,10 +62,15 @@ def _assign(name: str, expr: str, comment: str) -> list[str]:
     one = f"{name} = {expr}  # {comment}"
     if len(one) <= LINE:
         return [one]
-    lines, parts = [f"# {comment}"], _chain(expr)
+    return [f"# {comment}", *_assign_chain(name, expr)]
+
+
+def _assign_chain(name: str, expr: str) -> list[str]:
+    """`name = expr`, a chain of calls too long for one line taken a call or more at a time."""
+    parts = chain_calls(expr)
     if re.search(rf"\b{re.escape(name)}\b", "".join(parts[1:])):  # a later call reads the name: one line
-        return [*lines, f"{name} = {expr}"]
-    line = f"{name} = {parts[0]}"
+        return [f"{name} = {expr}"]
+    lines, line = [], f"{name} = {parts[0]}"
     for part in parts[1:]:
         if len(line + part) > LINE:
             lines.append(line)
@@ -79,7 +84,7 @@ def _bind(name: str, view: View, program: str | None, side: str) -> list[str]:
     over this view's dims) the view then taken at its places, on a line of its own."""
     if program is None:
         return _assign(name, view.expr, _axes(view.axes))
-    return [f"{name} = {view.expr}", f"{name} = {placed(name, program, side)}  # {_axes(view.axes)}"]
+    return [*_assign_chain(name, view.expr), f"{name} = {placed(name, program, side)}  # {_axes(view.axes)}"]
 
 
 def _copy(plan: CopyPlan, store: bool, program: str | None = None) -> list[str]:

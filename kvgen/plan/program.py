@@ -5,8 +5,10 @@ written into the generated module as `PROGRAM = runtime.CopyProgram(...)`
 (kvgen.runtime.movers.program): where every axis lives on each side (tensor dim, or a list
 level of the cache), the token paths (whole blocks by id then single tokens by slot, or
 tokens by slot over a folded slot axis), the dims of each kernel call per direction (the
-object's order for both), which of the innermost dims both layouts keep adjacent (so they may merge
-into one memcpy run), and, for a pair the compiled kernel cannot move, the reason.
+object's order for both), a block slot split into two cache dims (tile and place, `N/8` and
+`N%8`: the object's tokens viewed as tile x place, a single token's offset split by the
+kernel), which of the innermost dims both layouts keep adjacent (so they may merge into one
+memcpy run), and, for a pair the compiled kernel cannot move, the reason.
 
 Movers (kvgen.runtime.movers) execute the description with the live extents, strides and
 addresses only; none of them reads the layout facts to decide anything.
@@ -20,8 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgen.plan import splits
+from kvgen.plan.code import chain_calls
 from kvgen.plan.copy import CopyPlan, Mode
 from kvgen.plan.planes import PlanesPlan
+from kvgen.spec.elements import split_of, tiled
 from kvgen.spec.model import Spec
 
 #: The most dims one call of the compiled kernel takes (KV_MAXD in kvgen/runtime/csrc/kvcopy.c;
@@ -63,18 +67,26 @@ def places(spec: Spec) -> tuple[Place, ...]:
 
 
 def _why_not(shared: tuple[str, ...], cache: tuple[str, ...], lists: tuple[str, ...], obj: tuple[str, ...],
-             slotless: bool) -> str | None:
-    """Why the compiled kernel cannot move this copy (layout facts only); None when it can."""
+             slotless: bool, slot: tuple[str, ...]) -> str | None:
+    """Why the compiled kernel cannot move this copy (layout facts only); None when it can.
+    `slot`: the cache dims of a block slot (N, or N's tile and place)."""
     for a in shared:
         if a not in cache and a not in lists:
             return f"axis {a} is on the object only"
         if a not in obj:
             return f"axis {a} is on the cache only"
-    if not slotless and ("T" not in obj or ("S" not in cache and ("B" not in cache or "N" not in cache))):
+    if not slotless and ("T" not in obj or ("S" not in cache and ("B" not in cache or not slot))):
         return "token axes not found"
-    if len(shared) + 2 > KERNEL_DIMS:
-        return f"{len(shared) + 2} dims exceed the kernel's {KERNEL_DIMS}"
+    if len(shared) + 1 + len(slot) > KERNEL_DIMS:
+        return f"{len(shared) + 1 + len(slot)} dims exceed the kernel's {KERNEL_DIMS}"
     return None
+
+
+def slot_split(cache: tuple[str, ...]) -> tuple[str, ...]:
+    """(tile, place) of a block slot split into two cache dims (`N/8`, `N%8`); () where N is one dim
+    or absent. Only a tile with its place: the kernel splits a slot's offset by the place's extent."""
+    found = {(split_of(a) or ("", ""))[1]: a for a in cache if (split_of(a) or ("",))[0] == "N"}
+    return (found["/"], found["%"]) if set(found) == {"/", "%"} else ()
 
 
 #: One side of a copy as `_run` reads it: its leaf's axes in order, its list levels, and the
@@ -86,11 +98,12 @@ def _run(order: tuple[str, ...], sides: tuple[Side, ...]) -> tuple[str, ...]:
     """The innermost dims of `order` that every side keeps adjacent and innermost, so that
     with contiguous strides they are one run: each is, on every side, the axis right before
     the one merged before it (the last axis of the leaf, for the first). N merges as each
-    side's slot axis; indexed dims (B, T) and list levels never."""
+    side's slot axis; indexed dims (B, T), list levels and axes of one side only (a block slot's
+    tile and place) never."""
     merged: list[str] = []
     inner = [len(axes) for axes, _, _ in sides]
     for name in reversed(order):
-        if name in ("B", "T") or any(name in lists for _, lists, _ in sides):
+        if name in ("B", "T") or any(name in lists or (name != "N" and name not in axes) for axes, lists, _ in sides):
             break
         at = [axes.index(n_axis if name == "N" else name) for axes, _, n_axis in sides]
         if any(a != i - 1 for a, i in zip(at, inner, strict=True)):
@@ -110,6 +123,8 @@ def program_plan(plan: CopyPlan | PlanesPlan) -> ProgramPlan:
         return planes_program(plan)
     if [a for a in plan.obj.lists if a != "L"]:
         return ProgramPlan((("compiled", f"object list levels {plan.obj.lists}"),), ())
+    if tiled(plan.paged.axes):  # extents come from the geometry by name here; a tile or a place has none
+        return ProgramPlan((("compiled", splits.SPLITS_REASON),), ())
     return copy_program(places(plan.paged), plan.paged.lists, places(plan.obj), plan.mode is Mode.LAYERWISE)
 
 
@@ -119,12 +134,16 @@ def copy_program(cp: tuple[Place, ...], lists: tuple[str, ...], op: tuple[Place,
     levels, the object's places; `slotless`: a plane without slots (copied whole with every
     chunk that moves a token, one path `plane`)."""
     cache, objs = tuple(p[0] for p in cp), tuple(p[0] for p in op)
-    axes = (set(cache) | set(lists) | set(objs)) - TOKEN_AXES - ({"L"} if layerwise else set())
+    split = slot_split(cache)
+    slot = split or tuple(a for a in ("N",) if a in cache)
+    axes = (set(cache) | set(lists) | set(objs)) - TOKEN_AXES - set(split) - ({"L"} if layerwise else set())
     shared = tuple(sorted(axes))
     folded = "S" in cache
-    fields: Fields = (("compiled", _why_not(shared, cache, lists, objs, slotless)), ("layerwise", layerwise),
+    fields: Fields = (("compiled", _why_not(shared, cache, lists, objs, slotless, slot)), ("layerwise", layerwise),
                       ("folded", folded), ("slotless", slotless), ("cache_lists", lists), ("cache_places", cp),
                       ("object_places", op), ("shared", shared))
+    if split:  # only where N is split: every other module's PROGRAM reads as before
+        fields += (("slot_split", split),)
     if dict(fields)["compiled"] is not None:
         return ProgramPlan(fields, ())
     # Both directions walk the object's axis order, so the object (the contiguous side) is
@@ -132,14 +151,15 @@ def copy_program(cp: tuple[Place, ...], lists: tuple[str, ...], op: tuple[Place,
     # the cache's order instead read the object in pieces of one token's K or V, a stride
     # apart, and took 1.3-1.7x as long on the CPU (vLLM and SGLang layouts, per-layer objects,
     # 2048 tokens, 2 vCPUs shared with other jobs; the bare kernel 2x at 256 and 2048 tokens).
-    # B and N sit at the token's place, blocks outside slots.
+    # B and N sit at the token's place, blocks outside slots; a split N's tile outside its place
+    # (the object's tokens of a block viewed as tile x place).
     okey = {a: (objs.index(a), 0) for a in shared}
     if slotless:
         names: tuple[tuple[str, tuple[str, ...]], ...] = (("plane", shared),)
     else:
         t = objs.index("T")
-        okey.update(B=(t, 0), N=(t, 1), T=(t, 0))
-        names = ((("blocks", ("B", "N", *shared)),) if not folded else ()) + (("tokens", ("T", *shared)),)
+        okey.update(B=(t, 0), T=(t, 0), **{a: (t, 1 + k) for k, a in enumerate(slot)})
+        names = ((("blocks", ("B", *slot, *shared)),) if not folded else ()) + (("tokens", ("T", *shared)),)
     sides: tuple[Side, ...] = ((cache, lists, "N"), (objs, (), "T"))
     paths = []
     for name, dims in names:
@@ -152,11 +172,11 @@ def copy_program(cp: tuple[Place, ...], lists: tuple[str, ...], op: tuple[Place,
 def planes_program(plan: PlanesPlan) -> ProgramPlan:
     """A cache of several planes: one program per plane over the byte views the module's
     `_planes` makes (the object's region or row slice of the plane, and the plane's leaf of
-    every layer), each plane's axes one dim per axis in those views."""
+    every layer), each plane's axes one dim per axis in those views: the mover reads every
+    axis's extent from its dim there, a tile's and a place's too (a split axis has no extent in
+    the geometry)."""
     if any(tuple(lp.axis for lp in pc.copy.loops) != ("L",) for pc in plan.planes):
         return ProgramPlan((("compiled", "caches of several planes with list levels besides L and the parts"),), ())
-    if plan.tiled:
-        return ProgramPlan((("compiled", splits.SPLITS_REASON),), ())
     layerwise = plan.mode is Mode.LAYERWISE
     planes = []
     for pc in plan.planes:
@@ -177,7 +197,7 @@ def planes_views(plan: PlanesPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
     objects.append("return (")
     for pc in plan.planes:  # each plane's comment on a line of its own: views can be long
         objects += [f"    # plane {pc.plane.name}: {' '.join(pc.copy.object_view.axes)}",
-                    f"    {pc.copy.object_view.expr},"]
+                    *_continued(pc.copy.object_view.expr)]
     objects.append(")")
     leaves = ["wd = (1,) * len(g.planes)  # bytes", "return ("]
     for pc in plan.planes:
@@ -186,6 +206,15 @@ def planes_views(plan: PlanesPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
                    "          for layer in range(g.L)),"]
     leaves.append(")")
     return tuple(objects), tuple(leaves)
+
+
+def _continued(expr: str) -> list[str]:
+    """One entry of a tuple display: `expr,`, a chain of calls too long for a line (of a method
+    body's tuple, at column 12) continued a call a line inside the parentheses."""
+    if len(expr) <= 120 - 13:
+        return [f"    {expr},"]
+    parts = chain_calls(expr)
+    return [f"    {parts[0]}", *(f"        {p}" for p in parts[1:-1]), f"        {parts[-1]},"]
 
 
 def _cache_key(spec: Spec, places_: tuple[Place, ...], shared: tuple[str, ...]) -> dict[str, tuple[int, int]]:

@@ -55,9 +55,9 @@ __all__ = ["ABI", "FIELDS", "FLAGS", "MAX_DIMS", "MAX_PLANES", "Unsupported", "l
 #: of one user, and glibc's memcpy already picks the widest vector unit at run time.
 FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-std=c99")
 #: The kernel's calling convention (kvgen_abi() in csrc/kvcopy.c).
-ABI = 4
+ABI = 5
 #: Int64 fields per dim (csrc/kvcopy.c) and the most dims it takes.
-FIELDS, MAX_DIMS = 9, 8
+FIELDS, MAX_DIMS = 11, 8
 #: The most planes kvgen_move_planes walks together (KV_MAXP in csrc/kvcopy.c).
 MAX_PLANES = 4
 

@@ -25,15 +25,12 @@ def backends() -> dict[str, str]:
     return {"cpu": cpu, "cuda": gpu, "xpu": gpu}
 
 
-def backend_line(planes: bool | None = None) -> str:
-    """One line for `kvgen list` (planes None: every connector) and `kvgen explain` (planes:
-    whether the spec's connectors move caches of several planes, which the compiled CPU
-    kernel does not describe, so their CPU path is torch ops)."""
+def backend_line(refused: bool = False) -> str:
+    """One line for `kvgen list` and `kvgen explain`; `refused`: some of the connectors told of
+    have a PROGRAM the compiled CPU kernel cannot run (each says why), so those use torch ops."""
     found = backends()
-    if found["cpu"] == "native" and planes:
-        found["cpu"] = "torch (caches of several planes)"
-    elif found["cpu"] == "native" and planes is None:
-        found["cpu"] = "native (torch for caches of several planes)"
+    if found["cpu"] == "native" and refused:
+        found["cpu"] = "native (torch where a connector's PROGRAM says why not)"
     note = "" if found["cuda"] != "torch" else " (triton is not installed: pip install 'kvgen[triton]')"
     return ("copy backend (backend=None): " + ", ".join(f"{d} {b}" for d, b in found.items()) + note
             + "; backend='triton', 'native' or 'torch' forces one")

@@ -16,6 +16,7 @@ from kvgen.errors import KVGenError, SpecError, display_path
 from kvgen.oracle.address import explain_lines, symbolic_address
 from kvgen.plan.kernel import kernel_grid
 from kvgen.plan.package import plan_connectors as plan_library
+from kvgen.plan.program import program_plan
 from kvgen.spec.describe import format2_facts
 from kvgen.spec.library import BUILTIN_SPECS
 from kvgen.spec.models import model_facts
@@ -38,7 +39,7 @@ from kvgen.tools.paths import (
     temporary_build,
 )
 from kvgen.tools.specset import load_lenient, twin_warnings, validate
-from kvgen.tools.verify import main as verify_main
+from kvgen.tools.verify.run import main as verify_main
 from kvgen.tp import explain
 
 #: Exit statuses: bad input, Ctrl-C (128 + SIGINT), a closed output pipe (128 + SIGPIPE, as a
@@ -155,7 +156,7 @@ def _spec_facts(s: Any, plans: list[Any]) -> dict[str, Any]:
 
 def _list_json(library: Any, plans: list[Any]) -> None:
     pairs = [{"paged": p.paged.name, "object": p.obj.name, "mode": p.mode, "module": p.module,
-              "strategy": p.strategy, "kernel": kernel_grid(p)} for p in plans]
+              "strategy": p.strategy, "kernel": kernel_grid(p), "cpu_kernel": _cpu_kernel(p)} for p in plans]
     json.dump({"kvgen": __version__, "layouts": {s.name: _spec_facts(s, plans) for s in library.specs},
                "connectors": pairs, "backends": _backends(),
                "models": {m.name: model_facts(m) for m in library.models}}, sys.stdout, indent=2)
@@ -217,7 +218,18 @@ def _explain_connectors(spec: Any, library: Any) -> None:
             print(f"    {p.module} ({p.mode}): {p.strategy}")
             grid = kernel_grid(p)
             print(f"      triton kernel: {grid}")
-        print(f"  {_backend_line(planes=not spec.is_simple if spec.is_paged else spec.pack is not None)}")
+            print(f"      cpu kernel:    {_cpu_kernel(p)}")
+        print(f"  {_backend_line(refused=any(program_plan(p).compiled is not None for p in plans))}")
+
+
+def _cpu_kernel(plan: Any) -> str:
+    """What the compiled CPU kernel does with a connector, from its PROGRAM."""
+    program = program_plan(plan)
+    if program.compiled is not None:
+        return f"none: {program.compiled}"
+    split = [dict(q.fields)["slot_split"] for q in program.planes if "slot_split" in dict(q.fields)]
+    return "compiled" + (f" (block slots split as {', '.join(' x '.join(s) for s in sorted(set(split)))})"
+                         if split else "")
 
 
 def cmd_explain(args: argparse.Namespace) -> int:

@@ -329,7 +329,7 @@ def check_pair(connector: Any, paged: Spec, obj: Spec, scenario: Scenario,
 def move_pair(connector: Any, paged: Spec, obj: Spec, scenario: Scenario,
               dtype: torch.dtype = torch.float32) -> None:
     """check_pair's store and load through the connector alone, nothing compared (what a
-    rehearsal of its kernel launches runs, kvgen.tools.verify_connectors)."""
+    rehearsal of its kernel launches runs, kvgen.tools.verify.connectors)."""
     scenario = fitted(paged, scenario)
     _, mapping, _, cache, objs = _pair_inputs(connector, paged, obj, scenario, dtype)
     connector_store(connector, objs, scenario, cache, mapping)

@@ -2,7 +2,7 @@
  * cache and a memory object, as nested loops over up to KV_MAXD dims around a contiguous
  * run of bytes copied with memcpy.
  *
- * Each dim is described by 9 int64 fields (see kvgen/runtime/native.py, which builds them
+ * Each dim is described by 11 int64 fields (see kvgen/runtime/native.py, which builds them
  * from a connector's layout):
  *   ext    entries of the dim
  *   idx    0, or the address of ext int64 values v (else v = first + i)
@@ -13,6 +13,9 @@
  *   tok    0, or the address of ext int64 object positions (else position i)
  *   os     object bytes per position
  *   ls     cache leaves per unit of v (a list level of the cache: a different tensor)
+ *   div2   > 1 (div > 1 only): the position in a block is split again into (tile, place) =
+ *          (pos / div2, pos % div2), a cache whose block slots are two dims (N/8 and N%8)
+ *   cs3    cache bytes per place (div2 > 1 only; cs2 is then the bytes per tile)
  * An entry whose v is < 0 is skipped (a token with no slot). Nothing here checks bounds:
  * the connector checked every slot, block and position before calling.
  *
@@ -28,13 +31,24 @@
 #endif
 
 #define KV_MAXD 8
-#define KV_FIELDS 9
+#define KV_FIELDS 11
 #define KV_MAXT 16
 
 typedef struct {
-    int64_t ext, first, div, cs, cs2, os, ls;
+    int64_t ext, first, div, cs, cs2, os, ls, div2, cs3;
     const int64_t *idx, *tok;
 } kv_dim;
+
+/* Cache bytes of entry value v along dim d: a slot split into block and position (and the
+ * position into tile and place), or v steps of cs. */
+static inline int64_t kv_cache_bytes(const kv_dim *d, int64_t v) {
+    if (d->div <= 1)
+        return v * d->cs;
+    int64_t pos = v % d->div;
+    if (d->div2 > 1)
+        return (v / d->div) * d->cs + (pos / d->div2) * d->cs2 + (pos % d->div2) * d->cs3;
+    return (v / d->div) * d->cs + pos * d->cs2;
+}
 
 typedef struct {
     int nd;
@@ -147,7 +161,7 @@ static void kv_walk(const kv_job *job, int k, int64_t leaf, int64_t coff, int64_
         int64_t v = d->idx ? d->idx[i] : d->first + i;
         if (v < 0)
             continue;
-        int64_t c = d->div > 1 ? (v / d->div) * d->cs + (v % d->div) * d->cs2 : v * d->cs;
+        int64_t c = kv_cache_bytes(d, v);
         int64_t p = d->tok ? d->tok[i] : i;
         if (last) {
             char *cp = job->leaves[leaf + v * d->ls] + coff + c;
@@ -232,6 +246,8 @@ int kvgen_move(int store, int nd, const int64_t *dims, int64_t run, char *const 
         d->tok = (const int64_t *)(intptr_t)f[6];
         d->os = f[7];
         d->ls = f[8];
+        d->div2 = f[9];
+        d->cs3 = f[10];
         if (d->ext <= 0)
             return 0; /* nothing to move */
     }
@@ -354,7 +370,7 @@ int kvgen_copy_rows(int64_t n, const int64_t *rows, int threads, int stream) {
  * memory is moved by one walk over the dims they share, each plane's run copied at each
  * entry of the innermost dim; one walk per plane would read every cache line once per plane.
  * Each plane has its own dims (KV_FIELDS each, as kvgen_move's); the caller checked that the
- * planes' dims agree in everything but strides and leaf steps (ext, idx, first, div, tok). */
+ * planes' dims agree in everything but strides and leaf steps (ext, idx, first, div, tok, div2). */
 #define KV_MAXP 4
 
 typedef struct {
@@ -404,7 +420,7 @@ static void kv_mwalk(const kv_mjob *job, int k, const kv_at *at) {
         int64_t p = d->tok ? d->tok[i] : i;
         for (int q = 0; q < job->planes; q++) {
             const kv_dim *e = &job->d[q][k];
-            int64_t c = e->div > 1 ? (v / e->div) * e->cs + (v % e->div) * e->cs2 : v * e->cs;
+            int64_t c = kv_cache_bytes(e, v);
             next[q].leaf = at[q].leaf + v * e->ls;
             next[q].coff = at[q].coff + c;
             next[q].ooff = at[q].ooff + p * e->os;
@@ -455,6 +471,7 @@ int kvgen_move_planes(int store, int nd, int planes, const int64_t *dims, const 
             kv_dim *d = &job->d[q][k];
             d->ext = f[0], d->idx = (const int64_t *)(intptr_t)f[1], d->first = f[2], d->div = f[3];
             d->cs = f[4], d->cs2 = f[5], d->tok = (const int64_t *)(intptr_t)f[6], d->os = f[7], d->ls = f[8];
+            d->div2 = f[9], d->cs3 = f[10];
             if (d->ext <= 0)
                 return 0; /* nothing to move */
         }
@@ -701,4 +718,4 @@ int64_t kvgen_repeated_slot(const int64_t *slots, int64_t n, int64_t *scratch) {
 }
 
 /* The version of the calling convention above; the loader refuses a library with another. */
-int kvgen_abi(void) { return 4; }
+int kvgen_abi(void) { return 5; }

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvgen.runtime import host, native
+from kvgen.runtime.aliasing import within_storage
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.movers.base import Unsupported
 from kvgen.runtime.movers.program import CopyPath, CopyProgram, Place
@@ -43,19 +44,22 @@ class LeafSet:
     """One bound cache as the kernel sees it: its leaves' addresses, one leaf's axis strides and
     each list level's step in leaves."""
 
-    __slots__ = ("binding", "ptrs", "base", "strides", "ls", "item")
+    __slots__ = ("binding", "ptrs", "base", "strides", "ls", "item", "shape")
 
     def __init__(self, binding: Any, tree: Any, places: tuple[Place, ...], lists: tuple[str, ...],
                  ext: dict[str, int]):
         tensors = leaves(tree)
         first = tensors[0]
-        if any(t.stride() != first.stride() for t in tensors[1:]):
-            raise Unsupported("cache tensors differ in strides")
+        if any(t.stride() != first.stride() or t.shape != first.shape for t in tensors[1:]):
+            raise Unsupported("cache tensors differ in shape or strides")
+        if not all(within_storage(t) for t in tensors):  # every extent the kernel walks is one of these views'
+            raise Unsupported("a cache view reaches past its storage")
         self.binding = binding  # held so that id(binding) is not reused while this entry lives
         self.item = first.element_size()
         self.ptrs = array.array("Q", [t.data_ptr() for t in tensors])
         self.base = self.ptrs.buffer_info()[0]
         self.strides = strides(places, first, ext)
+        self.shape = tuple(first.shape)
         self.ls: dict[str, int] = {}
         step = 1
         for a in reversed(lists):
@@ -114,9 +118,9 @@ class Description:
         self.key, self.ck, self.cache, self.calls = key, ck, cache, calls
 
 
-#: The fields of a dim that every plane of one walk must share (ext, idx, first, div, tok):
+#: The fields of a dim that every plane of one walk must share (ext, idx, first, div, tok, div2):
 #: only strides and leaf steps may differ (csrc/kvcopy.c: kvgen_move_planes).
-_SHARED_FIELDS = (0, 1, 2, 3, 6)
+_SHARED_FIELDS = (0, 1, 2, 3, 6, 9)
 
 
 class Joint:
@@ -196,29 +200,51 @@ def _index(ids: Any) -> tuple[int, int]:
     return (0, ids.start) if isinstance(ids, slice) else (address(ids), 0)
 
 
-def _rows(dims: tuple[str, ...], cache: LeafSet, os_: dict[str, int], ext: dict[str, int], ck: Chunk
-          ) -> list[list[int]]:
+def _rows(dims: tuple[str, ...], cache: LeafSet, os_: dict[str, int], ext: dict[str, int], ck: Chunk,
+          split: tuple[str, ...]) -> list[list[int]]:
     """The kernel's dims of one path in the order `dims`: extent, index, first, div, cache
-    stride(s), token positions, object stride, leaf step (native.FIELDS each)."""
+    stride(s), token positions, object stride, leaf step, place extent, place stride
+    (native.FIELDS each). `split`: a block slot's (tile, place), or () for one dim N."""
     cs, ls = cache.strides, cache.ls
     os_t = os_.get("T", 0)
+    slot = _slot_rows(cache, ext, os_t, split)
+    n = slot[0][0] * (slot[1][0] if split else 1)  # tokens per block
     rows = []
     for name in dims:
         if name == "B":
-            n = ext["N"]
-            rows.append([ck.block_tokens // n, *_index(ck.block_ids), 1, cs["B"], 0, 0, n * os_t, 0])
-        elif name == "N":
-            rows.append([ext["N"], 0, 0, 1, cs["N"], 0, 0, os_t, 0])
+            rows.append([ck.block_tokens // n, *_index(ck.block_ids), 1, cs["B"], 0, 0, n * os_t, 0, 0, 0])
+        elif name in (split or ("N",)):
+            rows.append(slot[(split or ("N",)).index(name)])
         elif name == "T":
-            slots = ck.slots
-            count = slots.stop - slots.start if isinstance(slots, slice) else slots.numel()  # type: ignore[union-attr]
-            if "S" in cs:
-                rows.append([count, *_index(slots), 1, cs["S"], 0, address(ck.tok), os_t, 0])
-            else:
-                rows.append([count, *_index(slots), ext["N"], cs["B"], cs["N"], address(ck.tok), os_t, 0])
+            rows.append(_token_row(cache, ck, (n, slot[-1][0]), os_t, split))
         elif ext.get(name, 1) > 1:
-            rows.append([ext[name], 0, 0, 1, cs.get(name, 0), 0, 0, os_[name], ls.get(name, 0)])
+            rows.append([ext[name], 0, 0, 1, cs.get(name, 0), 0, 0, os_[name], ls.get(name, 0), 0, 0])
     return rows
+
+
+def _slot_rows(cache: LeafSet, ext: dict[str, int], os_t: int, split: tuple[str, ...]) -> list[list[int]]:
+    """The dims of a whole block's slots: N, or its tile (the object's tokens in steps of a
+    place's extent) then its place."""
+    cs = cache.strides
+    if not split:
+        return [[ext.get("N", 1), 0, 0, 1, cs.get("N", 0), 0, 0, os_t, 0, 0, 0]]  # folded: no N
+    tile, place = split
+    return [[ext[tile], 0, 0, 1, cs[tile], 0, 0, ext[place] * os_t, 0, 0, 0],
+            [ext[place], 0, 0, 1, cs[place], 0, 0, os_t, 0, 0, 0]]
+
+
+def _token_row(cache: LeafSet, ck: Chunk, sizes: tuple[int, int], os_t: int, split: tuple[str, ...]) -> list[int]:
+    """The dim of single tokens by slot: a folded slot at its stride, else the block (slot // n)
+    and its offset, the offset at N's stride or split into a split N's tile and place (offset //
+    f, offset % f); `sizes`: (n, f), the tokens of a block and the place's extent."""
+    (n, f), cs, slots = sizes, cache.strides, ck.slots
+    count = slots.stop - slots.start if isinstance(slots, slice) else slots.numel()  # type: ignore[union-attr]
+    if "S" in cs:
+        return [count, *_index(slots), 1, cs["S"], 0, address(ck.tok), os_t, 0, 0, 0]
+    if split:
+        tile, place = split
+        return [count, *_index(slots), n, cs["B"], cs[tile], address(ck.tok), os_t, 0, f, cs[place]]
+    return [count, *_index(slots), n, cs["B"], cs["N"], address(ck.tok), os_t, 0, 0, 0]
 
 
 def _merge(rows: list[list[int]], names: list[str], run_dims: tuple[str, ...], item: int
@@ -272,8 +298,8 @@ def describe(program: CopyProgram, store: bool, tensor: torch.Tensor, call: Any,
     cache = leaf_set(binding, tree, program.cache_places, program.cache_lists, ext, part)
     if view.element_size() != cache.item:
         raise Unsupported("object and cache elements differ in size")
-    if plane is not None:  # C of a plane is its bytes
-        ext = {**ext, "C": g.planes[part].C}
+    if plane is not None:
+        ext = {**ext, **plane_extents(program, cache.shape, tuple(view.shape), g)}
     os_ = strides(program.object_places, view, {**ext, "T": ck.num_tokens})
     item, base = view.element_size(), view.data_ptr() - tensor.data_ptr()
     calls = []
@@ -281,8 +307,8 @@ def describe(program: CopyProgram, store: bool, tensor: torch.Tensor, call: Any,
         if not _runs(path, ck):
             continue
         dims = path.store if store else path.load
-        rows = _rows(dims, cache, os_, ext, ck)
-        names = [d for d in dims if d in ("B", "N", "T") or ext.get(d, 1) > 1]
+        rows = _rows(dims, cache, os_, ext, ck, program.slot_split)
+        names = [d for d in dims if d in ("B", "N", "T", *program.slot_split) or ext.get(d, 1) > 1]
         run, rows = _merge(rows, names, path.store_run if store else path.load_run, item)
         if len(rows) > native.MAX_DIMS:  # the kernel's bound: never pass it more
             raise Unsupported(f"{len(rows)} dims exceed the kernel's {native.MAX_DIMS}")
@@ -291,6 +317,28 @@ def describe(program: CopyProgram, store: bool, tensor: torch.Tensor, call: Any,
     if binding is not None:
         _remember(program, found)
     return found
+
+
+def plane_extents(program: CopyProgram, leaf: tuple[int, ...], obj: tuple[int, ...], g: Any) -> dict[str, int]:
+    """Each axis's extent in a plane's views, one axis per dim (a tile and a place have no extent
+    in the geometry; a plane's C is its bytes, or its values where each value's bytes are E).
+    Refused where the two views disagree on an axis both hold, or the leaf holds fewer slots
+    than the geometry's (whose bounds the chunk's slots were checked against): the kernel walks
+    these extents on both sides."""
+    ext = {a: leaf[i] for a, i, _ in program.cache_places}
+    for a, i, _ in program.object_places:
+        if a in ("L", "T"):  # the object's layers and tokens, checked by the connector
+            continue
+        if ext.setdefault(a, obj[i]) != obj[i]:
+            raise Unsupported(f"plane axis {a}: the cache's view has {ext[a]}, the object's {obj[i]}")
+    if program.slotless:
+        return ext
+    tile, place = program.slot_split or ("N", "")
+    n = ext.get(tile, 1) * ext.get(place, 1)
+    held = ext["S"] if "S" in ext else ext.get("B", 0) * n
+    if held < g.S or ("S" not in ext and n != g.N):
+        raise Unsupported(f"a plane's leaf holds {held} slots of {n} per block; the cache has {g.S} of {g.N}")
+    return {**ext, "N": n} if program.slot_split else ext
 
 
 def _remember(program: CopyProgram, found: Description) -> None:

@@ -22,9 +22,10 @@ Place = tuple[str, int, tuple[str, ...]]
 class CopyPath:
     """One way a chunk's tokens reach the cache, as the dims of one kernel call.
 
-    Dim names: a shared axis (KV, L, H, C: the same entries on both sides); B (whole blocks
-    by id, the object's tokens in steps of a block), N (the slots of those blocks, the
-    object's tokens one by one); T (single tokens by slot, each side split by its own block
+    Dim names: a shared axis (KV, L, H, C, a split axis's tile or place: the same entries on
+    both sides); B (whole blocks by id, the object's tokens in steps of a block), N (the slots
+    of those blocks, the object's tokens one by one; or, split, its tile and place, the object's
+    tokens in steps of a place's extent and one by one); T (single tokens by slot, each side split by its own block
     size). `store` and `load` list the dims outermost first in the order a call walks them
     (the planner gives both the object's order, so the object is written or read front to
     back); `store_run` / `load_run` are the innermost of them that
@@ -58,6 +59,10 @@ class CopyProgram:
     #: The shared axes (one dim each where their extent is above 1).
     shared: tuple[str, ...] = ()
     paths: tuple[CopyPath, ...] = ()
+    #: A block slot split into two cache dims, (tile, place) (`N/8`, `N%8`): whole blocks walk
+    #: them as two dims, a single token's offset in its block is split by the place's extent; ()
+    #: where the slot is one dim N.
+    slot_split: tuple[str, ...] = ()
     #: A cache of several planes: each plane's program, over the byte views the module makes:
     #: `_plane_objects(tensor, g, ck)` (each plane's view of the object) and
     #: `_plane_leaves(kvcaches, g)` (each plane's leaf of every layer).

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvgen.errors import display_path
 from kvgen.tools.paths import rebuild_command
-from kvgen.tools.verify_pool import Rows, each
+from kvgen.tools.verify.pool import Rows, each
 
 
 def mismatch(package: ModuleType, transfers: Sequence[Any], out: Path, specs: Sequence[Path]) -> str | None:

@@ -1,10 +1,10 @@
 """The fact table of the planes kind: the built-in format-2 specs (caches of several parts or
 fields, and the packed objects that hold their planes), written from the sources, and the
-comparison of a format-2 spec with it (`parts_disagreement`, which kvgen.oracle.facts calls).
-It merges facts_quant's table (the quantized caches, one source of the same kind) into PARTS_FACTS;
-the vocabulary of both is in kvgen.oracle.fact_table.
+comparison of a format-2 spec with it (`parts_disagreement`, which kvgen.oracle.facts.layouts calls).
+It merges facts.quant's table (the quantized caches, one source of the same kind) into PARTS_FACTS;
+the vocabulary of both is in kvgen.oracle.facts.table.
 
-Like kvgen.oracle.facts, this table does not read specs. For each cache it says the containers
+Like kvgen.oracle.facts.layouts, this table does not read specs. For each cache it says the containers
 the engine hands over (the tuple of parts included), each part's tensor shape and dtype, and for
 every value of every plane (a part, or a field of a part) where its first byte lies: a container
 path, the index of the storage element holding it, and the byte inside that element. For the
@@ -55,7 +55,8 @@ from typing import Any
 
 from kvgen.oracle.address import ObjectAddresses, plane_address, plane_count
 from kvgen.oracle.agreement import first_difference
-from kvgen.oracle.fact_table import (
+from kvgen.oracle.facts.quant import QUANT_PARTS_FACTS
+from kvgen.oracle.facts.table import (
     BYTES,
     ByteAddress,
     EngineGeometry,
@@ -66,7 +67,6 @@ from kvgen.oracle.fact_table import (
     PlaneFact,
     width,
 )
-from kvgen.oracle.facts_quant import QUANT_PARTS_FACTS
 from kvgen.oracle.reference.planes import part_shape
 from kvgen.spec.library import load_library
 from kvgen.spec.model import Spec
@@ -443,6 +443,6 @@ def _packed_disagreement(spec: Spec, g: EngineGeometry) -> str | None:
     return None
 
 
-# vLLM's and SGLang's quantized caches (oracle/facts_quant), merged with this module's own.
+# vLLM's and SGLang's quantized caches (oracle/facts/quant), merged with this module's own.
 for _quant in QUANT_PARTS_FACTS.values():
     _register(_quant)

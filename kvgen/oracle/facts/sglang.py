@@ -1,13 +1,13 @@
-"""Facts about SGLang 0.5.23's device pools beyond kvgen/oracle/facts.py, written from
+"""Facts about SGLang 0.5.23's device pools beyond kvgen/oracle/facts/layouts.py, written from
 sglang/srt/mem_cache/memory_pool.py; merged into kvgen.oracle.facts.FACTS, so every test and
 `kvgen verify` check them like the other layouts.
 """
 
 from __future__ import annotations
 
-from kvgen.oracle.fact_table import Address, EngineGeometry, FactTable
+from kvgen.oracle.facts.table import Address, EngineGeometry, FactTable
 
-#: The SGLang 0.5.23's device pools, by spec name (kvgen.oracle.facts merges them into FACTS).
+#: The SGLang 0.5.23's device pools, by spec name (kvgen.oracle.facts.layouts merges them into FACTS).
 SGLANG_FACTS = FactTable()
 _fact = SGLANG_FACTS.fact
 

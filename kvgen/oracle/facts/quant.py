@@ -1,5 +1,5 @@
 """Facts about vLLM 0.33's quantized caches (kv_quant_mode), written from its sources without
-reading specs; merged into kvgen.oracle.facts_planes.PARTS_FACTS (which imports this module),
+reading specs; merged into kvgen.oracle.facts.planes.PARTS_FACTS (which imports this module),
 so tests/test_facts*.py and `kvgen verify` compare the built-in specs with them.
 
 Sources (vllm-project/vllm 0.33.0):
@@ -22,11 +22,11 @@ The built-in specs are for head size 128, as stated here.
 
 from __future__ import annotations
 
-from kvgen.oracle.fact_table import EngineGeometry as Geometry
-from kvgen.oracle.fact_table import PartFact, PartsFact, PlaneFact, width
+from kvgen.oracle.facts.table import EngineGeometry as Geometry
+from kvgen.oracle.facts.table import PartFact, PartsFact, PlaneFact, width
 from kvgen.spec.model import Spec
 
-#: This module's entries, merged into kvgen.oracle.facts_planes.PARTS_FACTS there.
+#: This module's entries, merged into kvgen.oracle.facts.planes.PARTS_FACTS there.
 QUANT_PARTS_FACTS: dict[str, PartsFact] = {}
 
 

@@ -2,12 +2,12 @@
 both kinds of cache the tables state.
 
 - Caches and objects of one tensor tree (spec format 1): `Fact`, one element's `Address`, and the
-  `FactTable` each source module fills (facts_host, facts_sglang, facts_vllm, and facts itself);
-  kvgen.oracle.facts imports them and merges them into FACTS, so no module fills another's table
+  `FactTable` each source module fills (facts.host, facts.sglang, facts.vllm, and facts.layouts itself);
+  kvgen.oracle.facts.layouts imports them and merges them into FACTS, so no module fills another's table
   by being imported.
 - Caches of several parts or fields (spec format 2): `PartsFact` (its `PartFact`s and
-  `PlaneFact`s) and where a plane's value lives, a `ByteAddress`; the tables of facts_planes and
-  facts_quant hold them.
+  `PlaneFact`s) and where a plane's value lives, a `ByteAddress`; the tables of facts.planes and
+  facts.quant hold them.
 
 The tables import this module one way; nothing here reads a spec.
 """

@@ -1,6 +1,6 @@
 """Facts about the built-in model specs (specs/models), written from the models' published configs.
 
-Like kvgen.oracle.facts, this table does not read specs: each model's config values are copied
+Like kvgen.oracle.facts.layouts, this table does not read specs: each model's config values are copied
 here as numbers (with the file and field names they come from), and the cache a model spec must
 describe is derived from them by the formulas below: the length of the engine's cache list, each
 attention group's layers, layout, heads and head size, and each state tensor's shape and dtypes.
@@ -320,7 +320,7 @@ def model_disagreement(model: Any) -> str | None:
     Reads only the spec's declared fields; everything it is compared with comes from this module."""
     fact = MODEL_FACTS.get(model.name)
     if fact is None:
-        return f"model {model.name} has no facts in kvgen.oracle.facts_models"
+        return f"model {model.name} has no facts in kvgen.oracle.facts.models"
     return next((why for why in _comparisons(model, fact) if why), None)
 
 

@@ -14,7 +14,7 @@ every KVCacheLayout; vLLM's write kernel is CUDA-only, so values are written thr
 [B, H, N, C] view (C: K's head_size values, then V's). Each fact's KVCacheLayout table entry must
 be vLLM's, its memory order the one vLLM's compute_layout_strides gives, its shape the live view's
 in that order, and its address of each element must hold that element. The canonical offload
-pages (facts_host: vllm_canonical_lbnhc / _lbhnc, vllm_offload_mla) against the CPU rows vLLM's
+pages (facts.host: vllm_canonical_lbnhc / _lbhnc, vllm_offload_mla) against the CPU rows vLLM's
 own CopyRuns (derive_canonical_mappings, one TP rank) make from such a cache.
 """
 
@@ -29,7 +29,7 @@ from math import prod
 from types import SimpleNamespace
 from typing import Any
 
-from kvgen.oracle import facts_vllm
+from kvgen.oracle.facts import vllm as facts_vllm
 
 SGLANG = "0.5.23"
 WHERE = "`scripts/dev engines` runs them in .venv-sglang"
@@ -67,7 +67,7 @@ def sglang_disagreements() -> tuple[list[str], int]:
     # torch: only where the engine imports
     import torch
 
-    from kvgen.oracle.facts import FACTS, EngineGeometry
+    from kvgen.oracle.facts.layouts import FACTS, EngineGeometry
 
     mp, host_mod = _sglang_modules()
     L, H, PAGE, C, SIZE = 3, 4, 16, 8, 48  # H != PAGE: a swap of heads and slots shows
@@ -165,12 +165,12 @@ def _vllm_modules() -> tuple[Any, Any, Any, Any, Any]:
 
 def vllm_disagreements() -> tuple[list[str], int]:
     """(what disagrees, how many facts were checked) for vLLM's caches, every KVCacheLayout with
-    and without MLA, and the canonical offload pages (facts_host) against the CopyRuns of vLLM's
+    and without MLA, and the canonical offload pages (facts.host) against the CopyRuns of vLLM's
     derive_canonical_mappings; Skipped when vLLM cannot run here."""
     # torch: only where the engine imports
     import torch
 
-    from kvgen.oracle.facts import FACTS, EngineGeometry
+    from kvgen.oracle.facts.layouts import FACTS, EngineGeometry
 
     iface, layouts, planning, worker, canonical = _vllm_modules()
     L, B, N, H, C = 2, 5, 4, 3, 6  # no two extents equal: a swap of any two axes shows

@@ -23,9 +23,9 @@ Sources (projects as named on GitHub):
   rebellions-sw/vllm-rbln vllm_rbln/v1/attention/backends/flash_attention.py.
 - SGLang (sgl-project/sglang): python/sglang/srt/mem_cache/memory_pool.py.
 - Host pools and offload stores (SGLang HiCache, vLLM's canonical CPU offload, Dynamo KVBM):
-  kvgen/oracle/facts_host.py, with their sources; SGLang 0.5.23's device pools in
+  kvgen/oracle/facts/host.py, with their sources; SGLang 0.5.23's device pools in
   facts_sglang.py and vLLM 0.33's caches in facts_vllm.py. Each fills a table of its own
-  (kvgen.oracle.fact_table.FactTable), merged below into FACTS.
+  (kvgen.oracle.facts.table.FactTable), merged below into FACTS.
 - TensorRT-LLM (NVIDIA/TensorRT-LLM): cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp,
   cpp/tensorrt_llm/kernels/kvCacheUtils.h.
 - LMCache 0.5.6 (LMCache/LMCache): lmcache/v1/memory_management.py (MemoryFormat),
@@ -45,9 +45,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
-from kvgen.oracle import facts_host, facts_sglang, facts_vllm
 from kvgen.oracle.agreement import address_disagreement
-from kvgen.oracle.fact_table import (
+from kvgen.oracle.facts import host as facts_host
+from kvgen.oracle.facts import sglang as facts_sglang
+from kvgen.oracle.facts import vllm as facts_vllm
+from kvgen.oracle.facts.groups import groups_disagreement
+from kvgen.oracle.facts.planes import parts_disagreement
+from kvgen.oracle.facts.table import (
     ONE_TENSOR,
     PER_LAYER,
     Address,
@@ -56,8 +60,6 @@ from kvgen.oracle.fact_table import (
     FactTable,
     merge,
 )
-from kvgen.oracle.facts_groups import groups_disagreement
-from kvgen.oracle.facts_planes import parts_disagreement
 from kvgen.oracle.reference.layouts import leaf_shape
 from kvgen.spec.model import Spec
 

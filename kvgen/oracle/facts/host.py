@@ -10,9 +10,9 @@ lib/kvbm-kernels/README.md.
 
 from __future__ import annotations
 
-from kvgen.oracle.fact_table import ONE_TENSOR, Address, EngineGeometry, FactTable
+from kvgen.oracle.facts.table import ONE_TENSOR, Address, EngineGeometry, FactTable
 
-#: The host pools and offload stores, by spec name (kvgen.oracle.facts merges them into FACTS).
+#: The host pools and offload stores, by spec name (kvgen.oracle.facts.layouts merges them into FACTS).
 HOST_FACTS = FactTable()
 _fact = HOST_FACTS.fact
 

@@ -15,9 +15,9 @@ a dict layer name -> that view, in the tensor's layer order).
 
 from __future__ import annotations
 
-from kvgen.oracle.fact_table import PER_LAYER, Address, EngineGeometry, FactTable
+from kvgen.oracle.facts.table import PER_LAYER, Address, EngineGeometry, FactTable
 
-#: The vLLM 0.33's caches, by spec name (kvgen.oracle.facts merges them into FACTS).
+#: The vLLM 0.33's caches, by spec name (kvgen.oracle.facts.layouts merges them into FACTS).
 VLLM_FACTS = FactTable()
 _fact = VLLM_FACTS.fact
 

@@ -17,13 +17,16 @@ from types import ModuleType
 from typing import Any
 
 from kvgen.errors import KVGenError, display_path
-from kvgen.oracle.facts_groups import GROUPS_FACTS
-from kvgen.oracle.facts_models import model_disagreement
-from kvgen.oracle.facts_quant import UNITS, units_disagreement
+from kvgen.oracle.facts.groups import GROUPS_FACTS
+from kvgen.oracle.facts.models import model_disagreement
+from kvgen.oracle.facts.quant import UNITS, units_disagreement
 from kvgen.spec.library import BUILTIN_SPECS
-from kvgen.tools import verify_connectors, verify_engines, verify_models, verify_transfers
 from kvgen.tools.paths import rebuild_command
-from kvgen.tools.verify_pool import Context, Inputs, Rows, Task, default_jobs, load
+from kvgen.tools.verify import connectors as verify_connectors
+from kvgen.tools.verify import engines as verify_engines
+from kvgen.tools.verify import models as verify_models
+from kvgen.tools.verify import transfers as verify_transfers
+from kvgen.tools.verify.pool import Context, Inputs, Rows, Task, default_jobs, load
 
 
 def _mismatch(package: ModuleType, library: Any, plans: list[Any], out: Path, specs: list[Path]) -> str | None:
@@ -51,17 +54,17 @@ def _mismatch(package: ModuleType, library: Any, plans: list[Any], out: Path, sp
 
 
 def _check_facts(library: Any) -> int:
-    """Built-in specs against the engines' own facts (kvgen.oracle.facts): a wrong spec
+    """Built-in specs against the engines' own facts (kvgen.oracle.facts.layouts): a wrong spec
     would otherwise verify, since the reference reads the same spec as the generator."""
     # torch (through the agreement checks): only once the selection is known good
-    from kvgen.oracle.facts import FACTS, EngineGeometry, disagreement
-    from kvgen.oracle.facts_planes import PACKED_FACTS, PARTS_FACTS
+    from kvgen.oracle.facts.layouts import FACTS, EngineGeometry, disagreement
+    from kvgen.oracle.facts.planes import PACKED_FACTS, PARTS_FACTS
 
     geometry = EngineGeometry(L=3, B=5, N=4, H=6, C=7, T=9)  # no two extents equal
     tables = (FACTS, PARTS_FACTS, PACKED_FACTS, GROUPS_FACTS)
     checked = [s for s in library.specs if any(s.name in t for t in tables)]
     wrong = [(s.name, why) for s in checked if (why := disagreement(s, geometry)) is not None]
-    # Format 3: which nibble comes first and which scale scales which values (facts_quant.UNITS).
+    # Format 3: which nibble comes first and which scale scales which values (facts.quant.UNITS).
     wrong += [(s.name, why) for s in checked if s.name in UNITS and (why := units_disagreement(s)) is not None]
     for name, why in wrong:
         print(f"kvgen verify: spec {name} disagrees with the engine's facts: {why}", file=sys.stderr)
@@ -70,7 +73,7 @@ def _check_facts(library: Any) -> int:
 
 
 def _check_model_facts(library: Any) -> int:
-    """Built-in model specs against the models' published configs (kvgen.oracle.facts_models);
+    """Built-in model specs against the models' published configs (kvgen.oracle.facts.models);
     a model spec without facts counts as wrong."""
     builtin = BUILTIN_SPECS.resolve()
     models = [m for m in library.models if builtin in Path(m.source).resolve().parents]

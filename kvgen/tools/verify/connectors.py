@@ -10,7 +10,7 @@ from types import ModuleType
 from typing import Any
 
 from kvgen.plan.kernel import plan_refusal
-from kvgen.tools.verify_pool import Rows, each
+from kvgen.tools.verify.pool import Rows, each
 
 #: Layers of the cache in Triton's interpreter (CPU, --backend triton), which runs every program
 #: instance of a launch in Python, one per (layer, K/V, block or token tile): two layers
