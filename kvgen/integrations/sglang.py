@@ -3,7 +3,7 @@
 The pool states its layout (its class and `kv_cache_layout`), so nothing is read from the
 shapes: the class and the word choose the spec, and detection and the generated geometry
 reader then check that the buffers agree with it. Pools this module does not know (another
-class, a quantized pool other than the FP4, flat MXFP8 and MiniMax M3 NVFP4 ones, a layout word without a
+class, a quantized pool other than the FP4, MXFP8 and MiniMax M3 NVFP4 ones, a layout word without a
 spec) are refused in SGLang's own terms.
 Written against SGLang 0.5.23 (sglang/srt/mem_cache/memory_pool.py); SGLang itself is never
 imported here: the pool is read through its attributes.
@@ -60,7 +60,7 @@ def _refuse(pool: Any, why: str) -> KVLayoutError:
                          "MHATokenToKVPool (kv_cache_layout 'nhd', 'hnd' or 'vectorized_5d'), MLATokenToKVPool, "
                          "DSATokenToKVPool, "
                          "MHATokenToKVPoolFP4 and MLATokenToKVPoolFP4 (head_dim 128, kv_cache_dim 576), "
-                         "MHATokenToKVPoolMXFP8 (head_dim 128, a page_size other than 128), "
+                         "MHATokenToKVPoolMXFP8 (head_dim 128, any page_size; at 128 its scales in FA4's atoms), "
                          "MiniMaxM3Nvfp4KVPool and its MiniMaxM3Nvfp4MainKVPool and MiniMaxM3Nvfp4IndexKPool, and "
                          "HybridLinearKVPool's attention layers")
 

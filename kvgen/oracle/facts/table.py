@@ -144,7 +144,7 @@ class PartsFact:
     fixed: Mapping[str, int] = field(default_factory=dict)
     lmcache: str | None = None
     #: Extents the source requires to be whole tiles (SGLang's vectorized_5d: page_size and head_dim
-    #: multiples of X), by tile size: a geometry counts these axes in tiles (kvgen.oracle.facts_planes
+    #: multiples of X), by tile size: a geometry counts these axes in tiles (kvgen.oracle.facts.planes
     #: source_geometry), so every geometry of the tests is one the source accepts.
     tiles: Mapping[str, int] = field(default_factory=dict)
 
