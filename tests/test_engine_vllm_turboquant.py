@@ -19,6 +19,7 @@ vLLM cache, read back at vLLM's offsets.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -36,7 +37,7 @@ worker = vllm_module("vllm.v1.worker.utils")
 
 import kvgen  # noqa: E402
 from kvgen.oracle.address import packed_value, plane_address  # noqa: E402
-from kvgen.runtime import MemoryObj  # noqa: E402
+from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
 from kvgen.spec.model import Packing  # noqa: E402
 
 LIBRARY = builtin_library()
@@ -221,3 +222,18 @@ def _with_values(spec: Any, **changes: Any) -> Any:
     part = spec.parts[0]
     fields_ = tuple(dataclasses.replace(f, **changes) if f.name == "values" else f for f in part.fields)
     return dataclasses.replace(spec, parts=(dataclasses.replace(part, fields=fields_),))
+
+
+@pytest.mark.parametrize("mode", MODES[:2])
+def test_soa_pages_where_vllm_runs_flydsl_are_refused_not_misread(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where FlyDSL runs (ROCm gfx950) vLLM's TurboQuant backend stores its pages SoA in an
+    allocation of the same size; kvgen asks vLLM's own switch and refuses such a cache. Here (no
+    FlyDSL) the switch is off, and the same cache binds to the per-slot spec."""
+    flydsl = importlib.import_module("vllm.v1.attention.ops.flydsl_turboquant_decode")
+    assert flydsl.is_flydsl_available() is False
+    kv, config_ = allocate(mode)
+    (group,) = kvgen.from_vllm(kv, config_, _layout(), engine_version="0.33.0")
+    assert group.detection.layout == spec_name(mode)
+    monkeypatch.setattr(flydsl, "is_flydsl_available", lambda: True)
+    with pytest.raises(KVLayoutError, match=f"kv_quant_mode={mode}.*FlyDSL.*SoA"):
+        kvgen.from_vllm(kv, config_, _layout(), engine_version="0.33.0")

@@ -94,6 +94,26 @@ def _spec_hints(spec: Any, group: int) -> dict[str, Any]:
             "use_mla": mla, "dtype": str(spec.dtype).removeprefix("torch.")}
 
 
+def _refuse_soa_pages(quant: str, group: int) -> None:
+    """vLLM 0.33's TurboQuant backend stores its pages SoA where FlyDSL runs (ROCm gfx950:
+    TurboQuantAttentionImpl sets `_soa_store = is_flydsl_available()`): each block keeps every
+    slot's key and value bytes first and the norms, scales and zeros after them as arrays of their
+    own, in an allocation of the same size. kvgen's TurboQuant specs are the per-slot pages every
+    other platform stores, so such a cache is refused, never read as those; vLLM's own switch
+    decides, as nothing in the cache or its KVCacheSpec tells the two apart."""
+    if not quant.startswith("TURBOQUANT_"):
+        return
+    try:
+        from vllm.v1.attention.ops.flydsl_turboquant_decode import is_flydsl_available
+    except ImportError as exc:
+        raise KVLayoutError(f"from_vllm: group {group} (kv_quant_mode={quant}): vLLM's FlyDSL switch does not "
+                            f"import here ({exc}), so whether its pages are per-slot or SoA is unknown") from None
+    if is_flydsl_available():
+        raise KVLayoutError(f"from_vllm: group {group} (kv_quant_mode={quant}): with FlyDSL (ROCm gfx950) vLLM "
+                            "stores TurboQuant pages SoA (each block's data, then its norms, scales and zeros); "
+                            "kvgen has specs for the per-slot pages only")
+
+
 def from_vllm(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: Any = None, *,
               engine_version: str | None = None, pairing: Pairing = Pairing(),
               **connector_args: Any) -> list[VllmGroup]:
@@ -124,6 +144,7 @@ def from_vllm(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: Any = 
                                       (engine_version, pairing, connector_args)))
             continue
         hints = _spec_hints(group.kv_cache_spec, index)
+        _refuse_soa_pages(hints.get("kv_quant_mode", "NONE"), index)
         views = [kv_caches[n] for n in names]
         found = detect(views, package=package, engine="vllm", engine_version=engine_version, kv_layout=name,
                        num_layers=len(names), **hints)
