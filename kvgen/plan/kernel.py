@@ -465,11 +465,14 @@ def plan_refusal(plan: object) -> str | None:
     C or H is two dims of a plane's row, a split block slot N two slot dims (tile and place)."""
     if not isinstance(plan, PlanesPlan):
         return None
-    for pc in plan.planes:
-        n = [a for a in pc.copy.cache_view.axes if (split_of(a) or ("",))[0] == "N"]
-        if n and not slot_split(pc.copy.cache_view.axes):
-            return PARTIAL_SLOT_REASON
-    return None
+    return next((why for pc in plan.planes if (why := slot_refusal(pc.copy.cache_view.axes)) is not None), None)
+
+
+def slot_refusal(cache_axes: tuple[str, ...]) -> str | None:
+    """Why a plane's cache view has no kernel's block slot: N split into a tile without its place
+    or a place without its tile (the spec's passes refuse such a spec; the kernel needs both)."""
+    n = [a for a in cache_axes if (split_of(a) or ("",))[0] == "N"]
+    return PARTIAL_SLOT_REASON if n and not slot_split(cache_axes) else None
 
 
 def kernel_grid(plan: object) -> str | None:
