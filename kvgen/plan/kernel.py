@@ -340,6 +340,8 @@ class PlaneKernelPlan(OnAxes):
     @property
     def summary(self) -> str:
         what = "no slots: one row per layer" if self.slotless else f"rows [{' '.join(self.row)}]"
+        if len(self.slot) == 3:
+            what += f", block slots split as {' x '.join(self.slot[1:])}"
         return f"{self.name}: {what}" + (f", outer {' x '.join(self.outer)}" if self.outer else "")
 
 
