@@ -42,7 +42,7 @@ from harness import builtin_library, tiled_connector  # noqa: E402
 
 import kvgen  # noqa: E402
 from kvgen.oracle.address import plane_address  # noqa: E402
-from kvgen.runtime import KVLayoutError, MemoryObj, native  # noqa: E402
+from kvgen.runtime import KVLayoutError, MemoryObj, kernels, native  # noqa: E402
 from kvgen.spec.model import Spec  # noqa: E402
 
 LIBRARY = builtin_library()
@@ -230,7 +230,7 @@ def interleaved_move(kernel_output: Any, edit: tuple[str, str] | None = None, ba
     connectors from_sglang gives, or with `edit` the tiled spec's rendered with it."""
     source, fresh = written(kernel_output, TILE_SLOTS), pool(128, 256)
     if edit is None:
-        out, back = kvgen.from_sglang(source), kvgen.from_sglang(fresh)
+        out, back = kvgen.from_sglang(source, backend=backend), kvgen.from_sglang(fresh, backend=backend)
         assert (out.layout, out.obj) == ("sglang_mha_mxfp8_interleaved", "kv_planes")
         pairs = ((out.connector, out.kvcaches), (back.connector, back.kvcaches))
     else:
@@ -243,12 +243,22 @@ def interleaved_move(kernel_output: Any, edit: tuple[str, str] | None = None, ba
     return source, fresh
 
 
-def test_the_interleaved_pool_moves_both_ways_and_sglang_reads_the_same(kernel_output: Any) -> None:
+@pytest.mark.parametrize("backend", [None, "triton"])
+def test_the_interleaved_pool_moves_both_ways_and_sglang_reads_the_same(kernel_output: Any, backend: str | None,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A page-128 pool through the connectors kvgen.from_sglang gives: tokens the store kernel wrote
     on both sides of tile edges of two pages, moved out and back in at slots 1..T. Every byte is what
     the kernel writes at 1..T, and SGLang's own reader (get_cpu_copy, _read_sf_interleaved) reads
-    there what it read at the old slots."""
-    source, fresh = interleaved_move(kernel_output)
+    there what it read at the old slots. By default, and on kvgen's Triton kernels (in Triton's
+    interpreter, set before their module is first imported)."""
+    if backend == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        why = kernels.unavailable(torch.device("cpu"))
+        if why:
+            pytest.skip(why)
+    launches = kernels.stats["launches"]
+    source, fresh = interleaved_move(kernel_output, backend=backend)
+    assert (kernels.stats["launches"] > launches) == (backend == "triton")
     for got, want in zip(raw(fresh), raw(written(kernel_output, list(range(1, T + 1)))), strict=True):
         assert torch.equal(got, want)  # every byte, moved and not moved
     for got, want in zip(cpu_copy(fresh, torch.arange(1, T + 1)), cpu_copy(source, torch.tensor(TILE_SLOTS)),

@@ -36,7 +36,7 @@ from harness import builtin_library, tiled_connector  # noqa: E402
 
 import kvgen  # noqa: E402
 from kvgen.oracle.address import plane_address  # noqa: E402
-from kvgen.runtime import KVLayoutError, MemoryObj, native  # noqa: E402
+from kvgen.runtime import KVLayoutError, MemoryObj, kernels, native  # noqa: E402
 from kvgen.spec.library import load_specs  # noqa: E402
 from kvgen.spec.model import Spec  # noqa: E402
 
@@ -191,18 +191,23 @@ def moved(dtype: torch.dtype, store: torch.dtype, edit: tuple[str, str] | None =
 def has_compiler(backend: str | None) -> None:
     if backend == "native" and native.compiler() is None:
         pytest.skip("no C compiler here")
+    why = kernels.unavailable(torch.device("cpu")) if backend == "triton" else None
+    if why:
+        pytest.skip(why)
 
 
-@pytest.mark.parametrize("backend", [None, "torch", "native"])
+@pytest.mark.parametrize("backend", [None, "torch", "native", "triton"])
 @pytest.mark.parametrize(("dtype", "store", "x", "layout"), DTYPES, ids=IDS)
 def test_the_pool_moves_both_ways_and_sglang_reads_the_same(dtype: torch.dtype, store: torch.dtype, x: int,
                                                             layout: str, backend: str | None) -> None:
     """kvgen.from_sglang binds the pool to its spec; the object holds each layer's K rows then V rows of
     the tokens in order; loaded at AGAIN, every byte of the empty pool is what SGLang's writer puts
-    there, and SGLang's reader reads at AGAIN what it read at SLOTS (by default, on the torch path and
-    on the compiled kernel)."""
+    there, and SGLang's reader reads at AGAIN what it read at SLOTS (by default, on the torch path, on
+    the compiled kernel and on the Triton kernels, in Triton's interpreter here)."""
     has_compiler(backend)
+    launches = kernels.stats["launches"]
     source, fresh, obj = moved(dtype, store, backend=backend)
+    assert (kernels.stats["launches"] > launches) == (backend == "triton")
     assert kvgen.from_sglang(source).layout == layout
     region = T * H * HEAD * store.itemsize  # a multiple of 16 bytes: V's region starts right after K's
     for layer in range(L):

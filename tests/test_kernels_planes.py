@@ -11,22 +11,34 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 from harness import EXT, SCENARIOS, builtin_library, connector_load, connector_store, make_cache, make_objects
 from test_kernels import interpreted
+from test_split_connectors import SQUARE, SQUARE_BLOCKS, SQUARE_N
 
 from kvgen import generated
-from kvgen.oracle.scenarios import check_connector, clone_tree, same_bits
-from kvgen.plan.kernel import make_planes_kernel_plan
+from kvgen.oracle.scenarios import check_connector, check_pair, clone_tree, same_bits
+from kvgen.plan.kernel import (
+    PARTIAL_SLOT_REASON,
+    PlanesKernelPlan,
+    kernel_grid,
+    make_planes_kernel_plan,
+    plan_refusal,
+    slot_refusal,
+)
 from kvgen.plan.package import plan_connectors
 from kvgen.plan.planes import PlanesPlan
 from kvgen.runtime import KVLayoutError, available_devices, kernels
+from kvgen.tools.verify.connectors import INTERPRETER_LAYERS
 
-#: Caches with split axes have no Triton kernel yet (their twin refuses: tests/test_split_connectors.py).
-PARTS = {p.module: p for p in plan_connectors(builtin_library()) if isinstance(p, PlanesPlan) and not p.tiled}
+PLANS = [p for p in plan_connectors(builtin_library()) if isinstance(p, PlanesPlan)]
+#: Caches of whole axes, and caches with split (tiled) axes (tile and place dims of a plane's row or block slot).
+PARTS = {p.module: p for p in PLANS if not p.tiled}
+TILED = {p.module: p for p in PLANS if p.tiled}
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if HAVE_TRITON and available_devices() == ["cpu"]:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
@@ -186,3 +198,97 @@ def test_fp8_mla_planes_compile_for_h200_with_16_byte_rows() -> None:
     verdicts = {(line.split()[1], line.split()[2]): line.split()[3] for line in done.stdout.splitlines()}
     assert verdicts == {(p, d): "16-byte" if p != "scale" else "8-byte"
                         for p in ("nope", "scale", "rope") for d in ("store", "load")}
+
+
+# -- split (tiled) axes: a split C or H is two dims of a plane's row, a split N two slot dims -----------------------
+
+#: Every scenario SUBSET runs for a planes kernel, and square tiles and pages (a tile and its place of one
+#: extent, so that one taken for the other stays inside the tensors and only the values tell them apart).
+SPLIT_SCENARIOS = sorted({s for names in SUBSET.values() for s in names})
+SQUARES = {s.name: replace(s, ext={**s.ext, "L": INTERPRETER_LAYERS}) for s in (SQUARE, SQUARE_N, SQUARE_BLOCKS)}
+
+
+def test_split_axes_are_row_dims_and_slot_dims_of_the_plane_kernels() -> None:
+    five = make_planes_kernel_plan(TILED["sglang_mha_vectorized_5d__kv_planes"])
+    assert isinstance(five, PlanesKernelPlan)
+    assert [(p.name, p.slot, p.row, p.outer) for p in five.planes] == [
+        ("k", ("B", "N"), ("H", "C/8", "C%8", "E"), ("L",)), ("v", ("B", "N/8", "N%8"), ("H", "C", "E"), ("L",))]
+    k, v = (dict(p.spec_fields) for p in five.planes)
+    assert "split" not in k and k["idents"] == (("C/8", "C_t8"), ("C%8", "C_p8"))
+    assert v["split"] == ("N/8", "N%8") and v["extents"] == ("N%8",) and v["blocks"]
+    assert "(cs_B, cs_N_t8, os_T, cs_N_p8, E_N_p8)" in "\n".join(five.planes[1].body)
+    mx = make_planes_kernel_plan(TILED["sglang_mha_mxfp8_interleaved__kv_planes_layer"])
+    assert [p.slot for p in mx.planes] == [("B", "N"), ("B", "N"), ("B", "N/32", "N%32"), ("B", "N/32", "N%32")]
+    assert sorted(TILED) == sorted(f"{n}__{o}" for n in ("sglang_mha_vectorized_5d", "sglang_mha_vectorized_5d_fp8",
+                                                          "sglang_mha_mxfp8_interleaved")
+                                   for o in ("kv_planes", "kv_planes_layer"))
+    for plan in TILED.values():
+        assert plan_refusal(plan) is None and "rows [H C" in (kernel_grid(plan) or "")
+    assert slot_refusal(("B", "H", "N/8", "C")) == PARTIAL_SLOT_REASON
+    assert slot_refusal(("B", "H", "N%8", "C")) == PARTIAL_SLOT_REASON
+    assert slot_refusal(("B", "N%8", "H", "N/8")) is None and slot_refusal(("B", "N", "H")) is None
+
+
+@needs_triton
+@pytest.mark.parametrize("module", sorted(TILED))
+def test_split_plane_kernels_match_the_reference(module: str, device: str) -> None:
+    """Every scenario the other planes kernels run and the square ones, store and load, each through
+    the kernels (none fell back to the torch path)."""
+    _kernel_device(device)
+    plan = TILED[module]
+    launches, fallbacks = kernels.stats["launches"], kernels.stats["fallbacks"]
+    scenarios = [*interpreted(SPLIT_SCENARIOS, device), *SQUARES.values()]
+    results = check_connector(generated, plan.paged, plan.obj, device, scenarios, backend="triton")
+    wrong = [(s.name, r) for s, r in zip(scenarios, results, strict=True) if r != (True, True)]
+    assert not wrong, f"(store ok, load ok) differ from the reference: {wrong}"
+    assert kernels.stats["launches"] > launches and kernels.stats["fallbacks"] == fallbacks
+
+
+def _broken_launches(monkeypatch: pytest.MonkeyPatch, break_: str) -> None:
+    """Every launch of a plane with a split block slot, broken after the plan: the tile's and the
+    place's cache strides swapped, or blocks one tile short (the last tile of each left out)."""
+    real = kernels._launch
+
+    def launch(fn: Any, grid: Any, args: dict[str, Any], device: Any) -> None:
+        tile, place = (next((k for k in args if k.startswith(p)), None) for p in ("cs_N_t", "cs_N_p"))
+        if tile and place and break_ == "swap_strides":
+            args = {**args, tile: args[place], place: args[tile]}
+        if tile and place and break_ == "drop_last_tile":
+            args = {**args, "BN": args["BN"] - args["E" + place[2:]]}
+        real(fn, grid, args, device)
+
+    monkeypatch.setattr(kernels, "_launch", launch)
+
+
+@needs_triton
+@pytest.mark.parametrize("scenario", ["square_blocks", "square_pages"])
+@pytest.mark.parametrize("break_", ["swap_strides", "drop_last_tile"])
+def test_a_split_slot_broken_at_launch_fails_the_reference(scenario: str, break_: str, device: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    _kernel_device(device)
+    plan = TILED["sglang_mha_vectorized_5d__kv_planes"]
+    connector = generated.get(plan.paged.name, plan.obj.name)(device=device, backend="triton")
+    assert check_pair(connector, plan.paged, plan.obj, SQUARES[scenario]) == (True, True)
+    _broken_launches(monkeypatch, break_)
+    assert check_pair(connector, plan.paged, plan.obj, SQUARES[scenario]) == (False, False)
+
+
+@needs_triton
+def test_a_split_slot_whose_views_hold_a_tile_too_few_is_refused_before_any_launch(
+        device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """V's cache view one tile short of a block (N/8 x N%8 below N): the launch refuses before any
+    plane moves, so a slot's offset never reaches past the view's last tile."""
+    _kernel_device(device)
+    plan = TILED["sglang_mha_vectorized_5d__kv_planes"]
+    connector = generated.get(plan.paged.name, plan.obj.name)
+    v = kernels.kernel_of(connector.__module__).planes[1]
+    real = v.operands
+
+    def short(x: torch.Tensor, o: torch.Tensor, *rest: Any) -> Any:
+        return real(x.narrow(v.spec.cache_axes.index("N/8"), 0, x.shape[v.spec.cache_axes.index("N/8")] - 1), o, *rest)
+
+    monkeypatch.setattr(v, "operands", short)
+    launches = kernels.stats["launches"]
+    with pytest.raises(KVLayoutError, match="N/8 x N%8 slots in the views are not its"):
+        check_pair(connector(device=device, backend="triton"), plan.paged, plan.obj, SQUARES["square_blocks"])
+    assert kernels.stats["launches"] == launches

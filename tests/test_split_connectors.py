@@ -30,11 +30,10 @@ from kvgen.oracle.scenarios import (
     obj_tensors,
     same_bits,
 )
-from kvgen.plan.kernel import RefusedKernelPlan, kernel_grid, make_planes_kernel_plan, plan_refusal
+from kvgen.plan.kernel import PlanesKernelPlan, kernel_grid, make_planes_kernel_plan, plan_refusal
 from kvgen.plan.package import plan_connectors
 from kvgen.plan.planes import PlanesPlan
 from kvgen.plan.program import program_plan
-from kvgen.plan.splits import SPLITS_REASON
 from kvgen.runtime import KVLayoutError, kernels, native
 from kvgen.runtime.movers import native as native_mover
 from kvgen.runtime.movers.base import Unsupported
@@ -97,18 +96,19 @@ def test_a_transposed_tile_fails_the_reference(module: str, edit: tuple[str, str
     assert not store_ok and not load_ok
 
 
-def test_the_compiled_mover_runs_split_axes_and_the_triton_kernel_refuses_them(monkeypatch: pytest.MonkeyPatch
-                                                                                ) -> None:
+def test_the_compiled_mover_and_the_triton_kernels_walk_split_axes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each plane's program walks a split N as two dims (tile, place) and a split C as two shared
     dims, every extent read from the plane's views: the compiled kernel moves them, by default on
-    a CPU. The Triton kernel reads each axis's extent from the geometry by name, which a tile or a
-    place has not: its twin's KERNEL refuses and a named Triton mover fails before anything moves."""
+    a CPU. Each plane's Triton kernel has a split C as two dims of its row and a split N as two slot
+    dims, extents and strides from the views too: its twin's KERNEL launches, and a named Triton
+    mover prepares it (tests/test_kernels_planes.py runs it against the reference)."""
     for plan in PLANS.values():
         program = program_plan(plan)
         assert program.compiled is None and len(program.planes) == len(plan.planes)
         kernel = make_planes_kernel_plan(plan)
-        assert isinstance(kernel, RefusedKernelPlan) and kernel.why == SPLITS_REASON
-        assert plan_refusal(plan) == SPLITS_REASON and kernel_grid(plan) == f"no Triton kernel: {SPLITS_REASON}"
+        assert isinstance(kernel, PlanesKernelPlan) and plan_refusal(plan) is None
+        assert "no Triton kernel" not in (kernel_grid(plan) or "no Triton kernel")
+        assert [p.slot[1:] for p in kernel.planes] == [dict(p.fields).get("slot_split", ("N",)) for p in program.planes]
     splits = {m: [dict(p.fields).get("slot_split", ()) for p in program_plan(plan).planes] for m, plan in PLANS.items()}
     assert splits["sglang_mha_vectorized_5d__kv_planes"] == [(), ("N/8", "N%8")]
     assert splits["sglang_mha_mxfp8_interleaved__kv_planes"] == [(), (), ("N/32", "N%32"), ("N/32", "N%32")]
@@ -117,12 +117,11 @@ def test_the_compiled_mover_runs_split_axes_and_the_triton_kernel_refuses_them(m
         assert connector_class(module)(device="cpu").copy_backend_for("cpu") == "native"
     twin = types.ModuleType(f"{module}_triton")
     text = next(k for k in MODULE_KINDS if k.field == "kernels").render(make_planes_kernel_plan(PLANS[module]))
-    exec(compile(text, twin.__name__, "exec"), twin.__dict__)
-    assert isinstance(twin.KERNEL, kernels.Refused)
+    assert "kernels.Refused" not in text and "(cs_B, cs_N_t8, os_T, cs_N_p8, E_N_p8)" in text
     monkeypatch.setattr(kernels, "unavailable", lambda device: None)
-    monkeypatch.setattr(kernels, "kernel_of", lambda name: twin.KERNEL)
-    with pytest.raises(Unsupported, match="no Triton kernel for this connector: split"):
-        TritonMover().prepare(connector_class(module)(device="cpu"), torch.device("cpu"))
+    monkeypatch.setattr(kernels, "kernel_of", lambda name: twin)
+    _, prepared = TritonMover().prepare(connector_class(module)(device="cpu"), torch.device("cpu"))
+    assert prepared is twin
 
 
 needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C compiler here")

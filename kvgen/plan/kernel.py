@@ -34,9 +34,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgen.plan import splits
+from kvgen.plan.code import _assign_chain
 from kvgen.plan.copy import LOOP_VARS, SLOT, CopyPlan, Mode, View, canonical
 from kvgen.plan.planes import PlaneCopy, PlanesPlan
+from kvgen.plan.program import slot_split
+from kvgen.spec.elements import split_of
 from kvgen.spec.model import PART_LEVEL, Pack, Spec
 
 #: The most tokens one program moves per tile (a plane without slots moves one row).
@@ -44,6 +46,20 @@ MAX_TILE = 64
 
 #: Coordinate variable of each value axis inside a kernel.
 COORD = {"L": "layer", "KV": "kv", "H": "h", "C": "c"}
+
+
+def ident(axis: str) -> str:
+    """An axis as part of a kernel's names: a split axis's tile `C/8` is C_t8, its place `C%8` C_p8."""
+    split = split_of(axis)
+    if split is None:
+        return axis
+    base, op, factor = split
+    return f"{base}_{'t' if op == '/' else 'p'}{factor}"
+
+
+def coord(axis: str) -> str:
+    """The coordinate variable of a value axis (a split axis's and a value's words `E` lower-cased)."""
+    return COORD.get(axis) or ident(axis).lower()
 
 
 @dataclass(frozen=True)
@@ -73,7 +89,12 @@ def launch_fields(axes: Axes, aligned: bool) -> tuple[tuple[str, object], ...]:
     fields: tuple[tuple[str, object], ...] = (
         ("table", bool(axes.lists)), ("layerwise", axes.layerwise), ("extents", extents), ("row", row),
         ("outer", outer), ("cache_axes", axes.leaf.axes), ("object_axes", axes.obj.axes),
-        ("blocks", axes.slot == ("B", "N")), ("tile", 1 if slotless else MAX_TILE), ("slotless", slotless))
+        ("blocks", axes.slot[:1] == ("B",)), ("tile", 1 if slotless else MAX_TILE), ("slotless", slotless))
+    if len(axes.slot) == 3:  # a block slot split into a tile and a place: their strides address a slot
+        fields += (("split", axes.slot[1:]),)
+    names = tuple((a, ident(a)) for a in (*axes.leaf.axes, *axes.obj.axes) if ident(a) != a)
+    if names:
+        fields += (("idents", tuple(dict.fromkeys(names))),)
     if aligned:  # every stride that places a token's row, on both sides: VA divides them
         fields += (("aligned", True), ("cache_starts", tuple(a for a in axes.leaf.axes if a not in row)),
                    ("object_starts", tuple(a for a in axes.obj.axes if a not in row)))
@@ -162,14 +183,14 @@ def _common_suffix(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
 
 def _table_index(lists: tuple[str, ...]) -> str:
     """The leaf's index in tree order: kvcaches[kv][layer] is kv * E_L + layer."""
-    index = COORD[lists[0]]
+    index = coord(lists[0])
     for axis in lists[1:]:
-        index = f"({index}) * E_{axis} + {COORD[axis]}" if "*" in index else f"{index} * E_{axis} + {COORD[axis]}"
+        index = f"({index}) * E_{axis} + {coord(axis)}" if "*" in index else f"{index} * E_{axis} + {coord(axis)}"
     return index
 
 
 def _offsets(axes: tuple[str, ...], prefix: str) -> str:
-    terms = [f"{COORD[a]} * {prefix}_{a}" for a in axes]
+    terms = [f"{coord(a)} * {prefix}_{ident(a)}" for a in axes]
     return " + ".join(terms) if terms else "0"
 
 
@@ -179,8 +200,8 @@ def _params(axes: Axes, aligned: bool) -> list[str]:
     lists, layerwise = axes.lists, axes.layerwise
     return ["cache", "obj", *(["table"] if lists else []), "ids", "slots", "tok",
             *(["layer"] if layerwise else []), "first_id", "first_slot", "block_start", "num_blocks",
-            "num_tokens", *(f"E_{a}" for a in extents), *(f"cs_{a}" for a in axes.leaf.axes),
-            *(f"os_{a}" for a in axes.obj.axes), *(f"R_{a}: tl.constexpr" for a in row),
+            "num_tokens", *(f"E_{ident(a)}" for a in extents), *(f"cs_{ident(a)}" for a in axes.leaf.axes),
+            *(f"os_{ident(a)}" for a in axes.obj.axes), *(f"R_{ident(a)}: tl.constexpr" for a in row),
             *(["TA: tl.constexpr"] if lists else []),
             *(f"{c}: tl.constexpr" for c in ("ROW", "RB", "BN", "TILE", "IDS", "SLOTS", "TOK", "STORE")),
             *(["VA: tl.constexpr"] if aligned else [])]
@@ -194,8 +215,8 @@ def _outer_lines(row: tuple[str, ...], outer: tuple[str, ...], layerwise: bool) 
     if outer:
         lines.append("q = (q // (ROW // RB)).to(tl.int64)  # the outer part: " + " x ".join(outer))
         for axis in reversed(outer[1:]):
-            lines += [f"{COORD[axis]} = q % E_{axis}", f"q = q // E_{axis}"]
-        lines.append(f"{COORD[outer[0]]} = q")
+            lines += [f"{coord(axis)} = q % E_{ident(axis)}", f"q = q // E_{ident(axis)}"]
+        lines.append(f"{coord(outer[0])} = q")
     if layerwise:
         lines.append("layer = layer.to(tl.int64)")
     return lines
@@ -219,9 +240,9 @@ def _row_lines(row: tuple[str, ...]) -> list[str]:
     """The coordinates of the words of one token's row, and their offsets on each side."""
     lines: list[str] = []
     for axis in reversed(row[1:]):
-        lines += [f"{COORD[axis]} = j % R_{axis}", f"j = j // R_{axis}"]
+        lines += [f"{coord(axis)} = j % R_{ident(axis)}", f"j = j // R_{ident(axis)}"]
     if row:
-        lines += [f"{COORD[row[0]]} = j", f"row_mask = {COORD[row[0]]} < R_{row[0]}"]
+        lines += [f"{coord(row[0])} = j", f"row_mask = {coord(row[0])} < R_{ident(row[0])}"]
     else:
         lines.append("row_mask = j < 1")
     return [*lines, f"c_row = {_offsets(row, 'cs')}", f"o_row = {_offsets(row, 'os')}"]
@@ -229,12 +250,15 @@ def _row_lines(row: tuple[str, ...]) -> list[str]:
 
 def _move_lines(slot: tuple[str, ...], aligned: bool) -> list[str]:
     """The call of the shared tile mover: the pointers, the part's starts and row, the chunk's
-    indices, the cache's slot strides and the object's token stride, then the constexprs."""
-    slot_strides = "cs_S, 0" if slot == (SLOT,) else "cs_B, cs_N" if slot else "0, 0"
+    indices, the cache's slot strides and the object's token stride (a block slot split into a
+    tile and a place, `N/8` and `N%8`: then the place's stride and extent), then the constexprs."""
+    slot_strides = "cs_S, 0" if slot == (SLOT,) else f"cs_B, cs_{ident(slot[1])}" if slot else "0, 0"
+    steps = f"{slot_strides}, {'os_T' if slot else '0'}"
+    if len(slot) == 3:
+        steps += f", cs_{ident(slot[2])}, E_{ident(slot[2])}"
     return ["move_chunk((cache, obj), (c_base, o_base, c_row, o_row, row_mask),",
             "           (ids, slots, tok, first_id, first_slot, block_start, num_blocks, num_tokens),",
-            f"           ({slot_strides}, {'os_T' if slot else '0'}), (BN, TILE, {'VA' if aligned else '1'}),"
-            " (IDS, SLOTS, TOK, STORE))"]
+            f"           ({steps}), (BN, TILE, {'VA' if aligned else '1'}), (IDS, SLOTS, TOK, STORE))"]
 
 
 def kernel_text(axes: Axes, aligned: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -258,7 +282,8 @@ def kernel_axes(leaf: View, obj: View, lists: tuple[str, ...], slot: tuple[str, 
     values = (*lists, *cache_values)
     outer = tuple(a for a in obj_values if a not in row and a not in fixed)
     outer += tuple(a for a in values if a not in outer and a not in row and a not in fixed)
-    extents = tuple(dict.fromkeys([*outer[1:], *lists[1:]]))
+    # A split block slot's place: a slot's offset in its block splits by its extent.
+    extents = tuple(dict.fromkeys([*outer[1:], *lists[1:], *slot[2:]]))
     return row, outer, extents
 
 
@@ -315,6 +340,8 @@ class PlaneKernelPlan(OnAxes):
     @property
     def summary(self) -> str:
         what = "no slots: one row per layer" if self.slotless else f"rows [{' '.join(self.row)}]"
+        if len(self.slot) == 3:
+            what += f", block slots split as {' x '.join(self.slot[1:])}"
         return f"{self.name}: {what}" + (f", outer {' x '.join(self.outer)}" if self.outer else "")
 
 
@@ -388,14 +415,14 @@ def _plane_kernel(plan: PlanesPlan, pc: PlaneCopy, index: int) -> PlaneKernelPla
     left = [name for name in ("wd[", "ck.", "kvcaches") if name in leaf.expr + obj.expr]
     if left:  # the torch copy's views name something the kernel's views do not have
         raise ValueError(f"{plan.module}: plane {pc.plane.name}'s views still use {', '.join(left)}")
-    slot = () if pc.slotless else (SLOT,) if SLOT in leaf.axes else ("B", "N")
+    slot = () if pc.slotless else (SLOT,) if SLOT in leaf.axes else ("B", *(slot_split(leaf.axes) or ("N",)))
     axes = Axes(leaf, obj, ("L",), slot, layerwise)
     params, body = kernel_text(axes, aligned=True)
     views = ["rows = runtime.bytes_of(tensor)"]
     if plan.sizes:
         views.append("at = runtime.region_starts(_region_sizes(g, num_tokens))  # each region in a layer")
     views += [f"# this plane of one cache leaf: [{' '.join(leaf.axes)}], and of the object: [{' '.join(obj.axes)}]",
-              f"x = {leaf.expr}", f"o = {obj.expr}", "return x, o"]
+              *_assign_chain("x", leaf.expr), *_assign_chain("o", obj.expr), "return x, o"]
     return PlaneKernelPlan(index, pc.plane.name, axes, params, body, tuple(views))
 
 
@@ -430,9 +457,24 @@ def make_planes_kernel_plan(plan: PlanesPlan) -> PlanesKernelPlan | RefusedKerne
     return PlanesKernelPlan(plan, planes, f"[{leaf} for layer in range(g.L)]")
 
 
+#: Why a plane whose block slot splits into a tile or a place without the other has no kernel: a
+#: slot's offset in its block is addressed as tile x place, by the place's extent.
+PARTIAL_SLOT_REASON = "a block slot split into a tile without its place (or a place without its tile)"
+
+
 def plan_refusal(plan: object) -> str | None:
-    """Why a connector's plan has no Triton kernel (its twin's KERNEL refuses), or None."""
-    return splits.SPLITS_REASON if isinstance(plan, PlanesPlan) and plan.tiled else None
+    """Why a connector's plan has no Triton kernel (its twin's KERNEL refuses), or None. A split
+    C or H is two dims of a plane's row, a split block slot N two slot dims (tile and place)."""
+    if not isinstance(plan, PlanesPlan):
+        return None
+    return next((why for pc in plan.planes if (why := slot_refusal(pc.copy.cache_view.axes)) is not None), None)
+
+
+def slot_refusal(cache_axes: tuple[str, ...]) -> str | None:
+    """Why a plane's cache view has no kernel's block slot: N split into a tile without its place
+    or a place without its tile (the spec's passes refuse such a spec; the kernel needs both)."""
+    n = [a for a in cache_axes if (split_of(a) or ("",))[0] == "N"]
+    return PARTIAL_SLOT_REASON if n and not slot_split(cache_axes) else None
 
 
 def kernel_grid(plan: object) -> str | None:

@@ -172,6 +172,14 @@ class KernelSpec:
     object_starts: tuple[str, ...] = ()
     #: Views in the call's copy word (C counted in words), else as same-width integers.
     widen: bool = False
+    #: A block slot split into two cache dims, (tile, place) (`N/8`, `N%8`): a slot's offset n
+    #: in its block is at n // P tiles and n % P places, P the place's extent in the views.
+    split: tuple[str, ...] = ()
+    #: The kernel's name of each axis whose name is no identifier (`C/8`: C_t8), by axis.
+    idents: tuple[tuple[str, str], ...] = ()
+
+    def ident(self, axis: str) -> str:
+        return dict(self.idents).get(axis, axis)
 
 
 @dataclass(frozen=True)
@@ -354,11 +362,14 @@ class Kernel:
         if spec.layerwise:
             args["layer"] = step.layer
         bn = int(ops.g.N or 1) if spec.blocks else 1
+        if spec.split and math.prod(ops.extent(a) for a in spec.split) != bn:
+            # a slot's offset below BN must reach a tile and a place inside the views
+            raise Unsupported(f"a block's {' x '.join(spec.split)} slots in the views are not its {bn}")
         args.update(_index_arguments(spec, step.ck, bn, _dummy(device)))
-        args.update({f"E_{a}": ops.extent(a) for a in spec.extents})
-        args.update({f"cs_{a}": s for a, s in zip(spec.cache_axes, x.stride(), strict=True)})
-        args.update({f"os_{a}": s for a, s in zip(spec.object_axes, o.stride(), strict=True)})
-        row = {f"R_{a}": ops.extent(a) for a in spec.row}
+        args.update({f"E_{spec.ident(a)}": ops.extent(a) for a in spec.extents})
+        args.update({f"cs_{spec.ident(a)}": s for a, s in zip(spec.cache_axes, x.stride(), strict=True)})
+        args.update({f"os_{spec.ident(a)}": s for a, s in zip(spec.object_axes, o.stride(), strict=True)})
+        row = {f"R_{spec.ident(a)}": ops.extent(a) for a in spec.row}
         width = _pow2(math.prod(row.values()))
         tile = _tile(spec, width, bn)
         programs = args["num_blocks"] + -(-args["num_tokens"] // tile)

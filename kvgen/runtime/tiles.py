@@ -45,6 +45,17 @@ def _move(ptrs, offsets, rows, masks, STORE: tl.constexpr, VA: tl.constexpr):  #
 
 
 @triton.jit
+def _in_block(n, steps):  # noqa: ANN001
+    """The cache offset of slot `n` of a block: n * cs_n, or for a slot split into a tile and a
+    place (steps[3:]: the place's stride and its extent P; cs_n the tile's) n // P tiles and
+    n % P places."""
+    if len(steps) > 3:
+        return (n // steps[4]) * steps[1] + (n % steps[4]) * steps[3]
+    else:
+        return n * steps[1]
+
+
+@triton.jit
 def move_chunk(ptrs, part, chunk, steps, SIZES: tl.constexpr, FLAGS: tl.constexpr):  # noqa: ANN001
     """Move one chunk for one grid-axis-1 program.
 
@@ -58,7 +69,9 @@ def move_chunk(ptrs, part, chunk, steps, SIZES: tl.constexpr, FLAGS: tl.constexp
     count up from first_id, first_slot and 0 (the chunk's consecutive blocks, a folded axis's
     consecutive slots, all tokens). BN: slots per block (1 for a folded slot axis, whose slot
     is its own row index). VA: a power of two (in words) that every token row's start is a
-    multiple of, for strides the compiler cannot see are (82 8-byte words: a 656-byte row)."""
+    multiple of, for strides the compiler cannot see are (82 8-byte words: a 656-byte row).
+    A block slot split into a tile and a place (`N/8`, `N%8`) has steps (cs_b, cs_n, os_t, cs_p,
+    P): cs_n the tile's stride, cs_p the place's and P its extent."""
     BN: tl.constexpr = SIZES[0]
     TILE: tl.constexpr = SIZES[1]
     VA: tl.constexpr = SIZES[2]
@@ -69,7 +82,6 @@ def move_chunk(ptrs, part, chunk, steps, SIZES: tl.constexpr, FLAGS: tl.constexp
     ids = chunk[0]
     num_blocks = chunk[6]
     cs_b = steps[0]
-    cs_n = steps[1]
     os_t = steps[2]
     pid = tl.program_id(0)
     n = tl.arange(0, TILE)
@@ -82,7 +94,8 @@ def move_chunk(ptrs, part, chunk, steps, SIZES: tl.constexpr, FLAGS: tl.constexp
         t_block = (chunk[5] + pid * BN).to(tl.int64)
         for n0 in range(0, BN, TILE):
             k = n0 + n
-            _move(ptrs, (c_block + k * cs_n, o_base + (t_block + k) * os_t), rows, (k < BN, part[4]), STORE, VA)
+            c_slot = c_block + _in_block(k, steps)
+            _move(ptrs, (c_slot, o_base + (t_block + k) * os_t), rows, (k < BN, part[4]), STORE, VA)
     else:
         i = (pid - num_blocks) * TILE + n
         inside = i < chunk[7]
@@ -95,5 +108,5 @@ def move_chunk(ptrs, part, chunk, steps, SIZES: tl.constexpr, FLAGS: tl.constexp
             t = tl.load(chunk[2] + i, mask=inside, other=0).to(tl.int64)
         else:
             t = i.to(tl.int64)
-        c_off = c_base + (slot // BN) * cs_b + (slot % BN) * cs_n
+        c_off = c_base + (slot // BN) * cs_b + _in_block(slot % BN, steps)
         _move(ptrs, (c_off, o_base + t * os_t), rows, (inside, part[4]), STORE, VA)

@@ -93,7 +93,7 @@ def check(package: ModuleType, plan: Any, device: str, backend: str | None) -> t
 
 
 def _with_kernels(selected: Sequence[Any]) -> list[Any]:
-    """The connectors that have a Triton kernel; each one whose twin refuses (split axes) named and left out."""
+    """The connectors that have a Triton kernel; each one whose twin refuses named and left out."""
     kept = []
     for plan in selected:
         why = plan_refusal(plan)
