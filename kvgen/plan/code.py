@@ -62,10 +62,10 @@ def _assign(name: str, expr: str, comment: str) -> list[str]:
     one = f"{name} = {expr}  # {comment}"
     if len(one) <= LINE:
         return [one]
-    return [f"# {comment}", *_assign_chain(name, expr)]
+    return [f"# {comment}", *assign_chain(name, expr)]
 
 
-def _assign_chain(name: str, expr: str) -> list[str]:
+def assign_chain(name: str, expr: str) -> list[str]:
     """`name = expr`, a chain of calls too long for one line taken a call or more at a time."""
     parts = chain_calls(expr)
     if re.search(rf"\b{re.escape(name)}\b", "".join(parts[1:])):  # a later call reads the name: one line
@@ -84,7 +84,7 @@ def _bind(name: str, view: View, program: str | None, side: str) -> list[str]:
     over this view's dims) the view then taken at its places, on a line of its own."""
     if program is None:
         return _assign(name, view.expr, _axes(view.axes))
-    return [*_assign_chain(name, view.expr), f"{name} = {placed(name, program, side)}  # {_axes(view.axes)}"]
+    return [*assign_chain(name, view.expr), f"{name} = {placed(name, program, side)}  # {_axes(view.axes)}"]
 
 
 def _copy(plan: CopyPlan, store: bool, program: str | None = None) -> list[str]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgen.plan.code import _assign_chain
+from kvgen.plan.code import assign_chain
 from kvgen.plan.copy import LOOP_VARS, SLOT, CopyPlan, Mode, View, canonical
 from kvgen.plan.planes import PlaneCopy, PlanesPlan
 from kvgen.plan.program import slot_split
@@ -422,7 +422,7 @@ def _plane_kernel(plan: PlanesPlan, pc: PlaneCopy, index: int) -> PlaneKernelPla
     if plan.sizes:
         views.append("at = runtime.region_starts(_region_sizes(g, num_tokens))  # each region in a layer")
     views += [f"# this plane of one cache leaf: [{' '.join(leaf.axes)}], and of the object: [{' '.join(obj.axes)}]",
-              *_assign_chain("x", leaf.expr), *_assign_chain("o", obj.expr), "return x, o"]
+              *assign_chain("x", leaf.expr), *assign_chain("o", obj.expr), "return x, o"]
     return PlaneKernelPlan(index, pc.plane.name, axes, params, body, tuple(views))
 
 
