@@ -103,7 +103,7 @@ def _refuse_soa_pages(quant: str, group: int) -> None:
     decides, as nothing in the cache or its KVCacheSpec tells the two apart."""
     if not quant.startswith("TURBOQUANT_"):
         return
-    try:
+    try:  # vLLM: only for a TurboQuant cache (kvgen imports without vLLM)
         from vllm.v1.attention.ops.flydsl_turboquant_decode import is_flydsl_available
     except ImportError as exc:
         raise KVLayoutError(f"from_vllm: group {group} (kv_quant_mode={quant}): vLLM's FlyDSL switch does not "
