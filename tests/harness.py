@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kvgen.emit.render import render_connector
 from kvgen.oracle.scenarios import (  # noqa: F401
@@ -93,3 +94,17 @@ def vllm_module(name: str) -> Any:
     if importlib.util.find_spec("vllm") is None:
         pytest.skip(VLLM_MISSING, allow_module_level=True)
     return _LazyModule(name)
+
+
+def tile_codes(layer: int, kv: int, tokens: list[int], heads: int, width: int, store: torch.dtype) -> torch.Tensor:
+    """[tokens, heads, width] bit patterns of a storage dtype for the tiled (SHUFFLE) caches' engine
+    tests: nonzero bytes for uint8 storage, else int16 patterns of positive normal bf16 / fp16 values
+    (0x2000 + a code below 0x4000); each position of a row, and a step of any other coordinate, gives
+    another pattern."""
+    t = torch.tensor(tokens).reshape(-1, 1, 1)
+    h = torch.arange(heads).reshape(1, -1, 1)
+    c = torch.arange(width).reshape(1, 1, -1)
+    mixed = 7 * c + 1031 * h + 97 * t + 4099 * kv + 211 * layer
+    if store == torch.uint8:
+        return (mixed % 255 + 1).to(torch.uint8)
+    return (0x2000 + mixed % 0x4000).to(torch.int16)

@@ -94,6 +94,11 @@ def leftovers(parent: Path, name: str) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if p.name.startswith(f".{name}."))
 
 
+def backups_of(out: Path) -> list[Path]:
+    """The backups a fallback write killed between its renames left beside `out`."""
+    return [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.old-")]
+
+
 def import_package(folder: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
     """Import `folder` as a package under a fresh name, every module, and make a connector."""
     package = f"kvgen_kill_{next(_PACKAGES)}"
@@ -251,7 +256,7 @@ def kill_everywhere(out: Path, outputs: dict[str, dict[str, str]], *, no_exchang
                 assert ended == ("exit0" if at > len(events) else "killed"), (target, at, ended)
                 state = snapshot(out)
                 if state is None:
-                    backups = [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.old-")]
+                    backups = backups_of(out)
                     assert len(backups) == 1 and snapshot(backups[0]) == snaps[current], (target, at, events[at - 1])
                     left[target].append(ASIDE)
                 else:
@@ -283,7 +288,7 @@ def kill_at_random(out: Path, outputs: dict[str, dict[str, str]], *, no_exchange
             state = snapshot(out)
             if state is None:
                 assert no_exchange, f"kill {i}: --out is missing"
-                backups = [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.old-")]
+                backups = backups_of(out)
                 assert len(backups) == 1 and snapshot(backups[0]) == snaps[current], f"kill {i}"
                 if i % 2:
                     recover(out)  # else the next write recovers it itself

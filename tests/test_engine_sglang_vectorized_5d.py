@@ -32,7 +32,7 @@ except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain 
                 "`scripts/dev engines` runs these tests in .venv-sglang (sglang 0.5.23, torch 2.14.1)",
                 allow_module_level=True)
 
-from harness import builtin_library, tiled_connector  # noqa: E402
+from harness import builtin_library, tile_codes, tiled_connector  # noqa: E402
 
 import kvgen  # noqa: E402
 from kvgen.oracle.address import plane_address  # noqa: E402
@@ -78,16 +78,8 @@ def pool(dtype: torch.dtype) -> Any:
 
 
 def bits(layer: int, kv: int, tokens: list[int], store: torch.dtype) -> torch.Tensor:
-    """[tokens, H, HEAD] bit patterns of the storage dtype: positive normal bf16 / fp16 values (0x2000 +
-    a code below 0x4000) or nonzero bytes, every position of a row, and a step of any other
-    coordinate, another pattern."""
-    t = torch.tensor(tokens).reshape(-1, 1, 1)
-    h = torch.arange(H).reshape(1, -1, 1)
-    c = torch.arange(HEAD).reshape(1, 1, -1)
-    mixed = 7 * c + 1031 * h + 97 * t + 4099 * kv + 211 * layer
-    if store == torch.uint8:
-        return (mixed % 255 + 1).to(torch.uint8)
-    return (0x2000 + mixed % 0x4000).to(torch.int16)
+    """[tokens, H, HEAD] bit patterns of the storage dtype (harness.tile_codes)."""
+    return tile_codes(layer, kv, tokens, H, HEAD, store)
 
 
 def written(dtype: torch.dtype, store: torch.dtype, slots: list[int], codes: list[int] | None = None) -> Any:

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import VLLM_GROUP, builtin_library, vllm_module
+from harness import VLLM_GROUP, builtin_library, tile_codes, vllm_module
 
 iface = vllm_module("vllm.v1.kv_cache_interface")
 pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
@@ -112,15 +112,8 @@ def sides(view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def bits(layer: int, kv: int, tokens: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """[tokens, H, HS] bit patterns: positive normal bf16 / fp16 values (0x2000 + a code below
-    0x4000) or nonzero bytes; each position of a row, and a step of any other coordinate, another."""
-    t = torch.tensor(tokens).reshape(-1, 1, 1)
-    h = torch.arange(H).reshape(1, -1, 1)
-    c = torch.arange(HS).reshape(1, 1, -1)
-    mixed = 7 * c + 1031 * h + 97 * t + 4099 * kv + 211 * layer
-    if dtype == torch.uint8:
-        return (mixed % 255 + 1).to(torch.uint8)
-    return (0x2000 + mixed % 0x4000).to(torch.int16)
+    """[tokens, H, HS] bit patterns of the storage dtype (harness.tile_codes)."""
+    return tile_codes(layer, kv, tokens, H, HS, dtype)
 
 
 def written(dtype: torch.dtype, layout: str, slots: list[int], codes: list[int] | None = None) -> dict[str, Any]:

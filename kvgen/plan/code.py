@@ -42,7 +42,8 @@ def _axes(axes: tuple[str, ...]) -> str:
 
 
 #: Generated lines stay within ruff's 120 columns; statements of a method body start at column 8.
-LINE = 120 - 8
+COLUMNS = 120
+LINE = COLUMNS - 8
 
 
 def chain_calls(expr: str) -> list[str]:

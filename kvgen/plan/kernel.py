@@ -34,10 +34,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvgen.plan import splits
 from kvgen.plan.code import assign_chain
 from kvgen.plan.copy import LOOP_VARS, SLOT, CopyPlan, Mode, View, canonical
 from kvgen.plan.planes import PlaneCopy, PlanesPlan
-from kvgen.plan.program import slot_split
 from kvgen.spec.elements import split_of
 from kvgen.spec.model import PART_LEVEL, Pack, Spec
 
@@ -415,7 +415,7 @@ def _plane_kernel(plan: PlanesPlan, pc: PlaneCopy, index: int) -> PlaneKernelPla
     left = [name for name in ("wd[", "ck.", "kvcaches") if name in leaf.expr + obj.expr]
     if left:  # the torch copy's views name something the kernel's views do not have
         raise ValueError(f"{plan.module}: plane {pc.plane.name}'s views still use {', '.join(left)}")
-    slot = () if pc.slotless else (SLOT,) if SLOT in leaf.axes else ("B", *(slot_split(leaf.axes) or ("N",)))
+    slot = () if pc.slotless else (SLOT,) if SLOT in leaf.axes else ("B", *(splits.slot_split(leaf.axes) or ("N",)))
     axes = Axes(leaf, obj, ("L",), slot, layerwise)
     params, body = kernel_text(axes, aligned=True)
     views = ["rows = runtime.bytes_of(tensor)"]
@@ -474,7 +474,7 @@ def slot_refusal(cache_axes: tuple[str, ...]) -> str | None:
     """Why a plane's cache view has no kernel's block slot: N split into a tile without its place
     or a place without its tile (the spec's passes refuse such a spec; the kernel needs both)."""
     n = [a for a in cache_axes if (split_of(a) or ("",))[0] == "N"]
-    return PARTIAL_SLOT_REASON if n and not slot_split(cache_axes) else None
+    return PARTIAL_SLOT_REASON if n and not splits.slot_split(cache_axes) else None
 
 
 def kernel_grid(plan: object) -> str | None:

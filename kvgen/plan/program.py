@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgen.plan import splits
-from kvgen.plan.code import chain_calls
+from kvgen.plan.code import COLUMNS, chain_calls
 from kvgen.plan.copy import CopyPlan, Mode
 from kvgen.plan.planes import PlanesPlan
-from kvgen.spec.elements import split_of, tiled
+from kvgen.spec.elements import tiled
 from kvgen.spec.model import Spec
 
 #: The most dims one call of the compiled kernel takes (KV_MAXD in kvgen/runtime/csrc/kvcopy.c;
@@ -82,13 +82,6 @@ def _why_not(shared: tuple[str, ...], cache: tuple[str, ...], lists: tuple[str, 
     return None
 
 
-def slot_split(cache: tuple[str, ...]) -> tuple[str, ...]:
-    """(tile, place) of a block slot split into two cache dims (`N/8`, `N%8`); () where N is one dim
-    or absent. Only a tile with its place: the kernel splits a slot's offset by the place's extent."""
-    found = {(split_of(a) or ("", ""))[1]: a for a in cache if (split_of(a) or ("",))[0] == "N"}
-    return (found["/"], found["%"]) if set(found) == {"/", "%"} else ()
-
-
 #: One side of a copy as `_run` reads it: its leaf's axes in order, its list levels, and the
 #: axis of its own that the dim N (slots of whole blocks) steps along.
 Side = tuple[tuple[str, ...], tuple[str, ...], str]
@@ -134,7 +127,7 @@ def copy_program(cp: tuple[Place, ...], lists: tuple[str, ...], op: tuple[Place,
     levels, the object's places; `slotless`: a plane without slots (copied whole with every
     chunk that moves a token, one path `plane`)."""
     cache, objs = tuple(p[0] for p in cp), tuple(p[0] for p in op)
-    split = slot_split(cache)
+    split = splits.slot_split(cache)
     slot = split or tuple(a for a in ("N",) if a in cache)
     axes = (set(cache) | set(lists) | set(objs)) - TOKEN_AXES - set(split) - ({"L"} if layerwise else set())
     shared = tuple(sorted(axes))
@@ -211,7 +204,7 @@ def planes_views(plan: PlanesPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
 def _continued(expr: str) -> list[str]:
     """One entry of a tuple display: `expr,`, a chain of calls too long for a line (of a method
     body's tuple, at column 12) continued a call a line inside the parentheses."""
-    if len(expr) <= 120 - 13:
+    if len(expr) <= COLUMNS - 13:  # 12 columns of indent, then the comma
         return [f"    {expr},"]
     parts = chain_calls(expr)
     return [f"    {parts[0]}", *(f"        {p}" for p in parts[1:-1]), f"        {parts[-1]},"]

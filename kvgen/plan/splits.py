@@ -88,12 +88,18 @@ def slot_axes(cache_axes: tuple[str, ...]) -> tuple[str, ...]:
     return ("B", *(n or ("N",)))
 
 
+def slot_split(cache_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """(tile, place) of a block slot split into two cache dims (`N/8`, `N%8`); () where N is one dim
+    or absent. Only a tile with its place: a slot's offset in its block splits by the place's extent."""
+    found = {(split_of(a) or ("", ""))[1]: a for a in cache_axes if (split_of(a) or ("",))[0] == "N"}
+    return (found["/"], found["%"]) if set(found) == {"/", "%"} else ()
+
+
 def block_tokens(cache_axes: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
     """The axes T of the object splits into for whole blocks, and the sizes of that unflatten:
     (B, N) by (-1, g.N); for a split N (B, N/f, N%f) by (-1, g.N // f, f)."""
-    n = [a for a in cache_axes if (split_of(a) or ("",))[0] == "N"]
-    if not n:
+    split = slot_split(cache_axes)
+    if not split:
         return ("B", "N"), "(-1, g.N)"
-    tile = next(a for a in n if "/" in a)
-    place = next(a for a in n if "%" in a)
+    tile, place = split
     return ("B", tile, place), f"(-1, g.N // {factor(tile)}, {factor(place)})"
