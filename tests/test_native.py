@@ -493,14 +493,17 @@ def _kernel_copy(lib: object, dst: torch.Tensor, src: torch.Tensor, run: int, st
 def test_streamed_runs_of_every_tail_and_alignment() -> None:
     """A streamed run is an unaligned head, 64-byte blocks of 16-byte streaming stores and a
     tail of 0 to 63 bytes: runs of 256 to 383 bytes into destinations at every offset of a
-    16-byte lane give every head and tail length. Each byte holds its own position (mod 251),
-    and the bytes around the destination must stay as they were."""
+    16-byte lane give every head and tail length. Shorter runs stream only as whole cache lines
+    into a line-aligned destination (offset 48 below: 64 bytes into the buffer), and are copied
+    plainly at every other offset. Each byte holds its own position (mod 251), and the bytes
+    around the destination must stay as they were."""
     lib = native.library()
     src = (torch.arange(1024, dtype=torch.int64) % 251).to(torch.uint8)
     for stream in (True, False):
-        for run in range(256, 384):
-            for shift in range(16):
-                dst = torch.full((run + 64,), 255, dtype=torch.uint8)
+        for run in range(1, 384):
+            for shift in [*range(16), 48]:
+                dst = torch.full((run + 128,), 255, dtype=torch.uint8)
+                assert dst.data_ptr() % 64 == 0  # so that offset 64 is a line boundary
                 _kernel_copy(lib, dst[16 + shift:], src[3:], run, stream)
                 want = torch.full_like(dst, 255)
                 want[16 + shift:16 + shift + run] = src[3:3 + run]

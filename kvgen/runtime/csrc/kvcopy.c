@@ -104,11 +104,12 @@ static inline void kv_fence(const kv_job *job) {
 }
 
 /* One run: streamed when the caller asks (a chunk of 8 MiB or more, where a plain store
- * would first read each destination line from memory), short runs of whole 16-byte words
- * inline (no call), others by memcpy. */
+ * would first read each destination line from memory) and the run is long or whole aligned
+ * cache lines (an NVFP4 head's 64 data bytes: a partial line streamed would cost more than it
+ * saves), short runs of whole 16-byte words inline (no call), others by memcpy. */
 static inline void kv_copy(char *dst, const char *src, int64_t run, int stream) {
 #if defined(__SSE2__)
-    if (stream && run >= 256) {
+    if (stream && (run >= 256 || ((run & 63) == 0 && ((uintptr_t)dst & 63) == 0))) {
         kv_stream(dst, src, run);
         return;
     }
