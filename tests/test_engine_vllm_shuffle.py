@@ -2,20 +2,20 @@
 "SHUFFLE") as the oracle, bound by kvgen.from_vllm(..., layout="SHUFFLE") to the vectorized_5d specs.
 
 The cache is made by vLLM's own functions on CPU: AiterFlashAttentionBackend.customize_spec (K and V as
-two head slots of num_kv_heads * head_size values), get_kv_cache_config_from_groups and
-allocate_kv_cache under LHBNC (the sides planes of whole blocks) and LBHNC (the sides alternating block
-by block), split into K and V by AiterFlashAttentionImpl._split_kv_cache. `is_shuffle_kv_cache_enabled`
-answers only on ROCm with AITER (if_aiter_supported), so the tests make it answer True. Values are
-written by vLLM's own writer, reshape_and_cache_shuffle_triton and its Triton kernel (defined only on
-ROCm: compiled from vLLM's source file, run in Triton's interpreter; fp8 caches are copied as their
-uint8 storage, kv_cache_dtype "auto", so no quantization changes a byte), and the tests also restate
-that kernel's offsets (rocm_aiter_fa.py, reshape_and_cache_shuffle_kernel: K at block * stride0 +
-h * hs * N + d // x * N * x + n * x + d % x, V at block * stride0 + h * hs * N + n // x * hs * x + d * x +
-n % x) and check the writer against them. Every value's bits code its layer, side, slot, head and
-position; kvgen stores the slots into a kv_planes object (K's and V's rows in token order), loads them
-into a fresh vLLM cache at other slots, where every byte must be what vLLM's writer puts there; the
-spec's own address arithmetic must find every value; a spec with K and V or a tile and its place
-swapped does not.
+two head slots of num_kv_heads * head_size values), get_kv_cache_config_from_groups and allocate_kv_cache
+under LHBNC (the sides planes of whole blocks) and LBHNC (the sides alternating block by block), split
+into K and V by AiterFlashAttentionImpl._split_kv_cache; from_vllm binds both.
+`is_shuffle_kv_cache_enabled` answers only on ROCm with AITER (if_aiter_supported), so the tests make it
+answer True. Values are written by vLLM's own writer, reshape_and_cache_shuffle_triton and its Triton
+kernel (defined only on ROCm: compiled from vLLM's source file, run in Triton's interpreter; fp8 caches
+are copied as their uint8 storage, kv_cache_dtype "auto", so no quantization changes a byte), and the
+tests also restate that kernel's offsets (rocm_aiter_fa.py, reshape_and_cache_shuffle_kernel: K at block
+* stride0 + h * hs * N + d // x * N * x + n * x + d % x, V at block * stride0 + h * hs * N + n // x * hs
+* x + d * x + n % x) and check the writer against them. Every value's bits code its layer, side, slot,
+head and position; kvgen stores the slots into a kv_planes object (K's and V's rows in token order),
+loads them into a fresh vLLM cache at other slots, where every byte must be what vLLM's writer puts
+there; the spec's own address arithmetic must find every value; a spec with K and V or a tile and its
+place swapped does not.
 """
 
 from __future__ import annotations
@@ -56,12 +56,10 @@ T = len(SLOTS)
 #: (vLLM's cache dtype, x = 16 // its element size, the spec).
 DTYPES = [(torch.bfloat16, 8, "sglang_mha_vectorized_5d"), (torch.float16, 8, "sglang_mha_vectorized_5d"),
           (torch.uint8, 16, "sglang_mha_vectorized_5d_fp8")]
-#: Under LBHNC (which vLLM also lists for SHUFFLE) the sides alternate block by block: vLLM's writer
-#: places them by the block stride, and from_vllm refuses them (K's and V's tiles would share a span).
+#: Under LHBNC each side is a plane of whole blocks; under LBHNC (which vLLM also lists for SHUFFLE)
+#: the sides alternate block by block, and vLLM's writer places them by the block stride.
 CASES = [(*d, layout) for d in DTYPES for layout in ("LHBNC", "LBHNC")]
 IDS = [f"{str(d[0]).removeprefix('torch.')}-{d[3]}" for d in CASES]
-BOUND = [c for c in CASES if c[3] == "LHBNC"]
-BOUND_IDS = [i for i, c in zip(IDS, CASES, strict=True) if c[3] == "LHBNC"]
 
 
 @pytest.fixture(autouse=True)
@@ -178,7 +176,7 @@ def misplaced(spec: Spec, kvcaches: Any, dtype: torch.dtype) -> int:
     return wrong
 
 
-@pytest.mark.parametrize(("dtype", "x", "spec", "layout"), BOUND, ids=BOUND_IDS)
+@pytest.mark.parametrize(("dtype", "x", "spec", "layout"), CASES, ids=IDS)
 def test_from_vllm_binds_the_shuffle_cache_and_the_spec_finds_every_value(dtype: torch.dtype, x: int, spec: str,
                                                                          layout: str) -> None:
     kv, config = allocate(dtype, layout)
@@ -219,15 +217,17 @@ def test_a_wrong_spec_misses_what_vllm_writes(parts: tuple[str, str], tmp_path: 
     assert misplaced(mutated("sglang_mha_vectorized_5d", parts, tmp_path), group.kvcaches, torch.bfloat16) > 0
 
 
-@pytest.mark.parametrize(("dtype", "x", "spec", "layout"), BOUND, ids=BOUND_IDS)
-def test_the_shuffle_cache_moves_both_ways(dtype: torch.dtype, x: int, spec: str, layout: str) -> None:
+@pytest.mark.parametrize("backend", [None, "torch"], ids=["default", "torch"])
+@pytest.mark.parametrize(("dtype", "x", "spec", "layout"), CASES, ids=IDS)
+def test_the_shuffle_cache_moves_both_ways(dtype: torch.dtype, x: int, spec: str, layout: str,
+                                           backend: str | None) -> None:
     """Stored from SLOTS, each layer's object holds K's then V's rows in token order; loaded at AGAIN
     into a fresh cache, every byte is what vLLM's writer puts there, read back at vLLM's offsets."""
     source, source_config = allocate(dtype, layout)
     filled = written(dtype, layout, SLOTS)
     for name in source:
         source[name].copy_(filled[name])
-    (out,) = kvgen.from_vllm(source, source_config, "SHUFFLE")
+    (out,) = kvgen.from_vllm(source, source_config, "SHUFFLE", backend=backend)
     obj = MemoryObj(torch.zeros(tuple(out.connector.get_shape(T)), dtype=torch.uint8))
     out.connector.from_gpu(obj, 0, T, kvcaches=out.kvcaches, slot_mapping=torch.tensor(SLOTS))
     region = T * H * HS * torch.empty(0, dtype=dtype).element_size()  # a multiple of 16 bytes
@@ -237,7 +237,7 @@ def test_the_shuffle_cache_moves_both_ways(dtype: torch.dtype, x: int, spec: str
             stored = obj.tensor[layer, side * region:(side + 1) * region].view(want.dtype)
             assert torch.equal(stored.reshape(T, H, HS), want)
     fresh, fresh_config = allocate(dtype, layout)
-    (back,) = kvgen.from_vllm(fresh, fresh_config, "SHUFFLE")
+    (back,) = kvgen.from_vllm(fresh, fresh_config, "SHUFFLE", backend=backend)
     back.connector.to_gpu(obj, 0, T, kvcaches=back.kvcaches, slot_mapping=torch.tensor(AGAIN))
     want_cache = written(dtype, layout, AGAIN, SLOTS)
     for name in fresh:
@@ -261,7 +261,23 @@ def test_the_same_kv_cache_spec_is_not_shuffle_without_the_word() -> None:
         kvgen.from_vllm(kv, config, "SHUFFLE")
 
 
-def test_a_shuffle_cache_whose_sides_alternate_by_block_is_refused() -> None:
+def test_under_lbhnc_each_sides_pages_are_apart_element_by_element() -> None:
+    """K's and V's pages interleave in one allocation, each tiled otherwise ([H, C/x, N, x] and
+    [H, N/x, C, x]); the binding's memory check sees that they share no element, and still refuses a
+    V whose pages are K's own."""
     kv, config = allocate(torch.bfloat16, "LBHNC")
-    with pytest.raises(KVLayoutError, match=r"alternate K and V pages block by block \(LBHNC\)"):
+    (group,) = kvgen.from_vllm(kv, config, "SHUFFLE")
+    k, v = group.kvcaches[0][0], group.kvcaches[1][0]
+    assert k.stride(0) == v.stride(0) == 2 * N * H * HS  # one K page, then one V page, per block
+    assert v.data_ptr() - k.data_ptr() == N * H * HS * k.element_size()
+    aliased = k.as_strided(v.shape, v.stride())  # V's tiling over K's pages
+    with pytest.raises(KVLayoutError, match=r"kvcaches\[0\]\[0\] and kvcaches\[1\]\[0\] are the same memory"):
+        group.connector.bind([[k, group.kvcaches[0][1]], [aliased, group.kvcaches[1][1]]])
+
+
+def test_a_shuffle_cache_whose_pages_overlap_is_refused() -> None:
+    kv, config = allocate(torch.bfloat16, "LBHNC")
+    view = kv["attn.0"]
+    kv["attn.0"] = view.as_strided(view.shape, (view.stride(0), view.stride(1) // 2, *view.stride()[2:]))
+    with pytest.raises(KVLayoutError, match="overlap its pages"):
         kvgen.from_vllm(kv, config, "SHUFFLE")

@@ -775,3 +775,36 @@ def test_overlap_arithmetic_matches_brute_force() -> None:
         else:
             assert said or not truth, (shape, strides, other_strides, a_off, b_off)
     assert exact > 1000
+
+
+def _factors(n: int, rng: random.Random) -> tuple[int, ...]:
+    """A random shape whose sizes multiply to n."""
+    out = []
+    while n > 1:
+        f = rng.choice([d for d in range(2, n + 1) if n % d == 0])
+        out.append(f)
+        n //= f
+    return tuple(out) or (1,)
+
+
+def test_pages_tiled_two_ways_are_compared_element_by_element() -> None:
+    """Two views whose blocks hold one dense page each, the page shaped otherwise in each (AITER's K
+    [H, C/x, N, x] and V [H, N/x, C, x]), interleaved in one buffer: share_elements is exact, since
+    each view's dims coalesce to (block, page) before they are compared."""
+    from kvgen.runtime.aliasing import extent, share_elements
+
+    rng = random.Random(23)
+    buf = torch.zeros(1 << 14, dtype=torch.int16)
+    for _ in range(500):
+        page = rng.choice([4, 6, 8, 12, 16, 32])
+        blocks, step = rng.randint(1, 5), page * rng.randint(1, 3)
+        views, elements = [], []
+        for _side in range(2):
+            base = rng.randint(0, 3 * page)
+            inner = _factors(page, rng)
+            dense = [1]
+            for n in reversed(inner[1:]):
+                dense.insert(0, dense[0] * n)
+            views.append(buf.as_strided((blocks, *inner), (step, *dense), base))
+            elements.append({base + b * step + i for b in range(blocks) for i in range(page)})
+        assert share_elements(extent(views[0]), extent(views[1])) == bool(elements[0] & elements[1])

@@ -122,7 +122,7 @@ def from_vllm(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: Any = 
     `kv_caches`: layer name -> view, as vLLM's `allocate_kv_cache` returns (the manager views);
     `kv_cache_config`: vLLM's `KVCacheConfig`; `layout`: the resolved `KVCacheLayout` (member or
     name; default `kv_cache_config.kv_cache_layout`), or "SHUFFLE" for ROCm AITER's shuffled cells
-    (rocm_aiter_ops.is_shuffle_kv_cache_enabled(); under LHBNC, each side a plane of whole blocks);
+    (rocm_aiter_ops.is_shuffle_kv_cache_enabled(); under LHBNC or LBHNC);
     `engine_version`: default the installed vllm's; `pairing`: the memory object to pair with and
     the generated package (`Pairing`);
     `connector_args` (device, use_gpu, staging_bytes, backend) go to each connector.
@@ -172,17 +172,19 @@ def _shuffle_spec(spec: Any, index: int) -> tuple[int, int, int, str]:
 
 def _shuffle_sides(view: Any, heads: int, size: int, x: int) -> tuple[Any, Any]:
     """A layer's logical [B, 2, N, H * hs] view as its K [B, H, hs/x, N, x] and V [B, H, N/x, hs, x] tiles
-    (views): each (side, block) page must be dense, as the shuffle kernels address it."""
+    (views): each (side, block) page must be dense, as the shuffle kernels address it. The pages may lie
+    as planes of whole blocks (LHBNC) or alternate K and V block by block (LBHNC); the binding's memory
+    check then proves, element by element, that no two pages meet."""
     if view.dim() != 4 or view.shape[1] != 2 or view.shape[3] != heads * size or view.shape[2] % x or size % x or \
             view.stride(3) != 1 or view.stride(2) != heads * size:
         raise KVLayoutError(f"from_vllm: a SHUFFLE layer view {list(view.shape)} strides {list(view.stride())} is "
                             f"not [blocks, 2, block_size, {heads} * {size}] with dense pages of whole {x}-tiles")
     blocks, slots = view.shape[0], view.shape[2]
-    if view.stride(0) != slots * heads * size or abs(view.stride(1)) < blocks * view.stride(0):
-        raise KVLayoutError(f"from_vllm: a SHUFFLE layer view strides {list(view.stride())} alternate K and V pages "
-                            "block by block (LBHNC); kvgen binds SHUFFLE caches whose sides are planes of whole "
-                            "blocks (LHBNC, as AITER's paged attention reads them)")
-    k, v = (view[:, i].as_strided((blocks, slots * heads * size), (view.stride(0), 1)) for i in (0, 1))
+    page = slots * heads * size
+    if min(view.stride(0), view.stride(1)) < page:
+        raise KVLayoutError(f"from_vllm: a SHUFFLE layer view strides {list(view.stride())} overlap its pages of "
+                            f"{page} values: each (side, block) page must be whole, as LHBNC and LBHNC lay them")
+    k, v = (view[:, i].as_strided((blocks, page), (view.stride(0), 1)) for i in (0, 1))
     return (k.view(blocks, heads, size // x, slots, x), v.view(blocks, heads, slots // x, size, x))
 
 

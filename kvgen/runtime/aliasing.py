@@ -6,10 +6,11 @@ is a named function so a bench can time it: per call they cost a few microsecond
 tensor and one sort of the slots a load writes.
 
 Memory is compared by device and byte range. Where two ranges meet, tensors with the same
-dtype and strides are compared element by element (exactly, by the arithmetic below); any
-other meeting ranges count as shared, since telling them apart would cost more than the
-copy. That refuses only layouts no engine hands out (two different views interleaved in
-one buffer).
+dtype and strides are compared element by element (exactly, by the arithmetic below), after
+merging each dim that steps exactly over the next, so views that shape one dense page otherwise
+(vLLM's SHUFFLE K and V tiles under LBHNC) compare as (block, page); any other meeting ranges
+count as shared, since telling them apart would cost more than the copy. That refuses only
+layouts no engine hands out (two views of different strides interleaved in one buffer).
 """
 
 from __future__ import annotations
@@ -43,12 +44,25 @@ class Extent:
 
 
 def extent(t: torch.Tensor) -> Extent:
-    dims = tuple(sorted(((s, n) for n, s in zip(t.shape, t.stride(), strict=True) if n > 1), reverse=True))
+    dims = _coalesced(sorted(((s, n) for n, s in zip(t.shape, t.stride(), strict=True) if n > 1), reverse=True))
     lo = t.data_ptr()
     if t.numel() == 0:
         return Extent(t.device, lo, lo, t.element_size(), dims)
     last = sum((n - 1) * s for s, n in dims)
     return Extent(t.device, lo, lo + (last + 1) * t.element_size(), t.element_size(), dims)
+
+
+def _coalesced(dims: list[tuple[int, int]]) -> Dims:
+    """`dims` (largest stride first) with each dim that steps exactly over the one below it merged
+    into it: the same element offsets, so two views that tile one dense page differently (AITER's
+    K [H, C/x, N, x] and V [H, N/x, C, x] pages) have equal dims and are compared element by element."""
+    out: list[tuple[int, int]] = []
+    for stride, size in reversed(dims):
+        if out and stride == out[-1][0] * out[-1][1]:
+            out[-1] = (out[-1][0], out[-1][1] * size)
+        else:
+            out.append((stride, size))
+    return tuple(reversed(out))
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
