@@ -45,7 +45,8 @@ GENERATED = PACKAGE.parent / "generated" / "__init__.py"
 
 @dataclass(frozen=True)
 class Function:
-    """One function or method, named `module:qualname` (`kvgen.tp:plan`, `kvgen.runtime.model:ModelConnector._run`)."""
+    """One function or method, named `module:qualname` (`kvgen.tp:plan`,
+    `kvgen.runtime.model.connector:ModelConnector._run`)."""
 
     path: Path
     qualname: str

@@ -281,10 +281,10 @@ ENGINE_SIGNATURES = {
     "kvgen.runtime.layerwise:LayerwiseConnector.batched_from_gpu": _GPU_CONNECTOR,
     "kvgen.runtime.layerwise:LayerwiseConnector.batched_to_gpu": _GPU_CONNECTOR,
     # LMCache's interface with a slot mapping per group and the request's state slot
-    "kvgen.runtime.model:ModelConnector.from_gpu": _GPU_CONNECTOR,
-    "kvgen.runtime.model:ModelConnector.to_gpu": _GPU_CONNECTOR,
-    "kvgen.runtime.model:ModelConnector.batched_from_gpu": _GPU_CONNECTOR,
-    "kvgen.runtime.model:ModelConnector.batched_to_gpu": _GPU_CONNECTOR,
+    "kvgen.runtime.model.connector:ModelConnector.from_gpu": _GPU_CONNECTOR,
+    "kvgen.runtime.model.connector:ModelConnector.to_gpu": _GPU_CONNECTOR,
+    "kvgen.runtime.model.connector:ModelConnector.batched_from_gpu": _GPU_CONNECTOR,
+    "kvgen.runtime.model.connector:ModelConnector.batched_to_gpu": _GPU_CONNECTOR,
     "kvgen.integrations.lmcache.trtllm:TRTLLMGPUConnector.__init__": "LMCache 0.5.6's TRTLLMGPUConnector.__init__",
 }
 

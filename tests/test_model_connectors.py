@@ -21,7 +21,7 @@ from kvgen.oracle.reference import models as oracle
 from kvgen.oracle.scenarios import models as ms
 from kvgen.plan.package import skipped_models
 from kvgen.runtime import MemoryObj
-from kvgen.runtime import model as runtime_model
+from kvgen.runtime.model import connector as runtime_model
 from kvgen.spec.library import load_library
 from kvgen.spec.model import Pack
 

@@ -18,8 +18,9 @@ from kvgen import generated
 from kvgen.oracle.scenarios import check_pair
 from kvgen.oracle.scenarios.transfers import SCENARIOS as TRANSFER_SCENARIOS
 from kvgen.oracle.scenarios.transfers import TransferRun, check_transfer
-from kvgen.runtime import native, native_transfer
+from kvgen.runtime import native
 from kvgen.runtime.movers.native import NativeMover
+from kvgen.runtime.transfer import compiled
 from kvgen.spec.library import load_library
 
 LIBRARY = load_library()
@@ -112,7 +113,7 @@ def test_the_transfer_reference_check_fails_every_pair_under_a_mutant(name: str,
         return {(s, d): check_transfer(generated, LIBRARY[s], LIBRARY[d], "cpu", sc, run) for s, d in TRANSFER_PAIRS}
 
     assert all(results().values()), "the pairs must pass without the mutant"
-    monkeypatch.setattr(native_transfer, "move", _transfer_mutant(name, native_transfer.move))
+    monkeypatch.setattr(compiled, "move", _transfer_mutant(name, compiled.move))
     calls = native.stats["calls"]
     missed = [pair for pair, ok in results().items() if ok]
     assert native.stats["calls"] > calls, "the mutated compiled transfer did not run"

@@ -87,7 +87,7 @@ def test_an_unknown_copy_backend_is_refused() -> None:
 
 def test_a_layerwise_transfer_picks_its_threads_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Reading the host's load once per call, not once per layer (it costs a /proc read)."""
-    from kvgen.runtime import native_transfer
+    from kvgen.runtime.transfer import compiled
 
     asked: list[int] = []
 
@@ -95,7 +95,7 @@ def test_a_layerwise_transfer_picks_its_threads_once(monkeypatch: pytest.MonkeyP
         asked.append(nbytes)
         return 1
 
-    monkeypatch.setattr(native_transfer, "cpu_threads", counting)
+    monkeypatch.setattr(compiled, "cpu_threads", counting)
     src, dst = _caches()
     want = _want(src, dst)
     assert sum(1 for _ in T().copy_layers(src, S, dst, D)) == SRC_EXT["L"] + 1

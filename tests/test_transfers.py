@@ -145,7 +145,7 @@ def test_layerwise_yields_once_per_layer_then_once_more() -> None:
 
 def test_a_block_path_and_a_token_path_share_a_call() -> None:
     """Whole blocks go by block ids, the partial ends by slot; both in one call."""
-    from kvgen.runtime.pairs import pair_slots
+    from kvgen.runtime.transfer.pairs import pair_slots
 
     src, dst = MODULES["xfer__vllm_flash_attn_hnd__vllm_flash_attn_nhd"]
     t = generated.transfer(src.name, dst.name)()
@@ -166,7 +166,7 @@ def test_a_folded_side_moves_whole_blocks_of_the_other_sides_size() -> None:
     slots (SGLang's host pools hold whole pages); otherwise every token goes by slot."""
     import dataclasses
 
-    from kvgen.runtime.pairs import pair_slots
+    from kvgen.runtime.transfer.pairs import pair_slots
 
     src, dst = MODULES["xfer__hicache_page_first__vllm_flash_attn_nhd"]
     t = generated.transfer(src.name, dst.name)()

@@ -8,7 +8,7 @@ is left on both sides is the same set of axes (L?, KV?, H?, C plus the slot axes
 orders:
 
 * block path: whole blocks that map onto whole blocks (same block size, aligned pairs of
-  slots, found per call by kvgen.runtime.transfer) move by one index op over B on each side,
+  slots, found per call by kvgen.runtime.transfer.pairs) move by one index op over B on each side,
   the source view permuted into the destination's dim order;
 * token path: every other token is gathered from the source by its slot (`x[blk, off]`, or
   rows of a folded slot axis) and put at its destination slot, the gathered tensor permuted

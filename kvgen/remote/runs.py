@@ -3,7 +3,7 @@ described cache into another, coalesced across every axis contiguous on both sid
 
 Each element axis the two caches share (L, KV, H narrowed to a head range, C) is a dim with
 both sides' leaf step (list levels) and byte stride; the innermost dims both sides keep
-contiguous merge into one run (as kvgen.runtime.native_transfer orders a kernel call). The
+contiguous merge into one run (as kvgen.runtime.transfer.compiled orders a kernel call). The
 tokens are one more dim, placed among the others by the destination's within-block stride.
 Every other dim, and the tokens, become descriptors on an index grid worked out at once;
 neighbours that continue each other on both sides then merge (consecutive tokens of a block,

@@ -11,8 +11,8 @@ from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layerwise import LayerwiseConnector
 from kvgen.runtime.layout import CacheReader, Geometry, ObjectLayout, PagedLayout, PlaneGeometry
 from kvgen.runtime.memory import UNDEFINED, Format, MemoryObj, Metadata, format_name
-from kvgen.runtime.model import ModelConnector
-from kvgen.runtime.model_table import GroupTable, Section, StateTable
+from kvgen.runtime.model.connector import ModelConnector
+from kvgen.runtime.model.table import GroupTable, Section, StateTable
 from kvgen.runtime.movers.program import CopyPath, CopyProgram, TransferPath, TransferProgram
 from kvgen.runtime.ops import (
     bits,
@@ -26,7 +26,6 @@ from kvgen.runtime.ops import (
     take_rows,
     take_tokens,
 )
-from kvgen.runtime.pairs import Pairs, carry, move_blocks, pick, pick_slots, put_slots
 from kvgen.runtime.planes import (
     as_words,
     block_field,
@@ -43,7 +42,8 @@ from kvgen.runtime.planes import (
 )
 from kvgen.runtime.registry import DEVICES, Registry, check_transition, convert
 from kvgen.runtime.slots import Chunk, plan_chunk
-from kvgen.runtime.transfer import TransferBase, TransferCall
+from kvgen.runtime.transfer.connector import TransferBase, TransferCall
+from kvgen.runtime.transfer.pairs import Pairs, carry, move_blocks, pick, pick_slots, put_slots
 from kvgen.runtime.whole import ChunkConnector
 from kvgen.runtime.words import Words
 

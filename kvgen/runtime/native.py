@@ -2,7 +2,7 @@
 One C call moves a whole chunk (or one layer of it) between a paged cache and a memory
 object, with memcpy over the longest runs both sides keep contiguous (a whole block at once
 where the layouts allow); kvgen.runtime.movers.native turns a connector's PROGRAM into those
-calls, kvgen.runtime.native_transfer a transfer's pairs.
+calls, kvgen.runtime.transfer.compiled a transfer's pairs.
 
 Why: the torch path issues one or more ops per layer. Each is a parallel region whose
 closing barrier waits for every OpenMP thread, which on a host whose cores are busy (a

@@ -63,7 +63,7 @@ class Registry:
 
     def get_model(self, model: str, obj: str) -> type:
         """The model connector class moving `model`'s whole cache (groups and state) to and from
-        `obj` groups objects (kvgen.runtime.model)."""
+        `obj` groups objects (kvgen.runtime.model.connector)."""
         models = {m.lower(): m for m, _ in self.models}
         if model.lower() not in models:
             raise KVLayoutError(f"no model connector for {model!r}; models: {', '.join(sorted(set(models.values())))}"
@@ -77,7 +77,7 @@ class Registry:
         return module.Connector
 
     def transfer(self, src: str, dst: str) -> type:
-        """The transfer class copying KV from `src` caches into `dst` caches (kvgen.runtime.transfer)."""
+        """The transfer class copying KV from `src` caches into `dst` caches (kvgen.runtime.transfer.connector)."""
         pair = (self.resolve(src), self.resolve(dst))
         if pair not in self.transfers:
             partners = sorted(d for s, d in self.transfers if s == pair[0])

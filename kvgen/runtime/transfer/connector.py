@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvgen.runtime import calls, native, native_transfer
+from kvgen.runtime import calls, native
 from kvgen.runtime.aliasing import CacheMemory, share_elements
 from kvgen.runtime.binding import (
     Binding,
@@ -43,8 +43,9 @@ from kvgen.runtime.devices import Backend, backend_for, on_stream
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, PagedLayout, describe
 from kvgen.runtime.movers.program import TransferProgram
-from kvgen.runtime.pairs import Pairs, Scratch, pair_slots
 from kvgen.runtime.slots import signed_integers
+from kvgen.runtime.transfer import compiled
+from kvgen.runtime.transfer.pairs import Pairs, Scratch, pair_slots
 from kvgen.runtime.words import Words, words
 from kvgen.tp import HeadRanges
 
@@ -88,8 +89,8 @@ class TransferBase:
         """`backend`: a device backend to use instead of each device's own (tests pass a fake).
         `copy_backend`: "native" (the compiled CPU kernel, refused where it cannot run), "torch"
         (the generated torch copies), or None: the kernel where it runs, else torch."""
-        if copy_backend is not None and copy_backend not in native_transfer.BACKENDS:
-            raise KVLayoutError(f"copy_backend must be one of {', '.join(map(repr, native_transfer.BACKENDS))} or "
+        if copy_backend is not None and copy_backend not in compiled.BACKENDS:
+            raise KVLayoutError(f"copy_backend must be one of {', '.join(map(repr, compiled.BACKENDS))} or "
                                 f"None (auto), got {copy_backend!r}")
         if copy_backend == "native" and native.unavailable():
             raise KVLayoutError(f"copy_backend='native' cannot run here: {native.unavailable()}")
@@ -114,9 +115,9 @@ class TransferBase:
         scratch = self._local.__dict__.setdefault("scratch", Scratch())  # a whole copy ends before the next
         call = self._begin((src_caches, src_slots), (dst_caches, dst_slots), heads, scratch)
         if call.pairs.moved:
-            compiled = self._compiled(call, layerwise=False)
-            if compiled is not None:
-                native_transfer.move(compiled, None)
+            description = self._compiled(call, layerwise=False)
+            if description is not None:
+                compiled.move(description, None)
             else:
                 self._copy(call)
         for device in dict.fromkeys((call.gs.device, call.gd.device)):
@@ -140,12 +141,12 @@ class TransferBase:
         stream = self._stream(device, backend)
         sides = [(leaves(tree), layer_leaves(tree, layout.lists, call.gs.L), binding) for tree, layout, binding
                  in ((call.src, self.src_layout, call.bindings[0]), (call.dst, self.dst_layout, call.bindings[1]))]
-        compiled = self._compiled(call, layerwise=True) if call.pairs.moved else None
+        description = self._compiled(call, layerwise=True) if call.pairs.moved else None
         for layer in range(call.gs.L):
             for tensors, per_layer, binding in sides if layer else ():  # the caller ran since the last step
                 check_layer_leaves(tensors, per_layer[layer], binding, f"{self.name}: layer {layer}")
-            if compiled is not None:
-                native_transfer.move(compiled, layer)
+            if description is not None:
+                compiled.move(description, layer)
             elif call.pairs.moved:
                 with on_stream(backend, stream):
                     self._copy_layer(layer, call)
@@ -156,7 +157,7 @@ class TransferBase:
             backend.wait_stream(backend.current_stream(), stream)
         yield
 
-    def _compiled(self, call: TransferCall, *, layerwise: bool) -> native_transfer.TransferDescription | None:
+    def _compiled(self, call: TransferCall, *, layerwise: bool) -> compiled.TransferDescription | None:
         """The compiled kernel's description of this call, or None for the torch copies (a
         device other than the CPU, a cache the kernel cannot describe, copy_backend='torch')."""
         if self.copy_backend == "torch":
@@ -165,7 +166,7 @@ class TransferBase:
                                           or "cpu" != call.gd.device.type):
             return None  # not a fallback: the kernel never moves these
         try:
-            return native_transfer.describe(self.program, call, layerwise)
+            return compiled.describe(self.program, call, layerwise)
         except native.Unsupported as why:
             if self.copy_backend == "native":
                 raise KVLayoutError(f"{self.name}: copy_backend='native' cannot move these caches: {why}") from None

@@ -30,8 +30,8 @@ from kvgen.runtime import host, native
 from kvgen.runtime.layout import Geometry
 from kvgen.runtime.movers.native import address, leaf_set
 from kvgen.runtime.movers.program import TransferPath, TransferProgram
-from kvgen.runtime.pairs import Index, Pairs
 from kvgen.runtime.threads import PARALLEL_BYTES, TEAM_PARALLEL_BYTES, cpu_threads
+from kvgen.runtime.transfer.pairs import Index, Pairs
 
 #: Int64 fields per dim of kvgen_transfer: the extent, then idx, first, div, cs, cs2, ls per side.
 FIELDS = 13

@@ -15,7 +15,7 @@ import torch
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, broadcast_dims, describe
 from kvgen.runtime.memory import check_relabel, format_name
-from kvgen.runtime.model_table import GroupTable, StateTable, dtype_name
+from kvgen.runtime.model.table import GroupTable, StateTable, dtype_name
 
 
 def entries(model: str, layers: int, kvcaches: Any) -> tuple[Any, ...]:

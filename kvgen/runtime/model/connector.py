@@ -1,7 +1,7 @@
 """Model connectors: a whole model's cache (attention groups with their own block tables, and
 per-request state) to and from one groups object per chunk (KVGEN_GROUPS, ...).
 
-A generated model module holds only tables (kvgen.runtime.model_table) and subclasses
+A generated model module holds only tables (kvgen.runtime.model.table) and subclasses
 `ModelConnector`. Each carried group is moved by its *member* connector, the generated
 whole-chunk connector of (group layout, member object), on the group's entries of the cache
 list with the group's own slot mapping; so every check a connector runs on a cache, a slot
@@ -34,7 +34,7 @@ from kvgen.runtime.connector import Call, ConnectorBase, _integer, _positions, t
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, ObjectLayout, describe
 from kvgen.runtime.memory import Format, MemoryObj, relabel
-from kvgen.runtime.model_checks import (
+from kvgen.runtime.model.checks import (
     StateFacts,
     check_declared,
     check_states,
@@ -44,7 +44,7 @@ from kvgen.runtime.model_checks import (
     object_bytes,
     state_slots,
 )
-from kvgen.runtime.model_table import GroupTable, Section, StateTable, dtype_name, lay_out, state_section_name
+from kvgen.runtime.model.table import GroupTable, Section, StateTable, dtype_name, lay_out, state_section_name
 from kvgen.runtime.movers.native import copy_state_rows
 
 STORE = ("kvcaches", "slot_mappings", "state_slot", "offset")
