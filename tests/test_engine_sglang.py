@@ -421,6 +421,44 @@ def test_hicache_host_pools_built_by_sglang_move_right_both_ways(layout: str, mu
                                kv_2ltd_expected(LOW))
 
 
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+def test_sglangs_device_pool_and_its_page_unified_host_pool_transfer_both_ways(
+        layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What HiCache's write-back and load-back kernels (CUDA) do, by kvgen's transfers: K and V that
+    SGLang's set_kv_buffer wrote reach the page_unified host pool where page_dims says, and come
+    back to a fresh device pool where SGLang's getters read them."""
+    device_name = "sglang_mha" if layout == "nhd" else "sglang_mha_hnd"
+    pool = mha(layout, monkeypatch)
+    write_mha(pool, SLOTS, list(range(L)))
+    cache = [list(pool.k_buffer), list(pool.v_buffer)]
+    target, oracle = host("page_unified"), host("page_unified")
+    generated.transfer(device_name, "hicache_page_unified")().copy(cache, SLOTS, target.kv_buffer, AGAIN)
+    write_host(oracle, HOST_DIMS["page_unified"], AGAIN)
+    assert all(map(torch.equal, host_pages(target), host_pages(oracle)))
+    back, want = mha(layout, monkeypatch), mha(layout, monkeypatch)
+    generated.transfer("hicache_page_unified", device_name)().copy(
+        target.kv_buffer, AGAIN, [list(back.k_buffer), list(back.v_buffer)], SLOTS)
+    write_mha(want, SLOTS, list(range(L)))
+    assert same_reads(back, want, list(range(L)))
+    assert not same_reads(back, mha(layout, monkeypatch), list(range(L)))
+
+
+def test_sglangs_mla_pool_and_its_page_unified_host_pool_transfer_both_ways() -> None:
+    pool = mla()
+    write_latent(pool, SLOTS)
+    target, oracle = host("page_unified", mla_pool=True), host("page_unified", mla_pool=True)
+    generated.transfer("sglang_mla", "hicache_mla_page_unified")().copy(list(pool.kv_buffer), SLOTS,
+                                                                       target.kv_buffer, AGAIN)
+    write_host(oracle, MLA_HOST_DIMS["page_unified"], AGAIN)
+    assert all(map(torch.equal, host_pages(target), host_pages(oracle)))
+    back, want = mla(), mla()
+    generated.transfer("hicache_mla_page_unified", "sglang_mla")().copy(target.kv_buffer, AGAIN,
+                                                                       list(back.kv_buffer), SLOTS)
+    write_latent(want, SLOTS)
+    assert same_reads(back, want, list(range(L)))
+    assert not same_reads(back, mla(), list(range(L)))
+
+
 def test_a_page_unified_pool_of_several_head_groups_is_refused_before_the_first_write() -> None:
     """kvgen describes page_unified with SGLang's default head_group_num = 1; a pool cut into two
     head groups ([pages, 2, L, 2, N, H / 2, C]) is refused both ways, nothing written."""
