@@ -80,7 +80,7 @@ def test_list_has_headers_and_names_the_connectors(capsys) -> None:
     row = next(ln for ln in lines if ln.startswith("vllm_mla "))
     assert row.endswith("kv_mla, kv_mla_layer (layerwise)"), row
     row = next(ln for ln in lines if ln.startswith("kv_mla_layer "))
-    assert "KV_MLA_FMT (6)" in row and row.endswith("7 layouts"), row  # vLLM <0.33, 0.33, SGLang; 4 host stores
+    assert "KV_MLA_FMT (6)" in row and row.endswith("8 layouts"), row  # vLLM <0.33, 0.33, SGLang; 5 host stores
 
 
 def test_every_option_has_help() -> None:

@@ -186,7 +186,8 @@ def test_the_hnd_pool_is_refused_without_its_word_and_moves_right_with_it(monkey
 # -- a spec mutated to its neighbour (NHD <-> HND) fails the same checks ------------------------
 
 MUTANTS = {"sglang_mha_hnd": ("dims: [B, H, N, C]", "dims: [B, N, H, C]"),
-           "hicache_page_head": ("dims: [KV, B, H, N, L, C]", "dims: [KV, B, N, H, L, C]")}
+           "hicache_page_head": ("dims: [KV, B, H, N, L, C]", "dims: [KV, B, N, H, L, C]"),
+           "hicache_page_unified": ("dims: [B, 1, L, KV, N, H, C]", "dims: [B, 1, L, KV, H, N, C]")}
 
 
 @pytest.fixture(scope="module")
@@ -333,34 +334,62 @@ def test_pools_kvgen_does_not_know_are_refused_by_class_and_layout(monkeypatch: 
 
 # -- HiCache host pools --------------------------------------------------------------------------
 
-#: SGLang 0.5.23's MHATokenToKVPoolHost.init_kv_buffer dims per layout (names for its tuple).
+#: SGLang 0.5.23's MHATokenToKVPoolHost.init_kv_buffer dims per layout (names for its tuple; G the head
+#: group of page_unified's PageUnifiedLayout.page_dims, H there a head's place in its group).
 HOST_DIMS = {"layer_first": ("KV", "L", "S", "H", "C"), "page_first": ("KV", "S", "L", "H", "C"),
-             "page_first_direct": ("KV", "B", "L", "N", "H", "C"), "page_head": ("KV", "B", "H", "N", "L", "C")}
+             "page_first_direct": ("KV", "B", "L", "N", "H", "C"), "page_head": ("KV", "B", "H", "N", "L", "C"),
+             "page_unified": ("B", "G", "L", "KV", "N", "H", "C")}
 MLA_HOST_DIMS = {"layer_first": ("L", "S", "1", "C"), "page_first": ("S", "L", "1", "C"),
-                 "page_first_direct": ("B", "L", "N", "1", "C")}
+                 "page_first_direct": ("B", "L", "N", "1", "C"), "page_unified": ("B", "L", "N", "C")}
 
 
-def host(layout: str, mla_pool: bool = False) -> Any:
+def host(layout: str, mla_pool: bool = False, head_groups: int = 1) -> Any:
     device = mla() if mla_pool else mp.MHATokenToKVPool(
         size=SIZE, page_size=PAGE, dtype=torch.float32, head_num=H, head_dim=C, layer_num=L, device="cpu",
         enable_memory_saver=False, enable_alt_stream=False)
     info = device.get_device_pool_infos()[0].buffer_info
-    cls, extra = (MLATokenToKVPoolHost, {"target_layer_num": L}) if mla_pool else (MHATokenToKVPoolHost, {})
+    cls, extra = ((MLATokenToKVPoolHost, {"target_layer_num": L}) if mla_pool
+                  else (MHATokenToKVPoolHost, {"head_group_num": head_groups}))
     return cls(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu", device_capacity_tokens=SIZE,
                start_layer=0, end_layer=L, **extra)
 
 
-def write_host(pool: Any, names: tuple[str, ...], slots: torch.Tensor, values_of: torch.Tensor = SLOTS) -> None:
+def write_host(pool: Any, names: tuple[str, ...], slots: torch.Tensor, values_of: torch.Tensor = SLOTS,
+               head_groups: int = 1) -> None:
     """SGLang's host transfers are sgl_kernel CUDA ops; this writes the places init_kv_buffer's
-    dims document (S a host slot, B its page, N its offset in the page)."""
-    heads, width = (1, RANK + ROPE) if "1" in names else (H, C)
+    dims document (S a host slot, B its page, N its offset in the page; head h in group G = h // (H / G)
+    at place h % (H / G))."""
+    heads, width = (H, C) if "KV" in names else (1, RANK + ROPE)
+    per_group = H // head_groups
     for kv in range(2 if "KV" in names else 1):
         for layer in range(L):
             for src, dst in zip(values_of.tolist(), slots.tolist(), strict=True):
                 for h in range(heads):
-                    at = {"KV": kv, "L": layer, "S": dst, "B": dst // PAGE, "N": dst % PAGE, "H": h, "1": 0}
+                    at = {"KV": kv, "L": layer, "S": dst, "B": dst // PAGE, "N": dst % PAGE, "1": 0,
+                          "G": h // per_group, "H": h % per_group if "G" in names else h}
                     index = tuple(at[n] for n in names[:-1])
                     pool.kv_buffer[index] = torch.tensor([code(layer, kv, src, h, c) for c in range(width)])
+
+
+def host_pages(pool: Any) -> list[torch.Tensor]:
+    """SGLang's own reading of each host page: get_data_page, which 0.5.23 does not serve for
+    page_unified (it raises); there, the byte runs PageUnifiedLayout.chunk_span names for L3 chunks:
+    every head group's whole layer range, and each single layer of it."""
+    if pool.layout != "page_unified":
+        return [pool.get_data_page(index, flat=False) for index in range(0, pool.size, PAGE)]
+    with pytest.raises(ValueError, match="Unsupported layout"):
+        pool.get_data_page(0, flat=False)
+    spec = pool.page_unified_layout
+    ranges = [(0, spec.layer_num)] + [(layer, layer + 1) for layer in range(spec.layer_num)]
+    out = []
+    for page in pool.kv_buffer:
+        raw = page.reshape(-1).view(torch.uint8)
+        assert raw.numel() == spec.bytes_per_page
+        for group in range(spec.head_group_num):
+            for span in ranges:
+                offset, length = spec.chunk_span(span, group)
+                out.append(raw[offset:offset + length])
+    return out
 
 
 @pytest.mark.parametrize("layout", list(HOST_DIMS) + [f"mla_{k}" for k in MLA_HOST_DIMS])
@@ -381,14 +410,71 @@ def test_hicache_host_pools_built_by_sglang_move_right_both_ways(layout: str, mu
     fresh, oracle = host(word, is_mla), host(word, is_mla)
     conn.to_gpu(copy(out), 0, T, kvcaches=fresh.kv_buffer, slot_mapping=AGAIN)
     write_host(oracle, names, AGAIN)
-    for index in range(0, fresh.size, PAGE):  # SGLang's own page reader (what HiCache's storage tier reads)
-        assert torch.equal(fresh.get_data_page(index, flat=False), oracle.get_data_page(index, flat=False))
-    if word == "page_head":  # the neighbouring reading (slots before heads) fails the same check
+    pages, want_pages = host_pages(fresh), host_pages(oracle)  # SGLang's own page reader (what L3 reads)
+    assert len(pages) == len(want_pages) and all(map(torch.equal, pages, want_pages))
+    assert not all(map(torch.equal, pages, host_pages(host(word, is_mla))))  # the load wrote
+    if not is_mla and word in ("page_head", "page_unified"):  # the neighbouring reading (N and H swapped) fails
         everything = torch.arange(4 * PAGE)
         write_host(pool, names, everything, values_of=everything)
         assert torch.equal(mutant_store(conn, pool.kv_buffer), kv_2ltd_expected(LOW))
-        assert not torch.equal(mutant_store(mutants.get("mutant_hicache_page_head", "kv_2ltd")(), pool.kv_buffer),
+        assert not torch.equal(mutant_store(mutants.get(f"mutant_hicache_{word}", "kv_2ltd")(), pool.kv_buffer),
                                kv_2ltd_expected(LOW))
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+def test_sglangs_device_pool_and_its_page_unified_host_pool_transfer_both_ways(
+        layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What HiCache's write-back and load-back kernels (CUDA) do, by kvgen's transfers: K and V that
+    SGLang's set_kv_buffer wrote reach the page_unified host pool where page_dims says, and come
+    back to a fresh device pool where SGLang's getters read them."""
+    device_name = "sglang_mha" if layout == "nhd" else "sglang_mha_hnd"
+    pool = mha(layout, monkeypatch)
+    write_mha(pool, SLOTS, list(range(L)))
+    cache = [list(pool.k_buffer), list(pool.v_buffer)]
+    target, oracle = host("page_unified"), host("page_unified")
+    generated.transfer(device_name, "hicache_page_unified")().copy(cache, SLOTS, target.kv_buffer, AGAIN)
+    write_host(oracle, HOST_DIMS["page_unified"], AGAIN)
+    assert all(map(torch.equal, host_pages(target), host_pages(oracle)))
+    back, want = mha(layout, monkeypatch), mha(layout, monkeypatch)
+    generated.transfer("hicache_page_unified", device_name)().copy(
+        target.kv_buffer, AGAIN, [list(back.k_buffer), list(back.v_buffer)], SLOTS)
+    write_mha(want, SLOTS, list(range(L)))
+    assert same_reads(back, want, list(range(L)))
+    assert not same_reads(back, mha(layout, monkeypatch), list(range(L)))
+
+
+def test_sglangs_mla_pool_and_its_page_unified_host_pool_transfer_both_ways() -> None:
+    pool = mla()
+    write_latent(pool, SLOTS)
+    target, oracle = host("page_unified", mla_pool=True), host("page_unified", mla_pool=True)
+    generated.transfer("sglang_mla", "hicache_mla_page_unified")().copy(list(pool.kv_buffer), SLOTS,
+                                                                       target.kv_buffer, AGAIN)
+    write_host(oracle, MLA_HOST_DIMS["page_unified"], AGAIN)
+    assert all(map(torch.equal, host_pages(target), host_pages(oracle)))
+    back, want = mla(), mla()
+    generated.transfer("hicache_mla_page_unified", "sglang_mla")().copy(target.kv_buffer, AGAIN,
+                                                                       list(back.kv_buffer), SLOTS)
+    write_latent(want, SLOTS)
+    assert same_reads(back, want, list(range(L)))
+    assert not same_reads(back, mla(), list(range(L)))
+
+
+def test_a_page_unified_pool_of_several_head_groups_is_refused_before_the_first_write() -> None:
+    """kvgen describes page_unified with SGLang's default head_group_num = 1; a pool cut into two
+    head groups ([pages, 2, L, 2, N, H / 2, C]) is refused both ways, nothing written."""
+    pool = host("page_unified", head_groups=2)
+    assert tuple(pool.kv_buffer.shape) == (pool.page_num, 2, L, 2, PAGE, H // 2, C)
+    write_host(pool, HOST_DIMS["page_unified"], SLOTS, head_groups=2)
+    before = pool.kv_buffer.clone()
+    conn = generated.get("hicache_page_unified", "kv_2ltd")()
+    out = MemoryObj(torch.full(tuple(conn.get_shape(T, host("page_unified").kv_buffer)), -1.0))
+    with pytest.raises(KVLayoutError, match=r"hicache_page_unified: kvcaches must be \[B 1 L KV=2 N H C\]: "
+                                            r"dim 1 is a singleton \(1\) in this layout, got extent 2"):
+        conn.from_gpu(out, 0, T, kvcaches=pool.kv_buffer, slot_mapping=SLOTS)
+    assert bool((out.tensor == -1.0).all())
+    with pytest.raises(KVLayoutError, match="dim 1 is a singleton"):
+        conn.to_gpu(copy(out), 0, T, kvcaches=pool.kv_buffer, slot_mapping=AGAIN)
+    assert torch.equal(pool.kv_buffer, before)
 
 
 # -- the hand-written facts (kvgen.oracle.facts*) against SGLang's live pools ---------------------
@@ -398,9 +484,9 @@ def test_kvgen_verify_checks_the_hand_written_facts_against_sglangs_live_pools(
     from kvgen.tools.verify import engines as verify_engines
 
     wrong, checked = verify_engines.sglang_disagreements()
-    assert (wrong, checked) == ([], 7)
+    assert (wrong, checked) == ([], 8)
     assert verify_engines.run() == 0
-    assert "7 of 7 SGLang 0.5.23 pool facts agree with the engine's live pools" in capsys.readouterr().out
+    assert "8 of 8 SGLang 0.5.23 pool facts agree with the engine's live pools" in capsys.readouterr().out
 
 
 def test_a_wrong_fact_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -271,8 +271,9 @@ class CacheReader:
         return out
 
     def singleton(self, index: int, extent: int) -> None:
+        """A dim the layout writes as 1 has extent 1 (hicache_page_unified's head groups: one)."""
         if extent != 1:
-            self.fail(f"a singleton dim has extent {extent}")
+            self.fail(f"dim {index} is a singleton (1) in this layout, got extent {extent}")
 
     def fixed(self, axis: str, extent: int, value: int) -> None:
         if extent != value:

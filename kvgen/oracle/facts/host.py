@@ -3,7 +3,7 @@ from the engines' own sources; merged into kvgen.oracle.facts.FACTS, so every te
 `kvgen verify` check them like the engine layouts.
 
 Sources (projects as named on GitHub): SGLang (sgl-project/sglang)
-python/sglang/srt/mem_cache/pool_host/mha.py, mla.py and base.py; vLLM (vllm-project/vllm)
+python/sglang/srt/mem_cache/pool_host/mha.py, mla.py, page_unified.py and base.py; vLLM (vllm-project/vllm)
 vllm/v1/kv_offload/sharding.py and vllm/v1/kv_offload/cpu/common.py; Dynamo (ai-dynamo/dynamo)
 lib/kvbm-kernels/README.md.
 """
@@ -52,6 +52,15 @@ def hicache_page_head(g: EngineGeometry, layer: int, kv: int, slot: int, h: int,
     return (), (kv, slot // g.N, h, slot % g.N, layer, c)
 
 
+# layout "page_unified" (SGLang 0.5.23, pool_host/page_unified.py PageUnifiedLayout.page_dims): dims
+# (page_num, head_group_num, layer_num, 2, page_size, head_num // head_group_num, head_dim); K and V
+# sit inside the layer, so a (group, layer) cell is one run. Head h of group g is g * (H / G) + j;
+# kvgen describes head_group_num = 1 (SGLang's default): group 0, j = h.
+@_fact("hicache_page_unified", "paged", ONE_TENSOR, lambda g: (g.B, 1, g.L, 2, g.N, g.H, g.C))
+def hicache_page_unified(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+    return (), (slot // g.N, 0, layer, kv, slot % g.N, h, c)
+
+
 # MLATokenToKVPoolHost.init_kv_buffer: "layer_first" dims (layer_num, size, 1, kv_cache_dim) with
 # kv_cache_dim = kv_lora_rank + qk_rope_head_dim; one latent, no K/V planes.
 @_fact("hicache_mla_layer_first", "paged", ONE_TENSOR, lambda g: (g.L, g.B * g.N, 1, g.C), {}, mla=True)
@@ -69,6 +78,13 @@ def hicache_mla_page_first(g: EngineGeometry, layer: int, kv: int, slot: int, h:
 @_fact("hicache_mla_page_first_direct", "paged", ONE_TENSOR, lambda g: (g.B, g.L, g.N, 1, g.C), {}, mla=True)
 def hicache_mla_page_first_direct(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (slot // g.N, layer, slot % g.N, 0, c)
+
+
+# "page_unified" (SGLang 0.5.23, PageUnifiedLayout.page_dims with is_mla): dims (page_num, layer_num,
+# page_size, kv_cache_dim), page_first_direct's bytes with no singleton head axis.
+@_fact("hicache_mla_page_unified", "paged", ONE_TENSOR, lambda g: (g.B, g.L, g.N, g.C), {}, mla=True)
+def hicache_mla_page_unified(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
+    return (), (slot // g.N, layer, slot % g.N, c)
 
 
 # vLLM canonical CPU offload (vllm-project/vllm PRs #48408 / #48414): vllm/v1/kv_offload/sharding.py

@@ -139,11 +139,11 @@ def sglang_disagreements() -> tuple[list[str], int]:
         mla.set_kv_buffer(_Layer(layer), slots, values(layer, 0, 1, C), None)
     holds("sglang_mla", list(mla.kv_buffer), EngineGeometry(L=L, B=rows // PAGE, N=PAGE, H=1, C=C), 1, 1)
     info = mha(False).get_device_pool_infos()[0].buffer_info
-    for layout in ("layer_first", "page_first", "page_first_direct", "page_head"):
+    for layout in ("layer_first", "page_first", "page_first_direct", "page_head", "page_unified"):
         host = host_mod.MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
                                              device_capacity_tokens=SIZE, start_layer=0, end_layer=L)
         holds(f"hicache_{layout}", host.kv_buffer, EngineGeometry(L=L, B=host.size // PAGE, N=PAGE, H=H, C=C), 0, H)
-    return wrong, 7
+    return wrong, 8
 
 
 def _vllm_modules() -> tuple[Any, Any, Any, Any, Any]:
