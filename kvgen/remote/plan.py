@@ -275,6 +275,13 @@ def plan(src: CacheDescription | Sequence[CacheDescription], dst: CacheDescripti
     sources = _sources(src, dst)
     if dst.parts:
         return _plan_parts(sources, dst, src_slots, dst_slots, strategy)
+    return _plan_one(sources, dst, (src_slots, dst_slots), strategy, cost)
+
+
+def _plan_one(sources: dict[int, CacheDescription], dst: CacheDescription, slots: tuple[Any, Any],
+              strategy: str | None, cost: Costs | None) -> Plan:
+    """plan() of a single-part cache."""
+    src_slots, dst_slots = slots
     routes = _routes(sources, dst)
     pairs = _pairs(src_slots, dst_slots, min(sources[r.src_rank].extent("S") for r in routes), dst)
     pair = (next(iter(sources.values())).spec, dst.spec)
