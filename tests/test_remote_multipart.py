@@ -96,3 +96,36 @@ def test_a_part_without_heads_beside_parts_with_them_does_not_change_tp_size() -
 
     with pytest.raises(KVLayoutError, match="part.s. v hold no heads while its other parts do"):
         remote.plan([headless(d) for d in sd], headless(dd), torch.tensor([0]), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("spec", ["sglang_mha_mxfp8", "vllm_gaudi_fp8", "vllm_ascend_dsa"])
+def test_parts_of_other_dtypes_and_widths_move_bit_for_bit(spec: str) -> None:
+    """fp8 values with e8m0 or bfloat16 scales (one value per head), three MLA parts: at one TP
+    size each destination slot's rows of every part are the source slot's, bit for bit."""
+    from kvgen.oracle.scenarios.layouts import EXT
+
+    src = make_cache(LIBRARY[spec], torch.uint8, "cpu")
+    dst = make_cache(LIBRARY[spec], torch.uint8, "cpu", ext={**EXT, "N": 8, "B": 6})
+    before = clone_tree(dst)
+    sd = remote.describe(src, spec, tp_rank=0, tp_size=1)
+    dd = remote.describe(dst, spec, tp_rank=0, tp_size=1)
+    assert len({q.dtype for q in dd.parts}) == (1 if spec == "vllm_ascend_dsa" else 2)
+    s_slots, d_slots = [5, 0, 47, -1, 12, 30], [40, 3, 0, 7, -1, 21]
+    run_by_memmove(remote.plan(sd, dd, torch.tensor(s_slots), torch.tensor(d_slots)), dst)
+    for a, b, w in zip(_tokens(src), _tokens(before), _tokens(dst), strict=True):
+        want = b.clone()
+        for s, d in zip(s_slots, d_slots, strict=True):
+            if s >= 0 and d >= 0:
+                want[d] = a[s]
+        assert torch.equal(w, want)
+
+
+def _tokens(tree: object) -> list[torch.Tensor]:
+    """Every leaf as bytes, one row per slot (the leaves here hold slots first: [S, ...] or [B, N, ...])."""
+    from kvgen.runtime.binding import leaves
+
+    out = []
+    for t in leaves(tree):
+        flat = t.contiguous().view(torch.uint8)
+        out.append(flat.reshape(t.shape[0] * (t.shape[1] if t.dim() == 4 else 1), -1))
+    return out

@@ -257,6 +257,15 @@ def _part_leaves(tree: Any, lists: tuple[str, ...], part: int) -> list[torch.Ten
     return level
 
 
+def _placed_leaf(t: torch.Tensor, dims: Any, places: Any, what: str) -> torch.Tensor:
+    """A part's leaf with its dims as the part's places number them: a singleton dim holds no
+    place and drops out, but for the last (where a part's C of one value lives)."""
+    view = t[tuple(0 if d == () and i < len(dims) - 1 else slice(None) for i, d in enumerate(dims))]
+    if max((p[1] for p in places), default=-1) >= view.dim():
+        raise KVLayoutError(f"{what}: its places {[p[:2] for p in places]} do not fit its {t.dim()} dims")
+    return view
+
+
 def _described_part(cls: Any, caches: Any, g: Geometry, k: int, ranks: tuple[int, int, int, int]) -> CacheDescription:
     """Part k of a cache of several parts, described as a cache of its own leaves."""
     paged, program = cls.layout, cls.program.planes[k]
@@ -272,7 +281,7 @@ def _described_part(cls: Any, caches: Any, g: Geometry, k: int, ranks: tuple[int
     first = tensors[0]
     if any(t.stride() != first.stride() for t in tensors[1:]):
         raise KVLayoutError(f"{paged.name}: every tensor of part {name} must have the same strides to be described")
-    placed = first[tuple(0 if d == () else slice(None) for d in paged.parts[k][1])]  # places skip singletons
+    placed = _placed_leaf(first, paged.parts[k][1], program.cache_places, f"{paged.name}: part {name}")
     ext = {**g.extents(), "C": g.planes[k].values, "H": g.H if "H" in axes else 1, "KV": g.KV if "KV" in axes else 1}
     lists = tuple(a for a in paged.lists if a != "P")
     tp_rank, tp_size, device_id, heads = ranks
