@@ -241,3 +241,21 @@ def test_a_state_description_survives_its_wire_form() -> None:
     for bad in (b"[]", d.to_bytes().replace(b'"int64"', b'"int65"'), d.to_bytes().replace(b'"slots"', b'"slotz"')):
         with pytest.raises(KVLayoutError, match="not a kvgen state description"):
             remote.StateDescription.from_bytes(bad)
+
+
+def test_workers_on_their_own_agents_move_the_state() -> None:
+    """StateWorkers that make their own agents (one UCX worker each) and drop them on close."""
+    src = {name: _source(name, 0, 1) for name in TENSORS}
+    dst = {name: _before(name, 1) for name in TENSORS}
+    prefill = nixl.StateWorker("state-prefill-own", src, _describe(src, 0, 1))
+    decode = nixl.StateWorker("state-decode-own", dst, _describe(dst, 0, 1))
+    try:
+        decode.connect(prefill.handshake())
+        decode.pull(torch.tensor([4, 1]), torch.tensor([0, 3]))
+    finally:
+        decode.close()
+        prefill.close()
+    for name in TENSORS:
+        want = _before(name, 1)
+        want[[0, 3]] = src[name][[4, 1]]
+        assert torch.equal(dst[name], want), name

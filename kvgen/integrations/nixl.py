@@ -9,6 +9,10 @@ rank's cache, exchange descriptions, post the READs, wait, run the staging permu
 A worker holds one NIXL agent (UCX backend, DRAM). `pull` plans first: mismatched
 descriptions, slots or strategies are refused before any READ is posted, and nothing is
 written. The handshake is JSON: the agent's name, its NIXL metadata and the description.
+
+`StateWorker` does the same for a hybrid model's per-request state tensors (by name, each
+described by `remote.describe_state`): its `pull` moves each tensor's rows section by section
+(`remote.plan_state`), every tensor planned before the first READ.
 """
 
 from __future__ import annotations
