@@ -16,7 +16,7 @@ from kvgen.integrations import nixl
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.scenarios.transfers import SCENARIOS
 from kvgen.runtime.errors import KVLayoutError
-from tests.remote_harness import Case
+from tests.remote_harness import Case, PartsCase
 
 pytestmark = pytest.mark.skipif(nixl.unavailable() is not None, reason=str(nixl.unavailable()))
 
@@ -161,3 +161,26 @@ def test_parts_keep_every_descriptor_pair_once_in_order() -> None:
     sizes = [int(b[:, 1].sum()) for _, b in cut]
     assert max(sizes) - min(sizes) <= 100  # about equal bytes (within one descriptor)
     assert len(nixl.parts(src[:10], dst[:10], 3)) == 1  # too few to cut
+
+
+@pytest.mark.parametrize(("spec", "sizes"), [("sglang_mha_v_head", (2, 4)), ("sglang_mha_v_head", (4, 2)),
+                                             ("vllm_ascend_mla", (1, 2))], ids=lambda x: str(x))
+def test_a_cache_of_several_parts_through_nixl(agents: tuple[Any, Any], spec: str, sizes: tuple[int, int]) -> None:
+    """Every part (K and V of different widths; MLA latent and rope) registered and read: each
+    element as its (part, layer, head, slot, channel) code and its source rank say."""
+    s_slots, d_slots = [3, 0, -1, 9, 15, 4], [1, 12, 2, -1, 7, 8]
+    for rank in range(sizes[1]):
+        case = PartsCase(spec, *sizes, rank, blocks=(4, 8))
+        srcs, dst = case.caches()
+        sd, dd = case.describe(srcs, dst)
+        prefill = [nixl.Worker("prefill", c, d, agent=agents[0]) for c, d in zip(srcs, sd, strict=True)]
+        decode = nixl.Worker("decode", dst, dd, agent=agents[1])
+        try:
+            for w in prefill:
+                decode.connect(w.handshake())
+            p = decode.pull(torch.tensor(s_slots), torch.tensor(d_slots))
+        finally:
+            decode.close()
+            for w in prefill:
+                w.close()
+        assert len(p.reads) >= 2 and same_bits(dst, case.expected(s_slots, d_slots)), rank

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kvgen import remote
 from kvgen.oracle.scenarios import same_bits
 from kvgen.oracle.scenarios.transfers import SRC_EXT
-from tests.remote_harness import Case, run_by_memmove
+from tests.remote_harness import PART_WIDTHS, Case, PartsCase, run_by_memmove
 
 PAIRS = [("vllm_flash_attn_nhd", "vllm_flash_attn_hnd"), ("vllm_flash_attn_hnd", "vllm_flash_attn_nhd"),
          ("sglang_mha", "vllm_flash_attn_nhd"), ("vllm_kv_tuple", "hicache_page_first"),
@@ -25,12 +25,17 @@ SLOTS = 48  # every cache here has 48 slots, whatever its block size
 
 def _counts(descs: torch.Tensor, leaves: tuple[int, ...], span: int) -> list[torch.Tensor]:
     """How often each byte of each leaf is written by `descs`; every descriptor inside one leaf."""
-    counts = [torch.zeros(span, dtype=torch.int32) for _ in leaves]
+    return _region_counts(descs, [(base, span) for base in leaves])
+
+
+def _region_counts(descs: torch.Tensor, regions: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """How often each byte of each (address, bytes) region is written; every descriptor inside one."""
+    counts = [torch.zeros(span, dtype=torch.int32) for _, span in regions]
     for addr, n, _ in descs.tolist():
-        k = next((k for k, base in enumerate(leaves) if base <= addr < base + span), None)
+        k = next((k for k, (base, span) in enumerate(regions) if base <= addr < base + span), None)
         assert k is not None, f"descriptor at {addr:#x} is in no leaf"
-        start = addr - leaves[k]
-        assert start + n <= span, f"descriptor at {addr:#x} of {n} B runs off its leaf"
+        start = addr - regions[k][0]
+        assert start + n <= regions[k][1], f"descriptor at {addr:#x} of {n} B runs off its leaf"
         counts[k][start:start + n] += 1
     return counts
 
@@ -75,3 +80,35 @@ def test_descriptors_cover_their_bytes_once_from_the_owning_rank(drawn: tuple[Ca
             assert all(bool((c == 1).all()) for c in _counts(read.dst_descs, here.leaves, here.span))
     run_by_memmove(p, dst)
     assert same_bits(dst, case.expected(srcs, case.caches()[1], s_slots, d_slots))
+
+
+@st.composite
+def multipart_cases(draw: st.DrawFn) -> tuple[PartsCase, list[int], list[int]]:
+    s_tp, d_tp = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2, 4]))
+    case = PartsCase(draw(st.sampled_from(sorted(PART_WIDTHS))), s_tp, d_tp, draw(st.integers(0, d_tp - 1)),
+                     blocks=(draw(st.sampled_from([2, 4, 8])), draw(st.sampled_from([2, 4, 16]))))
+    tokens = draw(st.integers(1, 12))
+    s_slots = draw(st.lists(st.integers(-1, case.slots - 1), min_size=tokens, max_size=tokens))
+    d_slots = draw(st.lists(st.integers(0, case.slots - 1), min_size=tokens, max_size=tokens, unique=True))
+    return case, s_slots, [d if draw(st.integers(0, 9)) else -1 for d in d_slots]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(multipart_cases())
+def test_every_byte_of_every_part_once_from_the_owning_rank(drawn: tuple[PartsCase, list[int], list[int]]) -> None:
+    """A cache of several parts (K and V of different widths; MLA latent and rope): the reads
+    write each byte of every part the tokens reach exactly once and read only inside the leaves
+    of the source rank each read names; the codes that arrive say which rank they came from."""
+    case, s_slots, d_slots = drawn
+    srcs, dst = case.caches()
+    sd, dd = case.describe(srcs, dst)
+    p = remote.plan(sd, dd, torch.tensor(s_slots), torch.tensor(d_slots))
+    for read in p.reads:
+        _region_counts(read.src_descs, [(a, n) for a, n, _ in sd[read.src_rank].regions()])
+    counts = _region_counts(p.dst_descs, [(a, n) for a, n, _ in dd.regions()])
+    assert all(int(c.max()) <= 1 for c in counts)
+    moved = sum(1 for s, d in zip(s_slots, d_slots, strict=True) if s >= 0 and d >= 0)
+    per_token = sum(q.extent("L") * q.extent("KV") * q.extent("H") * q.extent("C") * q.itemsize for q in dd.parts)
+    assert sum(int(c.sum()) for c in counts) == moved * per_token
+    run_by_memmove(p, dst)
+    assert same_bits(dst, case.expected(s_slots, d_slots))

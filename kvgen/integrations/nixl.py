@@ -9,6 +9,10 @@ rank's cache, exchange descriptions, post the READs, wait, run the staging permu
 A worker holds one NIXL agent (UCX backend, DRAM). `pull` plans first: mismatched
 descriptions, slots or strategies are refused before any READ is posted, and nothing is
 written. The handshake is JSON: the agent's name, its NIXL metadata and the description.
+
+`StateWorker` does the same for a hybrid model's per-request state tensors (by name, each
+described by `remote.describe_state`): its `pull` moves each tensor's rows section by section
+(`remote.plan_state`), every tensor planned before the first READ.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import base64
 import importlib
 import json
 import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from kvgen.errors import KVGenError
-from kvgen.remote import CacheDescription, Costs, Plan, check_pair, plan
+from kvgen.remote import CacheDescription, Costs, Plan, Read, StateDescription, check_pair, plan
+from kvgen.remote.state import check_state_pair, plan_state
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.errors import KVLayoutError
 
@@ -87,7 +93,38 @@ class Peer:
     description: CacheDescription
 
 
-class Worker:
+class _Reads:
+    """Posting READs on `self.agent` from the peer of a source rank (`self.peers[rank].agent`)
+    and waiting for them: what Worker and StateWorker share."""
+
+    name: str
+    agent: Any
+    peers: dict[int, Any]
+
+    def _post(self, rank: int, src_descs: Any, dst_descs: Any) -> Any:
+        local = self.agent.get_xfer_descs(dst_descs, "DRAM")
+        far = self.agent.get_xfer_descs(src_descs, "DRAM")
+        handle = self.agent.initialize_xfer("READ", local, far, self.peers[rank].agent)
+        if self.agent.transfer(handle) == "ERR":
+            raise TransportError(f"{self.name}: NIXL refused the READ from {self.peers[rank].agent}")
+        return handle
+
+    def _wait(self, handles: list[Any]) -> None:
+        deadline = time.monotonic() + TIMEOUT
+        pending = list(handles)
+        while pending:
+            states = [self.agent.check_xfer_state(h) for h in pending]
+            if "ERR" in states:
+                raise TransportError(f"{self.name}: a NIXL READ failed")
+            for h, state in zip(list(pending), states, strict=True):
+                if state == "DONE":
+                    self.agent.release_xfer_handle(h)
+                    pending.remove(h)
+            if pending and time.monotonic() > deadline:
+                raise TransportError(f"{self.name}: {len(pending)} NIXL READs not done after {TIMEOUT:.0f} s")
+
+
+class Worker(_Reads):
     """One rank's cache registered with a NIXL agent: its own (named `name`, STREAMS workers),
     or `agent`, one the caller made and keeps (several caches may share one: an agent costs
     ~0.5 s to start). `streams`: threads reads are posted from (default: STREAMS on its own
@@ -195,28 +232,6 @@ class Worker:
         for reg in regs:
             self.agent.deregister_memory(reg)
 
-    def _post(self, rank: int, src_descs: Any, dst_descs: Any) -> Any:
-        local = self.agent.get_xfer_descs(dst_descs, "DRAM")
-        far = self.agent.get_xfer_descs(src_descs, "DRAM")
-        handle = self.agent.initialize_xfer("READ", local, far, self.peers[rank].agent)
-        if self.agent.transfer(handle) == "ERR":
-            raise TransportError(f"{self.name}: NIXL refused the READ from {self.peers[rank].agent}")
-        return handle
-
-    def _wait(self, handles: list[Any]) -> None:
-        deadline = time.monotonic() + TIMEOUT
-        pending = list(handles)
-        while pending:
-            states = [self.agent.check_xfer_state(h) for h in pending]
-            if "ERR" in states:
-                raise TransportError(f"{self.name}: a NIXL READ failed")
-            for h, state in zip(list(pending), states, strict=True):
-                if state == "DONE":
-                    self.agent.release_xfer_handle(h)
-                    pending.remove(h)
-            if pending and time.monotonic() > deadline:
-                raise TransportError(f"{self.name}: {len(pending)} NIXL READs not done after {TIMEOUT:.0f} s")
-
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
@@ -230,4 +245,110 @@ class Worker:
         self.agent.deregister_memory(self._registered)
 
 
-__all__ = ["MODULE", "STREAMS", "Peer", "TransportError", "Worker", "api", "new_agent", "parts", "unavailable"]
+@dataclass(frozen=True)
+class StatePeer:
+    agent: str
+    #: The source rank's state tensors by name.
+    descriptions: dict[str, StateDescription]
+
+
+class StateWorker(_Reads):
+    """One rank's per-request state tensors (a hybrid model's conv and recurrent states, by
+    name) registered with a NIXL agent, its own or `agent`, as Worker's caches are:
+
+        prefill = StateWorker("prefill-0", {"conv": conv}, {"conv": remote.describe_state(conv, ...)})
+        decode = StateWorker("decode-1", {"conv": mine}, {"conv": remote.describe_state(mine, ...)})
+        decode.connect(prefill.handshake())     # one per source rank
+        decode.pull(src_slots, dst_slots)       # each tensor's section shares, from the ranks holding them
+
+    Every tensor moves by plan_state: a request's row, section by section. `pull` plans every
+    tensor first: mismatched descriptions or slots are refused before any READ is posted."""
+
+    def __init__(self, name: str, tensors: Mapping[str, Any], descriptions: Mapping[str, StateDescription],
+                 agent: Any = None):
+        self.tensors, self.descriptions = dict(tensors), dict(descriptions)
+        _check_states(name, self.tensors, self.descriptions)
+        self._own = agent is None
+        self.agent = new_agent(name, 1) if agent is None else agent
+        self.name = self.agent.name
+        self.tp_rank, self.tp_size = _ranks(name, self.descriptions)
+        self._registered = self.agent.register_memory(
+            [(d.address, d.span, d.device_id, "") for d in self.descriptions.values()], "DRAM")
+        self.peers: dict[int, StatePeer] = {}
+
+    def handshake(self) -> bytes:
+        """What the other side needs to read these state tensors (or to be read into them)."""
+        return json.dumps({"agent": self.name, "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+                           "states": {k: d.to_bytes().decode() for k, d in self.descriptions.items()}}).encode()
+
+    def connect(self, handshake: bytes) -> dict[str, StateDescription]:
+        """Accept a source rank's handshake: refused, naming both tensors, unless it holds the
+        same named tensors, each able to move into this one's; returns its descriptions."""
+        try:
+            raw = json.loads(handshake)
+            agent, metadata = raw["agent"], base64.b64decode(raw["metadata"])
+            theirs = {k: StateDescription.from_bytes(v) for k, v in raw["states"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as why:
+            raise KVLayoutError(f"not a kvgen NIXL state handshake: {why}") from why
+        if set(theirs) != set(self.descriptions):
+            raise KVLayoutError(f"{self.name}: {agent} holds the state tensors {sorted(theirs)}, this rank "
+                                f"{sorted(self.descriptions)}")
+        for k, d in theirs.items():
+            check_state_pair(d, self.descriptions[k])
+        rank, _ = _ranks(agent, theirs)
+        self.agent.remove_remote_agent(agent)
+        self.agent.add_remote_agent(metadata)
+        self.peers[rank] = StatePeer(agent, theirs)
+        return theirs
+
+    def plan(self, src_slots: Any, dst_slots: Any) -> dict[str, tuple[Read, ...]]:
+        """Each tensor's reads, from the connected source ranks into this rank's tensors."""
+        if not self.peers:
+            raise KVLayoutError(f"{self.name}: connect() to the source ranks before planning a read")
+        return {k: plan_state([p.descriptions[k] for p in self.peers.values()], d, src_slots, dst_slots)
+                for k, d in self.descriptions.items()}
+
+    def pull(self, src_slots: Any, dst_slots: Any) -> dict[str, tuple[Read, ...]]:
+        """Move request i's state from source slot src_slots[i] into destination slot
+        dst_slots[i] (< 0 skips it) of every tensor: plan all (every refusal here, before a
+        READ), post every read, wait."""
+        reads = self.plan(src_slots, dst_slots)
+        self.run(reads)
+        return reads
+
+    def run(self, reads: Mapping[str, Sequence[Read]]) -> None:
+        """Post every read (one per tensor and source rank) at once and wait for them all."""
+        if set(reads) != set(self.descriptions):
+            raise KVLayoutError(f"{self.name}: reads for the tensors {sorted(reads)}, this rank holds "
+                                f"{sorted(self.descriptions)}")
+        self._wait([self._post(r.src_rank, r.src_descs, r.dst_descs) for rs in reads.values() for r in rs
+                    if len(r.dst_descs)])
+
+    def close(self) -> None:
+        if self._own:
+            for peer in self.peers.values():
+                self.agent.remove_remote_agent(peer.agent)
+        self.peers.clear()
+        self.agent.deregister_memory(self._registered)
+
+
+def _check_states(name: str, tensors: dict[str, Any], descriptions: dict[str, StateDescription]) -> None:
+    if not descriptions or set(tensors) != set(descriptions):
+        raise KVLayoutError(f"{name}: give one description per state tensor, by name (tensors {sorted(tensors)}, "
+                            f"descriptions {sorted(descriptions)})")
+    for k, t in tensors.items():
+        if t.data_ptr() != descriptions[k].address:
+            raise KVLayoutError(f"{name}: the description of {k!r} is not of this tensor ({descriptions[k]})")
+
+
+def _ranks(name: str, descriptions: dict[str, StateDescription]) -> tuple[int, int]:
+    """The one TP rank and size every tensor of a worker is of."""
+    found = {(d.tp_rank, d.tp_size) for d in descriptions.values()}
+    if len(found) != 1:
+        raise KVLayoutError(f"{name}: every state tensor of one worker must be of one TP rank, got {sorted(found)}")
+    return found.pop()
+
+
+
+__all__ = ["MODULE", "STREAMS", "Peer", "StatePeer", "StateWorker", "TransportError", "Worker", "api", "new_agent",
+           "parts", "unavailable"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cache, cached_property
 from typing import Any
 
@@ -52,6 +52,11 @@ class CacheDescription:
     num_kv_heads: int  # the model's KV heads over every rank (1 for MLA)
     device_id: int = 0
     version: int = VERSION
+    #: A cache of several parts (format 2): each part as a description of its own leaves,
+    #: extents (its C), dtype and strides, named by `part`; the whole's fields above are the
+    #: first part's, its leaves every leaf in list order. Empty for a single-part cache.
+    parts: tuple[CacheDescription, ...] = ()
+    part: str = ""
 
     # -- reading -------------------------------------------------------------------------
 
@@ -91,25 +96,42 @@ class CacheDescription:
         dtype, the extents that shape a token's KV and the TP split (no addresses, block counts)."""
         key = [self.spec, self.digest, self.dtype, self.extent("L"), self.extent("KV"), self.extent("H"),
                self.extent("C"), self.tp_size, self.num_kv_heads, self.version]
+        if self.parts:
+            key.append([(p.part, p.fingerprint) for p in self.parts])
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
 
     def regions(self) -> list[tuple[int, int, int]]:
-        """(address, bytes, device id) of every leaf: what a transport registers."""
+        """(address, bytes, device id) of every leaf (of every part): what a transport registers."""
+        if self.parts:
+            return [r for p in self.parts for r in p.regions()]
         return [(a, self.span, self.device_id) for a in self.leaves]
 
     # -- the wire form -------------------------------------------------------------------
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        return json.dumps(self._wire(), separators=(",", ":")).encode()
+
+    def _wire(self) -> dict[str, Any]:
+        """The fields, those of a cache of several parts only where it is one (a single-part
+        description's wire form is the same as before parts were described)."""
+        raw = {k: v for k, v in asdict(self).items() if k not in ("parts", "part")}
+        if self.parts:
+            raw["parts"] = [p._wire() for p in self.parts]
+        if self.part:
+            raw["part"] = self.part
+        return raw
+
+    @classmethod
+    def _from_wire(cls, raw: dict[str, Any]) -> CacheDescription:
+        raw = {**raw, **{k: tuple(tuple(p) for p in raw[k]) for k in ("extents", "strides", "steps")},
+               "leaves": tuple(raw["leaves"]), "parts": tuple(cls._from_wire(p) for p in raw.get("parts", ()))}
+        return cls(**raw)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> CacheDescription:
         try:
-            raw = json.loads(data)
-            raw = {**raw, **{k: tuple(tuple(p) for p in raw[k]) for k in ("extents", "strides", "steps")},
-                   "leaves": tuple(raw["leaves"])}
-            found = cls(**raw)
-        except (ValueError, TypeError, KeyError) as why:
+            found = cls._from_wire(json.loads(data))
+        except (ValueError, TypeError, KeyError, AttributeError) as why:
             raise KVLayoutError(f"not a kvgen cache description: {why} (got {data[:80]!r})") from why
         if found.version != VERSION:
             raise KVLayoutError(f"cache description version {found.version}, this kvgen reads version {VERSION}")
@@ -117,7 +139,10 @@ class CacheDescription:
 
     def __str__(self) -> str:
         ext = " ".join(f"{a}={n}" for a, n in self.extents)
-        return (f"{self.spec}@{self.digest} {self.dtype} {ext} tp {self.tp_rank}/{self.tp_size} "
+        name = f"{self.spec}.{self.part}" if self.part else self.spec
+        each = [f"{p.part} {p.dtype} C={p.extent('C')}" for p in self.parts]
+        parts = f" parts {', '.join(each)}" if each else ""
+        return (f"{name}@{self.digest} {self.dtype} {ext}{parts} tp {self.tp_rank}/{self.tp_size} "
                 f"of {self.num_kv_heads} KV heads")
 
 
@@ -170,10 +195,10 @@ def _check_ranks(tp_rank: int, tp_size: int, device_id: int) -> None:
         raise KVLayoutError(f"tp_rank {tp_rank} is not one of the {tp_size} ranks (0..{tp_size - 1})")
 
 
-def _list_steps(paged: PagedLayout, ext: dict[str, int]) -> dict[str, int]:
+def _list_steps(lists: tuple[str, ...], ext: dict[str, int]) -> dict[str, int]:
     """Leaves per step of each list level (the innermost level steps by one leaf)."""
     steps, step = {}, 1
-    for a in reversed(paged.lists):
+    for a in reversed(lists):
         steps[a] = step
         step *= ext[a]
     return steps
@@ -188,9 +213,9 @@ def describe(caches: Any, layout: str, *, tp_rank: int, tp_size: int, device_id:
     cls = _connector(layout)
     paged, read_geometry = cls.layout, cls.read_geometry
     places = cls.program.cache_places  # where each axis lives, as the planner placed it
-    if paged.parts:
-        raise KVLayoutError(f"{paged.name} has several parts; remote transfers move single-part layouts")
     _check_ranks(tp_rank, tp_size, device_id)
+    if paged.parts:
+        return _described_parts(cls, caches, (tp_rank, tp_size, device_id), num_kv_heads)
     g: Geometry = read_geometry(caches)
     tensors = leaves(caches)
     first = tensors[0]
@@ -203,8 +228,69 @@ def describe(caches: Any, layout: str, *, tp_rank: int, tp_size: int, device_id:
     extents = (("L", g.L), ("KV", g.KV), ("H", g.H), ("C", g.C), ("S", g.S), ("N", g.N or 0))
     return CacheDescription(paged.name, digest(paged), str(g.dtype).removeprefix("torch."), extents,
                             tuple(t.data_ptr() for t in tensors), _span(first),
-                            tuple(sorted(strides.items())), tuple(sorted(_list_steps(paged, ext).items())),
+                            tuple(sorted(strides.items())), tuple(sorted(_list_steps(paged.lists, ext).items())),
                             tp_rank, tp_size, heads, device_id)
+
+
+#: The axes a part's dims may hold for its runs to be planned: whole axes, none split or tiled.
+PLANNABLE = frozenset({"S", "B", "N", "H", "KV", "C"})
+
+
+def _described_parts(cls: Any, caches: Any, ranks: tuple[int, int, int], num_kv_heads: int | None) -> CacheDescription:
+    """describe() of a cache of several parts: each part a description of its own leaves, the
+    whole the first part's with every leaf. KVLayoutError naming the part that cannot be planned."""
+    paged = cls.layout
+    g: Geometry = cls.read_geometry(caches)
+    if len(g.planes) != len(paged.parts) or any(p.values is None for p in g.planes):
+        raise KVLayoutError(f"{paged.name}: its parts hold typed fields ({', '.join(p.name for p in g.planes)}); "
+                            "remote transfers plan parts of whole values, not fields inside a part")
+    heads = num_kv_heads if num_kv_heads is not None else g.H * ranks[1]
+    parts = tuple(_described_part(cls, caches, g, k, (*ranks, heads)) for k in range(len(paged.parts)))
+    return replace(parts[0], leaves=tuple(t.data_ptr() for t in leaves(caches)), parts=parts, part="")
+
+
+def _part_leaves(tree: Any, lists: tuple[str, ...], part: int) -> list[torch.Tensor]:
+    """The tensors of part `part` in list order (the level P picks the part)."""
+    level = [tree]
+    for axis in lists:
+        level = [child for node in level for child in ([node[part]] if axis == "P" else node)]
+    return level
+
+
+def _placed_leaf(t: torch.Tensor, dims: Any, places: Any, what: str) -> torch.Tensor:
+    """A part's leaf with its dims as the part's places number them: a singleton dim holds no
+    place and drops out, but for the last (where a part's C of one value lives)."""
+    view = t[tuple(0 if d == () and i < len(dims) - 1 else slice(None) for i, d in enumerate(dims))]
+    if max((p[1] for p in places), default=-1) >= view.dim():
+        raise KVLayoutError(f"{what}: its places {[p[:2] for p in places]} do not fit its {t.dim()} dims")
+    return view
+
+
+def _described_part(cls: Any, caches: Any, g: Geometry, k: int, ranks: tuple[int, int, int, int]) -> CacheDescription:
+    """Part k of a cache of several parts, described as a cache of its own leaves."""
+    paged, program = cls.layout, cls.program.planes[k]
+    name = paged.parts[k][0]
+    axes = {a for a, _, _ in program.cache_places}
+    if axes - PLANNABLE:
+        raise KVLayoutError(f"{paged.name}: part {name} splits or tiles axes ({', '.join(sorted(axes - PLANNABLE))}) "
+                            "over its dims; remote transfers plan parts whose dims each hold whole axes")
+    if not axes & {"S", "B", "N"}:
+        raise KVLayoutError(f"{paged.name}: part {name} has no token axis (one value per layer); remote transfers "
+                            "move parts held per token")
+    tensors = _part_leaves(caches, paged.lists, k)
+    first = tensors[0]
+    if any(t.stride() != first.stride() for t in tensors[1:]):
+        raise KVLayoutError(f"{paged.name}: every tensor of part {name} must have the same strides to be described")
+    placed = _placed_leaf(first, paged.parts[k][1], program.cache_places, f"{paged.name}: part {name}")
+    ext = {**g.extents(), "C": g.planes[k].values, "H": g.H if "H" in axes else 1, "KV": g.KV if "KV" in axes else 1}
+    lists = tuple(a for a in paged.lists if a != "P")
+    tp_rank, tp_size, device_id, heads = ranks
+    extents = (("L", g.L), ("KV", ext["KV"]), ("H", ext["H"]), ("C", ext["C"]), ("S", g.S), ("N", g.N or 0))
+    return CacheDescription(paged.name, digest(paged), str(first.dtype).removeprefix("torch."), extents,
+                            tuple(t.data_ptr() for t in tensors), _span(first),
+                            tuple(sorted(native_mover.strides(program.cache_places, placed, ext).items())),
+                            tuple(sorted(_list_steps(lists, ext).items())), tp_rank, tp_size,
+                            heads if "H" in axes else 1, device_id, part=name)
 
 
 @cache
@@ -221,6 +307,14 @@ def check_pair(src: CacheDescription, dst: CacheDescription) -> None:
         if here != d.digest:
             raise KVLayoutError(f"{d.spec}: the description's layout digest {d.digest} is not this side's "
                                 f"{here} (another version of the spec): {d}")
+    if src.parts or dst.parts:
+        names = [p.part for p in src.parts], [p.part for p in dst.parts]
+        if names[0] != names[1]:
+            raise KVLayoutError(f"the two caches cannot exchange KV (parts {names[0]} vs {names[1]}): source {src}; "
+                                f"destination {dst}")
+        for a, b in zip(src.parts, dst.parts, strict=True):
+            check_pair(a, b)
+        return
     problems = [f"{what} {a} vs {b}" for what, a, b in (
         ("dtype", src.dtype, dst.dtype), ("head size C", src.extent("C"), dst.extent("C")),
         ("layers L", src.extent("L"), dst.extent("L")), ("KV planes", src.extent("KV"), dst.extent("KV")),

@@ -273,6 +273,15 @@ def plan(src: CacheDescription | Sequence[CacheDescription], dst: CacheDescripti
     if strategy is not None and strategy not in STRATEGIES:
         raise KVLayoutError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))} or None, got {strategy!r}")
     sources = _sources(src, dst)
+    if dst.parts:
+        return _plan_parts(sources, dst, src_slots, dst_slots, strategy)
+    return _plan_one(sources, dst, (src_slots, dst_slots), strategy, cost)
+
+
+def _plan_one(sources: dict[int, CacheDescription], dst: CacheDescription, slots: tuple[Any, Any],
+              strategy: str | None, cost: Costs | None) -> Plan:
+    """plan() of a single-part cache."""
+    src_slots, dst_slots = slots
     routes = _routes(sources, dst)
     pairs = _pairs(src_slots, dst_slots, min(sources[r.src_rank].extent("S") for r in routes), dst)
     pair = (next(iter(sources.values())).spec, dst.spec)
@@ -289,6 +298,25 @@ def plan(src: CacheDescription | Sequence[CacheDescription], dst: CacheDescripti
         return _made("direct", why, dst, direct)
     stages = [(_cheaper_staging(sources[r.src_rank], dst, pairs, r, c), r.dst_heads) for r in routes]
     return _choose(direct, stages, dst, c, _moved_bytes(dst, pairs[0].size, routes))
+
+
+def _plan_parts(sources: dict[int, CacheDescription], dst: CacheDescription, src_slots: Any, dst_slots: Any,
+                strategy: str | None) -> Plan:
+    """A cache of several parts: each part planned direct as a cache of its own leaves, every
+    part's reads in one plan (the parts of one token move together)."""
+    if strategy == "staged":
+        raise KVLayoutError(f"{dst.spec} has several parts ({', '.join(p.part for p in dst.parts)}): its parts are "
+                            "read direct (no generated transfer permutes one part); use strategy='direct' or None")
+    first = next(iter(sources.values()))
+    headless = [p.part for p in dst.parts if p.mla]
+    if headless and len(headless) < len(dst.parts) and first.tp_size != dst.tp_size:
+        raise KVLayoutError(f"{dst.spec}: part(s) {', '.join(headless)} hold no heads while its other parts do: "
+                            f"each TP rank's values are its own, so they do not move from TP {first.tp_size} to "
+                            f"TP {dst.tp_size}")
+    made = [plan([s.parts[k] for s in sources.values()], part, src_slots, dst_slots, strategy="direct")
+            for k, part in enumerate(dst.parts)]
+    why = f"{'forced; ' if strategy == 'direct' else ''}each of its {len(made)} parts read direct"
+    return Plan("direct", why, dst, tuple(r for p in made for r in p.reads))
 
 
 def _choose(direct: list[Layout], stages: list[tuple[_Stage, Heads]], dst: CacheDescription, c: Costs,

@@ -19,9 +19,10 @@ sections are its `sections:` list).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -61,6 +62,29 @@ class StateDescription:
 
     def rank_shape(self) -> tuple[int, ...]:
         return tuple(n // self.tp_size if i == self.split else n for i, n in enumerate(self.shape))
+
+    def to_bytes(self) -> bytes:
+        """The wire form: JSON of every field."""
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes | str) -> StateDescription:
+        """A description from its wire form; KVLayoutError for anything else (a field missing,
+        unknown or of the wrong type, a dtype torch does not have)."""
+        try:
+            raw = json.loads(data)
+            names = {f.name for f in fields(cls)}
+            if not isinstance(raw, dict) or set(raw) - names:
+                raise ValueError(f"fields {sorted(set(raw) - names) if isinstance(raw, dict) else raw!r}")
+            found = cls(**{**raw, **{k: tuple(int(n) for n in raw[k]) for k in ("shape", "sections", "strides")}})
+            ints = (found.address, found.slots, found.span, found.tp_rank, found.tp_size, found.device_id)
+            if not all(isinstance(n, int) for n in ints) or not (found.split is None or isinstance(found.split, int)):
+                raise TypeError("address, slots, span, ranks and split must be integers")
+            if not isinstance(getattr(torch, str(found.dtype), None), torch.dtype):
+                raise TypeError(f"dtype {found.dtype!r} is not a torch dtype")
+        except (ValueError, TypeError, KeyError) as why:
+            raise KVLayoutError(f"not a kvgen state description: {why} (got {str(data)[:80]!r})") from why
+        return found
 
     def __str__(self) -> str:
         return (f"state {self.dtype} [S={self.slots}, {', '.join(map(str, self.rank_shape()))}] split "
@@ -131,6 +155,13 @@ def _check(src: dict[int, StateDescription], dst: StateDescription) -> None:
         theirs = (d.dtype, d.shape, d.split, d.sections, d.tp_size)
         if theirs != (first.dtype, first.shape, first.split, first.sections, first.tp_size):
             raise KVLayoutError(f"every source must hold one state tensor and TP size: {first} and {d}")
+    check_state_pair(first, dst)
+
+
+def check_state_pair(src: StateDescription, dst: StateDescription) -> None:
+    """Refuse two state tensors that cannot exchange state (dtype, shape, split or sections
+    differ), naming both."""
+    first = src
     problems = [f"{what} {a} vs {b}" for what, a, b in (
         ("dtype", first.dtype, dst.dtype), ("shape", first.shape, dst.shape), ("split", first.split, dst.split),
         ("sections", first.sections, dst.sections)) if a != b]
@@ -206,4 +237,4 @@ def _inside(descs: tuple[np.ndarray, np.ndarray], sides: tuple[StateDescription,
             raise KVLayoutError(f"{d}: a descriptor would fall outside the tensor ({d.span} bytes at {d.address})")
 
 
-__all__ = ["Piece", "StateDescription", "describe_state", "pieces", "plan_state"]
+__all__ = ["Piece", "StateDescription", "check_state_pair", "describe_state", "pieces", "plan_state"]
