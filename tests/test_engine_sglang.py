@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -372,23 +373,51 @@ def test_hicache_host_pools_built_by_sglang_move_right_both_ways(layout: str, mu
     obj = "kv_mla" if is_mla else "kv_2ltd"
     pool = host(word, is_mla)
     write_host(pool, names, SLOTS)
-    conn = generated.get(spec, obj)()
-    out = MemoryObj(torch.full(tuple(conn.get_shape(T, pool.kv_buffer)), -1.0))
-    conn.from_gpu(out, 0, T, kvcaches=pool.kv_buffer, slot_mapping=SLOTS)
+    bound = kvgen.from_sglang(pool)  # the pool's class and `layout` choose the spec
+    assert (bound.pool, bound.layout, bound.obj, bound.layer_ids) == (type(pool).__name__, spec, obj, tuple(range(L)))
+    assert bound.kvcaches is pool.kv_buffer  # SGLang's own tensor, no copy
+    out = store(bound)
     want = (torch.stack([rows(layer, 0, SLOTS, 1, RANK + ROPE)[:, 0] for layer in range(L)])[None] if is_mla
             else kv_2ltd_expected())
     assert torch.equal(out.tensor, want)
     fresh, oracle = host(word, is_mla), host(word, is_mla)
-    conn.to_gpu(copy(out), 0, T, kvcaches=fresh.kv_buffer, slot_mapping=AGAIN)
+    load(kvgen.from_sglang(fresh), out)
     write_host(oracle, names, AGAIN)
     for index in range(0, fresh.size, PAGE):  # SGLang's own page reader (what HiCache's storage tier reads)
         assert torch.equal(fresh.get_data_page(index, flat=False), oracle.get_data_page(index, flat=False))
+    assert not torch.equal(fresh.kv_buffer, host(word, is_mla).kv_buffer)  # the load wrote
     if word == "page_head":  # the neighbouring reading (slots before heads) fails the same check
         everything = torch.arange(4 * PAGE)
         write_host(pool, names, everything, values_of=everything)
-        assert torch.equal(mutant_store(conn, pool.kv_buffer), kv_2ltd_expected(LOW))
+        assert torch.equal(mutant_store(bound.connector, pool.kv_buffer), kv_2ltd_expected(LOW))
         assert not torch.equal(mutant_store(mutants.get("mutant_hicache_page_head", "kv_2ltd")(), pool.kv_buffer),
                                kv_2ltd_expected(LOW))
+
+
+def untouched(pool: Any, match: str) -> None:
+    """from_sglang refuses the host pool, naming `match`, and writes nothing into its kv_buffer."""
+    before = pool.kv_buffer.clone()
+    with pytest.raises(KVLayoutError, match=match):
+        kvgen.from_sglang(pool)
+    assert torch.equal(pool.kv_buffer, before)
+
+
+def test_host_layouts_and_shapes_kvgen_has_no_spec_for_are_refused_in_sglangs_words() -> None:
+    prefix = "kvgen has no connector for SGLang's {} with layout {!r}: "
+    pool = host("page_unified")  # SGLang builds it; kvgen has no spec for its page blocks yet
+    pool.kv_buffer.fill_(3.0)
+    untouched(pool, re.escape(prefix.format("MHATokenToKVPoolHost", "page_unified")) + ".*PageUnifiedLayout")
+    for is_mla, attr, value, why in ((False, "head_num", H + 1, "its kv_buffer is "),
+                                     (False, "v_head_dim", CV, f"its V head size {CV} is not its K head size {C}"),
+                                     (False, "layout", "page_fancy", "no kvgen spec describes this layout"),
+                                     (True, "kv_cache_dim", RANK + ROPE + 1, "its kv_buffer is "),
+                                     (True, "dsa_kv_cache_store_fp8", True, "its latent rows are packed fp8"),
+                                     (True, "layout", "page_head", "no kvgen spec describes this layout")):
+        pool = host("page_first", is_mla)
+        write_host(pool, MLA_HOST_DIMS["page_first"] if is_mla else HOST_DIMS["page_first"], SLOTS)
+        setattr(pool, attr, value)
+        cls = type(pool).__name__
+        untouched(pool, re.escape(prefix.format(cls, pool.layout) + why))
 
 
 # -- the hand-written facts (kvgen.oracle.facts*) against SGLang's live pools ---------------------

@@ -65,10 +65,11 @@ def _refuse(pool: Any, why: str) -> KVLayoutError:
                          f"({', '.join(map(repr, ROW_DIMS))})")
 
 
-def _word(pool: Any, known: dict[str, Any]) -> str:
-    word = str(pool.layout)
-    if word in NO_HOST_SPEC:
-        raise _refuse(pool, f"SGLang keeps {NO_HOST_SPEC[word]} there, which no kvgen spec describes yet")
+def _word(pool: Any, known: dict[str, Any], absent: dict[str, str] | None = None) -> str:
+    """The pool's layout word, if `known` has it; `absent`: words SGLang has for the pool and kvgen no spec."""
+    word, absent = str(pool.layout), absent or {}
+    if word in absent:
+        raise _refuse(pool, f"SGLang keeps {absent[word]} there, which no kvgen spec describes yet")
     if word not in known:
         raise _refuse(pool, "no kvgen spec describes this layout")
     return word
@@ -85,7 +86,7 @@ def _one_tensor(pool: Any, dims: tuple[int, ...]) -> Any:
 
 def _mha_host(pool: Any) -> Read:
     """MHATokenToKVPoolHost: kv_buffer, K its [0] and V its [1], by layout word."""
-    word = _word(pool, MHA_DIMS)
+    word = _word(pool, MHA_DIMS, NO_HOST_SPEC)
     v_dim = getattr(pool, "v_head_dim", pool.head_dim)
     if v_dim is not None and int(v_dim) != int(pool.head_dim):
         raise _refuse(pool, f"its V head size {v_dim} is not its K head size {pool.head_dim}, "
@@ -95,7 +96,7 @@ def _mha_host(pool: Any) -> Read:
 
 def _mla_host(pool: Any) -> Read:
     """MLATokenToKVPoolHost: kv_buffer, one latent row per (layer, slot), by layout word."""
-    word = _word(pool, MLA_DIMS)
+    word = _word(pool, MLA_DIMS, NO_HOST_SPEC)
     if getattr(pool, "dsa_kv_cache_store_fp8", False):
         raise _refuse(pool, "its latent rows are packed fp8 with scales (dsa_kv_cache_store_fp8)")
     return f"hicache_mla_{word}", _one_tensor(pool, MLA_DIMS[word](pool)), {}
