@@ -419,6 +419,13 @@ def test_host_layouts_and_shapes_kvgen_has_no_spec_for_are_refused_in_sglangs_wo
         cls = type(pool).__name__
         untouched(pool, re.escape(prefix.format(cls, pool.layout) + why))
 
+    class MHATokenToKVPoolMXFP8Host:  # a subclass of SGLang's that keeps scales beside kv_buffer: no kvgen spec
+        layout = "layer_first"
+        kv_buffer = torch.ones(2)
+
+    untouched(MHATokenToKVPoolMXFP8Host(), re.escape(prefix.format("MHATokenToKVPoolMXFP8Host", "layer_first") +
+                                                     "kvgen has no spec for this pool class"))
+
 
 # -- the hand-written facts (kvgen.oracle.facts*) against SGLang's live pools ---------------------
 

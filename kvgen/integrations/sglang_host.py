@@ -113,7 +113,7 @@ def _minimax_rows(sides: str, device_class: str) -> Callable[[Any], Read]:
     def read(pool: Any) -> Read:
         word = _word(pool, ROW_DIMS)
         buffer = _one_tensor(pool, ROW_DIMS[word](pool))
-        cells = _row_cells(pool, len(sides), str(buffer.dtype))
+        cells = _row_cells(pool, len(sides), str(buffer.dtype).removeprefix("torch."))
         views = [_layer_rows(pool, word, layer).view(int(pool.page_num), *cells) for layer in range(pool.layer_num)]
         layout = "sglang_minimax_m3_nvfp4" if sides == "kv" else "sglang_minimax_m3_nvfp4_index"
         return layout, views, {"pool": device_class}
@@ -126,7 +126,7 @@ def _row_cells(pool: Any, sides: int, dtype: str) -> tuple[int, ...]:
     cell_row = sides * MINIMAX_PAGE * MINIMAX_CELL
     row_bytes, page = int(pool.row_bytes), int(pool.page_size)
     heads, rest = divmod(row_bytes, cell_row)
-    if dtype != "torch.uint8" or page != MINIMAX_PAGE or rest or not heads or (sides == 1 and heads != 1):
+    if dtype != "uint8" or page != MINIMAX_PAGE or rest or not heads or (sides == 1 and heads != 1):
         want = f"a multiple of {cell_row}" if sides == 2 else str(cell_row)
         raise _refuse(pool, f"kvgen's spec for it is for uint8 rows, page_size {MINIMAX_PAGE} and rows of {want} "
                             f"bytes (heads of head_dim 128), not {dtype}, page_size {page} and {row_bytes}")
