@@ -6,9 +6,9 @@ keep one tensor, `kv_buffer`, whose dims the layout word names: the tree is that
 built-in specs specs/host/hicache_*.yaml. The MiniMax M3 NVFP4 host mirrors keep one uint8 tensor of
 device page rows, [L, pages, row_bytes] (layer_first) or [pages, L, 1, row_bytes] (page_first and
 page_first_direct, the same bytes); the tree is its per-layer [pages, row_bytes] views, viewed by
-cell as the device pool's rows are, bound to the device specs. Host pools keep no spec of their own
-for those, so the tree's shapes are checked here against what the pool's fields say, and a layout
-or a shape kvgen has no spec for is refused, in SGLang's terms, before anything binds.
+cell as the device pool's rows are, bound to the device specs. Host specs are never detected from
+tensors, so the tree's shapes are checked here against what the pool's fields say, and a layout or
+a shape kvgen has no spec for is refused, in SGLang's terms, before anything binds.
 SGLang itself is never imported here: the pool is read through its attributes.
 """
 
@@ -103,7 +103,7 @@ def _mla_host(pool: Any) -> Read:
 
 
 def _layer_rows(pool: Any, word: str, layer: int) -> Any:
-    """One layer's [pages, row_bytes] host rows (strided under page_first), as SGLang's _host_layer_pages."""
+    """One layer's [pages, row_bytes] host rows: a slice of kv_buffer, strided by L rows under page_first."""
     return pool.kv_buffer[layer] if word == "layer_first" else pool.kv_buffer[:, layer, 0]
 
 
