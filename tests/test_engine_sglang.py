@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -401,14 +402,15 @@ def test_hicache_host_pools_built_by_sglang_move_right_both_ways(layout: str, mu
     obj = "kv_mla" if is_mla else "kv_2ltd"
     pool = host(word, is_mla)
     write_host(pool, names, SLOTS)
-    conn = generated.get(spec, obj)()
-    out = MemoryObj(torch.full(tuple(conn.get_shape(T, pool.kv_buffer)), -1.0))
-    conn.from_gpu(out, 0, T, kvcaches=pool.kv_buffer, slot_mapping=SLOTS)
+    bound = kvgen.from_sglang(pool)  # the pool's class and `layout` choose the spec
+    assert (bound.pool, bound.layout, bound.obj, bound.layer_ids) == (type(pool).__name__, spec, obj, tuple(range(L)))
+    assert bound.kvcaches is pool.kv_buffer  # SGLang's own tensor, no copy
+    out = store(bound)
     want = (torch.stack([rows(layer, 0, SLOTS, 1, RANK + ROPE)[:, 0] for layer in range(L)])[None] if is_mla
             else kv_2ltd_expected())
     assert torch.equal(out.tensor, want)
     fresh, oracle = host(word, is_mla), host(word, is_mla)
-    conn.to_gpu(copy(out), 0, T, kvcaches=fresh.kv_buffer, slot_mapping=AGAIN)
+    load(kvgen.from_sglang(fresh), out)
     write_host(oracle, names, AGAIN)
     pages, want_pages = host_pages(fresh), host_pages(oracle)  # SGLang's own page reader (what L3 reads)
     assert len(pages) == len(want_pages) and all(map(torch.equal, pages, want_pages))
@@ -416,7 +418,7 @@ def test_hicache_host_pools_built_by_sglang_move_right_both_ways(layout: str, mu
     if not is_mla and word in ("page_head", "page_unified"):  # the neighbouring reading (N and H swapped) fails
         everything = torch.arange(4 * PAGE)
         write_host(pool, names, everything, values_of=everything)
-        assert torch.equal(mutant_store(conn, pool.kv_buffer), kv_2ltd_expected(LOW))
+        assert torch.equal(mutant_store(bound.connector, pool.kv_buffer), kv_2ltd_expected(LOW))
         assert not torch.equal(mutant_store(mutants.get(f"mutant_hicache_{word}", "kv_2ltd")(), pool.kv_buffer),
                                kv_2ltd_expected(LOW))
 
@@ -475,6 +477,38 @@ def test_a_page_unified_pool_of_several_head_groups_is_refused_before_the_first_
     with pytest.raises(KVLayoutError, match="dim 1 is a singleton"):
         conn.to_gpu(copy(out), 0, T, kvcaches=pool.kv_buffer, slot_mapping=AGAIN)
     assert torch.equal(pool.kv_buffer, before)
+    untouched(pool, re.escape("kvgen has no connector for SGLang's MHATokenToKVPoolHost with layout 'page_unified': "
+                              "its pages are cut into head_group_num=2 head groups"))
+
+
+def untouched(pool: Any, match: str) -> None:
+    """from_sglang refuses the host pool, naming `match`, and writes nothing into its kv_buffer."""
+    before = pool.kv_buffer.clone()
+    with pytest.raises(KVLayoutError, match=match):
+        kvgen.from_sglang(pool)
+    assert torch.equal(pool.kv_buffer, before)
+
+
+def test_host_layouts_and_shapes_kvgen_has_no_spec_for_are_refused_in_sglangs_words() -> None:
+    prefix = "kvgen has no connector for SGLang's {} with layout {!r}: "
+    for is_mla, attr, value, why in ((False, "head_num", H + 1, "its kv_buffer is "),
+                                     (False, "v_head_dim", CV, f"its V head size {CV} is not its K head size {C}"),
+                                     (False, "layout", "page_fancy", "no kvgen spec describes this layout"),
+                                     (True, "kv_cache_dim", RANK + ROPE + 1, "its kv_buffer is "),
+                                     (True, "dsa_kv_cache_store_fp8", True, "its latent rows are packed fp8"),
+                                     (True, "layout", "page_head", "no kvgen spec describes this layout")):
+        pool = host("page_first", is_mla)
+        write_host(pool, MLA_HOST_DIMS["page_first"] if is_mla else HOST_DIMS["page_first"], SLOTS)
+        setattr(pool, attr, value)
+        cls = type(pool).__name__
+        untouched(pool, re.escape(prefix.format(cls, pool.layout) + why))
+
+    class MHATokenToKVPoolMXFP8Host:  # a subclass of SGLang's that keeps scales beside kv_buffer: no kvgen spec
+        layout = "layer_first"
+        kv_buffer = torch.ones(2)
+
+    untouched(MHATokenToKVPoolMXFP8Host(), re.escape(prefix.format("MHATokenToKVPoolMXFP8Host", "layer_first") +
+                                                     "kvgen has no spec for this pool class"))
 
 
 # -- the hand-written facts (kvgen.oracle.facts*) against SGLang's live pools ---------------------

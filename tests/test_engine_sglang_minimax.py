@@ -24,6 +24,7 @@ elsewhere it skips, saying why.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +42,6 @@ except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain 
 from harness import builtin_library  # noqa: E402
 
 import kvgen  # noqa: E402
-from kvgen import generated  # noqa: E402
 from kvgen.integrations.detect import detect  # noqa: E402
 from kvgen.oracle.address import packed_value, plane_address, scale_index  # noqa: E402
 from kvgen.runtime import KVLayoutError, MemoryObj  # noqa: E402
@@ -274,35 +274,111 @@ def test_detection_takes_the_pool_class_and_refuses_where_two_readings_fit() -> 
         detect(index, engine="sglang", pool=MAIN)
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_the_hicache_host_mirror_holds_the_device_rows_per_layer(layout: str) -> None:
-    """MiniMaxM3Nvfp4MainKVPoolHost (pool_host/minimax_m3_nvfp4.py) backs pages up with SGLang's own copy
-    (its CPU path); each layer's host rows, [pages, row_bytes] with page stride row_bytes (layer_first)
-    or L * row_bytes (page_first), viewed as the device pool's rows, are the device spec's tree: its
-    connector stores from host page p what it stores from the device page SGLang copied there."""
-    host_cls = pytest.importorskip("sglang.srt.mem_cache.pool_host.minimax_m3_nvfp4").MiniMaxM3Nvfp4MainKVPoolHost
+# -- the HiCache host mirrors (pool_host/minimax_m3_nvfp4.py) -----------------------------------
+
+HOST_LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+HOST = {MAIN: "MiniMaxM3Nvfp4MainKVPoolHost", INDEX: "MiniMaxM3Nvfp4IndexKPoolHost"}
+DEVICE_PAGES = torch.tensor([2, 0, 1])  # host page k + 1 holds device page DEVICE_PAGES[k]
+HOST_PAGES = torch.arange(1, 4)
+
+
+def pages_to_slots(pages: torch.Tensor) -> torch.Tensor:
+    return (pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
+
+
+def mirror(pool: Any, layout: str, anchor: Any = None) -> Any:
+    """SGLang's host mirror of a main (or, riding on the main one's `anchor`, an index) device pool, on CPU,
+    its kv_buffer zeroed (SGLang allocates it uninitialized) so that bytes nothing wrote compare equal."""
+    host_mod = pytest.importorskip("sglang.srt.mem_cache.pool_host.minimax_m3_nvfp4")
     info_cls = pytest.importorskip("sglang.srt.mem_cache.device_pool_info").PageRowBufferInfo
-    pool = main_pool()
-    write(pool, SLOTS, SLOTS)
     info = info_cls(slab=pool.slab, rows=tuple(pool.rows), row_bytes=pool.row_bytes, page_size=PAGE,
                     num_pages=pool.num_pages)
-    host = host_cls(info, host_to_device_ratio=2.0, host_size=0, page_size=PAGE, layout=layout, pin_memory=False,
-                    device="cpu", device_capacity_tokens=SIZE, start_layer=0, end_layer=L)
-    device_pages = torch.tensor([2, 0, 1])  # host page k + 1 holds device page device_pages[k]
-    host.backup_from_device_all_layer(pool, torch.arange(PAGE, 4 * PAGE), (device_pages[:, None] * PAGE +
-                                                                          torch.arange(PAGE)).reshape(-1), "kernel")
-    layers = [host.kv_buffer[layer] if layout == "layer_first" else host.kv_buffer[:, layer, 0] for layer in range(L)]
-    views = [rows.view(host.page_num, 2, H, PAGE, 72) for rows in layers]
-    device = kvgen.from_sglang(pool)
-    connector = generated.get("sglang_minimax_m3_nvfp4", "kv_planes")()
-    on_device = torch.remainder(SLOTS, PAGE) + device_pages[torch.div(SLOTS, PAGE, rounding_mode="floor")] * PAGE
-    host_slots = SLOTS + PAGE
-    out = []
-    for tree, slots, conn in ((views, host_slots, connector), (device.kvcaches, on_device, device.connector)):
-        obj = torch.zeros(tuple(conn.get_shape(T, tree)), dtype=torch.uint8)
-        conn.from_gpu(MemoryObj(obj), 0, T, kvcaches=tree, slot_mapping=slots)
-        out.append(obj)
-    assert int(out[1].count_nonzero()) > 0 and torch.equal(out[0], out[1])
+    if anchor is None:
+        host = host_mod.MiniMaxM3Nvfp4MainKVPoolHost(info, host_to_device_ratio=2.0, host_size=0, page_size=PAGE,
+                                                     layout=layout, pin_memory=False, device="cpu",
+                                                     device_capacity_tokens=SIZE, start_layer=0, end_layer=L)
+    else:
+        host = host_mod.MiniMaxM3Nvfp4IndexKPoolHost(info, anchor, layout, pin_memory=False, device="cpu",
+                                                     start_layer=0, end_layer=L)
+    host.kv_buffer.zero_()
+    return host
+
+
+def mirrors(cls: str, layout: str) -> tuple[Any, Any]:
+    """A device pool of `cls` written at SLOTS and a host mirror SGLang backed its pages up into (its
+    CPU copy path): host page k + 1 holds device page DEVICE_PAGES[k]."""
+    anchor = None if cls == MAIN else mirror(main_pool(), layout)
+    pool = POOLS[cls][0]()
+    write(pool, SLOTS, SLOTS)
+    host = mirror(pool, layout, anchor)
+    host.backup_from_device_all_layer(pool, pages_to_slots(HOST_PAGES), pages_to_slots(DEVICE_PAGES), "kernel")
+    return pool, host
+
+
+def layer_offset(host: Any, layout: str, layer: int) -> int:
+    """Where layer `layer`'s rows start in the host pool's one kv_buffer: [L, pages, row_bytes] or
+    [pages, L, 1, row_bytes]."""
+    return layer * (host.page_num if layout == "layer_first" else 1) * host.row_bytes
+
+
+def stored(bound: Any, slots: torch.Tensor) -> torch.Tensor:
+    obj = torch.zeros(tuple(bound.connector.get_shape(T, bound.kvcaches)), dtype=torch.uint8)
+    bound.connector.from_gpu(MemoryObj(obj), 0, T, kvcaches=bound.kvcaches, slot_mapping=slots)
+    return obj
+
+
+#: SLOTS as the host mirror holds them (host page k + 1 is device page DEVICE_PAGES[k]), and as the device does.
+HOST_SLOTS = SLOTS + PAGE * torch.argsort(DEVICE_PAGES)[torch.div(SLOTS, PAGE, rounding_mode="floor")] \
+    - PAGE * torch.div(SLOTS, PAGE, rounding_mode="floor") + PAGE
+
+
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+@pytest.mark.parametrize("cls", POOLS)
+def test_the_hicache_host_mirror_is_bound_as_views_of_its_one_buffer_and_moves_both_ways(cls: str,
+                                                                                          layout: str) -> None:
+    """from_sglang binds the host mirror's one kv_buffer as per-layer views to the device pool's spec: it
+    stores from host slot s what it stores from the device slot SGLang backed up there, and its load
+    into a fresh mirror is, page for page (SGLang's get_data_page), SGLang's own backup; SGLang loads
+    that mirror back into a fresh device pool equal, byte for byte, to the first."""
+    pool, host = mirrors(cls, layout)
+    bound = kvgen.from_sglang(host, part=PART[cls])
+    assert (bound.pool, bound.layout, bound.obj, bound.layer_ids) == (HOST[cls], POOLS[cls][1], "kv_planes", (0, 1))
+    base = host.kv_buffer.data_ptr()
+    assert [t.data_ptr() - base for t in bound.kvcaches] == [layer_offset(host, layout, i) for i in range(L)]
+    assert all(t.untyped_storage().data_ptr() == host.kv_buffer.untyped_storage().data_ptr()
+               for t in bound.kvcaches)  # views of SGLang's own buffer, no copy
+    from_host = stored(bound, HOST_SLOTS)
+    assert int(from_host.count_nonzero()) > 0
+    assert torch.equal(from_host, stored(kvgen.from_sglang(pool, part=PART[cls]), SLOTS))
+
+    device = POOLS[cls][0]()  # SGLang's mirror loads into the device rows it was built over
+    fresh = mirror(device, layout, None if cls == MAIN else mirror(main_pool(), layout))
+    target = kvgen.from_sglang(fresh, part=PART[cls])
+    target.connector.to_gpu(MemoryObj(from_host, bound.connector.format), 0, T, kvcaches=target.kvcaches,
+                            slot_mapping=HOST_SLOTS)
+    for page in range(host.page_num):
+        assert torch.equal(fresh.get_data_page(page * PAGE), host.get_data_page(page * PAGE)), page
+    for layer in range(L):
+        fresh.load_to_device_per_layer(device, pages_to_slots(HOST_PAGES), pages_to_slots(DEVICE_PAGES), layer,
+                                       "kernel")
+    assert torch.equal(device.slab, pool.slab)
+
+
+def test_host_mirrors_kvgen_has_no_spec_for_are_refused_in_sglangs_words() -> None:
+    """Refused before anything binds, naming the class and layout; the host buffer is left as it was."""
+    prefix = "kvgen has no connector for SGLang's {} with layout {!r}: "
+    cases = ((MAIN, "layout", "page_head", "no kvgen spec describes this layout"),
+             (MAIN, "row_bytes", 2 * H * PAGE * 72 + 128, "its kv_buffer is "),
+             (MAIN, "page_size", 64, "kvgen's spec for it is for uint8 rows, page_size 128"),
+             (INDEX, "layout", "page_unified", "no kvgen spec describes this layout"),
+             (INDEX, "layer_num", L + 1, "its kv_buffer is "))
+    for cls, attr, value, why in cases:
+        _, host = mirrors(cls, "page_first")
+        setattr(host, attr, value)
+        before = host.kv_buffer.clone()
+        with pytest.raises(KVLayoutError, match=re.escape(prefix.format(HOST[cls], host.layout) + why)):
+            kvgen.from_sglang(host, part=PART[cls])
+        assert torch.equal(host.kv_buffer, before) and int(before.count_nonzero()) > 0
 
 
 def test_a_pool_whose_rows_are_not_the_specs_is_refused_in_sglangs_words() -> None:

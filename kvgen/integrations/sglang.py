@@ -4,7 +4,8 @@ The pool states its layout (its class and `kv_cache_layout`), so nothing is read
 shapes: the class and the word choose the spec, and detection and the generated geometry
 reader then check that the buffers agree with it. Pools this module does not know (another
 class, a quantized pool other than the FP4, MXFP8 and MiniMax M3 NVFP4 ones, a layout word without a
-spec) are refused in SGLang's own terms.
+spec) are refused in SGLang's own terms. HiCache host pools state theirs in `layout`
+(kvgen.integrations.sglang_host).
 Written against SGLang 0.5.23 (sglang/srt/mem_cache/memory_pool.py); SGLang itself is never
 imported here: the pool is read through its attributes.
 """
@@ -18,6 +19,14 @@ from typing import Any
 from kvgen import generated
 from kvgen.errors import KVLayoutError
 from kvgen.integrations.detect import detect, detectable
+from kvgen.integrations.sglang_host import (
+    HOST_LAYOUTS,
+    HOST_MLA_LAYOUTS,
+    HOST_READERS,
+    MINIMAX_CELL,
+    MINIMAX_PAGE,
+    host_layers,
+)
 from kvgen.integrations.sglang_layouts import FROM_POOL, NO_SPEC, TILED_SPECS
 
 __all__ = ["PoolConnector", "from_sglang"]
@@ -47,12 +56,17 @@ DEFAULT_OBJECT = {"sglang_mha": "kv_2ltd", "sglang_mha_hnd": "kv_2ltd", "sglang_
                   "sglang_mla_fp4": "kv_planes", "sglang_mha_mxfp8": "kv_planes",
                   "sglang_mha_mxfp8_interleaved": "kv_planes", "sglang_mha_vectorized_5d": "kv_planes",
                   "sglang_mha_vectorized_5d_fp8": "kv_planes",
-                  "sglang_minimax_m3_nvfp4": "kv_planes", "sglang_minimax_m3_nvfp4_index": "kv_planes"}
+                  "sglang_minimax_m3_nvfp4": "kv_planes", "sglang_minimax_m3_nvfp4_index": "kv_planes",
+                  **dict.fromkeys(HOST_LAYOUTS, "kv_2ltd"), **dict.fromkeys(HOST_MLA_LAYOUTS, "kv_mla")}
 
 
 def _describe(pool: Any) -> str:
-    word = getattr(pool, "kv_cache_layout", None)
-    return f"{type(pool).__name__}" + (f" with kv_cache_layout {word!r}" if word is not None else "")
+    """The pool's class and its layout word: kv_cache_layout (a device pool) or layout (a host pool)."""
+    for attr in ("kv_cache_layout", "layout"):
+        word = getattr(pool, attr, None)
+        if word is not None:
+            return f"{type(pool).__name__} with {attr} {word!r}"
+    return type(pool).__name__
 
 
 def _refuse(pool: Any, why: str) -> KVLayoutError:
@@ -62,7 +76,9 @@ def _refuse(pool: Any, why: str) -> KVLayoutError:
                          "MHATokenToKVPoolFP4 and MLATokenToKVPoolFP4 (head_dim 128, kv_cache_dim 576), "
                          "MHATokenToKVPoolMXFP8 (head_dim 128, any page_size; at 128 its scales in FA4's atoms), "
                          "MiniMaxM3Nvfp4KVPool and its MiniMaxM3Nvfp4MainKVPool and MiniMaxM3Nvfp4IndexKPool, and "
-                         "HybridLinearKVPool's attention layers")
+                         "HybridLinearKVPool's attention layers, and the HiCache host pools "
+                         "MHATokenToKVPoolHost, MLATokenToKVPoolHost, MiniMaxM3Nvfp4MainKVPoolHost and "
+                         "MiniMaxM3Nvfp4IndexKPoolHost")
 
 
 def _layers(pool: Any, count: int) -> tuple[int, ...]:
@@ -180,10 +196,6 @@ def _mxfp8(pool: Any) -> tuple[str, Any, dict[str, Any]]:
     return "sglang_mha_mxfp8", [list(getattr(pool, n)) for n in names], hints
 
 
-#: MiniMax M3 NVFP4's page rows: 128 tokens a page, each token and head 64 fp4 data bytes and 8 scale bytes.
-MINIMAX_PAGE, MINIMAX_CELL = 128, 64 + 8
-
-
 def _page_rows(pool: Any, heads: int, layout: str) -> tuple[str, Any, dict[str, Any]]:
     """MiniMax M3 NVFP4 pools keep one page row per (layer, page), pool.rows[layer] ([pages, row_bytes]):
     per K (and V) side every (head, token) cell's data, then every cell's scales, each region a multiple
@@ -231,6 +243,7 @@ READERS: dict[str, dict[str, Callable[[Any], tuple[str, Any, dict[str, Any]]]]] 
     "MiniMaxM3Nvfp4MainKVPool": {"kv": _minimax_main},
     "MiniMaxM3Nvfp4IndexKPool": {"indexer": _minimax_index},
     "MiniMaxM3Nvfp4KVPool": {"kv": _minimax_part("kv"), "indexer": _minimax_part("indexer")},
+    **HOST_READERS,  # the HiCache host pools (kvgen.integrations.sglang_host)
 }
 
 
@@ -243,10 +256,13 @@ def from_sglang(pool: Any, obj: str | None = None, *, part: str = "kv", **connec
     latent rows, `part='indexer'` the index keys), HybridLinearKVPool (its full-attention
     layers; `layer_ids` says which model layers they are), the FP4 and MXFP8 pools, or
     MiniMaxM3Nvfp4KVPool (`part='kv'` its main pool's page rows, `part='indexer'` its K-only index
-    pool's; either sub-pool may be passed itself). `obj`: the object layout (default:
-    the layout's usual one, DEFAULT_OBJECT). Other arguments go to the connector (device,
-    use_gpu, backend, ...). KVLayoutError names the pool's class and kv_cache_layout when
-    kvgen has no spec for it.
+    pool's; either sub-pool may be passed itself), or a HiCache host pool: MHATokenToKVPoolHost and
+    MLATokenToKVPoolHost (their one kv_buffer, by `layout`, to the hicache_* specs) and
+    MiniMaxM3Nvfp4MainKVPoolHost / MiniMaxM3Nvfp4IndexKPoolHost (`part='indexer'`), per-layer views
+    of their one kv_buffer bound to the device pools' specs (kvgen.integrations.sglang_host).
+    `obj`: the object layout (default: the layout's usual one, DEFAULT_OBJECT). Other arguments go
+    to the connector (device, use_gpu, backend, ...). KVLayoutError names the pool's class and
+    kv_cache_layout (a host pool's layout) when kvgen has no spec for it.
     """
     inner = pool
     if type(pool).__name__ == "HybridLinearKVPool":
@@ -267,6 +283,8 @@ def from_sglang(pool: Any, obj: str | None = None, *, part: str = "kv", **connec
                 "sglang_mha_mxfp8", "sglang_mha_mxfp8_interleaved", "sglang_mha_vectorized_5d",
                 "sglang_mha_vectorized_5d_fp8")
     count = len(kvcaches[0]) if layout in per_part else len(kvcaches)
+    if layout in HOST_LAYOUTS | HOST_MLA_LAYOUTS:  # one tensor: its layers are the pool's
+        count = host_layers(inner)
     ids = _layer_ids(pool, inner, part, count)
     connector = cls(**connector_args)
     connector.bind(kvcaches)  # ready: get_shape and get_dtype answer before the first transfer
