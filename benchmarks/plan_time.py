@@ -6,7 +6,7 @@ the caches of their facts), milliseconds; the slowest destination rank of each r
 
     python benchmarks/plan_time.py [TOKENS] [REPEATS] [--profile ROW [--sort tottime] | --agents ROW]
 
-Caches and slot tables as `kvgen pd` makes them (kvgen.tools.pd_run: L=32, H=8, C=128, bf16,
+Caches and slot tables as `kvgen pd` makes them (kvgen.tools.pd.run: L=32, H=8, C=128, bf16,
 block tables of random blocks). `--profile nhd:hnd:2:4:16:32` prints cProfile's top functions
 (by cumulative thread CPU time, or --sort's key) of REPEATS plans of that row instead.
 `--agents nhd:nhd:2:4:16:32` plans that row's destination rank 0 as `kvgen bench --remote` does,
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from kvgen import remote
-from kvgen.tools import pd_run
-from kvgen.tools.pd_request import Request, WorkerSide
+from kvgen.tools.pd import run as pd_run
+from kvgen.tools.pd.request import Request, WorkerSide
 
 NAMES = {"nhd": "vllm_flash_attn_nhd", "hnd": "vllm_flash_attn_hnd", "sglang_mla": "sglang_mla",
          "vllm_mla": "vllm_mla"}

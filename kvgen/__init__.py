@@ -16,7 +16,7 @@ __all__ = ["__version__", "SPEC_FORMAT_VERSION", "detect", "from_sglang", "from_
 
 def __getattr__(name: str) -> object:
     """`kvgen.detect`, `kvgen.from_sglang` and `kvgen.from_vllm` on first use, so `import kvgen` stays torch-free."""
-    lazy = {"detect": "kvgen.integrations.detect", "from_sglang": "kvgen.integrations.sglang",
+    lazy = {"detect": "kvgen.integrations.detect", "from_sglang": "kvgen.integrations.sglang.pools",
             "from_vllm": "kvgen.integrations.vllm"}
     if name in lazy:
         return getattr(importlib.import_module(lazy[name]), name)

@@ -252,6 +252,37 @@ def test_the_kind_name_rule_names_the_modules_it_replaced() -> None:
         "make scenarios a package with one module per kind",
         f"{runtime / 'parts.py'}: the planes kind is `planes` after the spec stage, not `parts`"]
 
+def suffix_sibling_problems(paths: Collection[Path]) -> list[str]:
+    """Modules named `X_Y` beside a module or package `X` in one folder (`native_transfer` beside
+    `native`, `model_checks` beside `model`): one job split by a suffix, where the job is a package
+    `X/` whose modules are named for their parts (runtime/model/checks, runtime/transfer/compiled)."""
+    names, found = _siblings(paths), []
+    for p in sorted(paths):
+        stem = p.name.split(".")[0]
+        head = stem.split("_")[0]
+        if "_" in stem and head in names.get(p.parent, set()) and p.name != "__init__.py":
+            found.append(f"{p}: {stem} beside the module {head}: make {head} a package with a module for "
+                         f"what `{stem.removeprefix(head + '_')}` names")
+    return found
+
+
+def test_no_module_is_a_suffixed_sibling_of_another() -> None:
+    found = suffix_sibling_problems([*SOURCES, *TEMPLATES.glob("*.j2")])
+    assert not found, "\n".join(found)
+
+
+def test_the_suffix_rule_names_the_modules_it_replaced() -> None:
+    """The runtime before its model/ and transfer/ packages offends on each suffixed module; today's
+    does not."""
+    runtime = PACKAGE / "runtime"
+    before = [runtime / "model.py", runtime / "model_checks.py", runtime / "model_table.py", runtime / "native.py",
+              runtime / "native_transfer.py", runtime / "transfer.py", runtime / "pairs.py"]
+    assert [f.split(":")[0] for f in suffix_sibling_problems(before)] == [
+        str(runtime / "model_checks.py"), str(runtime / "model_table.py"), str(runtime / "native_transfer.py")]
+    after = [runtime / "model" / "__init__.py", runtime / "model" / "checks.py", runtime / "model" / "table.py",
+             runtime / "native.py", runtime / "transfer" / "__init__.py", runtime / "transfer" / "compiled.py"]
+    assert suffix_sibling_problems(after) == []
+
 # ----------------------------------------------------------------------------- code rules
 
 #: Offenders in files another helper of this round is rewriting (issue 21): `module:qualname`

@@ -11,14 +11,16 @@ from kvgen import tp
 from kvgen.integrations import nixl
 from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import same_bits
-from kvgen.tools import pd, pd_run
+from kvgen.tools.pd import command as pd
+from kvgen.tools.pd import run as pd_run
+from kvgen.tools.pd.request import Request
 from tests.remote_harness import LIBRARY
 
 pytestmark = pytest.mark.skipif(nixl.unavailable() is not None, reason=str(nixl.unavailable()))
 
 
 def test_two_processes_move_a_request_between_layouts_tp_and_block_sizes() -> None:
-    req = pd.Request(pd.side("vllm_flash_attn_nhd:tp=2:N=4"), pd.side("vllm_flash_attn_hnd:tp=4:N=8"), tokens=37,
+    req = Request(pd.side("vllm_flash_attn_nhd:tp=2:N=4"), pd.side("vllm_flash_attn_hnd:tp=4:N=8"), tokens=37,
                      layers=2, heads=4, head_size=8, dtype="float32", repeats=1, keep=True)
     rows = pd_run.run(req)
     assert [r["rank"] for r in rows] == [0, 1, 2, 3]

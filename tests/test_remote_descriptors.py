@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from kvgen import remote
 from kvgen.remote import runs
 from kvgen.runtime.binding import leaves
-from kvgen.tools import pd_run
-from kvgen.tools.pd_request import Request, WorkerSide
+from kvgen.tools.pd import run as pd_run
+from kvgen.tools.pd.request import Request, WorkerSide
 from tests.remote_harness import Case
 from tests.test_remote_properties import cases
 

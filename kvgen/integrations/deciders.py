@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvgen.integrations import sglang_layouts
 from kvgen.integrations.hints import AXIS_HINTS
 from kvgen.integrations.quant import quant_deciders
+from kvgen.integrations.sglang import layouts as sglang_layouts
 from kvgen.versions import some_release
 
 __all__ = ["deciders", "extents"]

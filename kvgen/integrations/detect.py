@@ -30,7 +30,6 @@ from types import ModuleType
 from typing import Any
 
 from kvgen.errors import KVLayoutError
-from kvgen.integrations import sglang_layouts
 from kvgen.integrations.deciders import deciders, extents
 from kvgen.integrations.hints import (
     AXIS_HINTS,
@@ -45,6 +44,7 @@ from kvgen.integrations.hints import (
     normalize_hints,
 )
 from kvgen.integrations.quant import quant_mismatch
+from kvgen.integrations.sglang import layouts as sglang_layouts
 from kvgen.integrations.shapes import (
     CacheShape,
     check_given,

@@ -31,7 +31,7 @@ from kvgen.errors import KVLayoutError
 from kvgen.integrations.detect import Detection, _package, detect
 from kvgen.integrations.hints import engine_version as release_of
 from kvgen.integrations.quant import packs_k_and_v
-from kvgen.integrations.sglang_layouts import TILED_SPECS
+from kvgen.integrations.sglang.layouts import TILED_SPECS
 from kvgen.versions import version_in
 
 __all__ = ["Pairing", "VllmGroup", "from_vllm"]

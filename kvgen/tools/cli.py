@@ -21,7 +21,6 @@ from kvgen.spec.describe import format2_facts
 from kvgen.spec.library import BUILTIN_SPECS
 from kvgen.spec.models import model_facts
 from kvgen.spec.transfers import load_transfers
-from kvgen.tools import pd
 from kvgen.tools.backends import backend_line as _backend_line
 from kvgen.tools.backends import backends as _backends
 from kvgen.tools.bench import add_arguments as add_bench_arguments
@@ -38,6 +37,7 @@ from kvgen.tools.paths import (
     refuse_package_out,
     temporary_build,
 )
+from kvgen.tools.pd import command as pd
 from kvgen.tools.specset import load_lenient, twin_warnings, validate
 from kvgen.tools.verify.run import main as verify_main
 from kvgen.tp import explain

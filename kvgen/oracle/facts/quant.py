@@ -199,7 +199,7 @@ _register(PartsFact(
 # scale; index pool (_index_page_components): K [page, 64], K scale [page, 8]. Page size and head_dim
 # are 128 (MSA_V1_PAGE_SIZE, the classes' checks); set_quantized_kv_buffer writes slot s of head h at
 # [s // page, h, s % page] of each component. Handed over as [pages, 2, heads, page, 72] and
-# [pages, page, 72] views of pool.rows (kvgen.integrations.sglang).
+# [pages, page, 72] views of pool.rows (kvgen.integrations.sglang.pools).
 MINIMAX_PAGE, MINIMAX_ALIGN = 128, 128
 MINIMAX_DATA, MINIMAX_SCALES = HEAD // 2, HEAD // 16
 MINIMAX_CELL = MINIMAX_DATA + MINIMAX_SCALES

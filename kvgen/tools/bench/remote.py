@@ -21,7 +21,8 @@ import torch
 
 from kvgen import generated, remote
 from kvgen.integrations import nixl
-from kvgen.tools import pd, pd_run
+from kvgen.tools.pd import run as pd_run
+from kvgen.tools.pd.request import Request, WorkerSide
 
 HEADERS = ("source", "destination", "tp", "N", "strategy", "descriptors", "mean B", "plan CPU ms", "GB/s",
            "x NIXL 4 MiB", "x memcpy", "right")
@@ -31,7 +32,7 @@ DEFAULT_SHAPES = ("1:1:16:16", "2:4:16:32", "4:2:16:16")
 
 @dataclass(frozen=True)
 class RemoteRow:
-    req: pd.Request
+    req: Request
     strategy: str
     count: int
     bytes: int
@@ -71,7 +72,7 @@ def _memcpy(nbytes: int, repeats: int) -> float:
     return best
 
 
-def _rank(req: pd.Request, rank: int, agent: Any, prefill: list[nixl.Worker]) -> dict[str, Any]:
+def _rank(req: Request, rank: int, agent: Any, prefill: list[nixl.Worker]) -> dict[str, Any]:
     tree = pd_run.caches(req, req.dst, rank, False)
     d = remote.describe(tree, req.dst.layout, tp_rank=rank, tp_size=req.dst.tp, num_kv_heads=req.heads)
     w = nixl.Worker("decode", tree, d, agent=agent, streams=nixl.STREAMS)  # new_agent's: safe across threads
@@ -93,7 +94,7 @@ def _rank(req: pd.Request, rank: int, agent: Any, prefill: list[nixl.Worker]) ->
             "plain": plain, "wrong": wrong, "elements": nbytes // d.itemsize}
 
 
-def row(req: pd.Request, agents: tuple[Any, Any]) -> RemoteRow:
+def row(req: Request, agents: tuple[Any, Any]) -> RemoteRow:
     prefill = []
     for rank in range(req.src.tp):
         tree = pd_run.caches(req, req.src, rank, True)
@@ -142,7 +143,7 @@ def costs(agents: tuple[Any, Any], repeats: int) -> remote.Costs:
 
 def _local(repeats: int) -> tuple[float, float]:
 
-    req = pd.Request(pd.WorkerSide("vllm_flash_attn_nhd", 1, 16), pd.WorkerSide("vllm_flash_attn_hnd", 1, 16), 2048)
+    req = Request(WorkerSide("vllm_flash_attn_nhd", 1, 16), WorkerSide("vllm_flash_attn_hnd", 1, 16), 2048)
     a, b = pd_run.caches(req, req.src, 0, True), pd_run.caches(req, req.dst, 0, False)
     move = generated.transfer(req.src.layout, req.dst.layout)()
     s, t = pd_run.slots(req, req.src, 1), pd_run.slots(req, req.dst, 2)
@@ -170,7 +171,7 @@ def main(args: argparse.Namespace) -> int:
     for pair in args.remote or []:
         src, _, dst = pair.partition(":")
         for s_tp, d_tp, s_n, d_n in args.remote_shapes:
-            req = pd.Request(pd.WorkerSide(src, s_tp, s_n), pd.WorkerSide(dst, d_tp, d_n), max(args.tokens),
+            req = Request(WorkerSide(src, s_tp, s_n), WorkerSide(dst, d_tp, d_n), max(args.tokens),
                              args.layers, args.heads, args.head_size, args.dtype, repeats=args.repeats)
             rows.append(row(pd_run.check(req), agents))
     if rows:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvgen.tools.pd_request import Request, WorkerSide
+from kvgen.tools.pd.request import Request, WorkerSide
 
 
 def side(text: str) -> WorkerSide:
@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvgen.tools import pd_run  # torch and NIXL: only when the command runs, not for `kvgen build`
+    from kvgen.tools.pd import run as pd_run  # torch and NIXL: only when the command runs, not for `kvgen build`
 
     req = pd_run.check(Request(args.src, args.dst, args.tokens, args.layers, args.heads, args.head_size, args.dtype,
                         strategy=args.strategy, repeats=args.repeats))

@@ -5,7 +5,7 @@ shapes: the class and the word choose the spec, and detection and the generated 
 reader then check that the buffers agree with it. Pools this module does not know (another
 class, a quantized pool other than the FP4, MXFP8 and MiniMax M3 NVFP4 ones, a layout word without a
 spec) are refused in SGLang's own terms. HiCache host pools state theirs in `layout`
-(kvgen.integrations.sglang_host).
+(kvgen.integrations.sglang.host).
 Written against SGLang 0.5.23 (sglang/srt/mem_cache/memory_pool.py); SGLang itself is never
 imported here: the pool is read through its attributes.
 """
@@ -19,7 +19,7 @@ from typing import Any
 from kvgen import generated
 from kvgen.errors import KVLayoutError
 from kvgen.integrations.detect import detect, detectable
-from kvgen.integrations.sglang_host import (
+from kvgen.integrations.sglang.host import (
     HOST_LAYOUTS,
     HOST_MLA_LAYOUTS,
     HOST_READERS,
@@ -27,7 +27,7 @@ from kvgen.integrations.sglang_host import (
     MINIMAX_PAGE,
     host_layers,
 )
-from kvgen.integrations.sglang_layouts import FROM_POOL, NO_SPEC, TILED_SPECS
+from kvgen.integrations.sglang.layouts import FROM_POOL, NO_SPEC, TILED_SPECS
 
 __all__ = ["PoolConnector", "from_sglang"]
 
@@ -243,7 +243,7 @@ READERS: dict[str, dict[str, Callable[[Any], tuple[str, Any, dict[str, Any]]]]] 
     "MiniMaxM3Nvfp4MainKVPool": {"kv": _minimax_main},
     "MiniMaxM3Nvfp4IndexKPool": {"indexer": _minimax_index},
     "MiniMaxM3Nvfp4KVPool": {"kv": _minimax_part("kv"), "indexer": _minimax_part("indexer")},
-    **HOST_READERS,  # the HiCache host pools (kvgen.integrations.sglang_host)
+    **HOST_READERS,  # the HiCache host pools (kvgen.integrations.sglang.host)
 }
 
 
@@ -259,7 +259,7 @@ def from_sglang(pool: Any, obj: str | None = None, *, part: str = "kv", **connec
     pool's; either sub-pool may be passed itself), or a HiCache host pool: MHATokenToKVPoolHost and
     MLATokenToKVPoolHost (their one kv_buffer, by `layout`, to the hicache_* specs) and
     MiniMaxM3Nvfp4MainKVPoolHost / MiniMaxM3Nvfp4IndexKPoolHost (`part='indexer'`), per-layer views
-    of their one kv_buffer bound to the device pools' specs (kvgen.integrations.sglang_host).
+    of their one kv_buffer bound to the device pools' specs (kvgen.integrations.sglang.host).
     `obj`: the object layout (default: the layout's usual one, DEFAULT_OBJECT). Other arguments go
     to the connector (device, use_gpu, backend, ...). KVLayoutError names the pool's class and
     kv_cache_layout (a host pool's layout) when kvgen has no spec for it.

@@ -1,5 +1,5 @@
 """What `kvgen pd` moves: the two sides (layout, TP size, block size) and the request, shared by
-the command line (kvgen.tools.pd, torch-free) and the processes that run it (kvgen.tools.pd_run)."""
+the command line (kvgen.tools.pd.command, torch-free) and the processes that run it (kvgen.tools.pd.run)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The work of `kvgen pd` (kvgen.tools.pd is its torch-free command line): the prefill and
+"""The work of `kvgen pd` (kvgen.tools.pd.command is its torch-free command line): the prefill and
 decode processes, the ranks' caches and slot tables, the expected caches, NIXL's plain copy.
 """
 
@@ -19,7 +19,7 @@ from kvgen.errors import KVGenError
 from kvgen.integrations import nixl
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.ops import bits
-from kvgen.tools.pd_request import PLAIN, Request, WorkerSide
+from kvgen.tools.pd.request import PLAIN, Request, WorkerSide
 
 
 def _mla(layout: str) -> bool:
