@@ -24,7 +24,7 @@ import torch
 from kvgen import generated
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.errors import KVLayoutError
-from kvgen.runtime.layout import Geometry, PagedLayout
+from kvgen.runtime.layout import Geometry, PagedLayout, part_leaves
 from kvgen.runtime.movers import native as native_mover
 
 #: Bump when the fields of a description change meaning.
@@ -249,14 +249,6 @@ def _described_parts(cls: Any, caches: Any, ranks: tuple[int, int, int], num_kv_
     return replace(parts[0], leaves=tuple(t.data_ptr() for t in leaves(caches)), parts=parts, part="")
 
 
-def _part_leaves(tree: Any, lists: tuple[str, ...], part: int) -> list[torch.Tensor]:
-    """The tensors of part `part` in list order (the level P picks the part)."""
-    level = [tree]
-    for axis in lists:
-        level = [child for node in level for child in ([node[part]] if axis == "P" else node)]
-    return level
-
-
 def _placed_leaf(t: torch.Tensor, dims: Any, places: Any, what: str) -> torch.Tensor:
     """A part's leaf with its dims as the part's places number them: a singleton dim holds no
     place and drops out, but for the last (where a part's C of one value lives)."""
@@ -277,7 +269,7 @@ def _described_part(cls: Any, caches: Any, g: Geometry, k: int, ranks: tuple[int
     if not axes & {"S", "B", "N"}:
         raise KVLayoutError(f"{paged.name}: part {name} has no token axis (one value per layer); remote transfers "
                             "move parts held per token")
-    tensors = _part_leaves(caches, paged.lists, k)
+    tensors = part_leaves(caches, paged.lists, k)
     first = tensors[0]
     if any(t.stride() != first.stride() for t in tensors[1:]):
         raise KVLayoutError(f"{paged.name}: every tensor of part {name} must have the same strides to be described")

@@ -134,6 +134,15 @@ def broadcast_dims(t: torch.Tensor) -> list[int]:
     return [i for i, (n, s) in enumerate(zip(t.shape, t.stride(), strict=True)) if n > 1 and s == 0]
 
 
+def part_leaves(tree: Any, lists: Sequence[str], part: int) -> list[Any]:
+    """The tensors of part `part` of a cache tree, in list order: the level P picks the part (without
+    one, every tensor)."""
+    level = [tree]
+    for axis in lists:
+        level = [child for node in level for i, child in enumerate(node) if axis != "P" or i == part]
+    return level
+
+
 class CacheReader:
     """The checks a generated `read_geometry` runs on one cache, in the order it calls them.
 
@@ -240,7 +249,7 @@ class CacheReader:
         fields inside a block, the block's N x C elements are one run; format 3: its last `run`
         dims are one run)."""
         name = self.layout.parts[part][0] if self.layout.parts else self.layout.name
-        for leaf in self._part_leaves(part):
+        for leaf in part_leaves(self.kvcaches, self.layout.lists, part):
             if run and not _dense_tail(leaf, run):
                 self.fail(f"part {name}: each block's last {run} dims must be one contiguous run (fields fill "
                           f"its bytes); got shape {list(leaf.shape)}, strides {list(leaf.stride())}")
@@ -254,21 +263,7 @@ class CacheReader:
     def word(self, part: int, offset: int, nbytes: int, keep_last: bool = False) -> int:
         """The widest word every tensor of a part allows for a plane of `nbytes` per row at
         byte `offset` (kvgen.runtime.planes.leaf_word)."""
-        return min(leaf_word(t, offset, nbytes, keep_last) for t in self._part_leaves(part))
-
-    def _part_leaves(self, part: int) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
-
-        def walk(node: Any, depth: int, mine: bool) -> None:
-            if depth == len(self.layout.lists):
-                if mine:
-                    out.append(node)
-                return
-            for i, child in enumerate(node):
-                walk(child, depth + 1, mine and (self.layout.lists[depth] != "P" or i == part))
-
-        walk(self.kvcaches, 0, True)
-        return out
+        return min(leaf_word(t, offset, nbytes, keep_last) for t in part_leaves(self.kvcaches, self.layout.lists, part))
 
     def singleton(self, index: int, extent: int) -> None:
         """A dim the layout writes as 1 has extent 1 (hicache_page_unified's head groups: one)."""

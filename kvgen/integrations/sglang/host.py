@@ -19,7 +19,7 @@ from typing import Any
 
 from kvgen.errors import KVLayoutError
 
-__all__ = ["HOST_LAYOUTS", "HOST_MLA_LAYOUTS", "HOST_READERS", "MINIMAX_CELL", "MINIMAX_PAGE", "host_layers"]
+__all__ = ["HOST_LAYOUTS", "HOST_MLA_LAYOUTS", "HOST_READERS", "MINIMAX_CELL", "MINIMAX_PAGE", "minimax_cells"]
 
 #: A reader's answer: the spec, the kvcaches tree, detection's hints.
 Read = tuple[str, Any, dict[str, Any]]
@@ -137,12 +137,13 @@ def _row_cells(pool: Any, sides: int, dtype: str) -> tuple[int, ...]:
         want = f"a multiple of {cell_row}" if sides == 2 else str(cell_row)
         raise _refuse(pool, f"kvgen's spec for it is for uint8 rows, page_size {MINIMAX_PAGE} and rows of {want} "
                             f"bytes (heads of head_dim 128), not {dtype}, page_size {page} and {row_bytes}")
+    return minimax_cells(sides, heads)
+
+
+def minimax_cells(sides: int, heads: int) -> tuple[int, ...]:
+    """A MiniMax M3 NVFP4 page row viewed by cell, as its specs read it: (sides, heads, 128, 72) for K and V,
+    (128, 72) for the index pool's K alone."""
     return (sides, heads, MINIMAX_PAGE, MINIMAX_CELL) if sides == 2 else (MINIMAX_PAGE, MINIMAX_CELL)
-
-
-def host_layers(pool: Any) -> int:
-    """The layers of a host pool's tree: its layer_num (draft layers included, after the model's)."""
-    return int(pool.layer_num)
 
 
 #: SGLang 0.5.23 host pool classes, by exact class name, and how each hands its cache over.

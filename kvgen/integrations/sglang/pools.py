@@ -25,7 +25,7 @@ from kvgen.integrations.sglang.host import (
     HOST_READERS,
     MINIMAX_CELL,
     MINIMAX_PAGE,
-    host_layers,
+    minimax_cells,
 )
 from kvgen.integrations.sglang.layouts import FROM_POOL, NO_SPEC, TILED_SPECS
 
@@ -205,7 +205,7 @@ def _page_rows(pool: Any, heads: int, layout: str) -> tuple[str, Any, dict[str, 
     if int(pool.page_size) != MINIMAX_PAGE or int(pool.row_bytes) != width:
         raise _refuse(pool, f"kvgen's spec for it is for page_size {MINIMAX_PAGE} and rows of {width} bytes "
                             f"({heads} heads of head_dim 128), not page_size {pool.page_size} and {pool.row_bytes}")
-    cells = (sides, heads, MINIMAX_PAGE, MINIMAX_CELL) if sides == 2 else (MINIMAX_PAGE, MINIMAX_CELL)
+    cells = minimax_cells(sides, heads)
     return layout, [r.view(r.shape[0], *cells) for r in pool.rows], {"pool": type(pool).__name__}
 
 
@@ -283,8 +283,8 @@ def from_sglang(pool: Any, obj: str | None = None, *, part: str = "kv", **connec
                 "sglang_mha_mxfp8", "sglang_mha_mxfp8_interleaved", "sglang_mha_vectorized_5d",
                 "sglang_mha_vectorized_5d_fp8")
     count = len(kvcaches[0]) if layout in per_part else len(kvcaches)
-    if layout in HOST_LAYOUTS | HOST_MLA_LAYOUTS:  # one tensor: its layers are the pool's
-        count = host_layers(inner)
+    if layout in HOST_LAYOUTS | HOST_MLA_LAYOUTS:  # one tensor: its layers are the pool's (draft layers last)
+        count = int(inner.layer_num)
     ids = _layer_ids(pool, inner, part, count)
     connector = cls(**connector_args)
     connector.bind(kvcaches)  # ready: get_shape and get_dtype answer before the first transfer
