@@ -9,6 +9,7 @@ use of kvgen's pieces. They skip, saying why, where nixl is not installed."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -259,3 +260,11 @@ def test_workers_on_their_own_agents_move_the_state() -> None:
         want = _before(name, 1)
         want[[0, 3]] = src[name][[4, 1]]
         assert torch.equal(dst[name], want), name
+
+
+def test_a_state_worker_refuses_to_register_more_than_its_tensors_hold(agents: tuple[Any, Any]) -> None:
+    dst = {name: _before(name, 4) for name in TENSORS}
+    described = _describe(dst, 1, 4)
+    wide = {**described, "ssm": dataclasses.replace(described["ssm"], span=described["ssm"].span + 8)}
+    with pytest.raises(KVLayoutError, match=f"registers {described['ssm'].span + 8} bytes"):
+        nixl.StateWorker("state-decode", dst, wide, agent=agents[1])

@@ -4,6 +4,7 @@ They skip, saying why, where nixl is not installed (`pip install --no-deps nixl-
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -184,3 +185,15 @@ def test_a_cache_of_several_parts_through_nixl(agents: tuple[Any, Any], spec: st
             for w in prefill:
                 w.close()
         assert len(p.reads) >= 2 and same_bits(dst, case.expected(s_slots, d_slots)), rank
+
+
+def test_a_worker_refuses_to_register_more_than_its_caches_hold(agents: tuple[Any, Any]) -> None:
+    """A READ writes every registered byte: a description whose span reaches past its leaves is refused
+    before anything is registered."""
+    case = _case(("vllm_flash_attn_nhd", "vllm_flash_attn_hnd"), "partial_minus1")
+    srcs, dst = case.caches()
+    sd, _ = case.describe(srcs, dst)
+    wide = dataclasses.replace(sd[0], span=sd[0].span + 2)
+    with pytest.raises(KVLayoutError, match=f"registers {sd[0].span + 2} bytes at .*, where the tensor's view holds "
+                                            f"{sd[0].span}"):
+        nixl.Worker("prefill", srcs[0], wide, agent=agents[0])

@@ -31,6 +31,7 @@ import numpy as np
 from kvgen.errors import KVGenError
 from kvgen.remote import CacheDescription, Costs, Plan, Read, StateDescription, check_pair, plan
 from kvgen.remote.state import check_state_pair, plan_state
+from kvgen.runtime.aliasing import extent
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.errors import KVLayoutError
 
@@ -135,6 +136,7 @@ class Worker(_Reads):
         found = tuple(t.data_ptr() for t in leaves(caches))
         if found != description.leaves:
             raise KVLayoutError(f"{name}: the description is not of these caches ({description})")
+        _check_regions(name, leaves(caches), description.regions())
         self.name, self.caches, self.description = name, caches, description
         self._own = agent is None
         self.streams = streams or (STREAMS if agent is None else 1)
@@ -339,6 +341,22 @@ def _check_states(name: str, tensors: dict[str, Any], descriptions: dict[str, St
     for k, t in tensors.items():
         if t.data_ptr() != descriptions[k].address:
             raise KVLayoutError(f"{name}: the description of {k!r} is not of this tensor ({descriptions[k]})")
+    _check_regions(name, list(tensors.values()), [(d.address, d.span, d.device_id) for d in descriptions.values()])
+
+
+def _check_regions(name: str, tensors: Sequence[Any], regions: Sequence[tuple[int, int, int]]) -> None:
+    """Every region a worker registers lies in the tensor that starts there: a remote READ writes a
+    registered region's bytes, so a description claiming more bytes than its tensor's view reaches is
+    refused before anything is registered (a storage freed or shrunk since moves the tensor's address,
+    which the callers' address check refuses)."""
+    by_address = {t.data_ptr(): t for t in tensors}
+    for address, nbytes, _ in regions:
+        t = by_address[address]  # the callers matched every address to a tensor
+        held = extent(t).hi - address
+        if nbytes > held:
+            raise KVLayoutError(f"{name}: the description registers {nbytes} bytes at {address:#x}, where the "
+                                f"tensor's view holds {held} (shape {list(t.shape)}, strides {list(t.stride())}): "
+                                "nothing was registered")
 
 
 def _ranks(name: str, descriptions: dict[str, StateDescription]) -> tuple[int, int]:
