@@ -199,6 +199,21 @@ def test_caches_of_several_planes_are_benched_without_a_naive_baseline(layout: s
         assert set(r["repeat_seconds"]) == {"kvgen", "memcpy"} and r["gbps"] > 0 and r["x_memcpy"]["median"] > 0
 
 
+def test_a_cache_of_several_slots_per_token_is_benched_at_its_stored_rows(tmp_path: Path, capsys) -> None:
+    """vLLM's Whisper pooling stores each token as 4 slots: a chunk moves 4 rows per token, in
+    blocks of block_size tokens, and the naive connector (one row per token) is no yardstick."""
+    out = tmp_path / "p.json"
+    rc = main(["bench", "--layouts", "vllm_whisper_pooled4,vllm_lbnhc", "--objects", "kv_2ltd", "--tokens", "10",
+               *TINY, "--transfers", "none", "--models", "none", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "2 rows have no naive baseline" in captured.out
+    rows = {(r["layout"], r["dir"]): r for r in json.loads(out.read_text())["rows"]}
+    for direction in ("store", "load"):
+        pooled, plain = rows["vllm_whisper_pooled4", direction], rows["vllm_lbnhc", direction]
+        assert pooled["bytes"] == 4 * plain["bytes"] and pooled["naive_matches"] is None
+
+
 def test_model_rows_check_against_the_per_group_path(tmp_path: Path, capsys) -> None:
     specs = Path(__file__).parent / "specs_models"
     out = tmp_path / "m.json"

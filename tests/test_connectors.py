@@ -26,8 +26,10 @@ from harness import (
     clone_tree,
     connector_load,
     connector_store,
+    fitted,
     make_cache,
     make_objects,
+    manager_extents,
     obj_tensors,
     reference_load,
     reference_store,
@@ -60,12 +62,12 @@ BACKENDS = {"default": None, "torch": "torch"}
 
 def _setup(module: str, scenario: str, dtype: torch.dtype, device: str, backend: str | None = "torch"):
     plan = PLANS[module]
-    sc = SCENARIOS[scenario]
+    sc = fitted(plan.paged, SCENARIOS[scenario])  # EXT, or blocks of k slots per token for a pooled cache
     rng = random.Random(f"{module}/{scenario}")
-    mapping_list = sc.mapping(rng, EXT)
+    mapping_list = sc.mapping(rng, manager_extents(plan.paged, sc.ext))
     mapping = torch.tensor(mapping_list, dtype=torch.long, device=device)
     connector = generated.get(plan.paged.name, plan.obj.name)(device=device, backend=backend)
-    cache = make_cache(plan.paged, dtype, device, sc.strided, sc.odd_cache)
+    cache = make_cache(plan.paged, dtype, device, sc.strided, sc.odd_cache, ext=sc.ext)
     connector.bind(cache)
     return plan, sc, mapping_list, mapping, connector, cache
 
@@ -200,13 +202,14 @@ def test_skip_prefix_and_offset(module: str, device: str) -> None:
     """vLLM's skip_prefix_n_tokens leaves a chunk's first tokens alone on load; SGLang's
     offset says where a partial slot mapping starts. Both, on two chunks, with -1 slots."""
     plan = PLANS[module]
-    full = block_table_mapping(24, random.Random(module), EXT)
+    ext = fitted(plan.paged, SCENARIOS["whole_blocks"]).ext
+    full = block_table_mapping(24, random.Random(module), manager_extents(plan.paged, ext))
     full[9] = -1
     offset = 8
-    sc = Scenario("offset", (8, 16), (16, 24), lambda r, e: full[offset:], offset=offset)
+    sc = Scenario("offset", (8, 16), (16, 24), lambda r, e: full[offset:], offset=offset, ext=ext)
     partial = torch.tensor(full[offset:], device=device)
     connector = generated.get(plan.paged.name, plan.obj.name)(device=device)
-    cache = make_cache(plan.paged, torch.float32, device)
+    cache = make_cache(plan.paged, torch.float32, device, ext=ext)
     connector.bind(cache)
     objs = make_objects(connector, [8, 8], torch.float32, device, salt=9,
                         fmt=connector.format)
@@ -215,7 +218,7 @@ def test_skip_prefix_and_offset(module: str, device: str) -> None:
     reference_load(plan.paged, plan.obj, expected, objs, replace(sc, skip=3), full[offset:])
     assert same_bits(cache, expected)
     # skipping changes what is written: without it the reference writes more
-    unskipped = make_cache(plan.paged, torch.float32, device)
+    unskipped = make_cache(plan.paged, torch.float32, device, ext=ext)
     reference_load(plan.paged, plan.obj, unskipped, objs, replace(sc, skip=0), full[offset:])
     assert not same_bits(unskipped, expected)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
+from fractions import Fraction
 
 import pytest
 import torch
@@ -80,9 +81,16 @@ def _facts(name: str, ext: dict[str, int]) -> dict[str, object]:
                                 "num_kv_heads": 1 if mla else ext["H"], "use_mla": mla}
     if _release(name):
         hints["engine_version"] = _release(name)
+    per = _slots_per_token(name)
     if any(d.axes == ("N",) for d in spec.dims):
-        hints["block_size"] = ext["N"]
+        hints["block_size"] = ext["N"] // per  # a block of tokens stored as `per` slots each
+    if per > 1:  # vLLM's KVCacheSpec states it; a pooled cache's tensors are its base layout's
+        hints["tokens_per_state"] = Fraction(1, per)
     return hints
+
+
+def _slots_per_token(name: str) -> int:
+    return int(generated.LAYOUTS[name].get("slots_per_token", 1))
 
 
 def _fits(cache: CacheShape, **hints: object) -> set[str]:
@@ -120,8 +128,11 @@ def test_ambiguities_are_refused_and_each_candidate_has_a_deciding_hint() -> Non
     same: set[tuple[str, ...]] = set()
     for name, tie in itertools.product(PAGED, TIES):
         ext = {**EXT, **tie}
+        ext["N"] *= _slots_per_token(name)  # a pooled block stores whole tokens
         cache = _shape(name, ext)
-        for hints in ({}, _facts(name, ext)):
+        if _slots_per_token(name) > 1:  # never read from the tensors alone: only tokens_per_state selects it
+            assert name not in _fits(cache), f"{name} {tie}: a pooled layout was read from the tensors alone"
+        for hints in ({}, _facts(name, ext)) if _slots_per_token(name) == 1 else (_facts(name, ext),):
             fits = _fits(cache, **hints)
             assert name in fits, f"{name} {tie}: detection lost the true layout with {hints}"
             if len(fits) == 1:

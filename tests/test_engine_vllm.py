@@ -16,6 +16,7 @@ are small.
 from __future__ import annotations
 
 import dataclasses
+from fractions import Fraction
 from types import SimpleNamespace
 from typing import Any
 
@@ -298,6 +299,58 @@ def test_without_a_declaration_layouts_that_fit_the_same_tensors_are_refused() -
                       kv_layout=vllm_layouts.KVCacheLayout.BLHNC)  # vLLM's enum
     assert declared.layout == "vllm_blhnc" and "given" in declared.decided_by
     assert "vllm_blhnc" in generated.LAYOUTS
+
+
+# -- Whisper block pooling: several states per token ---------------------------------------------
+
+#: vLLM 0.33's block_pool_size of the built-in spec (Voxtral Realtime's downsample_factor).
+POOL = 4
+
+
+def pooled(pool: int = POOL) -> Any:
+    """The KVCacheSpec WhisperCausalAttention.get_kv_cache_spec makes: a full-attention spec with
+    tokens_per_state=Fraction(1, block_pool_size)."""
+    return dataclasses.replace(full(), tokens_per_state=Fraction(1, pool))
+
+
+def states_of(slots: list[int]) -> list[int]:
+    """The states the pooled attention builder writes for manager slots `slots`, in order: each
+    slot s expanded to s * pool + j (whisper_causal.py's slot_buf.view(m, pool) copy)."""
+    return [s * POOL + j for s in slots for j in range(POOL)]
+
+
+def test_a_pooled_whisper_cache_moves_each_tokens_states_both_ways() -> None:
+    kv, config = engine_cache("LBNHC", {"enc": pooled()})
+    names = list(config.kv_cache_groups[0].layer_names)
+    assert {tuple(kv[n].shape) for n in names} == {(B, H, N * POOL, 2 * C)}  # AttentionSpec.num_states per block
+    write(kv, names)
+    (group,) = kvgen.from_vllm(kv, config, vllm_layouts.KVCacheLayout.LBNHC, engine_version=VERSION)
+    assert group.detection.layout == "vllm_whisper_pooled4"
+    # a token's states: 4 object rows
+    assert group.connector.get_shape(len(SLOTS), group.kvcaches) == (2, L, len(SLOTS) * POOL, H * C)
+    obj = MemoryObj(torch.zeros(2, L, len(SLOTS) * POOL, H * C))
+    group.connector.from_gpu(obj, 0, len(SLOTS), kvcaches=group.kvcaches, slot_mapping=torch.tensor(SLOTS))
+    assert torch.equal(obj.tensor, expected(kv, names, states_of(SLOTS), 2))  # SLOTS are the manager's
+    fresh, fresh_config = engine_cache("LBNHC", {"enc": pooled()})
+    (target,) = kvgen.from_vllm(fresh, fresh_config, "LBNHC", engine_version=VERSION)
+    load(target, obj, SLOTS)
+    assert torch.equal(read_back(fresh, names, states_of(SLOTS)), read_back(kv, names, states_of(SLOTS)))
+    untouched = sorted(set(range(B * N * POOL)) - set(states_of(SLOTS)))
+    assert not read_back(fresh, names, untouched).any()
+
+
+def test_a_pooled_cache_is_read_only_as_the_engine_declares_it() -> None:
+    kv, config = engine_cache("LBNHC", {"enc": pooled()})
+    views = [kv[n] for n in config.kv_cache_groups[0].layer_names]
+    hints = {"engine": "vllm", "engine_version": VERSION, "kv_layout": "LBNHC", "num_kv_heads": H, "block_size": N}
+    with pytest.raises(NoLayout, match=r"vllm_whisper_pooled4: .*only tokens_per_state=Fraction\(1, 4\)"):
+        detect(views, **hints)  # the tensors are LBNHC's: block_size says states are not tokens, nothing says what
+    assert detect(views, **hints, tokens_per_state=Fraction(1, POOL)).layout == "vllm_whisper_pooled4"
+    with pytest.raises(NoLayout, match="tokens_per_state=1/2, the spec stores 1/4 tokens per slot"):
+        detect(views, **hints, tokens_per_state="1/2")
+    other, other_config = engine_cache("LBNHC", {"enc": pooled(2)})
+    with pytest.raises(NoLayout, match="vllm_whisper_pooled4: tokens_per_state=1/2"):
+        kvgen.from_vllm(other, other_config, engine_version=VERSION)  # a pool of 2 has no spec yet
 
 
 # -- `kvgen verify`: the hand-written facts against vLLM's live caches ----------------------------

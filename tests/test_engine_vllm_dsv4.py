@@ -287,3 +287,86 @@ def test_groups_that_overlay_are_read_as_such_and_one_groups_entries_never_share
     twice[even.layers[1]] = twice[even.layers[0]]
     with pytest.raises(KVLayoutError, match="are the same memory"):
         connector.bind(twice)
+
+
+# -- the MXFP4 indexer keys (indexer_kv_dtype "mxfp4") -----------------------------------------------
+
+#: DeepseekV4Indexer's MXFP4 k_cache_head_dim: 64 packed e2m1 bytes and 4 UE8M0 scales a token.
+FP4_DATA, FP4_SCALES = 64, 4
+FP4_LAYERS, FP4_TOKENS = 2, 96
+
+
+@pytest.fixture(scope="module")
+def fp4_indexer() -> Iterator[SimpleNamespace]:
+    """Two layers of vLLM's DeepseekV4IndexerCache at the MXFP4 head_dim, grouped, planned and
+    allocated by vLLM as the model's indexer keys are (one compressed group, 4 tokens a state)."""
+    with pytest.MonkeyPatch.context() as mp:
+        context = _Context()
+        mp.setattr(f"{DSV4_ATTENTION}.get_current_vllm_config", lambda: context)
+        mp.setattr(platforms.current_platform, "check_runner_kv_caches_multi_layer", lambda: None)
+        vc = _vllm_config()
+        index_head = DEEPSEEK_V4_FLASH["index_head_dim"]
+        assert index_head // 2 + index_head // 32 == FP4_DATA + FP4_SCALES  # the size vLLM gives the cache
+        caches = [dsv4_attention.DeepseekV4IndexerCache(head_dim=FP4_DATA + FP4_SCALES, dtype=torch.uint8,
+                                                        prefix=f"model.layers.{i}.attn.indexer.k_cache",
+                                                        cache_config=vc.cache_config, compress_ratio=4)
+                  for i in range(FP4_LAYERS)]
+        specs = {c.prefix: c.get_kv_cache_spec(vc) for c in caches}
+        config = planning.get_kv_cache_config_from_groups(vc, planning.get_kv_cache_groups(vc, specs), 1 << 26)
+
+        def allocate() -> SimpleNamespace:
+            kv = worker.allocate_kv_cache(config, torch.device("cpu"), vllm_layouts.KVCacheLayout[LAYOUT])
+            views = [kv[c.prefix] for c in caches]
+            backing = torch.tensor([], dtype=torch.uint8).set_(views[0].untyped_storage())
+            return SimpleNamespace(views=views, backing=backing)
+
+        yield SimpleNamespace(allocate=allocate, state_tokens=specs[caches[0].prefix].tokens_per_state)
+
+
+def _fp4_places(view: torch.Tensor, slot: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(start, stop) of a state's packed values and of its scales in the allocation, where the MXFP4
+    writer puts them: n * 64 of its block, and N * 64 + n * 4."""
+    n = view.shape[2]
+    block, at = divmod(slot, n)
+    start = view[block].data_ptr() - view.untyped_storage().data_ptr()
+    return ((start + at * FP4_DATA, start + (at + 1) * FP4_DATA),
+            (start + n * FP4_DATA + at * FP4_SCALES, start + n * FP4_DATA + (at + 1) * FP4_SCALES))
+
+
+def test_mxfp4_indexer_keys_move_both_ways_at_the_writers_offsets(fp4_indexer: SimpleNamespace) -> None:
+    cache, fresh = fp4_indexer.allocate(), fp4_indexer.allocate()
+    n = cache.views[0].shape[2]
+    assert fp4_indexer.state_tokens == 4 and cache.views[0].shape[1:] == (1, BLOCK_SIZE // 4, FP4_DATA + FP4_SCALES)
+    _fill(cache.backing)
+    slots = [-1 if s % 7 == 3 else n + (5 * s + 1) % (2 * n) for s in range(FP4_TOKENS)]  # blocks 1, 2; some -1
+    connector = generated.get("vllm_dsv4_indexer_mxfp4", "kv_planes")()
+    obj = MemoryObj(torch.zeros(connector.get_shape(FP4_TOKENS, cache.views), dtype=torch.uint8))
+    connector.from_gpu(obj, 0, FP4_TOKENS, kvcaches=cache.views, slot_mapping=torch.tensor(slots))
+    # the object: per layer every state's 64 value bytes, then (16-byte aligned) every state's 4 scales
+    scale_at = -(-FP4_TOKENS * FP4_DATA // 16) * 16
+    for layer, view in enumerate(cache.views):
+        row = obj.tensor[layer]
+        for t, slot in enumerate(slots):
+            if slot < 0:
+                continue
+            (d0, d1), (s0, s1) = _fp4_places(view, slot)
+            assert torch.equal(row[t * FP4_DATA:(t + 1) * FP4_DATA], cache.backing[d0:d1]), (layer, t)
+            assert torch.equal(row[scale_at + t * FP4_SCALES:scale_at + (t + 1) * FP4_SCALES],
+                               cache.backing[s0:s1]), (layer, t)
+    connector.to_gpu(obj, 0, FP4_TOKENS, kvcaches=fresh.views, slot_mapping=torch.tensor(slots))
+    mask = torch.zeros(cache.backing.numel(), dtype=torch.bool)
+    for view in cache.views:
+        for slot in (s for s in slots if s >= 0):
+            for start, stop in _fp4_places(view, slot):
+                mask[start:stop] = True
+    assert torch.equal(fresh.backing[mask], cache.backing[mask])
+    assert not fresh.backing[~mask].any()  # nothing else written
+
+
+def test_mxfp4_indexer_pages_are_not_the_fp8_indexers(fp4_indexer: SimpleNamespace) -> None:
+    """The fp8 indexer's rows are 132 bytes (128 values and an fp32 scale): its connector refuses
+    the 68-byte pages before anything moves."""
+    cache = fp4_indexer.allocate()
+    connector = generated.get("vllm_dsv4_indexer", "kv_planes")()
+    with pytest.raises(KVLayoutError, match="132"):
+        connector.bind(cache.views)

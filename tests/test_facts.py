@@ -7,6 +7,7 @@ generated connector on caches and objects laid out by the facts alone.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -180,18 +181,22 @@ def test_generated_connector_moves_elements_where_the_facts_say(pair: tuple[str,
     LMCache's format puts it. Then load an object filled through its facts into a fresh cache."""
     layout, obj = pair
     paged, memory = FACTS[layout], FACTS[obj]
+    pool = paged.pool  # a pooled cache: each manager slot is `pool` states, each token `pool` object rows
+    G = dataclasses.replace(GEOMETRIES[0], T=GEOMETRIES[0].T // pool * pool)  # noqa: N806 (the module's name)
     rng = random.Random(f"{layout}/{obj}")
     order = rng.sample(range(G.B), G.B)
-    mapping = [order[i // G.N] * G.N + i % G.N for i in range(G.T)]  # whole blocks, then a partial one
-    sc = Scenario("facts", (0,), (G.T,), lambda r, e: mapping)
-    slot_mapping = torch.tensor(mapping, dtype=torch.long)
+    per_block = G.N // pool  # the manager's slots of a block
+    manager = [order[i // per_block] * per_block + i % per_block for i in range(G.T // pool)]
+    mapping = [s * pool + j for s in manager for j in range(pool)]  # each object row's state
+    sc = Scenario("facts", (0,), (G.T // pool,), lambda r, e: manager)
+    slot_mapping = torch.tensor(manager, dtype=torch.long)
 
     cache = _build(paged, G, lambda path: torch.zeros(paged.shape(G), dtype=torch.float32))
     cache_code = _cache_code(paged, G)
     _write(paged, G, cache, cache_code)
     connector = generated.get(layout, obj)(device="cpu")
     connector.bind(cache)
-    assert tuple(connector.get_shape(G.T)) == memory.shape(G)
+    assert tuple(connector.get_shape(G.T // pool)) == memory.shape(G)
 
     def objects(fmt: Any) -> Any:
         made = _build(memory, G, lambda path: MemoryObj(torch.full(memory.shape(G), -1.0), fmt))

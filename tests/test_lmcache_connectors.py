@@ -49,8 +49,10 @@ HANDED = {
     "sglang_mha_hnd": ("as is", {"kv_layout": "hnd"}),
 }
 #: The layouts LMCache's connector classes move: one tree of K/V or MLA tensors that pairs with
-#: LMCache's objects (caches of several parts or fields are kvgen's own, taken by name).
+#: LMCache's objects (caches of several parts or fields are kvgen's own, taken by name), one slot a
+#: token (LMCache's kv_shape counts tokens; a pooled encoder cache moves through from_vllm).
 PAGED = [s.name for s in LIBRARY.paged if s.name != "trtllm_pool" and detectable(generated.LAYOUTS[s.name])
+         and s.token_ratio == (1, 1)
          and any(o in ("kv_2ltd", "kv_mla") for (p, o) in generated.CONNECTORS if p == s.name)]
 
 

@@ -106,10 +106,13 @@ def test_make_cache_gives_fresh_coded_leaves() -> None:
 
 def _one_by_one(paged, obj, cache, objects, slots, *, to_cache: bool) -> None:
     """The reference's definition written as loops: each element of each moved token from
-    where element_address puts it in one spec to where it puts it in the other."""
-    ext, oext = EXT, {**EXT, "T": len(slots)}
+    where element_address puts it in one spec to where it puts it in the other. A token of k
+    stored slots (`slots_per_token`) is k rows: manager slot s is slots s * k + j, rows t * k + j."""
+    per = paged.token_ratio[1]
+    ext, oext = EXT, {**EXT, "T": len(slots) * per}
     has = {a: paged.has(a) for a in ("L", "KV", "H", "C")}
-    for t, slot in enumerate(slots):
+    rows = [(t * per + j, s * per + j if s >= 0 else -1) for t, s in enumerate(slots) for j in range(per)]
+    for t, slot in rows:
         if slot < 0:
             continue
         for layer in range(EXT["L"] if has["L"] else 1):
@@ -143,15 +146,16 @@ def test_reference_moves_each_element_where_element_address_says(pair: tuple[str
     """Store and load of every simple built-in pair equal the element-by-element loop, for a
     mapping with a skipped token and, on load, a slot written twice (the later token wins)."""
     paged, obj = LIB[pair[0]], LIB[pair[1]]
-    slots = [13, -1, 2, 40, 7]
-    got, want = _objects(obj, len(slots), 3), _objects(obj, len(slots), 3)
+    per = paged.token_ratio[1]  # a pooled cache: the mapping holds the manager's slots, 1 / k of the cache's
+    slots = [s % (EXT["B"] * EXT["N"] // per) if s >= 0 else s for s in (13, -1, 2, 40, 7)]
+    got, want = _objects(obj, len(slots) * per, 3), _objects(obj, len(slots) * per, 3)
     cache = make_cache(paged, torch.float32, "cpu")
     reference.store(paged, obj, EXT, cache, got, reference.Span(slots, 0, len(slots)))
     _one_by_one(paged, obj, cache, want, slots, to_cache=False)
     assert same_bits(got, want)
 
-    twice = [13, -1, 2, 13, 7]
-    objects = _objects(obj, len(twice), 900)
+    twice = [slots[0], -1, 2, slots[0], 7]
+    objects = _objects(obj, len(twice) * per, 900)
     loaded, expected = make_cache(paged, torch.float32, "cpu"), make_cache(paged, torch.float32, "cpu")
     reference.load(paged, obj, EXT, loaded, objects, reference.Span(twice, 0, len(twice)))
     _one_by_one(paged, obj, expected, objects, twice, to_cache=True)

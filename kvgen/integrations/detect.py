@@ -25,6 +25,7 @@ import importlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from functools import lru_cache
 from types import ModuleType
 from typing import Any
@@ -80,6 +81,8 @@ class LayoutFacts:
     versions: Mapping[str, str] = field(default_factory=dict)
     #: Engine family -> its name for the quantization the cache stores (`quant`, format 3).
     quant: Mapping[str, str] = field(default_factory=dict)
+    #: Stored slots per token (`slots_per_token`, format 3): the tensors are the base layout's.
+    slots_per_token: int = 1
 
     def describes(self, engine: str, version: str) -> bool:
         """Whether the spec holds for release `version` of `engine` (no range: every release)."""
@@ -189,7 +192,8 @@ def _facts_of(package: ModuleType) -> tuple[LayoutFacts, ...]:
                                lmcache=facts.get("lmcache"), read_geometry=cls.read_geometry,
                                aliases=tuple(facts.get("aliases", ())),
                                given=tuple(map(tuple, facts.get("given", ()))),
-                               versions=dict(facts.get("versions", ()))))
+                               versions=dict(facts.get("versions", ())),
+                               slots_per_token=int(facts.get("slots_per_token", 1))))
     return tuple(out)
 
 
@@ -258,11 +262,16 @@ def _fit(f: LayoutFacts, cache: CacheShape, shape: tuple[int, ...]) -> dict[str,
     return dict(ext)
 
 
-def _check_size_hints(ext: Mapping[str, int], hints: Mapping[str, Any]) -> None:
-    """The extents the engine states (num_kv_heads, block_size, ..., hidden_dim) against those read."""
+def _check_size_hints(f: LayoutFacts, ext: Mapping[str, int], hints: Mapping[str, Any]) -> None:
+    """The extents the engine states (num_kv_heads, block_size, ..., hidden_dim) against those read;
+    a block of k slots per token holds block_size tokens of N = block_size * k slots."""
     for axis, hint in AXIS_HINTS:
-        if hints.get(hint) is not None and axis in ext and ext[axis] != hints[hint]:
-            raise _Mismatch(f"{hint}={hints[hint]}, but read this way {axis} is {ext[axis]}")
+        if hints.get(hint) is None or axis not in ext:
+            continue
+        stated = hints[hint] * (f.slots_per_token if axis == "N" else 1)
+        if ext[axis] != stated:
+            per = f" ({hints[hint]} tokens of {f.slots_per_token} slots)" if stated != hints[hint] else ""
+            raise _Mismatch(f"{hint}={hints[hint]}{per}, but read this way {axis} is {ext[axis]}")
     if hints.get("hidden_dim") is not None and ext["H"] * ext["C"] != hints["hidden_dim"]:
         raise _Mismatch(f"hidden_dim={hints['hidden_dim']}, but read this way H*C is {ext['H']}*{ext['C']}")
 
@@ -274,6 +283,8 @@ def _check_kind_hints(f: LayoutFacts, hints: Mapping[str, Any]) -> None:
         raise _Mismatch(f"the engine says {what}, the spec has {f.planes} plane(s)")
     if (why := quant_mismatch(f.quant, hints)) is not None:
         raise _Mismatch(why)
+    if (why := _ratio_mismatch(f.slots_per_token, hints.get("tokens_per_state"))) is not None:
+        raise _Mismatch(why)
     engine = hints.get("engine")
     if engine is not None and family(engine) not in f.families():
         raise _Mismatch(f"engine {family(engine)!r}: the spec is for {', '.join(sorted(f.families()))}")
@@ -284,6 +295,21 @@ def _check_kind_hints(f: LayoutFacts, hints: Mapping[str, Any]) -> None:
     order = sglang_layouts.pool_order(f)  # f.order(), or the order SGLang's word names for its [slots, H, C] rows
     if kv_layout is not None and str(kv_layout).upper() in ORDERS and order != str(kv_layout).upper():
         raise _Mismatch(f"kv_layout={kv_layout!r}, the spec's order is {order or 'neither NHD nor HND'}")
+
+
+def _ratio_mismatch(slots_per_token: int, tokens_per_state: Fraction | None) -> str | None:
+    """Why a spec of `slots_per_token` is not a cache of vLLM's `tokens_per_state`, or None. A
+    cache of several slots per token has its base layout's tensors, so it is never read from them:
+    only an engine that states the fraction (Whisper block pooling) gets that spec."""
+    wanted = Fraction(1, slots_per_token)
+    if tokens_per_state is None:
+        if slots_per_token == 1:
+            return None
+        return (f"the spec stores each token as {slots_per_token} slots, a cache whose tensors are its base "
+                f"layout's: only tokens_per_state=Fraction(1, {slots_per_token}) (vLLM's KVCacheSpec) selects it")
+    if tokens_per_state != wanted:
+        return f"tokens_per_state={tokens_per_state}, the spec stores {wanted} tokens per slot"
+    return None
 
 
 def _check_given_order(f: LayoutFacts, hints: Mapping[str, Any], perm: tuple[int, ...]) -> None:
@@ -302,8 +328,8 @@ def _check_given_order(f: LayoutFacts, hints: Mapping[str, Any], perm: tuple[int
 
 def _check_hints(f: LayoutFacts, ext: Mapping[str, int], hints: Mapping[str, Any],
                  perm: tuple[int, ...]) -> None:
-    _check_size_hints(ext, hints)
-    _check_kind_hints(f, hints)
+    _check_kind_hints(f, hints)  # what the cache is before its sizes: a pooled spec's N counts its states
+    _check_size_hints(f, ext, hints)
     _check_given_order(f, hints, perm)
 
 
@@ -420,16 +446,26 @@ def detect_shape(cache: CacheShape, *, package: ModuleType | str | None = None, 
 
 def _declared(layout: str, facts: Sequence[LayoutFacts], everything: Sequence[LayoutFacts],
               version: str | None) -> tuple[LayoutFacts, ...]:
-    """The specs a vLLM KVCacheLayout names for this release: the one with that alias, and the
-    MLA caches (one head slot: the same bytes under every layout); refused in vLLM's words when
-    the library has none for the release."""
+    """The specs a vLLM KVCacheLayout names for this release: the one with that alias, the MLA
+    caches (one head slot: the same bytes under every layout), the quantized and the pooled ones
+    (their strides say under which layout); refused in vLLM's words when the library has none for
+    the release."""
     own = tuple(f for f in facts if layout in (a.upper() for a in f.aliases))
     if not own:
         raise _no_layout_for(layout, everything, version)
-    mla = tuple(f for f in facts if f.given and f.planes == 1 and "vllm" in f.families() and f not in own)
+    return own + _under_every_layout(facts, own)
+
+
+def _under_every_layout(facts: Sequence[LayoutFacts], own: Sequence[LayoutFacts]) -> tuple[LayoutFacts, ...]:
+    """The vLLM specs a KVCacheLayout name does not pick among: the MLA caches, the quantized and
+    the pooled ones (their strides say under which layout)."""
+    vllm = [f for f in facts if "vllm" in f.families() and f not in own]
+    mla = tuple(f for f in vllm if f.given and f.planes == 1)
     # their strides decide the layout; a quantized cache of one plane (K and V in one slot) is listed once
     quantized = tuple(f for f in facts if "vllm" in f.quant and f not in own and f not in mla)
-    return own + mla + quantized
+    # several slots per token (Whisper block pooling): its strides decide the layout, tokens_per_state the spec
+    pooled = tuple(f for f in vllm if f.slots_per_token > 1)
+    return mla + quantized + pooled
 
 
 def _no_layout_for(layout: str, everything: Sequence[LayoutFacts], version: str | None) -> NoLayout:

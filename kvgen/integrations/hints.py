@@ -4,6 +4,7 @@ KVCacheLayout or in-block order, extents), under their canonical names."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from fractions import Fraction
 from importlib import metadata
 from typing import Any
 
@@ -14,7 +15,7 @@ from kvgen.versions import release
 #: Hints `detect` understands (LMCache's LayoutHints keys are among them).
 HINTS = ("engine", "backend", "kv_layout", "given_order", "num_blocks", "num_kv_heads", "block_size",
          "head_size", "hidden_dim", "num_layers", "use_mla", "kv_shape", "layout", "dtype", "kv_list_layout",
-         "engine_version", *QUANT_HINTS)
+         "engine_version", "tokens_per_state", *QUANT_HINTS)
 #: Other names engines use for the same facts.
 SYNONYMS = {"tokens_per_block": "block_size", "page_size": "block_size", "head_dim": "head_size"}
 #: The hint that states each axis's extent.
@@ -44,6 +45,19 @@ def normalize_hints(hints: Mapping[str, Any]) -> dict[str, Any]:
         if name in out and out[name] != value:
             raise KVLayoutError(f"hints disagree: {name} is {out[name]!r} and {value!r}")
         out[name] = value
+    for key, value in _derived(out).items():
+        if key in out and out[key] != value:
+            raise KVLayoutError(f"hints disagree: {key}={out[key]!r}, but kv_shape says {value!r}")
+        out.setdefault(key, value)
+    out.pop("kv_list_layout", None)  # SGLang's list organisation: the list levels already say it
+    if "tokens_per_state" in out:  # vLLM's int | Fraction (a string such as "1/4" reads the same)
+        out["tokens_per_state"] = _fraction(out["tokens_per_state"])
+    normalize_quant(out)
+    return out
+
+
+def _derived(out: dict[str, Any]) -> dict[str, Any]:
+    """The hints kv_shape and use_mla stand for, taking both out of `out`."""
     derived: dict[str, Any] = {}
     if "kv_shape" in out:
         kv_shape = tuple(int(x) for x in out.pop("kv_shape"))
@@ -57,13 +71,18 @@ def normalize_hints(hints: Mapping[str, Any]) -> dict[str, Any]:
         if derived.get("planes", planes) != planes:
             raise KVLayoutError(f"hints disagree: use_mla says {planes} plane(s), kv_shape {derived['planes']}")
         derived["planes"] = planes
-    for key, value in derived.items():
-        if key in out and out[key] != value:
-            raise KVLayoutError(f"hints disagree: {key}={out[key]!r}, but kv_shape says {value!r}")
-        out.setdefault(key, value)
-    out.pop("kv_list_layout", None)  # SGLang's list organisation: the list levels already say it
-    normalize_quant(out)
-    return out
+    return derived
+
+
+def _fraction(value: Any) -> Fraction:
+    try:
+        ratio = Fraction(value)
+    except (TypeError, ValueError, ZeroDivisionError):
+        raise KVLayoutError(f"tokens_per_state must be a positive int or Fraction (vLLM's AttentionSpec), "
+                            f"got {value!r}") from None
+    if ratio <= 0:
+        raise KVLayoutError(f"tokens_per_state must be positive, got {value!r}")
+    return ratio
 
 
 def describe_hints(hints: Mapping[str, Any]) -> str:

@@ -74,12 +74,9 @@ def _spec_hints(spec: Any, group: int) -> dict[str, Any]:
     if hasattr(spec, "kv_cache_specs"):
         raise KVLayoutError(f"from_vllm: group {group} has per-layer specs ({kind}); kvgen moves groups whose "
                             "layers share one KVCacheSpec")
-    packed = {k: getattr(spec, k, None) for k in ("num_head_slots", "state_content_bytes")}
     quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
     tokens = getattr(spec, "tokens_per_state", 1)
-    if (any(v is not None for v in packed.values()) and quant == "NONE") or tokens != 1:
-        raise KVLayoutError(f"from_vllm: group {group} ({kind}) packs its cells (kv_quant_mode={quant}, "
-                            f"tokens_per_state={tokens}, {packed}); kvgen has no layout for that cell yet")
+    _refuse_packed_cells(spec, kind, group, quant)
     mla = kind.startswith("MLA") or getattr(spec, "head_size_v", None) == 0
     if quant != "NONE":  # a quantized cell: its C is not the head size; the mode picks the spec
         hints = {"num_kv_heads": spec.num_kv_heads, "block_size": spec.block_size, "use_mla": mla,
@@ -90,8 +87,23 @@ def _spec_hints(spec: Any, group: int) -> dict[str, Any]:
     if not mla and spec.head_size_v != spec.head_size:
         raise KVLayoutError(f"from_vllm: group {group} has K head size {spec.head_size} and V head size "
                             f"{spec.head_size_v}; the vLLM 0.33 layouts pack K and V halves of one width")
+    # tokens_per_state: a fraction stores each token as several states (Whisper block pooling), in
+    # blocks of block_size tokens; only a spec of that many slots per token is that cache.
     return {"num_kv_heads": spec.num_kv_heads, "block_size": spec.block_size, "head_size": spec.head_size,
-            "use_mla": mla, "dtype": str(spec.dtype).removeprefix("torch.")}
+            "use_mla": mla, "dtype": str(spec.dtype).removeprefix("torch."), "tokens_per_state": tokens}
+
+
+def _refuse_packed_cells(spec: Any, kind: str, group: int, quant: str) -> None:
+    """Refuses a KVCacheSpec whose cells kvgen has no layout for: packed head slots or state bytes
+    of an unquantized cache, or several tokens per state. A fraction of a token per state (Whisper
+    block pooling) is an unquantized, unpacked cache of several states per token."""
+    packed = {k: getattr(spec, k, None) for k in ("num_head_slots", "state_content_bytes")}
+    tokens = getattr(spec, "tokens_per_state", 1)
+    unpacked = all(v is None for v in packed.values())
+    pooled = tokens < 1 and quant == "NONE" and unpacked
+    if (not unpacked and quant == "NONE") or (tokens != 1 and not pooled):
+        raise KVLayoutError(f"from_vllm: group {group} ({kind}) packs its cells (kv_quant_mode={quant}, "
+                            f"tokens_per_state={tokens}, {packed}); kvgen has no layout for that cell yet")
 
 
 def _refuse_soa_pages(quant: str, group: int) -> None:

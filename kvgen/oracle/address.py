@@ -112,8 +112,11 @@ def plane_count(spec: Spec, plane: Plane, ext: Mapping[str, int]) -> int:
 
 
 def stored_slots(spec: Spec, t: int) -> tuple[int, ...]:
-    """Format 3: the positions in a chunk's slot mapping that hold token t: one in every
-    `tokens_per_slot` tokens' state (t // k), or the `slots_per_token` states t * k .. t * k + k - 1."""
+    """Format 3: where token t's values are stored. Several tokens per slot (`tokens_per_slot`
+    k): the one state t // k of a mapping in stored slots. Several slots per token
+    (`slots_per_token` k): the states t * k .. t * k + k - 1, for t the token's slot in the
+    mapping the engine's manager keeps (one entry per token), and for t a position in a chunk, the
+    object rows that hold those states."""
     tokens, slots = spec.token_ratio
     return tuple(range(t * slots, (t + 1) * slots)) if slots > 1 else (t // tokens,)
 

@@ -159,7 +159,7 @@ def compatible(paged: Spec, obj: Spec) -> bool:
         return False
     if not (paged.is_simple and obj.is_simple):  # format-2 pairs: kvgen.plan.planes
         return False
-    if paged.token_ratio != (1, 1):  # format 3: a slot is not one token; no connector for that yet
+    if paged.token_ratio[0] != 1:  # format 3: several tokens per slot move in model groups only
         return False
     if obj.lists not in ((), ("L",)):
         return False

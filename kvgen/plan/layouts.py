@@ -21,6 +21,9 @@ def layout_fields(spec: Spec) -> Fields:
             parts = tuple((p.name, tuple(d.axes for d in p.dims), () if set(p.dtypes) == set(DTYPES) else p.dtypes)
                           for p in spec.parts)
             fields += (("parts", parts),)
+        slots = spec.token_ratio[1]
+        if slots > 1:  # format 3: the runtime expands each token's manager slot into its stored slots
+            fields += (("slots_per_token", slots),)
         return fields
     fields = (("name", spec.name), ("format", spec.format), ("code", spec.code), ("accepts", spec.accepts),
               ("lists", spec.lists), ("dims", dims))

@@ -37,6 +37,8 @@ def layout_facts(spec: Spec) -> Fields:
             facts.append(("versions", spec.versions))
         if spec.given:
             facts.append(("given", tuple(d.axes for d in spec.given)))
+        if spec.token_ratio[1] > 1:  # format 3: detection keeps the cache for the engine that says so
+            facts.append(("slots_per_token", spec.token_ratio[1]))
         if spec.quant:  # format 3: detection reads the engine's word for it, and the row the fields fill
             part = spec.parts[0]
             facts += [("quant", spec.quant), ("row", (part.row_bytes or 0) // ITEMSIZE[part.dtypes[0]])]

@@ -34,7 +34,7 @@ from kvgen.runtime.layout import Geometry, ObjectLayout, PagedLayout, broadcast_
 from kvgen.runtime.memory import Format, check_fingerprint, check_relabel, format_name
 from kvgen.runtime.movers.choose import MoverChoice
 from kvgen.runtime.movers.program import CopyProgram
-from kvgen.runtime.slots import Chunk, plan_chunk, signed_integers
+from kvgen.runtime.slots import Chunk, plan_chunk, plan_pooled_chunk, signed_integers
 from kvgen.runtime.words import Words, widest, words
 
 #: Bindings kept per connector (a few caches in turn, e.g. one per engine or thread).
@@ -46,12 +46,16 @@ _SERIALS = itertools.count(1)
 
 class Call:
     """What one transfer works with, fixed when it starts: the binding, the frozen cache
-    tree the copies index, the slot mapping on the cache's device and the chunks."""
+    tree the copies index, the slot mapping on the cache's device, the chunks, and the
+    mapping's entries each chunk writes (`windows`, for the load's one-writer-per-slot check)."""
 
-    __slots__ = ("binding", "kvcaches", "mapping", "chunks", "serial")
+    __slots__ = ("binding", "kvcaches", "mapping", "chunks", "windows", "offset", "serial")
 
-    def __init__(self, binding: Binding, kvcaches: Any, mapping: torch.Tensor, chunks: list[Chunk]):
+    def __init__(self, binding: Binding, kvcaches: Any, mapping: torch.Tensor, chunks: list[Chunk],
+                 windows: Sequence[tuple[int, int]] = (), offset: int = 0):
         self.binding, self.kvcaches, self.mapping, self.chunks = binding, kvcaches, mapping, chunks
+        #: Per chunk, the tokens [start + skip, end) a load writes; `offset`: the mapping's first token.
+        self.windows, self.offset = tuple(windows), offset
         #: This call's number in the process, never reused (what movers keep per call is keyed by it).
         self.serial = next(_SERIALS)
 
@@ -127,6 +131,10 @@ class ConnectorBase(MoverChoice):
 
     def _new_binding(self, kvcaches: Any, tree: Any, key: Any) -> Binding:
         geometry = self.read_geometry(kvcaches)  # the one place a cache's geometry is read
+        per = self.layout.slots_per_token
+        if per > 1 and (geometry.N or 0) % per:
+            raise KVLayoutError(f"{self.layout.name}: a block stores whole tokens of {per} slots each, but the "
+                                f"cache's blocks have N={geometry.N} slots ({describe(kvcaches)})")
         if key is None:  # the geometry check accepted what is no tree of tensors
             raise KVLayoutError(f"{self.layout.name}: kvcaches must be lists or tuples of tensors, got "
                                 f"{describe(kvcaches)}")
@@ -153,7 +161,7 @@ class ConnectorBase(MoverChoice):
         `kvcaches` (default: the cache bound last)."""
         count = token_count(num_tokens)
         g = self.geometry if kvcaches is None else self.bind(kvcaches)
-        return torch.Size(self._shape(g, count))
+        return torch.Size(self._shape(g, count * self.layout.slots_per_token))
 
     def get_dtype(self, kvcaches: Any = None) -> torch.dtype:
         """Element type of the memory object for `kvcaches` (default: the cache bound last):
@@ -193,8 +201,10 @@ class ConnectorBase(MoverChoice):
     def _begin(self, kvcaches: Any, slot_mapping: Any, starts: Sequence[int], ends: Sequence[int],
                offset: int, skip: int) -> Call:
         binding, tree = self._bind(kvcaches)
+        starts, ends = _positions("starts", starts), _positions("ends", ends)
+        offset, skip = _integer("offset", offset), _integer("skip_prefix_n_tokens", skip)
         mapping, chunks = self._chunks(binding.geometry, slot_mapping, starts, ends, offset, skip)
-        return Call(binding, tree, mapping, chunks)
+        return Call(binding, tree, mapping, chunks, [(s + skip, e) for s, e in zip(starts, ends, strict=True)], offset)
 
     def _expected(self, g: Geometry, num_tokens: int | None) -> str:
         """`kv_2ltd [KV=2 L=32 T=256 (H=8 C=128)] bfloat16`; T left open when None."""
@@ -247,10 +257,9 @@ class ConnectorBase(MoverChoice):
         check_objects_apart(tensors, name, call.binding.memory, call.binding.names)
 
     @staticmethod
-    def _check_unique_slots(call: Call, starts: Sequence[int], skip: int, offset: int) -> None:
+    def _check_unique_slots(call: Call) -> None:
         """A load writes each slot from one token at most."""
-        windows = [(s + skip, s + ck.num_tokens) for s, ck in zip(starts, call.chunks, strict=True)]
-        check_unique_slots(call.mapping, windows, offset)
+        check_unique_slots(call.mapping, call.windows, call.offset)
 
     def _slot_mapping(self, slot_mapping: Any, g: Geometry) -> torch.Tensor:
         """The slot mapping as a 1-D signed integer tensor on the cache's device."""
@@ -267,14 +276,16 @@ class ConnectorBase(MoverChoice):
             slot_mapping = slot_mapping.to(g.device)
         return slot_mapping
 
-    def _chunks(self, g: Geometry, slot_mapping: Any, starts: Sequence[int], ends: Sequence[int],
+    def _chunks(self, g: Geometry, slot_mapping: Any, starts: list[int], ends: list[int],
                 offset: int, skip: int) -> tuple[torch.Tensor, list[Chunk]]:
-        starts, ends = _positions("starts", starts), _positions("ends", ends)
         if len(starts) != len(ends):
             raise KVLayoutError(f"expected one end per start, got {len(starts)} starts {list(starts)} but "
                                 f"{len(ends)} ends {list(ends)}")
-        offset, skip = _integer("offset", offset), _integer("skip_prefix_n_tokens", skip)
         mapping = self._slot_mapping(slot_mapping, g)
+        per = self.layout.slots_per_token
+        if per > 1:
+            return mapping, [plan_pooled_chunk(mapping, (s, e), g, per, offset=offset, skip=skip)
+                             for s, e in zip(starts, ends, strict=True)]
         return mapping, [plan_chunk(mapping, s, e, g, offset=offset, skip=skip)
                          for s, e in zip(starts, ends, strict=True)]
 

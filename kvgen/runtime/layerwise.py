@@ -12,7 +12,7 @@ import torch
 from kvgen.runtime import calls
 from kvgen.runtime.aliasing import check_storage, within_storage
 from kvgen.runtime.binding import LAYERS_MOVED, check_layer_leaves, layer_leaves, leaves
-from kvgen.runtime.connector import _MISSING, Call, ConnectorBase, _positions
+from kvgen.runtime.connector import _MISSING, Call, ConnectorBase
 from kvgen.runtime.devices import Backend, on_stream
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, describe
@@ -123,7 +123,7 @@ class LayerwiseConnector(ConnectorBase):
                      skip: int) -> Generator[None, Sequence[Any], None]:
         call = begin()
         g, chunks = call.g, call.chunks
-        self._check_unique_slots(call, _positions("starts", starts), skip, offset)
+        self._check_unique_slots(call)
         backend = self._backend_for(g.device)
         stream = self._stream(g.device, "load")
         cache, per_layer = leaves(call.kvcaches), layer_leaves(call.kvcaches, self.layout.lists, g.L)

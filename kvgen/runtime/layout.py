@@ -77,6 +77,9 @@ class PagedLayout:
     dtypes: tuple[str, ...]
     #: Format 2: the parts under the list level P, in order.
     parts: tuple[PartLayout, ...] = ()
+    #: Format 3: the stored slots of one token (`slots_per_token`); the slot mapping holds one
+    #: slot per token all the same, the manager's (kvgen.runtime.slots.pooled_slots).
+    slots_per_token: int = 1
 
     def arrow(self, ext: dict[str, int] | None = None) -> str:
         if not self.parts:

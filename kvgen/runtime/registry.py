@@ -97,6 +97,9 @@ class Registry:
             facts = self.layouts[name]
             if facts["kind"] != "paged":
                 return f"{name} is a memory object; transfers copy between paged layouts"
+            if facts.get("slots_per_token", 1) > 1:
+                return (f"{name} stores each token as {facts['slots_per_token']} slots; transfers move layouts "
+                        "of one slot a token")
             if "parts" in facts:
                 return f"{name} is a spec format 2 layout; transfers move single-part (format 1) layouts only"
         content = {name: {a for dim in (self.layouts[name]["lists"], *self.layouts[name]["dims"]) for a in dim}

@@ -214,3 +214,28 @@ def plan_chunk(slot_mapping: torch.Tensor, start: int, end: int, cache: Any, *, 
         token_pos = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=slots.device)
     tok_slots, blk, off = _token_slots(slots, token_pos, every, (low, high), block_size)
     return Chunk(n, count, token_pos, tok_slots, blk, off, block_ids, block_start, block_tokens)
+
+
+def plan_pooled_chunk(slot_mapping: torch.Tensor, span: tuple[int, int], cache: Any, k: int, *,
+                      offset: int = 0, skip: int = 0) -> Chunk:
+    """plan_chunk for a layout of `slots_per_token` k > 1 (vLLM's Whisper block pooling): the
+    mapping holds the engine manager's slot s of each token of `span` (start, end), whose k stored
+    slots are s * k .. s * k + k - 1, and the chunk moves k object rows per token."""
+    start, end = span
+    _check_window(slot_mapping.shape[0], start, end, offset, skip)
+    stored = pooled_slots(slot_mapping[start - offset:end - offset].to(torch.int64), k, cache.S)
+    return plan_chunk(stored, 0, stored.shape[0], cache, skip=skip * k)
+
+
+def pooled_slots(slots: torch.Tensor, k: int, num_slots: int) -> torch.Tensor:
+    """A chunk's manager slots (one per token, < 0 to skip) as the stored slots they stand for:
+    s -> s * k + j for j < k, in order, a skipped token's k entries -1 (the expansion vLLM's
+    Whisper attention builder makes before its cache write). A slot beyond the cache is refused
+    in the manager's terms, before anything is expanded."""
+    if slots.numel() and int(slots.max()) * k >= num_slots:
+        high = int(slots.max())
+        raise KVLayoutError(f"slot {high} is outside the cache, which has {num_slots // k} slots of "
+                            f"{k} stored slots each (valid slots: 0..{num_slots // k - 1}, or < 0 to skip a token)")
+    steps = torch.arange(k, dtype=torch.int64, device=slots.device)
+    expanded = torch.where(slots[:, None] >= 0, slots[:, None] * k + steps, -1)
+    return expanded.reshape(-1)

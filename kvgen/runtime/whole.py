@@ -9,7 +9,7 @@ import torch
 
 from kvgen.runtime import calls
 from kvgen.runtime.calls import MISSING
-from kvgen.runtime.connector import Call, ConnectorBase, _positions
+from kvgen.runtime.connector import Call, ConnectorBase
 from kvgen.runtime.errors import KVLayoutError
 from kvgen.runtime.layout import Geometry, describe
 from kvgen.runtime.memory import relabel
@@ -58,7 +58,7 @@ class ChunkConnector(ConnectorBase):
                              slot_mapping=slot_mapping)
         call = self._begin(kvcaches, slot_mapping, starts, ends, offset, skip_prefix_n_tokens)
         tensors = self._check_chunk_objects(call, memory_objs, storing=False)
-        self._check_unique_slots(call, _positions("starts", starts), skip_prefix_n_tokens, offset)
+        self._check_unique_slots(call)
         for tensor, ck in zip(tensors, call.chunks, strict=True):
             self._staged_load(tensor, call, ck, "whole")
         backend = self._backend_for(call.g.device)

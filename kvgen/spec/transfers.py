@@ -78,6 +78,10 @@ def single_part(spec: Spec) -> str | None:
     """Why a transfer cannot move `spec` (None when it can): transfers move format-1 layouts,
     whose every element is one (layer, kv, slot, head, c) of one tensor kind."""
     parts = getattr(spec, "parts", None)
+    tokens, slots = getattr(spec, "token_ratio", (1, 1))
+    if (tokens, slots) != (1, 1):
+        return (f"{spec.name} stores {f'each token as {slots} slots' if slots > 1 else f'{tokens} tokens a slot'}; "
+                "transfers move layouts of one slot a token")
     if spec.version != 1 or (parts is not None and len(parts) > 1):
         return (f"{spec.name} is a spec format {spec.version} layout with several parts; transfers move "
                 "single-part (format 1) layouts only")

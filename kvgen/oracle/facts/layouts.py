@@ -367,6 +367,8 @@ def disagreement(spec: Spec, g: EngineGeometry) -> str | None:
         return f"format code {spec.code}, LMCache's is {fact.code}"
     if dict(spec.sizes) != dict(fact.fixed):
         return f"sizes {dict(spec.sizes)}, the source fixes {dict(fact.fixed)}"
+    if spec.token_ratio != (1, fact.pool):
+        return f"token ratio {spec.token_ratio} (tokens, slots), the source stores a token as {fact.pool} state(s)"
     levels = tuple(axis for _, axis in fact.container)
     if spec.lists != levels:
         return f"lists {list(spec.lists)}, the source hands over {list(levels)}"

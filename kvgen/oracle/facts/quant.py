@@ -378,6 +378,9 @@ _register_octave("vllm_octave_k3v3_compact", 3, True)
 # Indexer keys [B, 1, N, 132]: values at n * 128, the fp32 scale at N * 128 + n * 4.
 DSV4_ROW, DSV4_DATA, DSV4_SCALE = 584, 576, 8
 DSV4_INDEX_ROW = 132
+# MXFP4 indexer keys [B, 1, N, 68] (the compressor's MXFP4 writer): every token's 64 packed bytes at
+# n * 64, then its 4 UE8M0 scale bytes at N * 64 + n * 4.
+DSV4_FP4_ROW, DSV4_FP4_DATA, DSV4_FP4_SCALES = 68, HEAD // 2, HEAD // 32
 
 
 def _dsv4(row: int, region: int, per_token: int):  # noqa: ANN202 (a PlaneAddress)
@@ -398,6 +401,13 @@ _register(PartsFact(
     "vllm_dsv4_indexer", (("list", "L"),), (PartFact("", lambda g: (g.B, g.H, g.N, DSV4_INDEX_ROW), ("uint8",)),),
     (PlaneFact("values", 0, "float8_e4m3fn", lambda g: HEAD, False, True, True, _dsv4(DSV4_INDEX_ROW, 0, HEAD)),
      PlaneFact("scale", 0, "float32", lambda g: 1, False, True, True, _dsv4(DSV4_INDEX_ROW, HEAD, SCALE))),
+    fixed={"H": 1}))
+_register(PartsFact(
+    "vllm_dsv4_indexer_mxfp4", (("list", "L"),), (PartFact("", lambda g: (g.B, g.H, g.N, DSV4_FP4_ROW), ("uint8",)),),
+    (PlaneFact("values", 0, "fp4_e2m1", lambda g: DSV4_FP4_DATA, False, True, True,
+               _dsv4(DSV4_FP4_ROW, 0, DSV4_FP4_DATA)),
+     PlaneFact("scale", 0, "ue8m0", lambda g: DSV4_FP4_SCALES, False, True, True,
+               _dsv4(DSV4_FP4_ROW, DSV4_FP4_DATA, DSV4_FP4_SCALES))),
     fixed={"H": 1}))
 
 
@@ -429,6 +439,8 @@ UNITS: dict[str, dict[str, tuple[str | None, str | None, int | None]]] = {
     # SGLang's NVFP4KVQuantizeUtil (MiniMax M3.1 pools): value 2j low, one fp8 e4m3 scale per 16 values.
     "sglang_minimax_m3_nvfp4": {"values": ("low_first", None, None), "scale": (None, "values", 16)},
     "sglang_minimax_m3_nvfp4_index": {"values": ("low_first", None, None), "scale": (None, "values", 16)},
+    # DeepSeek-V4's MXFP4 indexer writer packs each (even, odd) pair low first, one UE8M0 per 32 values
+    "vllm_dsv4_indexer_mxfp4": {"values": ("low_first", None, None), "scale": (None, "values", 32)},
 }
 
 

@@ -60,6 +60,9 @@ class Fact:
     code: int | None = None
     #: One plane with heads (LMCache's kv_size 1 with NH): kv is always 0.
     single: bool = False
+    #: States per token (vLLM's Whisper block pooling): a token of manager slot s is stored in
+    #: states s * pool .. s * pool + pool - 1, and `slot` in the address is a state.
+    pool: int = 1
 
 
 class FactTable(dict[str, Fact]):
@@ -69,7 +72,7 @@ class FactTable(dict[str, Fact]):
              shape: Callable[[EngineGeometry], tuple[int, ...]], fixed: Mapping[str, int] = KV2,
              **flags: Any) -> Callable[[AddressFn], AddressFn]:
         """A decorator adding the entry whose address function it decorates; `flags` are Fact's
-        mla, lmcache, code and single."""
+        mla, lmcache, code, single and pool."""
         def add(address: AddressFn) -> AddressFn:
             self[name] = Fact(name, kind, container, shape, address, dict(fixed), **flags)
             return address

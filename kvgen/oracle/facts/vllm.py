@@ -45,7 +45,7 @@ def layer_view_order(layout: str) -> tuple[int, ...]:
     return tuple(i - 1 for i in KV_CACHE_LAYOUTS[layout] if i != 0)
 
 
-def _register(layout: str) -> None:
+def _register(layout: str, name: str | None = None, pool: int = 1) -> None:
     order = layer_view_order(layout)
 
     def shape(g: EngineGeometry) -> tuple[int, ...]:
@@ -56,11 +56,19 @@ def _register(layout: str) -> None:
         logical = (slot // g.N, h, slot % g.N, kv * g.C + c)  # K first, then V, in the content
         return (layer,), tuple(logical[i] for i in order)
 
-    _fact(SPEC_OF[layout], "paged", PER_LAYER, shape)(address)
+    _fact(name or SPEC_OF[layout], "paged", PER_LAYER, shape, pool=pool)(address)
 
 
 for _layout in KV_CACHE_LAYOUTS:
     _register(_layout)
+
+# Whisper block pooling (vllm/v1/attention/backends/whisper_causal.py, get_kv_cache_spec:
+# tokens_per_state = Fraction(1, block_pool_size)): AttentionSpec.num_states gives a block of
+# block_size tokens block_size * pool states, and create_kv_cache_views the layout's view over
+# them, so N counts states and a stored slot is a state: the KVCacheLayout's own addresses. Which
+# states hold a token (its manager slot s: states s * pool .. s * pool + pool - 1, the attention
+# builder's expansion) is kvgen.oracle.address.stored_slots; tests/test_engine_vllm.py checks both.
+_register("LBNHC", "vllm_whisper_pooled4", pool=4)
 
 
 # MLAAttentionSpec: num_kv_heads 1 and head_size_v 0, so the logical view is [B, 1, N, C] with C

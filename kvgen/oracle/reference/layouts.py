@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvgen.oracle.address import element_address
+from kvgen.oracle.address import element_address, stored_slots
 from kvgen.oracle.reference.common import Span, leaf, one_thread, put_last, tokens
 from kvgen.runtime.ops import bits
 from kvgen.spec.model import Spec
@@ -109,8 +109,11 @@ class _Matched:
 def _matched(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, span: Span) -> _Matched | None:
     """Where each moved element lives in the cache and in the objects; None when no token moves."""
     mapping = [int(s) for s in span.slot_mapping]
-    obj_ext = {**ext, "T": span.end - span.start}
-    moved = list(tokens(mapping, span.start, span.end, span.offset, span.skip))
+    per = paged.token_ratio[1]
+    obj_ext = {**ext, "T": (span.end - span.start) * per}
+    # A token of k stored slots is k object rows t * k + j, from its slot's k stored slots in order.
+    moved = [(t * per + j, stored) for t, slot in tokens(mapping, span.start, span.end, span.offset, span.skip)
+             for j, stored in enumerate(stored_slots(paged, slot))]
     if not moved:
         return None
     cache_paths, obj_paths = leaf_paths(paged, ext), leaf_paths(obj, obj_ext)

@@ -5,7 +5,7 @@ one module per kind, as the reference has:
 - `layouts`: connectors of a (layout, object) pair, both kinds PAIR_KINDS names (caches of one
   tensor tree, and caches of several parts or fields, whose caches and objects reference.planes
   codes byte by byte): `SCENARIOS`, `check_pair`, `move_pair`, `check_connector`, `fitted` (a scenario's extents
-  fitted to a spec's split factors);
+  fitted to a spec's split factors and slots per token), `manager_extents` (the blocks a slot mapping addresses);
 - `transfers`: layout-to-layout transfers: `SCENARIOS`, `check_transfer`;
 - `models`: model connectors: `SCENARIOS`, `check_model`;
 - `common`: what they share: allocation as engines hand tensors out, bitwise comparison of trees.
@@ -28,12 +28,14 @@ from kvgen.oracle.scenarios.layouts import (
     fitted,
     make_cache,
     make_objects,
+    manager_extents,
     move_pair,
     obj_tensors,
     reference_load,
     reference_store,
 )
 
-__all__ = ["EXT", "SCENARIOS", "Scenario", "allocate", "at_odd_offsets", "block_table_mapping", "check_backends",
-           "check_connector", "check_pair", "clone_tree", "connector_load", "connector_store", "fitted", "make_cache",
-           "make_objects", "move_pair", "obj_tensors", "reference_load", "reference_store", "same_bits", "tensors_of"]
+__all__ = ["EXT", "SCENARIOS", "Scenario", "allocate", "at_odd_offsets", "block_table_mapping",
+           "check_backends", "check_connector", "check_pair", "clone_tree", "connector_load",
+           "connector_store", "fitted", "make_cache", "make_objects", "manager_extents", "move_pair",
+           "obj_tensors", "reference_load", "reference_store", "same_bits", "tensors_of"]

@@ -264,7 +264,7 @@ def _pair_inputs(connector: Any, paged: Spec, obj: Spec, scenario: Scenario, dty
     to store into) of one scenario of check_pair."""
     device = str(connector.device)
     rng = random.Random(f"{paged.name}/{obj.name}/{scenario.name}")
-    mapping_list = scenario.mapping(rng, scenario.ext)
+    mapping_list = scenario.mapping(rng, manager_extents(paged, scenario.ext))
     mapping = torch.tensor(mapping_list, dtype=torch.long, device=device)
     lengths = [e - s for s, e in zip(scenario.starts, scenario.ends, strict=False)]
     cache = make_cache(paged, dtype, device, scenario.strided, scenario.odd_cache, ext=scenario.ext)
@@ -284,6 +284,13 @@ def _round_up(n: int, f: int) -> int:
     return -(-n // f) * f
 
 
+def manager_extents(paged: Spec, ext: Mapping[str, int]) -> dict[str, int]:
+    """The blocks the slot mapping addresses: the cache's, or for `slots_per_token` k blocks of
+    N / k tokens (the engine manager's; each of its slots stands for k stored slots)."""
+    per = paged.token_ratio[1]
+    return {**ext, "N": ext["N"] // per} if per > 1 else dict(ext)
+
+
 def fitted(paged: Spec, scenario: Scenario) -> Scenario:
     """The scenario at extents a cache's split axes (format 3 tiles) divide: N and H at the
     spec's fixed extent or rounded up to a multiple of every factor that splits them, and each
@@ -301,6 +308,9 @@ def fitted(paged: Spec, scenario: Scenario) -> Scenario:
                 ext.setdefault(f"C.{part.name}", part.size("C") or _round_up(ext["C"] + 2 * i, f))
             else:
                 factors[base] = math.lcm(factors.get(base, 1), f)
+    per = paged.token_ratio[1]
+    if per > 1:  # k stored slots per token: blocks of the scenario's N tokens, k slots each
+        ext["N"] = scenario.ext["N"] * per
     if not factors and ext == scenario.ext:
         return scenario
     for base, f in factors.items():

@@ -348,7 +348,7 @@ class ModelConnector:
             try:
                 member._check_staging([chunk[i].work for chunk in pieces])
                 if not storing:
-                    member._check_unique_slots(group_calls[i], _positions("starts", req.starts), req.skip, req.offset)
+                    member._check_unique_slots(group_calls[i])
             except KVLayoutError as error:
                 raise KVLayoutError(f"{self.model}: {group_where(g)}: {error}") from None
 

@@ -106,8 +106,8 @@ def text(result: Result, machine: dict[str, Any]) -> str:
     elif checked:
         out.append(f"naive baseline agreed bit for bit with the connector on all {len(checked)} rows")
     if len(checked) < len(result.rows):
-        out.append(f"{len(result.rows) - len(checked)} rows have no naive baseline (caches of several planes: "
-                   "`kvgen verify` checks those connectors against the reference)")
+        out.append(f"{len(result.rows) - len(checked)} rows have no naive baseline (caches of several planes or of "
+                   "several slots per token: `kvgen verify` checks those connectors against the reference)")
     if result.transfers:
         out += transfer_text(result.transfers)
     if result.models:

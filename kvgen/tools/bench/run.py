@@ -63,7 +63,7 @@ def make_cache(paged: Any, ext: dict[str, int], dtype: torch.dtype, device: Any,
 
 class Transfers:
     """Store and load of one chunk [0, T) through the generated connector and the naive one
-    (None for caches of several planes, which have no naive baseline)."""
+    (None for caches of several planes or several slots per token, which have no naive baseline)."""
 
     def __init__(self, connector: Any, naive: NaiveConnector | None, cache: Any, mapping: torch.Tensor,
                  num_tokens: int, dtype: torch.dtype):
@@ -196,7 +196,9 @@ def _layout_rows(ctx: BenchContext, layout: str, targets: list[Target], result: 
     total = len(targets) * len(args.tokens) * 2 * len(backends)
     for target in (t for t in targets if t.layout == layout):
         cls = ctx.package.get(target.layout, target.obj)
-        naive = NaiveConnector(paged, ctx.library[target.obj], ext) if paged.is_simple else None
+        # the naive connector moves one row per token: none for a layout of several slots per token
+        simple = paged.is_simple and paged.token_ratio == (1, 1)
+        naive = NaiveConnector(paged, ctx.library[target.obj], ext) if simple else None
         result.checks.append(check_cost(target, cls, cache, mappings, device))
         for name in backends:
             connector = cls(device=device, backend=None if name == "auto" else name)

@@ -167,14 +167,15 @@ def _has(package: Any, paged: Spec, obj: Spec) -> bool:
 
 def extents(spec: Spec, layers: int, heads: int, head_size: int, block_size: int, num_blocks: int) -> dict[str, int]:
     """Axis extents of a cache of `spec`: MLA layouts (no H axis) get one head of MLA_C values;
-    a cache of several parts takes its axes from its parts (a part of fixed width keeps it)."""
+    a cache of several parts takes its axes from its parts (a part of fixed width keeps it); a
+    block of `slots_per_token` k holds `block_size` tokens in N = block_size * k stored slots."""
     if spec.is_simple:
         kv, mla = spec.has("KV"), not spec.has("H")
     else:
         axes = {a for part in spec.parts for d in part.dims for a in d.axes}
         kv, mla = "KV" in axes, "H" not in axes
     out = {"L": layers, "KV": 2 if kv else 1, "H": 1 if mla else heads,
-           "C": MLA_C if mla else head_size, "N": block_size, "B": num_blocks}
+           "C": MLA_C if mla else head_size, "N": block_size * spec.token_ratio[1], "B": num_blocks}
     if "H" in dict(spec.sizes):  # a layout of a fixed head count (DeepSeek-V4's one head slot) keeps it
         out["H"] = dict(spec.sizes)["H"]
     return out
