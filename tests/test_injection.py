@@ -366,6 +366,23 @@ def test_free_text_fields_are_literals_even_unchecked(text: str, tmp_path: Path,
     import_and_run(files, library, tmp_path, monkeypatch)
 
 
+def test_a_summary_as_long_as_the_schema_allows_keeps_generated_lines_short() -> None:
+    """A 200-character summary (the schema's limit) is split between words into literals that
+    stay within the generated code's 120 columns, and reads back whole."""
+    summary = ("A made-up cache whose summary runs as long as the schema lets it, to check that every "
+               "module it reaches keeps its lines short: words, commas, UE8M0 scales, [B, N, H, C].").ljust(200, "!")
+    library = load_library(COMPANIONS["paged"] + [BUILTIN_SPECS / "vllm/flash_attn_nhd.yaml"], builtin=False)
+    library = Library(tuple(dataclasses.replace(s, summary=summary) for s in library.specs))
+    files = render_package(plan_package(library))
+    long = [(name, line) for name, text in files.items() if name.endswith(".py")
+            for line in text.splitlines() if len(line) > 120]
+    assert not long, long[:3]
+    module = next(text for name, text in files.items() if name.endswith("__kv_2ltd.py"))
+    tree = ast.parse(module)
+    (value,) = [n.value for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "SUMMARY"]
+    assert ast.literal_eval(value) == summary
+
+
 # -- py_literal ---------------------------------------------------------------------------
 
 _scalars = st.none() | st.booleans() | st.integers() | st.text()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -50,10 +51,23 @@ def py_literal(value: object, indent: int | None = None, key: int = 0) -> str:
 
 
 def _split_string(value: str, indent: int) -> str:
-    """A long string as adjacent literals, one per line, in parentheses."""
+    """A long string as adjacent literals, one per line, in parentheses, broken after a space
+    where one falls in the line (a word longer than a line is cut)."""
     pad, width = " " * (indent + 4), LINE - indent - 16
-    pieces = [str.__repr__(value[i:i + width]) for i in range(0, len(value), width)]
-    return "(\n" + "".join(f"{pad}{piece}\n" for piece in pieces) + " " * indent + ")"
+    pieces, line = [], ""
+    for word in re.split(r"(?<= )", value):
+        while len(word) > width:  # no space to break at
+            room = width - len(line)
+            line, word = line + word[:room], word[room:]
+            pieces.append(line)
+            line = ""
+        if len(line) + len(word) > width:
+            pieces.append(line)
+            line = ""
+        line += word
+    pieces.append(line)
+    literals = [str.__repr__(piece) for piece in pieces if piece]
+    return "(\n" + "".join(f"{pad}{literal}\n" for literal in literals) + " " * indent + ")"
 
 
 def _tuple_literal(value: list[object] | tuple[object, ...], indent: int | None) -> str:
