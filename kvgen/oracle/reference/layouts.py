@@ -132,7 +132,8 @@ def store(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, spa
     """Copy the span's tokens from the cache into `objects` (one tensor, or a per-layer list)."""
     m = _matched(paged, obj, ext, kvcaches, objects, replace(span, skip=0))
     if m is not None:
-        put_last(m.obj_vals, m.there, m.cache_vals[m.here])
+        # each object element is one moved token's, once (distinct chunk rows): a plain scatter
+        m.obj_vals[m.there.reshape(-1)] = m.cache_vals[m.here].reshape(-1).to(m.obj_vals.dtype)
         write_back(objects, m.obj_paths, m.obj_vals)
 
 

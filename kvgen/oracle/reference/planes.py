@@ -172,8 +172,8 @@ def _move(chunk: _PlanesChunk, *, to_cache: bool) -> None:
         a, b = _plane_bytes(chunk, plane)
         if to_cache:
             put_last(cache.data, a, objs.data[b])
-        else:
-            put_last(objs.data, b, cache.data[a])
+        else:  # each object byte is one token's, once: a plain scatter
+            objs.data[b.reshape(-1)] = cache.data[a].reshape(-1)
     (cache if to_cache else objs).write_back()
 
 
@@ -280,22 +280,19 @@ def _runs(plane: Plane, ends: list[tuple[torch.Tensor, torch.Tensor]], count: in
 
 # -- test data --------------------------------------------------------------------------------
 
-def code_bytes(label: str, count: int) -> bytes:
-    """`count` bytes that depend on `label` and on each byte's position: a misplaced byte
-    run differs from the one expected except by chance (2**-8 per byte)."""
-    out = bytearray()
-    block = 0
-    while len(out) < count:
-        out += hashlib.blake2b(f"{label}/{block}".encode(), digest_size=64).digest()
-        block += 1
-    return bytes(out[:count])
+def code_bytes(label: str, count: int) -> torch.Tensor:
+    """`count` bytes (uint8) that depend on `label` and on each byte's position: a misplaced byte
+    run differs from the one expected except by chance (2**-8 per byte). They are torch's CPU
+    generator's bytes from a seed hashed from `label`: one call however large the cache."""
+    seed = int.from_bytes(hashlib.blake2b(label.encode(), digest_size=8).digest(), "little")
+    return torch.randint(0, 256, (count,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
 def fill_bytes(t: torch.Tensor, label: str) -> None:
     """Every byte of `t` (in index order) gets a code of `label` and its position."""
-    n = t.numel() * t.element_size()
-    data = bytearray(code_bytes(label, n))
-    Leaf(t, data, tuple(t.shape), t.element_size()).write_back()
+    target = bits(t)
+    codes = code_bytes(label, t.numel() * t.element_size())
+    target.copy_(codes.view(target.dtype).reshape(t.shape).to(target.device))
 
 
 def storage_dtype(part: Part, default: str) -> str:
