@@ -319,20 +319,27 @@ def states_of(slots: list[int]) -> list[int]:
     return [s * POOL + j for s in slots for j in range(POOL)]
 
 
-def test_a_pooled_whisper_cache_moves_each_tokens_states_both_ways() -> None:
-    kv, config = engine_cache("LBNHC", {"enc": pooled()})
+#: The pooled spec of each KVCacheLayout: its per-layer memory order (NHD, HND or heads first).
+POOLED = {"LBNHC": "vllm_whisper_pooled4", "BLNHC": "vllm_whisper_pooled4", "LBHNC": "vllm_whisper_pooled4_hnd",
+          "BLHNC": "vllm_whisper_pooled4_hnd", "BHLNC": "vllm_whisper_pooled4_hnd",
+          "LHBNC": "vllm_whisper_pooled4_heads_first"}
+
+
+@pytest.mark.parametrize("layout", sorted(POOLED))
+def test_a_pooled_whisper_cache_moves_each_tokens_states_both_ways(layout: str) -> None:
+    kv, config = engine_cache(layout, {"enc": pooled()})
     names = list(config.kv_cache_groups[0].layer_names)
     assert {tuple(kv[n].shape) for n in names} == {(B, H, N * POOL, 2 * C)}  # AttentionSpec.num_states per block
     write(kv, names)
-    (group,) = kvgen.from_vllm(kv, config, vllm_layouts.KVCacheLayout.LBNHC, engine_version=VERSION)
-    assert group.detection.layout == "vllm_whisper_pooled4"
+    (group,) = kvgen.from_vllm(kv, config, vllm_layouts.KVCacheLayout[layout], engine_version=VERSION)
+    assert group.detection.layout == POOLED[layout]
     # a token's states: 4 object rows
     assert group.connector.get_shape(len(SLOTS), group.kvcaches) == (2, L, len(SLOTS) * POOL, H * C)
     obj = MemoryObj(torch.zeros(2, L, len(SLOTS) * POOL, H * C))
     group.connector.from_gpu(obj, 0, len(SLOTS), kvcaches=group.kvcaches, slot_mapping=torch.tensor(SLOTS))
     assert torch.equal(obj.tensor, expected(kv, names, states_of(SLOTS), 2))  # SLOTS are the manager's
-    fresh, fresh_config = engine_cache("LBNHC", {"enc": pooled()})
-    (target,) = kvgen.from_vllm(fresh, fresh_config, "LBNHC", engine_version=VERSION)
+    fresh, fresh_config = engine_cache(layout, {"enc": pooled()})
+    (target,) = kvgen.from_vllm(fresh, fresh_config, layout, engine_version=VERSION)
     load(target, obj, SLOTS)
     assert torch.equal(read_back(fresh, names, states_of(SLOTS)), read_back(kv, names, states_of(SLOTS)))
     untouched = sorted(set(range(B * N * POOL)) - set(states_of(SLOTS)))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvgen.integrations.hints import AXIS_HINTS
+from kvgen.integrations.hints import AXIS_HINTS, VLLM_LAYER_ORDERS
 from kvgen.integrations.quant import quant_deciders
 from kvgen.integrations.sglang import layouts as sglang_layouts
 from kvgen.versions import some_release
@@ -41,6 +41,8 @@ def _layout_word(f: Any, fits: Fits) -> str | None:
         return word  # the pool's kv_cache_layout: the only fact that orders SGLang's 4-D buffers
     if f.given and f.aliases:
         return f.aliases[0]  # the engine's own name for the layout (vLLM's KVCacheLayout)
+    if f.given and getattr(f, "slots_per_token", 1) > 1:  # a pooled vLLM cache: a KVCacheLayout of its order
+        return next((name for name, order in VLLM_LAYER_ORDERS.items() if order == f.block_order()), None)
     if f.order() and len({g.order() for g, _ in fits}) > 1 and not _names_a_vllm_layout(f):
         return f.order()
     return None

@@ -37,6 +37,7 @@ from kvgen.integrations.hints import (
     HINTS,
     ORDERS,
     SYNONYMS,
+    VLLM_LAYER_ORDERS,
     VLLM_LAYOUTS_BEFORE,
     declared_vllm_layout,
     describe_hints,
@@ -109,6 +110,10 @@ class LayoutFacts:
         if n is None or h is None:
             return None
         return "NHD" if n < h else "HND"
+
+    def block_order(self) -> tuple[str, ...]:
+        """The order of the block, head and slot dims in a leaf (e.g. ('B', 'N', 'H'))."""
+        return tuple(d[0] for d in self.dims if d in (("B",), ("H",), ("N",)))
 
     def families(self) -> set[str]:
         return {family(e.split("/")[0]) for e in self.engines}
@@ -453,18 +458,19 @@ def _declared(layout: str, facts: Sequence[LayoutFacts], everything: Sequence[La
     own = tuple(f for f in facts if layout in (a.upper() for a in f.aliases))
     if not own:
         raise _no_layout_for(layout, everything, version)
-    return own + _under_every_layout(facts, own)
+    return own + _under_every_layout(facts, own, layout)
 
 
-def _under_every_layout(facts: Sequence[LayoutFacts], own: Sequence[LayoutFacts]) -> tuple[LayoutFacts, ...]:
-    """The vLLM specs a KVCacheLayout name does not pick among: the MLA caches, the quantized and
-    the pooled ones (their strides say under which layout)."""
+def _under_every_layout(facts: Sequence[LayoutFacts], own: Sequence[LayoutFacts],
+                        layout: str) -> tuple[LayoutFacts, ...]:
+    """The vLLM specs a KVCacheLayout name does not pick by alias: the MLA caches, the quantized
+    ones (their strides say under which layout) and the pooled ones of the layout's per-layer order."""
     vllm = [f for f in facts if "vllm" in f.families() and f not in own]
     mla = tuple(f for f in vllm if f.given and f.planes == 1)
     # their strides decide the layout; a quantized cache of one plane (K and V in one slot) is listed once
     quantized = tuple(f for f in facts if "vllm" in f.quant and f not in own and f not in mla)
     # several slots per token (Whisper block pooling): its strides decide the layout, tokens_per_state the spec
-    pooled = tuple(f for f in vllm if f.slots_per_token > 1)
+    pooled = tuple(f for f in vllm if f.slots_per_token > 1 and f.block_order() == VLLM_LAYER_ORDERS.get(layout))
     return mla + quantized + pooled
 
 

@@ -94,6 +94,10 @@ def describe_hints(hints: Mapping[str, Any]) -> str:
 
 #: vLLM's KVCacheLayout names (vllm/v1/kv_cache_layout.py), a cache's declared layout from 0.33 on.
 VLLM_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+#: Each KVCacheLayout's per-layer memory order of blocks, heads and slots (layer_view_order): what a
+#: layout without a name of its own (a pooled cache's) must follow to be that layout's.
+VLLM_LAYER_ORDERS = {"LBHNC": ("B", "H", "N"), "LBNHC": ("B", "N", "H"), "LHBNC": ("H", "B", "N"),
+                     "BLHNC": ("B", "H", "N"), "BLNHC": ("B", "N", "H"), "BHLNC": ("B", "H", "N")}
 #: The legacy names vLLM 0.33 maps onto KVCacheLayouts; before 0.33 they name an in-block order.
 VLLM_LEGACY = {"NHD": "LBNHC", "HND": "LBHNC"}
 #: The first vLLM release that hands every layer over as a logical [B, H, N, C] view.

@@ -69,6 +69,8 @@ for _layout in KV_CACHE_LAYOUTS:
 # states hold a token (its manager slot s: states s * pool .. s * pool + pool - 1, the attention
 # builder's expansion) is kvgen.oracle.address.stored_slots; tests/test_engine_vllm.py checks both.
 _register("LBNHC", "vllm_whisper_pooled4", pool=4)
+_register("LBHNC", "vllm_whisper_pooled4_hnd", pool=4)
+_register("LHBNC", "vllm_whisper_pooled4_heads_first", pool=4)
 
 
 # MLAAttentionSpec: num_kv_heads 1 and head_size_v 0, so the logical view is [B, 1, N, C] with C
