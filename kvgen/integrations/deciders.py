@@ -41,7 +41,7 @@ def _layout_word(f: Any, fits: Fits) -> str | None:
         return word  # the pool's kv_cache_layout: the only fact that orders SGLang's 4-D buffers
     if f.given and f.aliases:
         return f.aliases[0]  # the engine's own name for the layout (vLLM's KVCacheLayout)
-    if f.given and getattr(f, "slots_per_token", 1) > 1:  # a pooled vLLM cache: a KVCacheLayout of its order
+    if f.given and f.slots_per_token > 1:  # a pooled vLLM cache: a KVCacheLayout of its order
         return next((name for name, order in VLLM_LAYER_ORDERS.items() if order == f.block_order()), None)
     if f.order() and len({g.order() for g, _ in fits}) > 1 and not _names_a_vllm_layout(f):
         return f.order()

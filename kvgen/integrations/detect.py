@@ -452,9 +452,9 @@ def detect_shape(cache: CacheShape, *, package: ModuleType | str | None = None, 
 def _declared(layout: str, facts: Sequence[LayoutFacts], everything: Sequence[LayoutFacts],
               version: str | None) -> tuple[LayoutFacts, ...]:
     """The specs a vLLM KVCacheLayout names for this release: the one with that alias, the MLA
-    caches (one head slot: the same bytes under every layout), the quantized and the pooled ones
-    (their strides say under which layout); refused in vLLM's words when the library has none for
-    the release."""
+    caches (one head slot: the same bytes under every layout), the quantized ones (their strides
+    say under which layout) and the pooled ones of the layout's per-layer order; refused in vLLM's
+    words when the library has none for the release."""
     own = tuple(f for f in facts if layout in (a.upper() for a in f.aliases))
     if not own:
         raise _no_layout_for(layout, everything, version)
@@ -469,7 +469,7 @@ def _under_every_layout(facts: Sequence[LayoutFacts], own: Sequence[LayoutFacts]
     mla = tuple(f for f in vllm if f.given and f.planes == 1)
     # their strides decide the layout; a quantized cache of one plane (K and V in one slot) is listed once
     quantized = tuple(f for f in facts if "vllm" in f.quant and f not in own and f not in mla)
-    # several slots per token (Whisper block pooling): its strides decide the layout, tokens_per_state the spec
+    # several slots per token (Whisper block pooling): the layout's order picks the spec, tokens_per_state keeps it
     pooled = tuple(f for f in vllm if f.slots_per_token > 1 and f.block_order() == VLLM_LAYER_ORDERS.get(layout))
     return mla + quantized + pooled
 
