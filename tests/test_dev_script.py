@@ -56,8 +56,25 @@ def test_a_failing_step_is_named_in_the_summary(tmp_path: Path) -> None:
 def test_test_runs_the_parallel_pass_then_the_serial_tests_alone(tmp_path: Path) -> None:
     done = _run(tmp_path, "", "test", "tests/test_words.py", "-x")
     assert done.returncode == 0, done.stderr
-    assert _pytest_calls(tmp_path) == ["-m pytest -q -n 2 -m not serial tests/test_words.py -x",
-                                       "-m pytest -q -m serial tests/test_words.py -x"]
+    bounded = "-m pytest -q -o faulthandler_timeout=600"
+    assert _pytest_calls(tmp_path) == [f"{bounded} -n 2 --max-worker-restart=0 -m not serial tests/test_words.py -x",
+                                       f"{bounded} -m serial tests/test_words.py -x"]
+
+
+def test_a_pass_that_hangs_is_stopped_and_fails_the_run(tmp_path: Path) -> None:
+    """A stuck test must fail CI, not hold it: a pass past KVGEN_TEST_TIMEOUT is stopped (its
+    process group with it), named, and the run fails; the other pass still runs."""
+    fake = tmp_path / "python"
+    log = tmp_path / "calls"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\ncase "$*" in *"not serial"*) sleep 60 & wait;; esac\nexit 0\n')
+    fake.chmod(0o755)
+    done = subprocess.run([str(ROOT / "scripts" / "dev"), "test", "tests/test_words.py"], capture_output=True,
+                          text=True, timeout=60, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "PYTHON": str(fake), "KVGEN_TEST_WORKERS": "2", "KVGEN_NO_ENGINES": "1",
+                               "KVGEN_TEST_TIMEOUT": "2"})
+    assert done.returncode == 124, (done.stdout, done.stderr)
+    assert "the parallel pass ran past 2 s (KVGEN_TEST_TIMEOUT) and was stopped" in done.stderr, done.stderr
+    assert len(_pytest_calls(tmp_path)) == 2
 
 
 @pytest.mark.parametrize("failing", ["not serial", "-m serial"])
@@ -131,5 +148,5 @@ def test_a_whole_test_run_runs_the_sglang_tests_beside_the_parallel_pass_and_fai
     assert "2 failed in SGLang" in done.stdout and "SGLang engine tests failed" in done.stderr, done
     calls = [c for c in log.read_text().splitlines() if "-m pytest" in c]
     sglang = next(i for i, c in enumerate(calls) if c.startswith("sglang "))
-    serial = calls.index("-m pytest -q -m serial")
+    serial = calls.index("-m pytest -q -o faulthandler_timeout=600 -m serial")
     assert "tests/test_engine_sglang" in calls[sglang] and sglang < serial, calls
