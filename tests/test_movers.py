@@ -226,6 +226,19 @@ def test_the_run_merge_is_the_plans(tmp_path: Path) -> None:
     assert runs["altered"][0] == item
 
 
+def test_an_axis_the_spec_fixes_at_one_never_splits_a_run() -> None:
+    """A [B, H, N, C] block whose spec fixes H at 1 (DeepSeek-V4's indexer keys) has each plane's
+    tokens of a block adjacent, so the plan lets N and C merge into one run, and the kernel copies
+    a block's plane at once; where H is free (vLLM's HND), H stands between N and C and only C is
+    the run. The bytes moved are the reference's (test_native, test_planes_connectors)."""
+    indexer = generated.get("vllm_dsv4_indexer_mxfp4", "kv_planes").program
+    for plane in indexer.planes:
+        blocks = plane.path("blocks")
+        assert blocks is not None and blocks.store_run == blocks.load_run == ("N", "C")
+    hnd = generated.get("vllm_flash_attn_hnd", "kv_2ltd").program.path("blocks")
+    assert hnd is not None and hnd.store_run == ("C",)
+
+
 def test_a_reason_in_program_keeps_the_connector_on_torch(tmp_path: Path) -> None:
     """Whether the compiled kernel moves a connector is PROGRAM's `compiled`: with a reason
     written there, auto moves it with the torch ops and backend='native' is refused with it."""

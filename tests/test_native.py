@@ -18,8 +18,10 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,7 +29,15 @@ from harness import EXT, SCENARIOS, builtin_library, make_cache, obj_tensors, re
 
 from kvgen import generated
 from kvgen.errors import KVLayoutError
-from kvgen.oracle.scenarios import check_connector, clone_tree, connector_load, connector_store, make_objects
+from kvgen.oracle.scenarios import (
+    check_connector,
+    clone_tree,
+    connector_load,
+    connector_store,
+    fitted,
+    make_objects,
+    tensors_of,
+)
 from kvgen.plan.copy import CopyPlan
 from kvgen.plan.package import plan_connectors
 from kvgen.runtime import MemoryObj, host, native
@@ -551,3 +561,77 @@ def test_a_streamed_chunk_of_odd_rows_moves_exactly(direction: str) -> None:
                 want[kv, b, p] = o[kv, layer, pos].view(-1, heads, size)
             assert torch.equal(target[layer], want)
     assert native.stats["calls"] > calls
+
+
+def _blocks_then_tail(blocks: tuple[int, ...], tail: int) -> Callable[[random.Random, dict[str, int]], list[int]]:
+    """A mapping: whole `blocks` in that order, then the first 3 slots of block `tail`."""
+    def mapping(rng: random.Random, ext: dict[str, int]) -> list[int]:
+        n = ext["N"]
+        return [b * n + i for b in blocks for i in range(n)] + [tail * n + i for i in range(3)]
+    return mapping
+
+
+#: Two chunks of one shape (two whole blocks by id, then three tokens by slot) at other slots.
+SAME_SHAPE = [replace(SCENARIOS["partial_blocks"], name=f"same_shape_{k}", starts=(0,), ends=(2 * EXT["N"] + 3,),
+                      mapping=_blocks_then_tail(blocks, tail))
+              for k, (blocks, tail) in enumerate([((3, 1), 5), ((0, 7), 2)])]
+
+
+@needs_compiler
+@pytest.mark.parametrize("module", ["vllm_flash_attn_nhd__kv_2ltd", "vllm_flash_attn_hnd__kv_2td",
+                                    "vllm_dsv4_indexer_mxfp4__kv_planes", "vllm_dsv4_indexer__kv_planes_layer"])
+def test_a_later_chunk_of_an_earlier_shape_moves_its_own_slots(module: str) -> None:
+    """The mover reuses the work of a recent chunk shape for a later chunk of that shape, with
+    the later chunk's block ids and slots put in: through one connector and one cache, each
+    of two such chunks (other blocks, other tail slots) moves what the reference moves, both
+    ways, and the second reused the first's work."""
+    plan = next(p for p in PLANS if p.module == module)
+    connector = generated.get(plan.paged.name, plan.obj.name)(device="cpu", backend="native")
+    first, second = (fitted(plan.paged, s) for s in SAME_SHAPE)
+    cache = make_cache(plan.paged, torch.float32, "cpu", ext=first.ext)
+    connector.bind(cache)
+    describe, made = native_mover.describe, []
+
+    def spy(*args: Any) -> Any:
+        made.append(args[0])
+        return describe(*args)
+
+    for k, sc in enumerate((first, second)):
+        mapping_list = sc.mapping(random.Random(0), dict(sc.ext))
+        mapping = torch.tensor(mapping_list)
+        objs = make_objects(connector, [sc.ends[0]], torch.float32, "cpu", salt=7)
+        want = make_objects(connector, [sc.ends[0]], torch.float32, "cpu", salt=7)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(native_mover, "describe", spy)
+            connector_store(connector, objs, sc, cache, mapping)
+        reference_store(plan.paged, plan.obj, cache, want, sc, mapping_list)
+        assert same_bits([obj_tensors(o) for o in objs], [obj_tensors(o) for o in want]), (module, k)
+        for o in objs if not connector.layerwise else objs[0]:
+            o.metadata.fmt = connector.format
+        for t in tensors_of([obj_tensors(o) for o in objs]):
+            t.neg_()  # every value now differs from the cache's
+        expected = clone_tree(cache)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(native_mover, "describe", spy)
+            connector_load(connector, objs, sc, cache, mapping)
+        reference_load(plan.paged, plan.obj, expected, objs, sc, mapping_list)
+        assert same_bits(cache, expected), (module, k)
+        if k == 0:
+            assert made, "the first chunk was described"
+            made.clear()
+    assert not made, "the second chunk of the first one's shape was described again"
+
+
+@needs_compiler
+@pytest.mark.parametrize("block", [6, 12, 16])
+@pytest.mark.parametrize("module", ["vllm_flash_attn_nhd__kv_2ltd", "vllm_flash_attn_hnd__kv_t2d",
+                                    "vllm_dsv4_indexer_mxfp4__kv_planes", "sglang_mha_hnd__kv_t2d"])
+def test_blocks_of_any_size_split_slots_like_the_reference(module: str, block: int) -> None:
+    """The kernel splits a slot into block and position by a shift and a mask where the block
+    size is a power of two and by a division elsewhere: both, against the reference."""
+    plan = next(p for p in PLANS if p.module == module)
+    scenarios = [replace(s, ext={**s.ext, "N": block}) for s in SOME]
+    before = native.stats["fallbacks"]
+    assert check_connector(generated, plan.paged, plan.obj, "cpu", scenarios, backend="native") \
+        == [(True, True)] * len(SOME)
+    assert native.stats["fallbacks"] == before

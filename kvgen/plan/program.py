@@ -87,12 +87,15 @@ def _why_not(shared: tuple[str, ...], cache: tuple[str, ...], lists: tuple[str, 
 Side = tuple[tuple[str, ...], tuple[str, ...], str]
 
 
-def _run(order: tuple[str, ...], sides: tuple[Side, ...]) -> tuple[str, ...]:
+def _run(order: tuple[str, ...], sides: tuple[Side, ...], units: frozenset[str] = frozenset()) -> tuple[str, ...]:
     """The innermost dims of `order` that every side keeps adjacent and innermost, so that
     with contiguous strides they are one run: each is, on every side, the axis right before
     the one merged before it (the last axis of the leaf, for the first). N merges as each
     side's slot axis; indexed dims (B, T), list levels and axes of one side only (a block slot's
-    tile and place) never."""
+    tile and place) never. `units`: axes the spec fixes at 1 (an indexer's H), which take no
+    room on either side and are no dim of a kernel call, so they never stand between two
+    others (a [B, 1, N, C] block's N and C are one run)."""
+    order, sides = _without(units, order, sides)
     merged: list[str] = []
     inner = [len(axes) for axes, _, _ in sides]
     for name in reversed(order):
@@ -104,6 +107,13 @@ def _run(order: tuple[str, ...], sides: tuple[Side, ...]) -> tuple[str, ...]:
         merged.append(name)
         inner = at
     return tuple(reversed(merged))
+
+
+def _without(units: frozenset[str], order: tuple[str, ...], sides: tuple[Side, ...]
+             ) -> tuple[tuple[str, ...], tuple[Side, ...]]:
+    """`order` and each side's axes with the axes of `units` left out."""
+    kept = tuple(a for a in order if a not in units)
+    return kept, tuple((tuple(a for a in axes if a not in units), lists, n_axis) for axes, lists, n_axis in sides)
 
 
 def _order(dims: tuple[str, ...], key: dict[str, tuple[int, int]]) -> tuple[str, ...]:
@@ -118,14 +128,20 @@ def program_plan(plan: CopyPlan | PlanesPlan) -> ProgramPlan:
         return ProgramPlan((("compiled", f"object list levels {plan.obj.lists}"),), ())
     if tiled(plan.paged.axes):  # extents come from the geometry by name here; a tile or a place has none
         return ProgramPlan((("compiled", splits.SPLITS_REASON),), ())
-    return copy_program(places(plan.paged), plan.paged.lists, places(plan.obj), plan.mode is Mode.LAYERWISE)
+    return copy_program(places(plan.paged), plan.paged.lists, places(plan.obj), plan.mode is Mode.LAYERWISE,
+                        units=unit_axes(plan.paged))
+
+
+def unit_axes(spec: Spec) -> frozenset[str]:
+    """The axes a cache's spec fixes at 1 (checked by its module's read_geometry)."""
+    return frozenset(a for a, n in spec.sizes if n == 1)
 
 
 def copy_program(cp: tuple[Place, ...], lists: tuple[str, ...], op: tuple[Place, ...], layerwise: bool,
-                 slotless: bool = False) -> ProgramPlan:
+                 slotless: bool = False, units: frozenset[str] = frozenset()) -> ProgramPlan:
     """The program of one copy from where its axes live: the cache leaf's places and list
     levels, the object's places; `slotless`: a plane without slots (copied whole with every
-    chunk that moves a token, one path `plane`)."""
+    chunk that moves a token, one path `plane`); `units`: axes fixed at 1 (`_run`)."""
     cache, objs = tuple(p[0] for p in cp), tuple(p[0] for p in op)
     split = splits.slot_split(cache)
     slot = split or tuple(a for a in ("N",) if a in cache)
@@ -158,7 +174,7 @@ def copy_program(cp: tuple[Place, ...], lists: tuple[str, ...], op: tuple[Place,
     for name, dims in names:
         store = load = _order(dims, okey)
         paths.append((("name", name), ("store", store), ("load", load),
-                      ("store_run", _run(store, sides)), ("load_run", _run(load, sides))))
+                      ("store_run", _run(store, sides, units)), ("load_run", _run(load, sides, units))))
     return ProgramPlan(fields, tuple(paths))
 
 
@@ -175,7 +191,7 @@ def planes_program(plan: PlanesPlan) -> ProgramPlan:
     for pc in plan.planes:
         cp = tuple((a, i, ()) for i, a in enumerate(pc.copy.cache_view.axes))
         op = tuple((a, i, ()) for i, a in enumerate(pc.copy.object_view.axes))
-        planes.append(copy_program(cp, ("L",), op, layerwise, pc.slotless))
+        planes.append(copy_program(cp, ("L",), op, layerwise, pc.slotless, unit_axes(plan.paged)))
     why = next((p.compiled for p in planes if p.compiled is not None), None)
     return ProgramPlan((("compiled", why),), (), tuple(planes) if why is None else ())
 

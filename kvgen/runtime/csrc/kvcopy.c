@@ -37,17 +37,42 @@
 typedef struct {
     int64_t ext, first, div, cs, cs2, os, ls, div2, cs3;
     const int64_t *idx, *tok;
+    int shift, shift2; /* log2 of div and div2 where they are powers of two, else -1 */
 } kv_dim;
 
+/* log2 of d where d > 1 is a power of two, else -1: block sizes almost always are, and a
+ * shift and a mask cost a cycle where a 64-bit division costs tens, once per slot per layer. */
+static int kv_log2(int64_t d) {
+    if (d <= 1 || (d & (d - 1)) != 0)
+        return -1;
+    int k = 0;
+    while (((int64_t)1 << k) < d)
+        k++;
+    return k;
+}
+
+static void kv_dim_shifts(kv_dim *d) {
+    d->shift = kv_log2(d->div);
+    d->shift2 = kv_log2(d->div2);
+}
+
 /* Cache bytes of entry value v along dim d: a slot split into block and position (and the
- * position into tile and place), or v steps of cs. */
+ * position into tile and place), or v steps of cs. v >= 0 (the walks skip negative slots),
+ * so a shift and a mask split it as a division would. */
 static inline int64_t kv_cache_bytes(const kv_dim *d, int64_t v) {
     if (d->div <= 1)
         return v * d->cs;
-    int64_t pos = v % d->div;
-    if (d->div2 > 1)
-        return (v / d->div) * d->cs + (pos / d->div2) * d->cs2 + (pos % d->div2) * d->cs3;
-    return (v / d->div) * d->cs + pos * d->cs2;
+    int64_t blk, pos;
+    if (d->shift >= 0)
+        blk = v >> d->shift, pos = v & (d->div - 1);
+    else
+        blk = v / d->div, pos = v % d->div;
+    if (d->div2 > 1) {
+        if (d->shift2 >= 0)
+            return blk * d->cs + (pos >> d->shift2) * d->cs2 + (pos & (d->div2 - 1)) * d->cs3;
+        return blk * d->cs + (pos / d->div2) * d->cs2 + (pos % d->div2) * d->cs3;
+    }
+    return blk * d->cs + pos * d->cs2;
 }
 
 typedef struct {
@@ -119,8 +144,14 @@ static inline void kv_copy(char *dst, const char *src, int64_t run, int stream) 
     if (run <= 512 && (run & 15) == 0) {
         for (int64_t b = 0; b < run; b += 16)
             memcpy(dst + b, src + b, 16);
-    } else {
-        memcpy(dst, src, (size_t)run);
+        return;
+    }
+    switch (run) { /* a scalar's width (a plane of scales): one load and one store, not a call */
+    case 1: memcpy(dst, src, 1); return;
+    case 2: memcpy(dst, src, 2); return;
+    case 4: memcpy(dst, src, 4); return;
+    case 8: memcpy(dst, src, 8); return;
+    default: memcpy(dst, src, (size_t)run);
     }
 }
 
@@ -249,6 +280,7 @@ int kvgen_move(int store, int nd, const int64_t *dims, int64_t run, char *const 
         d->ls = f[8];
         d->div2 = f[9];
         d->cs3 = f[10];
+        kv_dim_shifts(d);
         if (d->ext <= 0)
             return 0; /* nothing to move */
     }
@@ -473,6 +505,7 @@ int kvgen_move_planes(int store, int nd, int planes, const int64_t *dims, const 
             d->ext = f[0], d->idx = (const int64_t *)(intptr_t)f[1], d->first = f[2], d->div = f[3];
             d->cs = f[4], d->cs2 = f[5], d->tok = (const int64_t *)(intptr_t)f[6], d->os = f[7], d->ls = f[8];
             d->div2 = f[9], d->cs3 = f[10];
+            kv_dim_shifts(d);
             if (d->ext <= 0)
                 return 0; /* nothing to move */
         }
@@ -527,6 +560,7 @@ typedef struct {
     int64_t ext;
     const int64_t *idx[2];
     int64_t first[2], div[2], cs[2], cs2[2], ls[2];
+    int shift[2]; /* log2 of div where it is a power of two, else -1 */
 } kv_pdim;
 
 typedef struct {
@@ -539,8 +573,13 @@ typedef struct {
     int stream;
 } kv_pjob;
 
+/* Bytes of value v >= 0 on side s of dim d (a slot split by a shift where kv_cache_bytes would). */
 static inline int64_t kv_bytes(const kv_pdim *d, int s, int64_t v) {
-    return d->div[s] > 1 ? (v / d->div[s]) * d->cs[s] + (v % d->div[s]) * d->cs2[s] : v * d->cs[s];
+    if (d->div[s] <= 1)
+        return v * d->cs[s];
+    if (d->shift[s] >= 0)
+        return (v >> d->shift[s]) * d->cs[s] + (v & (d->div[s] - 1)) * d->cs2[s];
+    return (v / d->div[s]) * d->cs[s] + (v % d->div[s]) * d->cs2[s];
 }
 
 static void kv_pair_walk(const kv_pjob *job, int k, int64_t sl, int64_t so, int64_t dl, int64_t dof) {
@@ -608,6 +647,7 @@ int kvgen_transfer(int nd, const int64_t *dims, int64_t run, char *const *src, i
             d->cs[s] = g[3];
             d->cs2[s] = g[4];
             d->ls[s] = g[5];
+            d->shift[s] = kv_log2(d->div[s]);
         }
         if (d->ext <= 0)
             return 0; /* nothing to move */

@@ -97,15 +97,58 @@ def address(t: torch.Tensor | None) -> int:
     return t.data_ptr()
 
 
+#: Where a dim's fields read a chunk's index tensors (native.FIELDS: idx 1, first 2, tok 6): the
+#: block path's B dim its block ids, the token path's T dim its slots and token positions.
+_IDX, _FIRST, _TOK = 1, 2, 6
+
+
+def _chunk_fields(name: str, ck: Chunk) -> tuple[tuple[int, int], ...]:
+    """(field, value) of the fields of dim `name` that come from `ck`'s index tensors: an
+    address, or a slice's start; () for a dim no index tensor drives."""
+    if name == "B":
+        idx, first = _index(ck.block_ids)
+        return (_IDX, idx), (_FIRST, first)
+    if name == "T":
+        idx, first = _index(ck.slots)
+        return (_IDX, idx), (_FIRST, first), (_TOK, address(ck.tok))
+    return ()
+
+
+def chunk_shape(ck: Chunk) -> tuple[Any, ...]:
+    """What a description depends on in a chunk besides its index tensors' addresses: its
+    extents, which paths it takes and where its block run starts. Two chunks of one shape
+    differ only in the values of their index tensors, so one description serves both with
+    those addresses put in (`KernelCall.for_chunk`)."""
+    def extent(ids: Any) -> Any:
+        if ids is None:
+            return None
+        return (ids.start, ids.stop) if isinstance(ids, slice) else ids.numel()
+
+    return (ck.num_tokens, ck.moved, ck.block_start, ck.block_tokens, extent(ck.block_ids), extent(ck.slots),
+            ck.tok is None)
+
+
 class KernelCall:
-    """One kernel call of a chunk: its dims (flat, native.FIELDS per dim), run bytes and object byte offset."""
+    """One kernel call of a chunk: its dims (flat, native.FIELDS per dim, each named by its
+    axis), run bytes and object byte offset."""
 
-    __slots__ = ("dims", "address", "nd", "run", "ooff")
+    __slots__ = ("dims", "address", "nd", "run", "ooff", "names")
 
-    def __init__(self, dims: list[list[int]], run: int, ooff: int):
+    def __init__(self, dims: list[list[int]], run: int, ooff: int, names: tuple[str, ...]):
         self.dims = array.array("q", [v for d in dims for v in d])
         self.address = self.dims.buffer_info()[0]  # the array is never resized, so its buffer stays put
-        self.nd, self.run, self.ooff = len(dims), run, ooff
+        self.nd, self.run, self.ooff, self.names = len(dims), run, ooff, names
+
+    def for_chunk(self, ck: Chunk) -> KernelCall:
+        """This call for another chunk of the same shape (`chunk_shape`): a copy whose index
+        fields point at `ck`'s tensors; this one is left as it is (another thread may run it)."""
+        other = KernelCall([], self.run, self.ooff, self.names)
+        other.dims = array.array("q", self.dims)
+        other.address, other.nd = other.dims.buffer_info()[0], self.nd
+        for k, name in enumerate(self.names):
+            for f, value in _chunk_fields(name, ck):
+                other.dims[k * native.FIELDS + f] = value
+        return other
 
 
 class Description:
@@ -117,6 +160,10 @@ class Description:
     def __init__(self, key: tuple[Any, ...], ck: Chunk, cache: LeafSet, calls: list[KernelCall]):
         self.key, self.ck, self.cache, self.calls = key, ck, cache, calls
 
+    def for_chunk(self, ck: Chunk) -> Description:
+        """This description for another chunk of the same shape (its calls' `for_chunk`)."""
+        return Description(self.key, ck, self.cache, [c.for_chunk(ck) for c in self.calls])
+
 
 #: The fields of a dim that every plane of one walk must share (ext, idx, first, div, tok, div2):
 #: only strides and leaf steps may differ (csrc/kvcopy.c: kvgen_move_planes).
@@ -127,7 +174,7 @@ class Joint:
     """The planes of one chunk moved in one walk per path (kvgen_move_planes): each path's dims
     of every plane, and per path the heads (run, leaf array, leaf shift, object offset) of each plane."""
 
-    __slots__ = ("planes", "nds", "dims", "head", "_layers")
+    __slots__ = ("planes", "nds", "dims", "head", "_layers", "_names")
 
     def __init__(self, planes: list[Description]):
         self.planes = len(planes)
@@ -136,6 +183,23 @@ class Joint:
         self.dims = [array.array("q", [v for c in calls for v in c.dims]) for calls in paths]
         self._layers = [(d.cache, calls) for d, calls in zip(planes, zip(*paths, strict=True), strict=True)]
         self.head = self.layer_head(None)
+        self._names = [calls[0].names for calls in paths]  # the planes share every dim's axis
+
+    def for_chunk(self, ck: Chunk) -> Joint:
+        """This walk for another chunk of the same shape: copies of the dims whose index fields
+        point at `ck`'s tensors (in every plane: they share them); heads and caches as they are."""
+        other = object.__new__(Joint)
+        other.planes, other.nds, other._layers, other.head, other._names = (
+            self.planes, self.nds, self._layers, self.head, self._names)
+        other.dims = []
+        for nd, dims, names in zip(self.nds, self.dims, self._names, strict=True):
+            copy = array.array("q", dims)
+            for k, name in enumerate(names):
+                for f, value in _chunk_fields(name, ck):
+                    for q in range(self.planes):
+                        copy[(q * nd + k) * native.FIELDS + f] = value
+            other.dims.append(copy)
+        return other
 
     def layer_head(self, layer: int | None) -> list[array.array]:
         """Each path's heads, for one layer of a per-layer object when `layer` is given."""
@@ -186,6 +250,14 @@ class Prepared:
     picked: tuple[int, dict[int, tuple[int, int]]] = field(default=(0, {}))
     #: The last step moved: (its key, the library, the descriptions, the threads picked); see move().
     step: tuple[Any, ...] | None = None
+    #: The work (descriptions or a joint walk) of recent steps, by what it depends on besides the
+    #: chunk's index tensors (`_work_key`): a later chunk of the same shape reuses it through
+    #: `for_chunk` instead of describing every plane again. Each entry holds its binding.
+    recent: dict[tuple[Any, ...], tuple[Any, Any]] = field(default_factory=dict)
+
+
+#: Steps' work kept per connector and device: the chunk shapes and directions an engine uses.
+_RECENT_KEPT = 16
 
 
 #: The last description of each program (of each plane), reused while the same chunk moves
@@ -269,6 +341,12 @@ def _runs(path: CopyPath, ck: Chunk) -> bool:
     return ck.has_tokens if path.name == "tokens" else ck.moved > 0
 
 
+def _work_key(store: bool, tensor: torch.Tensor, call: Any, ck: Chunk) -> tuple[Any, ...]:
+    """What a step's work depends on but its chunk's index tensors: the direction, the chunk's
+    shape, the cache's binding (its leaves, strides, geometry) and the object's shape and strides."""
+    return (store, chunk_shape(ck), id(call.binding), tensor.shape, tensor.stride(), tensor.element_size())
+
+
 def _key(store: bool, tensor: torch.Tensor, call: Any, ck: Chunk) -> tuple[Any, ...]:
     return (store, id(ck), id(call.binding), tensor.shape, tensor.stride(), tensor.element_size())
 
@@ -302,21 +380,29 @@ def describe(program: CopyProgram, store: bool, tensor: torch.Tensor, call: Any,
         ext = {**ext, **plane_extents(program, cache.shape, tuple(view.shape), g)}
     os_ = strides(program.object_places, view, {**ext, "T": ck.num_tokens})
     item, base = view.element_size(), view.data_ptr() - tensor.data_ptr()
-    calls = []
-    for path in program.paths:
-        if not _runs(path, ck):
-            continue
-        dims = path.store if store else path.load
-        rows = _rows(dims, cache, os_, ext, ck, program.slot_split)
-        names = [d for d in dims if d in ("B", "N", "T", *program.slot_split) or ext.get(d, 1) > 1]
-        run, rows = _merge(rows, names, path.store_run if store else path.load_run, item)
-        if len(rows) > native.MAX_DIMS:  # the kernel's bound: never pass it more
-            raise Unsupported(f"{len(rows)} dims exceed the kernel's {native.MAX_DIMS}")
-        calls.append(KernelCall(rows, run, base + (ck.block_start * os_["T"] if path.name == "blocks" else 0)))
+    calls = [_path_call(program, path, store, cache, (os_, ext, item, base), ck)
+             for path in program.paths if _runs(path, ck)]
     found = Description(key, ck, cache, calls)
     if binding is not None:
         _remember(program, found)
     return found
+
+
+def _path_call(program: CopyProgram, path: CopyPath, store: bool, cache: LeafSet,
+               view: tuple[dict[str, int], dict[str, int], int, int], ck: Chunk) -> KernelCall:
+    """The kernel call of one path: its dims in the path's order, the innermost contiguous ones
+    merged into the run; `view`: the object view's byte strides, the extents, the element size
+    and the view's byte offset in the object."""
+    os_, ext, item, base = view
+    dims = path.store if store else path.load
+    rows = _rows(dims, cache, os_, ext, ck, program.slot_split)
+    names = [d for d in dims if d in ("B", "N", "T", *program.slot_split) or ext.get(d, 1) > 1]
+    if len(names) != len(rows):  # each row is named by its axis: for_chunk finds the chunk's fields so
+        raise Unsupported(f"dims {names} do not name the kernel's {len(rows)} dims")
+    run, rows = _merge(rows, names, path.store_run if store else path.load_run, item)
+    if len(rows) > native.MAX_DIMS:  # the kernel's bound: never pass it more
+        raise Unsupported(f"{len(rows)} dims exceed the kernel's {native.MAX_DIMS}")
+    return KernelCall(rows, run, base + (ck.block_start * os_["T"] if path.name == "blocks" else 0), tuple(names))
 
 
 def plane_extents(program: CopyProgram, leaf: tuple[int, ...], obj: tuple[int, ...], g: Any) -> dict[str, int]:
@@ -391,11 +477,23 @@ class NativeMover:
         if lib is None:
             raise Unsupported(native.unavailable() or "no compiled kernel")
         picked = self._pick(prepared, tensor, call, layer)
+        key = _work_key(store, tensor, call, ck)
+        kept = prepared.recent.get(key) if call.binding is not None else None
+        if kept is not None and kept[0] is call.binding:
+            work = kept[1]
+            return lib, work.for_chunk(ck) if isinstance(work, Joint) else [d.for_chunk(ck) for d in work], picked
         program = prepared.program
         if program.planes:
             planes = self._planes(prepared, store, tensor, call, ck)
-            return lib, joint(planes) or planes, picked
-        return lib, [describe(program, store, tensor, call, ck)], picked
+            work = joint(planes) or planes
+        else:
+            work = [describe(program, store, tensor, call, ck)]
+        if call.binding is not None:
+            with _lock:
+                if len(prepared.recent) >= _RECENT_KEPT:
+                    prepared.recent.pop(next(iter(prepared.recent)))
+                prepared.recent[key] = (call.binding, work)
+        return lib, work, picked
 
     @staticmethod
     def _planes(prepared: Prepared, store: bool, tensor: torch.Tensor, call: Any, ck: Chunk) -> list[Description]:
