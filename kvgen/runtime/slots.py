@@ -141,15 +141,16 @@ def _torch_facts(slots: torch.Tensor, skip: int, block_size: int | None) -> Slot
 
 def _native_facts(lib: Any, slots: torch.Tensor, skip: int, block_size: int | None) -> SlotFacts:
     """SlotFacts from kvgen_slots; `slots` contiguous int64 (slot_facts checks)."""
-    out = array.array("q", bytes(8 * 8))
+    out = array.array("q", bytes(8 * 9))
     lib.kvgen_slots(slots.data_ptr(), slots.shape[0], skip, block_size or 0, out.buffer_info()[0])
-    low, high, count, lo, contiguous, first, tokens, consecutive = out
+    low, high, count, lo, contiguous, first, tokens, consecutive, first_slot = out
     run: tuple[int, int, torch.Tensor | slice] | None = None
     if first >= 0:
         n = block_size or 1
-        first_id = int(slots[first]) // n
+        first_id = first_slot // n
+        # the run's slots are >= 0, so truncating divides as flooring would (and skips a wrapper)
         ids: torch.Tensor | slice = slice(first_id, first_id + tokens // n) if consecutive \
-            else slots[first:first + tokens:n] // n
+            else torch.div(slots[first:first + tokens:n], n, rounding_mode="trunc")
         run = (first, tokens, ids)
     return SlotFacts(low, high, count, lo, bool(contiguous), run)
 
@@ -192,7 +193,10 @@ def plan_chunk(slot_mapping: torch.Tensor, start: int, end: int, cache: Any, *, 
     num_slots, block_size = cache.S, cache.N
     _check_window(slot_mapping.shape[0], start, end, offset, skip)
     n = end - start
-    slots = slot_mapping[start - offset:end - offset].to(torch.int64).contiguous()  # what every kernel indexes with
+    slots = slot_mapping[start - offset:end - offset]
+    if slots.dtype != torch.int64:
+        slots = slots.to(torch.int64)
+    slots = slots.contiguous()  # what every kernel indexes with
     empty = Chunk(n, 0, None, None, None, None, None, 0, 0)
     if n == 0:
         return empty
@@ -211,7 +215,9 @@ def plan_chunk(slot_mapping: torch.Tensor, start: int, end: int, cache: Any, *, 
         block_start, block_tokens, block_ids = facts.run
         ranges = [(lo, block_start), (block_start + block_tokens, lo + count)]
         parts = [torch.arange(a, b, device=slots.device) for a, b in ranges if b > a]
-        token_pos = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=slots.device)
+        if not parts:  # whole blocks only: no token takes the token path
+            return Chunk(n, count, None, None, None, None, block_ids, block_start, block_tokens)
+        token_pos = torch.cat(parts)
     tok_slots, blk, off = _token_slots(slots, token_pos, every, (low, high), block_size)
     return Chunk(n, count, token_pos, tok_slots, blk, off, block_ids, block_start, block_tokens)
 

@@ -690,7 +690,7 @@ int kvgen_transfer(int nd, const int64_t *dims, int64_t run, char *const *src, i
 }
 
 /* What kvgen.runtime.slots.plan_chunk needs to know of one chunk's n slots, in one pass over
- * them (on the CPU this replaces a dozen tensor ops). Fills out[0..7]:
+ * them (on the CPU this replaces a dozen tensor ops). Fills out[0..8]:
  *   0 low, 1 high          the smallest and largest slot (all n, skipped ones included)
  *   2 moved, 3 first       how many tokens move (slot >= 0, not among the first `skip`) and the first
  *   4 one_run              1 when the moved tokens are consecutive positions
@@ -698,6 +698,7 @@ int kvgen_transfer(int nd, const int64_t *dims, int64_t run, char *const *src, i
  *                          moved tokens (block > 0 and one_run only): its first token and its
  *                          token count, or -1 and 0 when there is none
  *   7 consecutive          1 when that run's blocks are consecutive block ids
+ *   8 run_slot             the slot of the run's first token (-1 when there is no run)
  * The tests compare it with the torch path it stands for on random mappings. */
 void kvgen_slots(const int64_t *slots, int64_t n, int64_t skip, int64_t block, int64_t *out) {
     int64_t low = n ? slots[0] : 0, high = low, moved = 0, first = -1, last = -1;
@@ -716,7 +717,7 @@ void kvgen_slots(const int64_t *slots, int64_t n, int64_t skip, int64_t block, i
     }
     out[0] = low, out[1] = high, out[2] = moved, out[3] = first < 0 ? 0 : first;
     out[4] = moved == 0 || last - first + 1 == moved;
-    out[5] = -1, out[6] = 0, out[7] = 0;
+    out[5] = -1, out[6] = 0, out[7] = 0, out[8] = -1;
     if (!out[4] || moved == 0 || block <= 0)
         return;
     int64_t rem = slots[first] % block;
@@ -735,7 +736,7 @@ void kvgen_slots(const int64_t *slots, int64_t n, int64_t skip, int64_t block, i
         if (s[0] - slots[start] != b * block)
             consecutive = 0;
     }
-    out[5] = start, out[6] = count * block, out[7] = consecutive;
+    out[5] = start, out[6] = count * block, out[7] = consecutive, out[8] = slots[start];
 }
 
 static int kv_cmp(const void *a, const void *b) {
