@@ -7,8 +7,10 @@ tensors only their extents, strides and addresses: the byte stride of each axis,
 address, the chunk's index tensors. It reads no layout facts (PagedLayout / ObjectLayout), so
 an altered PROGRAM changes what it moves (tests/test_movers.py shows it).
 
-A description (the kernel calls of one chunk) is kept while the same chunk moves layer after
-layer, and a cache's leaf addresses and strides per binding, so a layer costs one lookup.
+A step (the kernel calls of one chunk) is kept while the same chunk moves layer after layer,
+the steps of recent chunk shapes are reused for later chunks of those shapes with their own
+index tensors put in, and a cache's leaf addresses and strides are kept per binding, so a
+layer costs one lookup and a chunk of a known shape no description.
 """
 
 from __future__ import annotations
@@ -143,26 +145,35 @@ class KernelCall:
         """This call for another chunk of the same shape (`chunk_shape`): a copy whose index
         fields point at `ck`'s tensors; this one is left as it is (another thread may run it)."""
         other = KernelCall([], self.run, self.ooff, self.names)
-        other.dims = array.array("q", self.dims)
+        other.dims = _for_chunk(self.dims, self.names, 1, ck)
         other.address, other.nd = other.dims.buffer_info()[0], self.nd
-        for k, name in enumerate(self.names):
-            for f, value in _chunk_fields(name, ck):
-                other.dims[k * native.FIELDS + f] = value
         return other
+
+
+def _for_chunk(dims: array.array, names: tuple[str, ...], planes: int, ck: Chunk) -> array.array:
+    """A copy of the flat dims of `planes` planes (each the dims `names` names, in order) whose
+    fields that read a chunk's index tensors hold `ck`'s (the planes of one walk share them)."""
+    copy = array.array("q", dims)
+    nd = len(names)
+    for k, name in enumerate(names):
+        for f, value in _chunk_fields(name, ck):
+            for q in range(planes):
+                copy[(q * nd + k) * native.FIELDS + f] = value
+    return copy
 
 
 class Description:
     """The kernel calls that move one chunk between a cache and objects of one shape and
     strides (any layer of a layerwise connector: the layer is an offset added per call)."""
 
-    __slots__ = ("key", "ck", "cache", "calls")
+    __slots__ = ("cache", "calls")
 
-    def __init__(self, key: tuple[Any, ...], ck: Chunk, cache: LeafSet, calls: list[KernelCall]):
-        self.key, self.ck, self.cache, self.calls = key, ck, cache, calls
+    def __init__(self, cache: LeafSet, calls: list[KernelCall]):
+        self.cache, self.calls = cache, calls
 
     def for_chunk(self, ck: Chunk) -> Description:
         """This description for another chunk of the same shape (its calls' `for_chunk`)."""
-        return Description(self.key, ck, self.cache, [c.for_chunk(ck) for c in self.calls])
+        return Description(self.cache, [c.for_chunk(ck) for c in self.calls])
 
 
 #: The fields of a dim that every plane of one walk must share (ext, idx, first, div, tok, div2):
@@ -191,14 +202,8 @@ class Joint:
         other = object.__new__(Joint)
         other.planes, other.nds, other._layers, other.head, other._names = (
             self.planes, self.nds, self._layers, self.head, self._names)
-        other.dims = []
-        for nd, dims, names in zip(self.nds, self.dims, self._names, strict=True):
-            copy = array.array("q", dims)
-            for k, name in enumerate(names):
-                for f, value in _chunk_fields(name, ck):
-                    for q in range(self.planes):
-                        copy[(q * nd + k) * native.FIELDS + f] = value
-            other.dims.append(copy)
+        other.dims = [_for_chunk(dims, names, self.planes, ck) for dims, names in zip(self.dims, self._names,
+                                                                                      strict=True)]
         return other
 
     def layer_head(self, layer: int | None) -> list[array.array]:
@@ -259,12 +264,6 @@ class Prepared:
 #: Steps' work kept per connector and device: the chunk shapes and directions an engine uses.
 _RECENT_KEPT = 16
 
-
-#: The last description of each program (of each plane), reused while the same chunk moves
-#: layer after layer. It holds its chunk and cache binding, so the ids in its key cannot be
-#: reused by other objects meanwhile.
-_last: dict[int, Description] = {}
-_LAST_KEPT = 64
 
 
 def _index(ids: Any) -> tuple[int, int]:
@@ -347,29 +346,12 @@ def _work_key(store: bool, tensor: torch.Tensor, call: Any, ck: Chunk) -> tuple[
     return (store, chunk_shape(ck), id(call.binding), tensor.shape, tensor.stride(), tensor.element_size())
 
 
-def _key(store: bool, tensor: torch.Tensor, call: Any, ck: Chunk) -> tuple[Any, ...]:
-    return (store, id(ck), id(call.binding), tensor.shape, tensor.stride(), tensor.element_size())
-
-
-def cached(program: CopyProgram, key: tuple[Any, ...], call: Any, ck: Chunk) -> Description | None:
-    """The description of `program` made for this chunk and binding, while it is the last one made."""
-    found = _last.get(id(program))
-    if found is not None and call.binding is not None and found.key == key and found.ck is ck \
-            and found.cache.binding is call.binding:
-        return found
-    return None
-
-
 def describe(program: CopyProgram, store: bool, tensor: torch.Tensor, call: Any, ck: Chunk,
              plane: tuple[int, torch.Tensor, Callable[[], Any]] | None = None) -> Description:
     """The kernel calls that move `ck` between `tensor` and the cache: one per planned path the
     chunk has tokens on. `plane`: (index, its view of `tensor`, what makes its leaf of every
     layer: called only when the binding's leaf set is not kept) for one plane of a cache of
     several; its calls' object offsets then count from `tensor`'s start."""
-    key = _key(store, tensor, call, ck)
-    found = cached(program, key, call, ck)
-    if found is not None:
-        return found
     binding, g = call.binding, call.g
     ext = g.extents()
     part, view, tree = plane if plane is not None else (0, tensor, lambda: call.kvcaches)
@@ -382,10 +364,7 @@ def describe(program: CopyProgram, store: bool, tensor: torch.Tensor, call: Any,
     item, base = view.element_size(), view.data_ptr() - tensor.data_ptr()
     calls = [_path_call(program, path, store, cache, (os_, ext, item, base), ck)
              for path in program.paths if _runs(path, ck)]
-    found = Description(key, ck, cache, calls)
-    if binding is not None:
-        _remember(program, found)
-    return found
+    return Description(cache, calls)
 
 
 def _path_call(program: CopyProgram, path: CopyPath, store: bool, cache: LeafSet,
@@ -425,14 +404,6 @@ def plane_extents(program: CopyProgram, leaf: tuple[int, ...], obj: tuple[int, .
     if held < g.S or ("S" not in ext and n != g.N):
         raise Unsupported(f"a plane's leaf holds {held} slots of {n} per block; the cache has {g.S} of {g.N}")
     return {**ext, "N": n} if program.slot_split else ext
-
-
-def _remember(program: CopyProgram, found: Description) -> None:
-    """Keep `found` as the program's last description (the same chunk moves layer after layer)."""
-    with _lock:
-        if len(_last) >= _LAST_KEPT:
-            _last.pop(next(iter(_last)))
-        _last[id(program)] = found
 
 
 class NativeMover:
@@ -498,12 +469,8 @@ class NativeMover:
     @staticmethod
     def _planes(prepared: Prepared, store: bool, tensor: torch.Tensor, call: Any, ck: Chunk) -> list[Description]:
         """Every plane's description, made before the first plane moves (a refusal writes
-        nothing); the module makes the views only where none is kept."""
+        nothing)."""
         planes = prepared.program.planes
-        key = _key(store, tensor, call, ck)
-        found = [cached(p, key, call, ck) for p in planes]
-        if all(d is not None for d in found):
-            return found  # type: ignore[return-value]
         connector, g = prepared.connector, call.g
         views = connector._plane_objects(tensor, g, ck)
         made: list[Any] = []
