@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kvgen.runtime import available_devices
+from kvgen.tools.verify.interpreter import skip_overflow_checks
 
 
 def _devices() -> list[str]:
@@ -31,6 +33,11 @@ SERIAL_GROUP = "serial"
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The tests run Triton kernels in its interpreter as verify does, without its 32-bit
+    # overflow checks (why: kvgen.tools.verify.interpreter).
+    skip_overflow_checks()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        one_thread_per_worker()
     # xdist's default `load` ignores groups; `loadgroup` is `load` that honours them. Its
     # workers parse the command line afresh, so the controller tells them (workerinput).
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", None) == "load":
@@ -42,6 +49,16 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest without xdist never calls it
 def pytest_configure_node(node: Any) -> None:
     node.workerinput["kvgen_loadgroup"] = node.config.option.dist == "loadgroup"
+
+
+def one_thread_per_worker() -> None:
+    """Parallel workers share the cores, so each worker's torch (and every process its tests
+    start) runs one thread. With torch's default of one thread per core, every small op of one
+    worker waited in an OpenMP barrier for threads the other worker's tests kept descheduled:
+    tests of many small ops took 2-8 times as long. Tests of the kernels' thread split ask
+    for their threads (cpu_threads patched); the serial pass keeps torch's default."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 #: The one way a test becomes serial: the marker, written in its module.
