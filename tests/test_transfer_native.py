@@ -100,3 +100,23 @@ def test_a_layerwise_transfer_picks_its_threads_once(monkeypatch: pytest.MonkeyP
     want = _want(src, dst)
     assert sum(1 for _ in T().copy_layers(src, S, dst, D)) == SRC_EXT["L"] + 1
     assert SRC_EXT["L"] > 1 and len(asked) == 1 and same_bits(dst, want)
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_threads_share_a_transfer_and_move_exactly_what_one_does(layerwise: bool,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three threads, each a share of the first dim, on a team of four: the description puts
+    a dim of at least four entries first (a layer's KV pair alone would idle two threads), and
+    every slot pair still arrives once."""
+    from kvgen.runtime.transfer import compiled
+
+    monkeypatch.setattr(compiled, "cpu_threads", lambda nbytes, *args: 3)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    src, dst = _caches()
+    want = _want(src, dst)
+    t = T(copy_backend="native")
+    if layerwise:
+        assert sum(1 for _ in t.copy_layers(src, S, dst, D)) == SRC_EXT["L"] + 1
+    else:
+        t.copy(src, S, dst, D)
+    assert same_bits(dst, want)
