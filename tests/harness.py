@@ -44,6 +44,13 @@ def builtin_library() -> Library:
     return load_library()
 
 
+@cache
+def builtin_plans() -> tuple[Any, ...]:
+    """The connector plans of the built-in specs (plan_connectors), made once per test process
+    for the modules that parametrize over them at import (~0.3 s each)."""
+    return tuple(plan_connectors(builtin_library()))
+
+
 #: Test-only specs with split (tiled) axes, beside the built-in ones (sglang_mha_vectorized_5d,
 #: sglang_mha_mxfp8_interleaved); the folder may be absent.
 TILED_SPECS = Path(__file__).parent / "specs_tiled"

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import EXT, Scenario
+from harness import EXT, Scenario, builtin_plans
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvgen import generated
 from kvgen.oracle.scenarios import check_pair
-from kvgen.plan.package import plan_connectors
 from kvgen.runtime import native
-from kvgen.spec.library import load_library
 
-PLANS = sorted(plan_connectors(load_library()), key=lambda p: p.module)
+PLANS = sorted(builtin_plans(), key=lambda p: p.module)
 SLOTS = EXT["B"] * EXT["N"]
 
 pytestmark = pytest.mark.skipif(bool(native.unavailable()), reason=f"no compiled kernel: {native.unavailable()}")

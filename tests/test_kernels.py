@@ -25,6 +25,7 @@ from harness import (
     EXT,
     SCENARIOS,
     builtin_library,
+    builtin_plans,
     connector_load,
     connector_store,
     make_cache,
@@ -36,14 +37,14 @@ from kvgen import generated
 from kvgen.oracle.scenarios import Scenario, check_connector, clone_tree, same_bits
 from kvgen.plan.copy import CopyPlan, plan_library
 from kvgen.plan.kernel import make_kernel_plan, make_planes_kernel_plan
-from kvgen.plan.package import plan_connectors, plan_package
+from kvgen.plan.package import plan_package
 from kvgen.plan.planes import PlanesPlan
 from kvgen.runtime import KVLayoutError, available_devices, kernels, native
 from kvgen.tools.verify import connectors as verify_connectors
 
 LIBRARY = builtin_library()
 PLANS = {p.module: p for p in plan_library(LIBRARY)}
-PARTS = {p.module: p for p in plan_connectors(LIBRARY) if isinstance(p, PlanesPlan)}
+PARTS = {p.module: p for p in builtin_plans() if isinstance(p, PlanesPlan)}
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if HAVE_TRITON and available_devices() == ["cpu"]:
     # Kernel modules are imported on first use, after collection: they see the interpreter.

@@ -16,7 +16,15 @@ from typing import Any
 
 import pytest
 import torch
-from harness import EXT, SCENARIOS, builtin_library, connector_load, connector_store, make_cache, make_objects
+from harness import (
+    EXT,
+    SCENARIOS,
+    builtin_plans,
+    connector_load,
+    connector_store,
+    make_cache,
+    make_objects,
+)
 from test_kernels import interpreted
 from test_split_connectors import SQUARE, SQUARE_BLOCKS, SQUARE_N
 
@@ -30,12 +38,11 @@ from kvgen.plan.kernel import (
     plan_refusal,
     slot_refusal,
 )
-from kvgen.plan.package import plan_connectors
 from kvgen.plan.planes import PlanesPlan
 from kvgen.runtime import KVLayoutError, available_devices, kernels
 from kvgen.tools.verify.connectors import INTERPRETER_LAYERS
 
-PLANS = [p for p in plan_connectors(builtin_library()) if isinstance(p, PlanesPlan)]
+PLANS = [p for p in builtin_plans() if isinstance(p, PlanesPlan)]
 #: Caches of whole axes, and caches with split (tiled) axes (tile and place dims of a plane's row or block slot).
 PARTS = {p.module: p for p in PLANS if not p.tiled}
 TILED = {p.module: p for p in PLANS if p.tiled}

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from harness import SCENARIOS
+from harness import SCENARIOS, builtin_library
 
 from kvgen import generated
 from kvgen.oracle.scenarios import check_pair
@@ -21,9 +21,8 @@ from kvgen.oracle.scenarios.transfers import TransferRun, check_transfer
 from kvgen.runtime import native
 from kvgen.runtime.movers.native import NativeMover
 from kvgen.runtime.transfer import compiled
-from kvgen.spec.library import load_library
 
-LIBRARY = load_library()
+LIBRARY = builtin_library()
 
 pytestmark = pytest.mark.skipif(bool(native.unavailable()), reason=f"no compiled kernel: {native.unavailable()}")
 

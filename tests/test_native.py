@@ -25,7 +25,17 @@ from typing import Any
 
 import pytest
 import torch
-from harness import EXT, SCENARIOS, builtin_library, make_cache, obj_tensors, reference_load, reference_store, same_bits
+from harness import (
+    EXT,
+    SCENARIOS,
+    builtin_library,
+    builtin_plans,
+    make_cache,
+    obj_tensors,
+    reference_load,
+    reference_store,
+    same_bits,
+)
 
 from kvgen import generated
 from kvgen.errors import KVLayoutError
@@ -39,14 +49,13 @@ from kvgen.oracle.scenarios import (
     tensors_of,
 )
 from kvgen.plan.copy import CopyPlan
-from kvgen.plan.package import plan_connectors
 from kvgen.runtime import MemoryObj, host, native
 from kvgen.runtime.connector import Call
 from kvgen.runtime.movers import native as native_mover
 from kvgen.runtime.slots import Chunk
 
 LIBRARY = builtin_library()
-PLANS = plan_connectors(LIBRARY)
+PLANS = list(builtin_plans())
 #: Connectors of one-tree caches, and of caches of several planes (split axes among them:
 #: tests/test_split_connectors.py), all on the compiled path.
 TREE = [p for p in PLANS if isinstance(p, CopyPlan)]

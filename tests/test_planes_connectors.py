@@ -21,6 +21,7 @@ from harness import (
     Scenario,
     block_table_mapping,
     builtin_library,
+    builtin_plans,
     clone_tree,
     connector_load,
     connector_store,
@@ -36,12 +37,12 @@ from harness import (
 from kvgen import generated
 from kvgen.emit.render import render_connector, seal
 from kvgen.oracle.scenarios import check_backends, check_pair, fitted
-from kvgen.plan.package import connector_plan, plan_connectors
+from kvgen.plan.package import connector_plan
 from kvgen.plan.planes import PlanesPlan
 from kvgen.runtime import KVLayoutError, MemoryObj
 
 LIBRARY = builtin_library()
-PLANS = {p.module: p for p in plan_connectors(LIBRARY) if isinstance(p, PlanesPlan)}
+PLANS = {p.module: p for p in builtin_plans() if isinstance(p, PlanesPlan)}
 
 
 def test_every_format2_pair_is_generated() -> None:

@@ -8,17 +8,16 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
-from harness import builtin_library
+from harness import builtin_library, builtin_plans
 
 from kvgen import generated
 from kvgen.plan import splits
 from kvgen.plan.copy import CopyPlan
-from kvgen.plan.package import plan_connectors
 from kvgen.plan.program import KERNEL_DIMS, ProgramPlan, program_plan, transfer_program
 from kvgen.runtime import CopyPath, CopyProgram, TransferPath, native
 
 LIBRARY = builtin_library()
-PLANS = {p.module: p for p in plan_connectors(LIBRARY)}
+PLANS = {p.module: p for p in builtin_plans()}
 
 def _program_of(plan: ProgramPlan) -> CopyProgram:
     return CopyProgram(**dict(plan.fields), paths=tuple(CopyPath(**dict(p)) for p in plan.paths))

@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from harness import builtin_library
+from harness import builtin_plans
 
 from kvgen import generated
 from kvgen.oracle.scenarios import (
@@ -28,7 +28,6 @@ from kvgen.oracle.scenarios import (
     obj_tensors,
     same_bits,
 )
-from kvgen.plan.package import plan_connectors
 from kvgen.runtime import available_devices, kernels
 from kvgen.tools.verify import connectors as verify_connectors
 
@@ -39,7 +38,7 @@ if available_devices() == ["cpu"]:
     # Kernel modules are imported on first use, after collection: they see the interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-PLANS = {p.module: p for p in plan_connectors(builtin_library())}
+PLANS = {p.module: p for p in builtin_plans()}
 #: A block-path connector with a table over L, and a format-2 connector of several planes.
 MODULES = ["vllm_flash_attn_nhd__kv_2ltd", "vllm_int8_per_token_head__kv_planes_layer"]
 

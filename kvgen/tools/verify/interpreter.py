@@ -2,13 +2,13 @@
 
 The interpreter runs every program instance of a launch in Python, one numpy call per Triton
 operation. By default it also checks every 32-bit integer add, subtract and multiply for
-overflow, which costs about 40% of its time on kvgen's kernels. Those checks cannot fire
-here: every address kvgen's kernels compute is 64-bit (block ids, slots and token positions
-are widened before they meet a stride), and the 32-bit values left (program ids, a tile's
-lanes, a row's word offsets: a head or channel index times its stride inside one token's
-row) stay far below 2**31 in the caches the scenarios build, a few kilobytes each. (What keeps a launch inside its tensors is the connector's
-check of every cache and object against its storage, kvgen.runtime.aliasing, before any
-mover runs; it runs as before.)
+overflow, which costs about 40% of its time on kvgen's kernels. Those checks cannot fire here:
+every address kvgen's kernels compute is 64-bit (block ids, slots and token positions are
+widened before they meet a stride), and the 32-bit values left (program ids, a tile's lanes, a
+row's word offsets: a head or channel index times its stride inside one token's row) stay far
+below 2**31 in the caches the scenarios build, a few kilobytes each. (What keeps a launch
+inside its tensors is the connector's check of every cache and object against its storage,
+kvgen.runtime.aliasing, before any mover runs; it runs as before.)
 """
 
 from __future__ import annotations
