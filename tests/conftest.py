@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvgen.runtime import available_devices
-from kvgen.tools.verify.interpreter import skip_overflow_checks
+from kvgen.tools.verify.interpreter import quicken
 
 
 def _devices() -> list[str]:
@@ -35,7 +35,7 @@ SERIAL_GROUP = "serial"
 def pytest_configure(config: pytest.Config) -> None:
     # The tests run Triton kernels in its interpreter as verify does, without its 32-bit
     # overflow checks (why: kvgen.tools.verify.interpreter).
-    skip_overflow_checks()
+    quicken()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         one_thread_per_worker()
     # xdist's default `load` ignores groups; `loadgroup` is `load` that honours them. Its

@@ -25,6 +25,7 @@ from kvgen.oracle.scenarios import (
     connector_store,
     make_cache,
     make_objects,
+    move_pair,
     obj_tensors,
     same_bits,
 )
@@ -100,3 +101,30 @@ def test_a_fault_on_one_path_still_fails(monkeypatch: pytest.MonkeyPatch) -> Non
     store_ok, load_ok, launched, runs = verify_connectors.check(generated, plan, "cpu", "triton")
     assert launched and runs < len(SCENARIOS)
     assert not (store_ok and load_ok)
+
+
+def test_a_quickened_interpreter_patches_the_language_once_per_launch_and_restores_it() -> None:
+    """kvgen.tools.verify.interpreter.quicken (the tests and verify run it): no 32-bit overflow
+    checks, one patch of triton.language per launch however many jitted helpers a program
+    calls, and the language as it was once each launch ends; a second quicken changes nothing."""
+    import triton.language as tl
+    from triton.runtime import interpreter as triton_interpreter
+
+    from kvgen.tools.verify import interpreter
+
+    assert interpreter.quicken() and interpreter.quicken()
+    patch = triton_interpreter._patch_lang
+    assert isinstance(patch, interpreter._PatchOnce) and not isinstance(patch.patch, interpreter._PatchOnce)
+    assert not triton_interpreter.interpreter_builder.options.sanitize_overflow
+    calls: list[str] = []
+    original = patch.patch
+    before = tl.program_id, tl.load, tl.tensor.__add__
+    try:
+        patch.patch = lambda fn: calls.append(fn.__name__) or original(fn)
+        plan, connector = _connector(MODULES[0])
+        launches = kernels.stats["launches"]
+        move_pair(connector, plan.paged, plan.obj, SCENARIOS["partial_blocks"])
+    finally:
+        patch.patch = original
+    assert kernels.stats["launches"] > launches and calls == ["_copy"] * (kernels.stats["launches"] - launches)
+    assert not patch.active and (tl.program_id, tl.load, tl.tensor.__add__) == before

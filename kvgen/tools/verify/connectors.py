@@ -79,7 +79,7 @@ def check(package: ModuleType, plan: Any, device: str, backend: str | None) -> t
     connector = package.get(plan.paged.name, plan.obj.name)(device=device, backend=backend)
     chosen = scenarios(backend, device)
     if interpreted(backend, device):
-        interpreter.skip_overflow_checks()
+        interpreter.quicken()
         chosen = distinct_launches(connector, plan, chosen)
     launches = kernels.stats["launches"]
     store = load = True

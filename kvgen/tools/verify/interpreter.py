@@ -1,25 +1,34 @@
 """Triton's interpreter as `kvgen verify --backend triton --device cpu` and the tests run it.
 
 The interpreter runs every program instance of a launch in Python, one numpy call per Triton
-operation. By default it also checks every 32-bit integer add, subtract and multiply for
-overflow, which costs about 40% of its time on kvgen's kernels. Those checks cannot fire here:
-every address kvgen's kernels compute is 64-bit (block ids, slots and token positions are
-widened before they meet a stride), and the 32-bit values left (program ids, a tile's lanes, a
-row's word offsets: a head or channel index times its stride inside one token's row) stay far
-below 2**31 in the caches the scenarios build, a few kilobytes each. (What keeps a launch
-inside its tensors is the connector's check of every cache and object against its storage,
-kvgen.runtime.aliasing, before any mover runs; it runs as before.)
+operation. Two of its habits cost more than the kernels' own work there, and `quicken` turns
+both off for the process:
+
+* It checks every 32-bit integer add, subtract and multiply for overflow (about 40% of its time
+  on kvgen's kernels). Those checks cannot fire here: every address kvgen's kernels compute is
+  64-bit (block ids, slots and token positions are widened before they meet a stride), and the
+  32-bit values left (program ids, a tile's lanes, a row's word offsets: a head or channel index
+  times its stride inside one token's row) stay far below 2**31 in the caches the scenarios
+  build, a few kilobytes each.
+* Each call of a jitted helper (kvgen.runtime.tiles: move_chunk and the two it calls, three per
+  program instance) patches triton.language again, walking its modules' members (about a
+  quarter of the rest), though the launch around it has patched them already and restores
+  them once it ends. Inside a launch those repeats are skipped; the launch's own patch is kept.
+
+What keeps a launch inside its tensors is the connector's check of every cache and object
+against its storage (kvgen.runtime.aliasing) before any mover runs; it runs as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from typing import Any
 
 
-def skip_overflow_checks() -> bool:
-    """Switch the interpreter's 32-bit overflow checks off for this process; False when this
-    Triton has no interpreter options to change (the checks then stay on)."""
+def quicken() -> bool:
+    """Switch both habits off for this process (idempotent); False where this Triton does not
+    have the interpreter parts it changes (the interpreter then runs as it is)."""
     if importlib.util.find_spec("triton") is None:
         return False
     # triton: optional, and only where a kernel runs in its interpreter
@@ -27,7 +36,45 @@ def skip_overflow_checks() -> bool:
 
     builder = getattr(interpreter, "interpreter_builder", None)
     options = getattr(builder, "options", None)
-    if not dataclasses.is_dataclass(options) or not hasattr(options, "sanitize_overflow"):
+    patch = getattr(interpreter, "_patch_lang", None)
+    if not (dataclasses.is_dataclass(options) and hasattr(options, "sanitize_overflow") and callable(patch)):
         return False
     builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    if not isinstance(patch, _PatchOnce):
+        interpreter._patch_lang = _PatchOnce(patch)
     return True
+
+
+class _PatchOnce:
+    """triton's `_patch_lang` that patches once per launch: a call while a launch's patch is in
+    force (between its patch and its restore) changes nothing and restores nothing."""
+
+    def __init__(self, patch: Any):
+        self.patch, self.active = patch, False
+
+    def __call__(self, fn: Any) -> Any:
+        if self.active:
+            return _Kept()
+        scope = self.patch(fn)
+        self.active = True
+        return _Restoring(scope, self)
+
+
+class _Kept:
+    """The scope of a repeated patch: nothing to restore."""
+
+    def restore(self) -> None:
+        pass
+
+
+class _Restoring:
+    """A launch's scope: restoring it ends the launch's patch."""
+
+    def __init__(self, scope: Any, owner: _PatchOnce):
+        self.scope, self.owner = scope, owner
+
+    def restore(self) -> None:
+        try:
+            self.scope.restore()
+        finally:
+            self.owner.active = False
