@@ -104,16 +104,16 @@ def test_imports_follow_the_pipeline(path: Path) -> None:
 
 
 def test_building_the_library_never_imports_torch(tmp_path: Path) -> None:
-    """One fresh interpreter plans, renders, builds (kvgen.emit.build.build, through `kvgen build`),
-    checks and explains, from a folder outside the repository: no torch, no kvgen.runtime.
-    (test_build_safety.py's generator-never-imports-torch check is this one.)"""
+    """One fresh interpreter imports the generator's stages, then builds (kvgen.emit.build.build,
+    through `kvgen build`: it loads, plans and renders), checks and explains, from a folder
+    outside the repository: no torch, no kvgen.runtime. (test_build_safety.py's
+    generator-never-imports-torch check is this one.)"""
     out = tmp_path / "out"
     code = ("import sys\n"
             "from kvgen.emit.build import check, render\n"
             "from kvgen.plan.copy import plan_library\n"
             "from kvgen.spec.library import load_library\n"
             "from kvgen.tools.cli import main\n"
-            "plan_library(load_library()); render()\n"
             f"assert main(['build', '--out', {str(out)!r}]) == 0\n"
             f"assert check({str(out)!r}).ok\n"
             "assert main(['explain', 'NHD']) == 0\n"
