@@ -127,4 +127,41 @@ def test_a_quickened_interpreter_patches_the_language_once_per_launch_and_restor
     finally:
         patch.patch = original
     assert kernels.stats["launches"] > launches and calls == ["_copy"] * (kernels.stats["launches"] - launches)
-    assert not patch.active and (tl.program_id, tl.load, tl.tensor.__add__) == before
+    assert patch.active is None and (tl.program_id, tl.load, tl.tensor.__add__) == before
+
+
+HELPER = '''
+import triton
+from triton.language import core
+
+
+@triton.jit
+def put(out, v):
+    core.store(out + core.arange(0, 4), v)
+'''
+KERNEL = '''
+import triton
+import triton.language as tl
+from interp_helper import put
+
+
+@triton.jit
+def fill(out):
+    put(out, tl.arange(0, 4) + 7)
+'''
+
+
+def test_a_helper_that_sees_another_language_module_is_still_patched(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """A kernel whose helper reaches triton.language.core (a module the launch's patch of
+    triton.language leaves as it is) runs under the quickened interpreter as under triton's own."""
+    from kvgen.tools.verify import interpreter
+
+    assert interpreter.quicken()
+    (tmp_path / "interp_helper.py").write_text(HELPER)
+    (tmp_path / "interp_kernel.py").write_text(KERNEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import interp_kernel
+
+    out = torch.zeros(4, dtype=torch.int32)
+    interp_kernel.fill[(1,)](out)
+    assert out.tolist() == [7, 8, 9, 10]

@@ -13,7 +13,8 @@ both off for the process:
 * Each call of a jitted helper (kvgen.runtime.tiles: move_chunk and the two it calls, three per
   program instance) patches triton.language again, walking its modules' members (about a
   quarter of the rest), though the launch around it has patched them already and restores
-  them once it ends. Inside a launch those repeats are skipped; the launch's own patch is kept.
+  them once it ends. Inside a launch those repeats are skipped (the launch's own patch is
+  kept); a helper that sees a module the launch did not patch is still patched.
 
 What keeps a launch inside its tensors is the connector's check of every cache and object
 against its storage (kvgen.runtime.aliasing) before any mover runs; it runs as before.
@@ -46,17 +47,36 @@ def quicken() -> bool:
 
 
 class _PatchOnce:
-    """triton's `_patch_lang` that patches once per launch: a call while a launch's patch is in
-    force (between its patch and its restore) changes nothing and restores nothing."""
+    """triton's `_patch_lang` that patches once per launch: while a launch's patch is in force
+    (between its patch and its restore), a helper whose triton.language modules the launch
+    has patched already changes nothing and restores nothing; a helper that sees another of
+    them (a kernel library's own import of triton.language.core, say) is patched as triton
+    patches it."""
 
     def __init__(self, patch: Any):
-        self.patch, self.active = patch, False
+        self.patch = patch
+        self.active: frozenset[int] | None = None  # the modules the running launch has patched
+        self._langs: dict[Any, frozenset[int]] = {}
+
+    def langs(self, fn: Any) -> frozenset[int]:
+        """The triton.language modules `fn` sees (the ones triton's patch changes), by id."""
+        found = self._langs.get(fn)
+        if found is None:
+            import triton.language as tl  # triton: only where a kernel runs in its interpreter
+
+            found = self._langs[fn] = frozenset(
+                id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        return found
 
     def __call__(self, fn: Any) -> Any:
-        if self.active:
+        langs = self.langs(fn)
+        if self.active is not None and langs <= self.active:
             return _Kept()
         scope = self.patch(fn)
-        self.active = True
+        if self.active is not None:  # a helper's own modules: patched, as triton leaves them
+            self.active |= langs
+            return scope
+        self.active = langs
         return _Restoring(scope, self)
 
 
@@ -77,4 +97,4 @@ class _Restoring:
         try:
             self.scope.restore()
         finally:
-            self.owner.active = False
+            self.owner.active = None
