@@ -33,8 +33,8 @@ SERIAL_GROUP = "serial"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # The tests run Triton kernels in its interpreter as verify does, without its 32-bit
-    # overflow checks (why: kvgen.tools.verify.interpreter).
+    # The tests run Triton kernels in its interpreter as verify does: without its 32-bit
+    # overflow checks and its repeated patches of triton.language (kvgen.tools.verify.interpreter).
     quicken()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         one_thread_per_worker()

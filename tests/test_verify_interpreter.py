@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,7 +153,8 @@ def fill(out):
 '''
 
 
-def test_a_helper_that_sees_another_language_module_is_still_patched(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_a_helper_that_sees_another_language_module_is_still_patched(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel whose helper reaches triton.language.core (a module the launch's patch of
     triton.language leaves as it is) runs under the quickened interpreter as under triton's own."""
     from kvgen.tools.verify import interpreter
@@ -160,8 +163,12 @@ def test_a_helper_that_sees_another_language_module_is_still_patched(tmp_path, m
     (tmp_path / "interp_helper.py").write_text(HELPER)
     (tmp_path / "interp_kernel.py").write_text(KERNEL)
     monkeypatch.syspath_prepend(str(tmp_path))
-    import interp_kernel
+    try:
+        import interp_kernel
 
-    out = torch.zeros(4, dtype=torch.int32)
-    interp_kernel.fill[(1,)](out)
+        out = torch.zeros(4, dtype=torch.int32)
+        interp_kernel.fill[(1,)](out)
+    finally:  # imported from tmp_path: gone after this test
+        for name in ("interp_helper", "interp_kernel"):
+            sys.modules.pop(name, None)
     assert out.tolist() == [7, 8, 9, 10]

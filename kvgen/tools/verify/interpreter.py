@@ -33,6 +33,7 @@ def quicken() -> bool:
     if importlib.util.find_spec("triton") is None:
         return False
     # triton: optional, and only where a kernel runs in its interpreter
+    import triton.language as tl
     from triton.runtime import interpreter
 
     builder = getattr(interpreter, "interpreter_builder", None)
@@ -42,7 +43,7 @@ def quicken() -> bool:
         return False
     builder.options = dataclasses.replace(options, sanitize_overflow=False)
     if not isinstance(patch, _PatchOnce):
-        interpreter._patch_lang = _PatchOnce(patch)
+        interpreter._patch_lang = _PatchOnce(patch, (tl, tl.core))
     return True
 
 
@@ -53,19 +54,18 @@ class _PatchOnce:
     them (a kernel library's own import of triton.language.core, say) is patched as triton
     patches it."""
 
-    def __init__(self, patch: Any):
-        self.patch = patch
+    def __init__(self, patch: Any, modules: tuple[Any, ...]):
+        #: triton's own patch, and the modules it changes (triton.language and its core).
+        self.patch, self.modules = patch, modules
         self.active: frozenset[int] | None = None  # the modules the running launch has patched
         self._langs: dict[Any, frozenset[int]] = {}
 
     def langs(self, fn: Any) -> frozenset[int]:
-        """The triton.language modules `fn` sees (the ones triton's patch changes), by id."""
+        """Which of `modules` `fn` sees, by id."""
         found = self._langs.get(fn)
         if found is None:
-            import triton.language as tl  # triton: only where a kernel runs in its interpreter
-
             found = self._langs[fn] = frozenset(
-                id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+                id(v) for v in fn.__globals__.values() if any(v is m for m in self.modules))
         return found
 
     def __call__(self, fn: Any) -> Any:
