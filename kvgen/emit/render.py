@@ -131,15 +131,24 @@ def environment() -> jinja2.Environment:
     return env
 
 
+#: Digests of module bodies this process has compiled: a library rendered again (a check
+#: after a build, kvgen's tests) repeats most of its modules, and compiling them is about half
+#: of a render. Whether a text compiles is a function of the text.
+_COMPILED: set[str] = set()
+
+
 def seal(name: str, text: str) -> str:
     """Check the module parses and compiles, then record a digest of its body so that a
     later hand edit can be told apart from a stale build."""
-    try:
-        compile(text, name, "exec", dont_inherit=True)  # parses to an AST, then to bytecode
-    except SyntaxError as exc:
-        raise BuildError(f"generated {name} is not valid Python ({exc.msg}, line {exc.lineno}); "
-                         "this is a kvgen bug: please report it with the specs involved") from None
-    return f"{DIGEST_PREFIX}{body_digest(text)}\n{text}"
+    digest = body_digest(text)
+    if digest not in _COMPILED:
+        try:
+            compile(text, name, "exec", dont_inherit=True)  # parses to an AST, then to bytecode
+        except SyntaxError as exc:
+            raise BuildError(f"generated {name} is not valid Python ({exc.msg}, line {exc.lineno}); "
+                             "this is a kvgen bug: please report it with the specs involved") from None
+        _COMPILED.add(digest)
+    return f"{DIGEST_PREFIX}{digest}\n{text}"
 
 
 def body_digest(body: str) -> str:

@@ -6,6 +6,7 @@ no tags that construct objects, one document, at most MAX_SPEC_BYTES and MAX_SPE
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,11 @@ def _fail(file: str, where: tuple[int, int], message: str) -> SpecError:
 
 def parse_yaml(path: Path) -> Document:
     """Parse `path` into a Document; raise SpecError for anything that is not plain data."""
+    return parse_bytes(*read_spec(path))
+
+
+def read_spec(path: Path) -> tuple[str, bytes]:
+    """The file as its problems name it, and its bytes (at most MAX_SPEC_BYTES)."""
     file = display_path(path)
     try:
         raw = path.read_bytes()
@@ -39,6 +45,11 @@ def parse_yaml(path: Path) -> Document:
         raise _fail(file, (1, 1), f"cannot read the file: {exc.strerror or exc}") from None
     if len(raw) > MAX_SPEC_BYTES:
         raise _fail(file, (1, 1), f"file is {len(raw)} bytes; a spec may be at most {MAX_SPEC_BYTES}")
+    return file, raw
+
+
+def parse_bytes(file: str, raw: bytes) -> Document:
+    """Parse one spec file's bytes (read_spec's) into a Document."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -206,9 +217,28 @@ def _build(doc: Document, node: yaml.Node, path: YamlPath) -> Any:
                                            f"{_short_tag(node.tag)}")]) from exc
 
 
+#: Documents that passed the schema check, by (file as shown, bytes). One process loads the
+#: same specs many times (a build after a validate, verify's workers, kvgen's tests), and
+#: parsing and the schema check are most of a load; the result is a function of the bytes.
+_CLEAN: dict[tuple[str, bytes], Document] = {}
+_CLEAN_LIMIT = 1024
+
+
 def load_document(path: Path) -> Document:
     """Parse and schema-check one spec file; raise SpecError listing every problem."""
-    doc = parse_yaml(path)
+    file, raw = read_spec(path)
+    clean = _CLEAN.get((file, raw))
+    if clean is None:
+        clean = _checked(parse_bytes(file, raw))
+        if len(_CLEAN) >= _CLEAN_LIMIT:
+            _CLEAN.clear()
+        _CLEAN[(file, raw)] = clean
+    # A copy each time: callers may edit what they get (drop_unknown_fields, the tests' edits).
+    return copy.deepcopy(clean)
+
+
+def _checked(doc: Document) -> Document:
+    """`doc`, if it is a mapping of a known version that the schema accepts; else SpecError."""
     if not isinstance(doc.data, dict):
         raise SpecError([doc.problem((), f"a spec is a mapping of fields (kvgen, name, kind, ...), "
                                          f"got {typename(doc.data)}")])
