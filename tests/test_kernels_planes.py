@@ -253,18 +253,34 @@ def test_split_plane_kernels_match_the_reference(module: str, device: str) -> No
 
 def _broken_launches(monkeypatch: pytest.MonkeyPatch, break_: str) -> None:
     """Every launch of a plane with a split block slot, broken after the plan: the tile's and the
-    place's cache strides swapped, or blocks one tile short (the last tile of each left out)."""
+    place's cache strides swapped, or the last tile dropped (whole blocks one tile short; a single
+    token's offset in its block read in tiles of twice the place, since a shorter block would
+    send the slots of the last blocks past the cache's end). Each break stays inside the tensors
+    the kernel is given (asserted: every slot's block as before, no offset in a block past the
+    furthest one the true launch reaches): the interpreter writes where the addresses say."""
     real = kernels._launch
 
     def launch(fn: Any, grid: Any, args: dict[str, Any], device: Any) -> None:
         tile, place = (next((k for k in args if k.startswith(p)), None) for p in ("cs_N_t", "cs_N_p"))
+        broken = args
         if tile and place and break_ == "swap_strides":
-            args = {**args, tile: args[place], place: args[tile]}
+            broken = {**args, tile: args[place], place: args[tile]}
         if tile and place and break_ == "drop_last_tile":
-            args = {**args, "BN": args["BN"] - args["E" + place[2:]]}
-        real(fn, grid, args, device)
+            extent = "E" + place[2:]
+            broken = ({**args, extent: 2 * args[extent]} if args["SLOTS"]
+                      else {**args, "BN": args["BN"] - args[extent]})
+        if tile and place:
+            assert broken["BN"] == args["BN"] or not args["SLOTS"]
+            assert _reach(broken, tile, place) <= _reach(args, tile, place)
+        real(fn, grid, broken, device)
 
     monkeypatch.setattr(kernels, "_launch", launch)
+
+
+def _reach(args: dict[str, Any], tile: str, place: str) -> int:
+    """The furthest cache offset within a block that a launch's split slot addresses."""
+    extent = args["E" + place[2:]]
+    return (args["BN"] // extent - 1) * args[tile] + (extent - 1) * args[place]
 
 
 @needs_triton
