@@ -423,22 +423,25 @@ def test_hicache_host_pools_built_by_sglang_move_right_both_ways(layout: str, mu
                                kv_2ltd_expected(LOW))
 
 
+@pytest.mark.parametrize("groups", [1, H], ids=["one_group", "one_head_per_group"])
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 def test_sglangs_device_pool_and_its_page_unified_host_pool_transfer_both_ways(
-        layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        layout: str, groups: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """What HiCache's write-back and load-back kernels (CUDA) do, by kvgen's transfers: K and V that
-    SGLang's set_kv_buffer wrote reach the page_unified host pool where page_dims says, and come
-    back to a fresh device pool where SGLang's getters read them."""
+    SGLang's set_kv_buffer wrote reach the page_unified host pool (one head group, or one head per
+    group) where page_dims says, and come back to a fresh device pool where SGLang's getters read them."""
     device_name = "sglang_mha" if layout == "nhd" else "sglang_mha_hnd"
+    host_name = "hicache_page_unified" if groups == 1 else "hicache_page_unified_per_head"
     pool = mha(layout, monkeypatch)
     write_mha(pool, SLOTS, list(range(L)))
     cache = [list(pool.k_buffer), list(pool.v_buffer)]
-    target, oracle = host("page_unified"), host("page_unified")
-    generated.transfer(device_name, "hicache_page_unified")().copy(cache, SLOTS, target.kv_buffer, AGAIN)
-    write_host(oracle, HOST_DIMS["page_unified"], AGAIN)
+    target, oracle = host("page_unified", head_groups=groups), host("page_unified", head_groups=groups)
+    assert kvgen.from_sglang(target).layout == host_name
+    generated.transfer(device_name, host_name)().copy(cache, SLOTS, target.kv_buffer, AGAIN)
+    write_host(oracle, HOST_DIMS["page_unified"], AGAIN, head_groups=groups)
     assert all(map(torch.equal, host_pages(target), host_pages(oracle)))
     back, want = mha(layout, monkeypatch), mha(layout, monkeypatch)
-    generated.transfer("hicache_page_unified", device_name)().copy(
+    generated.transfer(host_name, device_name)().copy(
         target.kv_buffer, AGAIN, [list(back.k_buffer), list(back.v_buffer)], SLOTS)
     write_mha(want, SLOTS, list(range(L)))
     assert same_reads(back, want, list(range(L)))
@@ -461,9 +464,35 @@ def test_sglangs_mla_pool_and_its_page_unified_host_pool_transfer_both_ways() ->
     assert not same_reads(back, mla(), list(range(L)))
 
 
+def test_a_page_unified_pool_of_one_head_per_group_moves_right_both_ways() -> None:
+    """head_group_num = head_num (HiCache's head_group 1): [pages, H, L, 2, N, 1, C], bound to
+    hicache_page_unified_per_head; what it stores is what SGLang wrote, and what it loads is where
+    SGLang's own chunk_span reads every head group's L3 chunks."""
+    names = HOST_DIMS["page_unified"]
+    pool = host("page_unified", head_groups=H)
+    assert tuple(pool.kv_buffer.shape) == (pool.page_num, H, L, 2, PAGE, 1, C)
+    write_host(pool, names, SLOTS, head_groups=H)
+    bound = kvgen.from_sglang(pool)
+    assert (bound.layout, bound.obj, bound.layer_ids) == ("hicache_page_unified_per_head", "kv_2ltd", tuple(range(L)))
+    assert bound.kvcaches is pool.kv_buffer
+    out = store(bound)
+    assert torch.equal(out.tensor, kv_2ltd_expected())
+    fresh, oracle = host("page_unified", head_groups=H), host("page_unified", head_groups=H)
+    load(kvgen.from_sglang(fresh), out)
+    write_host(oracle, names, AGAIN, head_groups=H)
+    pages, want_pages = host_pages(fresh), host_pages(oracle)
+    assert len(pages) == pool.page_num * H * (L + 1)  # each page: every group's layer range and single layers
+    assert all(map(torch.equal, pages, want_pages))
+    assert not all(map(torch.equal, pages, host_pages(host("page_unified", head_groups=H))))  # the load wrote
+    one_group = generated.get("hicache_page_unified", "kv_2ltd")()  # the one-group spec refuses these pages
+    with pytest.raises(KVLayoutError, match=r"dim 1 is a singleton \(1\) in this layout, got extent 4"):
+        one_group.from_gpu(MemoryObj(torch.zeros_like(out.tensor)), 0, T, kvcaches=pool.kv_buffer, slot_mapping=SLOTS)
+
+
 def test_a_page_unified_pool_of_several_head_groups_is_refused_before_the_first_write() -> None:
-    """kvgen describes page_unified with SGLang's default head_group_num = 1; a pool cut into two
-    head groups ([pages, 2, L, 2, N, H / 2, C]) is refused both ways, nothing written."""
+    """kvgen describes page_unified with SGLang's default head_group_num = 1 and with one head per
+    group; a pool cut into two head groups of two heads ([pages, 2, L, 2, N, H / 2, C]) is refused
+    both ways, nothing written."""
     pool = host("page_unified", head_groups=2)
     assert tuple(pool.kv_buffer.shape) == (pool.page_num, 2, L, 2, PAGE, H // 2, C)
     write_host(pool, HOST_DIMS["page_unified"], SLOTS, head_groups=2)
@@ -476,9 +505,12 @@ def test_a_page_unified_pool_of_several_head_groups_is_refused_before_the_first_
     assert bool((out.tensor == -1.0).all())
     with pytest.raises(KVLayoutError, match="dim 1 is a singleton"):
         conn.to_gpu(copy(out), 0, T, kvcaches=pool.kv_buffer, slot_mapping=AGAIN)
-    assert torch.equal(pool.kv_buffer, before)
+    per_head = generated.get("hicache_page_unified_per_head", "kv_2ltd")()
+    with pytest.raises(KVLayoutError, match=r"dim 5 is a singleton \(1\) in this layout, got extent 2"):
+        per_head.from_gpu(out, 0, T, kvcaches=pool.kv_buffer, slot_mapping=SLOTS)
+    assert bool((out.tensor == -1.0).all()) and torch.equal(pool.kv_buffer, before)
     untouched(pool, re.escape("kvgen has no connector for SGLang's MHATokenToKVPoolHost with layout 'page_unified': "
-                              "its pages are cut into head_group_num=2 head groups"))
+                              "its pages are cut into head_group_num=2 head groups of 2 heads"))
 
 
 def untouched(pool: Any, match: str) -> None:
@@ -518,9 +550,9 @@ def test_kvgen_verify_checks_the_hand_written_facts_against_sglangs_live_pools(
     from kvgen.tools.verify import engines as verify_engines
 
     wrong, checked = verify_engines.sglang_disagreements()
-    assert (wrong, checked) == ([], 8)
+    assert (wrong, checked) == ([], 9)
     assert verify_engines.run() == 0
-    assert "8 of 8 SGLang 0.5.23 pool facts agree with the engine's live pools" in capsys.readouterr().out
+    assert "9 of 9 SGLang 0.5.23 pool facts agree with the engine's live pools" in capsys.readouterr().out
 
 
 def test_a_wrong_fact_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,9 +33,18 @@ MHA_DIMS: dict[str, Callable[[Any], tuple[int, ...]]] = {
     "page_first": lambda p: (2, p.size, p.layer_num, p.head_num, p.head_dim),
     "page_first_direct": lambda p: (2, p.page_num, p.layer_num, p.page_size, p.head_num, p.head_dim),
     "page_head": lambda p: (2, p.page_num, p.head_num, p.page_size, p.layer_num, p.head_dim),
-    # PageUnifiedLayout.page_dims with one head group (_mha_host refuses more)
+    # PageUnifiedLayout.page_dims with one head group (per_head_dims: one head per group; others refused)
     "page_unified": lambda p: (p.page_num, 1, p.layer_num, 2, p.page_size, p.head_num, p.head_dim),
 }
+#: The spec of page_unified with one kv head per head group (head_group_num = head_num).
+PER_HEAD_LAYOUT = "hicache_page_unified_per_head"
+
+
+def per_head_dims(p: Any) -> tuple[int, ...]:
+    """PageUnifiedLayout.page_dims with one kv head per head group: [pages, H, L, 2, page, 1, C]."""
+    return (p.page_num, p.head_num, p.layer_num, 2, p.page_size, 1, p.head_dim)
+
+
 #: MLATokenToKVPoolHost.init_kv_buffer's dims (D = kv_cache_dim, kv_lora_rank + qk_rope_head_dim).
 MLA_DIMS: dict[str, Callable[[Any], tuple[int, ...]]] = {
     "layer_first": lambda p: (p.layer_num, p.size, 1, p.kv_cache_dim),
@@ -54,7 +63,7 @@ NO_HOST_SPEC = {
     "page_first_kv_split": "Ascend's separate K and V buffers",
 }
 #: The specs host readers bind whose tree is one tensor (its layer count is the pool's layer_num): K and V, MLA.
-HOST_LAYOUTS = frozenset(f"hicache_{w}" for w in MHA_DIMS)
+HOST_LAYOUTS = frozenset({*(f"hicache_{w}" for w in MHA_DIMS), PER_HEAD_LAYOUT})
 HOST_MLA_LAYOUTS = frozenset(f"hicache_mla_{w}" for w in MLA_DIMS)
 
 
@@ -95,9 +104,13 @@ def _mha_host(pool: Any) -> Read:
                             "which the hicache specs share")
     groups = int(getattr(pool, "head_group_num", 1) or 1)
     if word == "page_unified" and groups != 1:
-        raise _refuse(pool, f"its pages are cut into head_group_num={groups} head groups; hicache_page_unified "
-                            "describes one (SGLang's default), since a split of H whose factor is read from the "
-                            "pool has no spec yet")
+        if groups != int(pool.head_num):
+            raise _refuse(pool, f"its pages are cut into head_group_num={groups} head groups of "
+                                f"{int(pool.head_num) // groups} heads; kvgen describes one group "
+                                f"(hicache_page_unified, SGLang's default) and one head per group "
+                                f"(hicache_page_unified_per_head, head_group_num={int(pool.head_num)}), since a split "
+                                "of H whose factor is read from the pool has no spec yet")
+        return PER_HEAD_LAYOUT, _one_tensor(pool, per_head_dims(pool)), {}
     return f"hicache_{word}", _one_tensor(pool, MHA_DIMS[word](pool)), {}
 
 

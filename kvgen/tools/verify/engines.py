@@ -143,7 +143,11 @@ def sglang_disagreements() -> tuple[list[str], int]:
         host = host_mod.MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
                                              device_capacity_tokens=SIZE, start_layer=0, end_layer=L)
         holds(f"hicache_{layout}", host.kv_buffer, EngineGeometry(L=L, B=host.size // PAGE, N=PAGE, H=H, C=C), 0, H)
-    return wrong, 8
+    per_head = host_mod.MHATokenToKVPoolHost(info, 2.0, 0, PAGE, "page_unified", pin_memory=False, device="cpu",
+                                             device_capacity_tokens=SIZE, start_layer=0, end_layer=L, head_group_num=H)
+    holds("hicache_page_unified_per_head", per_head.kv_buffer,
+          EngineGeometry(L=L, B=per_head.size // PAGE, N=PAGE, H=H, C=C), 0, H)
+    return wrong, 9
 
 
 def _vllm_modules() -> tuple[Any, Any, Any, Any, Any]:
