@@ -393,33 +393,37 @@ def host_pages(pool: Any) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("layout", list(HOST_DIMS) + [f"mla_{k}" for k in MLA_HOST_DIMS])
-def test_hicache_host_pools_built_by_sglang_move_right_both_ways(layout: str, mutants: Any) -> None:
-    is_mla = layout.startswith("mla_")
-    word = layout.removeprefix("mla_")
+#: The host round trips: (SGLang layout word, an MLA pool, head_group_num) by the spec each binds.
+HOST_CASES = {**{f"hicache_{w}": (w, False, 1) for w in HOST_DIMS},
+              "hicache_page_unified_per_head": ("page_unified", False, H),
+              **{f"hicache_mla_{w}": (w, True, 1) for w in MLA_HOST_DIMS}}
+
+
+@pytest.mark.parametrize("spec", list(HOST_CASES))
+def test_hicache_host_pools_built_by_sglang_move_right_both_ways(spec: str, mutants: Any) -> None:
+    word, is_mla, groups = HOST_CASES[spec]
     names = (MLA_HOST_DIMS if is_mla else HOST_DIMS)[word]
-    spec = f"hicache_mla_{word}" if is_mla else f"hicache_{word}"
     obj = "kv_mla" if is_mla else "kv_2ltd"
-    pool = host(word, is_mla)
-    write_host(pool, names, SLOTS)
-    bound = kvgen.from_sglang(pool)  # the pool's class and `layout` choose the spec
+    pool = host(word, is_mla, groups)
+    write_host(pool, names, SLOTS, head_groups=groups)
+    bound = kvgen.from_sglang(pool)  # the pool's class, `layout` and head_group_num choose the spec
     assert (bound.pool, bound.layout, bound.obj, bound.layer_ids) == (type(pool).__name__, spec, obj, tuple(range(L)))
     assert bound.kvcaches is pool.kv_buffer  # SGLang's own tensor, no copy
     out = store(bound)
     want = (torch.stack([rows(layer, 0, SLOTS, 1, RANK + ROPE)[:, 0] for layer in range(L)])[None] if is_mla
             else kv_2ltd_expected())
     assert torch.equal(out.tensor, want)
-    fresh, oracle = host(word, is_mla), host(word, is_mla)
+    fresh, oracle = host(word, is_mla, groups), host(word, is_mla, groups)
     load(kvgen.from_sglang(fresh), out)
-    write_host(oracle, names, AGAIN)
+    write_host(oracle, names, AGAIN, head_groups=groups)
     pages, want_pages = host_pages(fresh), host_pages(oracle)  # SGLang's own page reader (what L3 reads)
     assert len(pages) == len(want_pages) and all(map(torch.equal, pages, want_pages))
-    assert not all(map(torch.equal, pages, host_pages(host(word, is_mla))))  # the load wrote
-    if not is_mla and word in ("page_head", "page_unified"):  # the neighbouring reading (N and H swapped) fails
+    assert not all(map(torch.equal, pages, host_pages(host(word, is_mla, groups))))  # the load wrote
+    if spec in ("hicache_page_head", "hicache_page_unified"):  # the neighbouring reading (N and H swapped) fails
         everything = torch.arange(4 * PAGE)
         write_host(pool, names, everything, values_of=everything)
         assert torch.equal(mutant_store(bound.connector, pool.kv_buffer), kv_2ltd_expected(LOW))
-        assert not torch.equal(mutant_store(mutants.get(f"mutant_hicache_{word}", "kv_2ltd")(), pool.kv_buffer),
+        assert not torch.equal(mutant_store(mutants.get(f"mutant_{spec}", "kv_2ltd")(), pool.kv_buffer),
                                kv_2ltd_expected(LOW))
 
 
@@ -464,29 +468,18 @@ def test_sglangs_mla_pool_and_its_page_unified_host_pool_transfer_both_ways() ->
     assert not same_reads(back, mla(), list(range(L)))
 
 
-def test_a_page_unified_pool_of_one_head_per_group_moves_right_both_ways() -> None:
+def test_a_page_unified_pool_of_one_head_per_group_is_told_by_head_group_num_not_its_shape() -> None:
     """head_group_num = head_num (HiCache's head_group 1): [pages, H, L, 2, N, 1, C], bound to
-    hicache_page_unified_per_head; what it stores is what SGLang wrote, and what it loads is where
-    SGLang's own chunk_span reads every head group's L3 chunks."""
-    names = HOST_DIMS["page_unified"]
+    hicache_page_unified_per_head (its round trip: the host test above), its pages read by SGLang's
+    chunk_span as every head group's L3 chunks; the one-group spec refuses these pages."""
     pool = host("page_unified", head_groups=H)
     assert tuple(pool.kv_buffer.shape) == (pool.page_num, H, L, 2, PAGE, 1, C)
-    write_host(pool, names, SLOTS, head_groups=H)
-    bound = kvgen.from_sglang(pool)
-    assert (bound.layout, bound.obj, bound.layer_ids) == ("hicache_page_unified_per_head", "kv_2ltd", tuple(range(L)))
-    assert bound.kvcaches is pool.kv_buffer
-    out = store(bound)
-    assert torch.equal(out.tensor, kv_2ltd_expected())
-    fresh, oracle = host("page_unified", head_groups=H), host("page_unified", head_groups=H)
-    load(kvgen.from_sglang(fresh), out)
-    write_host(oracle, names, AGAIN, head_groups=H)
-    pages, want_pages = host_pages(fresh), host_pages(oracle)
-    assert len(pages) == pool.page_num * H * (L + 1)  # each page: every group's layer range and single layers
-    assert all(map(torch.equal, pages, want_pages))
-    assert not all(map(torch.equal, pages, host_pages(host("page_unified", head_groups=H))))  # the load wrote
-    one_group = generated.get("hicache_page_unified", "kv_2ltd")()  # the one-group spec refuses these pages
+    assert kvgen.from_sglang(pool).layout == "hicache_page_unified_per_head"
+    assert len(host_pages(pool)) == pool.page_num * H * (L + 1)  # per page: each group's layers, whole and one by one
+    one_group = generated.get("hicache_page_unified", "kv_2ltd")()
+    out = MemoryObj(torch.zeros(tuple(one_group.get_shape(T, host("page_unified").kv_buffer))))
     with pytest.raises(KVLayoutError, match=r"dim 1 is a singleton \(1\) in this layout, got extent 4"):
-        one_group.from_gpu(MemoryObj(torch.zeros_like(out.tensor)), 0, T, kvcaches=pool.kv_buffer, slot_mapping=SLOTS)
+        one_group.from_gpu(out, 0, T, kvcaches=pool.kv_buffer, slot_mapping=SLOTS)
 
 
 def test_a_page_unified_pool_of_several_head_groups_is_refused_before_the_first_write() -> None:

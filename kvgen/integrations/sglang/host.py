@@ -103,13 +103,13 @@ def _mha_host(pool: Any) -> Read:
         raise _refuse(pool, f"its V head size {v_dim} is not its K head size {pool.head_dim}, "
                             "which the hicache specs share")
     groups = int(getattr(pool, "head_group_num", 1) or 1)
+    heads = int(pool.head_num)
     if word == "page_unified" and groups != 1:
-        if groups != int(pool.head_num):
-            raise _refuse(pool, f"its pages are cut into head_group_num={groups} head groups of "
-                                f"{int(pool.head_num) // groups} heads; kvgen describes one group "
-                                f"(hicache_page_unified, SGLang's default) and one head per group "
-                                f"(hicache_page_unified_per_head, head_group_num={int(pool.head_num)}), since a split "
-                                "of H whose factor is read from the pool has no spec yet")
+        if groups != heads:
+            raise _refuse(pool, f"its pages are cut into head_group_num={groups} head groups of {heads // groups} "
+                                f"heads; kvgen describes one group (hicache_page_unified, SGLang's default) and one "
+                                f"head per group (hicache_page_unified_per_head, head_group_num={heads}), since a "
+                                "split of H whose factor is read from the pool has no spec yet")
         return PER_HEAD_LAYOUT, _one_tensor(pool, per_head_dims(pool)), {}
     return f"hicache_{word}", _one_tensor(pool, MHA_DIMS[word](pool)), {}
 

@@ -55,13 +55,13 @@ def hicache_page_head(g: EngineGeometry, layer: int, kv: int, slot: int, h: int,
 # layout "page_unified" (SGLang 0.5.23, pool_host/page_unified.py PageUnifiedLayout.page_dims): dims
 # (page_num, head_group_num, layer_num, 2, page_size, head_num // head_group_num, head_dim); K and V
 # sit inside the layer, so a (group, layer) cell is one run. Head h of group g is g * (H / G) + j;
-# kvgen describes head_group_num = 1 (SGLang's default): group 0, j = h,
+# kvgen describes head_group_num = 1 (SGLang's default: group 0, j = h) and, below, head_group_num =
+# head_num (one head per group, HiCache's head_group 1: group h, j = 0).
 @_fact("hicache_page_unified", "paged", ONE_TENSOR, lambda g: (g.B, 1, g.L, 2, g.N, g.H, g.C))
 def hicache_page_unified(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (slot // g.N, 0, layer, kv, slot % g.N, h, c)
 
 
-# and head_group_num = head_num (one head per group, HiCache's head_group 1): group h, j = 0.
 @_fact("hicache_page_unified_per_head", "paged", ONE_TENSOR, lambda g: (g.B, g.H, g.L, 2, g.N, 1, g.C))
 def hicache_page_unified_per_head(g: EngineGeometry, layer: int, kv: int, slot: int, h: int, c: int) -> Address:
     return (), (slot // g.N, h, layer, kv, slot % g.N, 0, c)

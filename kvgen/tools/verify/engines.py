@@ -139,14 +139,13 @@ def sglang_disagreements() -> tuple[list[str], int]:
         mla.set_kv_buffer(_Layer(layer), slots, values(layer, 0, 1, C), None)
     holds("sglang_mla", list(mla.kv_buffer), EngineGeometry(L=L, B=rows // PAGE, N=PAGE, H=1, C=C), 1, 1)
     info = mha(False).get_device_pool_infos()[0].buffer_info
-    for layout in ("layer_first", "page_first", "page_first_direct", "page_head", "page_unified"):
+    hosts = [(f"hicache_{w}", w, 1) for w in ("layer_first", "page_first", "page_first_direct", "page_head",
+                                               "page_unified")]
+    for name, layout, groups in [*hosts, ("hicache_page_unified_per_head", "page_unified", H)]:
         host = host_mod.MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-                                             device_capacity_tokens=SIZE, start_layer=0, end_layer=L)
-        holds(f"hicache_{layout}", host.kv_buffer, EngineGeometry(L=L, B=host.size // PAGE, N=PAGE, H=H, C=C), 0, H)
-    per_head = host_mod.MHATokenToKVPoolHost(info, 2.0, 0, PAGE, "page_unified", pin_memory=False, device="cpu",
-                                             device_capacity_tokens=SIZE, start_layer=0, end_layer=L, head_group_num=H)
-    holds("hicache_page_unified_per_head", per_head.kv_buffer,
-          EngineGeometry(L=L, B=per_head.size // PAGE, N=PAGE, H=H, C=C), 0, H)
+                                             device_capacity_tokens=SIZE, start_layer=0, end_layer=L,
+                                             head_group_num=groups)
+        holds(name, host.kv_buffer, EngineGeometry(L=L, B=host.size // PAGE, N=PAGE, H=H, C=C), 0, H)
     return wrong, 9
 
 
