@@ -7,12 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from harness import builtin_library
 
-from kvgen.plan.package import plan_package
 from kvgen.tools.cli import main
 from kvgen.tools.models_view import layer_text
-from kvgen.tools.verify import models as verify_models
 
 HYBRID = """\
 kvgen: 2
@@ -86,13 +83,3 @@ def test_list_shows_models(hybrid: Path, capsys: pytest.CaptureFixture[str]) -> 
 ])
 def test_layer_text(layers: tuple[int, ...], text: str) -> None:
     assert layer_text(layers) == text
-
-
-def test_a_whole_verify_leaves_only_models_of_long_slots_to_only() -> None:
-    """DeepSeek-V4 stores 128 tokens per compressed slot, so each of its scenarios moves 128x the
-    tokens; a whole verify names it and leaves it to `--only`, and nothing else."""
-    plans = plan_package(builtin_library()).models
-    left = verify_models.left_to_only(plans)
-    assert {p.model.name for p in left} == {"deepseek_v4_flash"}
-    assert all(verify_models.long_slots(p.model) > verify_models.LONG_SLOTS for p in left)
-    assert all(verify_models.long_slots(p.model) <= verify_models.LONG_SLOTS for p in plans if p not in left)

@@ -383,7 +383,7 @@ def test_verify_runs_and_matches_model_connectors(toys: Any, capsys: pytest.Capt
     twin = [p for p in toys.plans if p.model.name == "toy_twin"]
     ctx = verify_pool.Context(verify_pool.Inputs(Path("out"), (), None), toys.library, [], [], twin, toys)
     with verify_pool.Rows(ctx, 1, verify.check_row) as rows:
-        assert verify_models.run(rows, verify._Selection([], [], twin), twin, ["cpu"]) == (4, 0)
+        assert verify_models.run(rows, twin, twin, ["cpu"]) == (4, 0)
     assert "toy_twin                 kv_groups              cpu    yes      yes" in capsys.readouterr().out
     package = type("Package", (), {"MODELS": {("toy_twin", "kv_groups"): "x"}})
     said = verify_models.mismatch(package, twin, Path("out"), [])  # type: ignore[arg-type]

@@ -32,31 +32,21 @@ def mismatch(package: ModuleType, plans: Sequence[Any], out: Path, specs: Sequen
     return None
 
 
-#: A model whose groups store more tokens than this per slot runs every scenario at that many
-#: times the tokens (chunks must start and end on whole slots): DeepSeek-V4's 128 makes one
-#: scenario of its 43 layers (caches of up to 84 M elements) 13 s of CPU, most of it the
-#: element-by-element reference, so its two connectors' 7 scenarios would add about 3 minutes.
-#: A whole verify leaves such models to `--only` and says so; the suite checks them on one
-#: scenario (tests/test_model_connectors.py) and against the engine (tests/test_engine_vllm_dsv4.py).
-LONG_SLOTS = 16
-
-
-def long_slots(model: Any) -> int:
-    """The most tokens one slot of the model's groups stores (1: a slot per token)."""
-    return max((g.tokens_per_slot for g in model.groups), default=1)
-
-
-def left_to_only(plans: Sequence[Any]) -> list[Any]:
-    """The model connectors a whole verify leaves to `--only` (see LONG_SLOTS)."""
-    return [p for p in plans if long_slots(p.model) > LONG_SLOTS]
-
-
 def rank(model: Any) -> int:
     """The largest TP every group's heads and every state split divide: the smallest caches
     that still check the declared geometry (the reference works value by value)."""
     values = [g.size("H") for g in model.groups if g.size("H")]
     values += [t.shape[t.split] for s in model.states for t in s.tensors if t.split is not None]
     return math.gcd(*values) if values else 1
+
+
+def expected_work(plan: Any) -> int:
+    """A model row's work, relative to the others': each scenario moves the least common multiple
+    of the groups' tokens per slot times its tokens (kvgen.oracle.scenarios.models.in_whole_slots)
+    through every layer. DeepSeek-V4's 128 tokens per compressed slot make its rows the longest
+    by far, so they start first."""
+    groups = plan.model.groups
+    return (math.lcm(*(g.tokens_per_slot for g in groups)) if groups else 1) * plan.model.layers
 
 
 def check(package: ModuleType, library: Any, plan: Any, device: str) -> tuple[bool, bool]:
@@ -77,15 +67,8 @@ def check(package: ModuleType, library: Any, plan: Any, device: str) -> tuple[bo
     return store, load
 
 
-def run(rows: Rows, chosen: Any, everything: Sequence[Any], devices: Sequence[str]) -> tuple[int, int]:
-    """Print one row per model connector of `chosen.models` and device (checked by `rows`), and
-    a line for each of `chosen.left`; (checks, failures)."""
-    for plan in chosen.left:
-        k = long_slots(plan.model)
-        print(f"kvgen verify: {plan.module} ({k} tokens per slot, so every scenario moves {k}x the tokens) is left "
-              f"to `kvgen verify --only {plan.module}`; the suite checks it on one scenario "
-              "(tests/test_model_connectors.py)")
-    selected = chosen.models
+def run(rows: Rows, selected: Sequence[Any], everything: Sequence[Any], devices: Sequence[str]) -> tuple[int, int]:
+    """Print one row per model connector of `selected` and device (checked by `rows`); (checks, failures)."""
     if not selected:
         return 0, 0
     # torch: only for a run
@@ -94,7 +77,7 @@ def run(rows: Rows, chosen: Any, everything: Sequence[Any], devices: Sequence[st
     wide = max([24, *(len(p.model.name) for p in selected)]), max([22, *(len(p.obj.name) for p in selected)])
     print(f"\n{'model':<{wide[0]}} {'object':<{wide[1]}} {'device':<6} {'store ok':<8} load ok")
     failures = 0
-    for plan, device, (store, load) in each(rows, "model", selected, everything, devices):
+    for plan, device, (store, load) in each(rows, "model", selected, everything, devices, expected_work):
         failures += (not store) + (not load)
         print(f"{plan.model.name:<{wide[0]}} {plan.obj.name:<{wide[1]}} {device:<6} {'yes' if store else 'NO':<8} "
               f"{'yes' if load else 'NO'}", flush=True)

@@ -27,6 +27,7 @@ from kvgen.plan.package import plan_connectors
 from kvgen.spec.library import load_library
 from kvgen.spec.transfers import load_transfers
 from kvgen.tools.packages import import_package
+from kvgen.tools.verify.heap import keep_freed_memory
 
 #: Rows of each kind, as `(kind, index into the planned list, device)`.
 Task = tuple[str, int, str]
@@ -72,6 +73,7 @@ _worker: dict[str, Any] = {}
 def _start(inputs: Inputs, check: Check, threads: int) -> None:
     import torch  # torch: only in a worker, which checks rows
 
+    keep_freed_memory()
     torch.set_num_threads(threads)  # N workers share the cores instead of each taking all of them
     parent = multiprocessing.parent_process()
     if parent is not None:
@@ -117,22 +119,31 @@ class Rows:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
 
-    def map(self, tasks: Sequence[Task]) -> Iterator[tuple[bool, ...]]:
-        """The results of `tasks`, in their order, each as soon as it and those before it are done."""
+    def map(self, tasks: Sequence[Task], cost: Callable[[Task], int] | None = None) -> Iterator[tuple[bool, ...]]:
+        """The results of `tasks`, in their order, each as soon as it and those before it are done.
+        With `cost` (a row's expected work) workers take the costliest rows first, so a long row
+        never starts last while the other workers have nothing left to do."""
         if self.jobs <= 1 or len(tasks) <= 1:
             return (self.check(self.ctx, t) for t in tasks)
         if self._pool is None:
             threads = max(1, cores() // self.jobs)
             self._pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_start, initargs=(self.ctx.inputs, self.check, threads))
-        return self._pool.map(_run, tasks)
+        if cost is None:
+            return self._pool.map(_run, tasks)
+        pool = self._pool
+        # sorted() is stable: rows of equal cost keep their order
+        futures = {i: pool.submit(_run, tasks[i]) for i in sorted(range(len(tasks)), key=lambda i: -cost(tasks[i]))}
+        return (futures[i].result() for i in range(len(tasks)))
 
 
-def each(rows: Rows, kind: str, items: Sequence[Any], everything: Sequence[Any],
-         devices: Sequence[str]) -> Iterator[tuple[Any, str, tuple[bool, ...]]]:
-    """(item, device, result) for every selected item on every device, devices outermost."""
+def each(rows: Rows, kind: str, items: Sequence[Any], everything: Sequence[Any], devices: Sequence[str],
+         cost: Callable[[Any], int] | None = None) -> Iterator[tuple[Any, str, tuple[bool, ...]]]:
+    """(item, device, result) for every selected item on every device, devices outermost; `cost`
+    (an item's expected work) hands the costliest rows to the workers first (Rows.map)."""
     where: Callable[[Any], int] = {id(x): i for i, x in enumerate(everything)}.__getitem__
     tasks = [(kind, where(id(item)), device) for device in devices for item in items]
     pairs = [(item, device) for device in devices for item in items]
-    for (item, device), result in zip(pairs, rows.map(tasks), strict=True):
+    by_task = None if cost is None else (lambda task: cost(everything[task[1]]))
+    for (item, device), result in zip(pairs, rows.map(tasks, by_task), strict=True):
         yield item, device, result

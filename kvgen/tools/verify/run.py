@@ -26,6 +26,7 @@ from kvgen.tools.verify import connectors as verify_connectors
 from kvgen.tools.verify import engines as verify_engines
 from kvgen.tools.verify import models as verify_models
 from kvgen.tools.verify import transfers as verify_transfers
+from kvgen.tools.verify.heap import keep_freed_memory
 from kvgen.tools.verify.pool import Context, Inputs, Rows, Task, default_jobs, load
 
 
@@ -116,8 +117,6 @@ class _Selection:
     connectors: list[Any]
     transfers: list[Any]
     models: list[Any]
-    #: Model connectors a whole verify leaves to `--only` (verify_models.LONG_SLOTS).
-    left: tuple[Any, ...] = ()
 
 
 def _select(args: Any, ctx: Context) -> _Selection:
@@ -130,9 +129,6 @@ def _select(args: Any, ctx: Context) -> _Selection:
         raise KVGenError(problem)
     chosen = _Selection(*([p for p in found if not args.only or args.only in p.module]
                           for found in (plans, transfers, model_plans)))
-    if not args.only:
-        left = tuple(verify_models.left_to_only(model_plans))
-        chosen = _Selection(chosen.connectors, chosen.transfers, [p for p in chosen.models if p not in left], left)
     if not chosen.connectors and not chosen.transfers and not chosen.models:
         raise KVGenError(f"--only {args.only!r} matches no connector of the {len(plans)} in "
                          f"{display_path(args.out)} and no transfer (it is a part of a module name such as "
@@ -154,6 +150,7 @@ def check_row(ctx: Context, task: Task) -> tuple[bool, ...]:
 
 
 def main(args: Any) -> int:
+    keep_freed_memory()  # for the rows --jobs 1 checks in this process
     ctx = load(Inputs(args.out, tuple(args.specs), args.backend))
     chosen = _select(args, ctx)
     # torch: only once the selection is known good
@@ -177,5 +174,5 @@ def main(args: Any) -> int:
     with Rows(ctx, args.jobs if args.jobs is not None else default_jobs(), check_row) as rows:
         failures += verify_connectors.run(rows, chosen.connectors, ctx.plans, devices, args.backend)
         failures += verify_transfers.run(rows, chosen.transfers, ctx.transfers, devices)[1]
-        failures += verify_models.run(rows, chosen, ctx.models, devices)[1]
+        failures += verify_models.run(rows, chosen.models, ctx.models, devices)[1]
     return 1 if failures else 0
