@@ -14,6 +14,7 @@ from harness import builtin_library
 
 from kvgen.plan.package import plan_package
 from kvgen.tools.verify import models as verify_models
+from kvgen.tools.verify import pool
 from kvgen.tools.verify.pool import Rows, Task
 
 
@@ -80,3 +81,15 @@ def test_a_freed_block_is_reused_without_faulting_its_pages_again() -> None:
     assert applied == "None" and plain > pages // 2  # each block mapped and faulted afresh
     applied, kept = _faults("keep")
     assert applied == "True" and kept < pages // 100
+
+
+@pytest.mark.parametrize(("cores", "gib", "jobs"), [
+    (2, 24, 2), (8, 64, 4), (4, 16, 2), (4, 12, 1), (16, 4, 1), (1, 64, 1), (8, None, 4),
+])
+def test_default_workers_fit_the_cores_and_the_memory(monkeypatch: pytest.MonkeyPatch, cores: int,
+                                                     gib: int | None, jobs: int) -> None:
+    """A worker checking DeepSeek-V4's model rows peaks at about 7 GiB: one worker per core, at
+    most 4, and at most one per 8 GiB."""
+    monkeypatch.setattr(pool, "cores", lambda: cores)
+    monkeypatch.setattr(pool, "memory", lambda: None if gib is None else gib << 30)
+    assert pool.default_jobs() == jobs

@@ -100,9 +100,26 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+#: Memory one worker may need: DeepSeek-V4's model rows (2432-token scenarios through 43
+#: layers, its float32 state caches sized for every token) peak at about 7 GiB in the worker
+#: that checks them.
+WORKER_MEMORY = 8 << 30
+
+
+def memory() -> int | None:
+    """This machine's memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def default_jobs() -> int:
-    """One worker per core, at most 4 (each worker imports torch and the package)."""
-    return max(1, min(4, cores()))
+    """One worker per core, at most 4 (each worker imports torch and the package), and at most
+    one per WORKER_MEMORY of the machine's memory."""
+    total = memory()
+    by_memory = 4 if total is None else total // WORKER_MEMORY
+    return max(1, min(4, cores(), by_memory))
 
 
 class Rows:
