@@ -354,7 +354,8 @@ def parser() -> argparse.ArgumentParser:
                         "Triton's interpreter, TRITON_INTERPRET=1, set here) or the torch ops (default: each "
                         "connector's own choice)")
     p.add_argument("--jobs", type=_positive_int, default=None, metavar="N",
-                   help="check rows in N worker processes (default: one per core, at most 4 and one per 8 GiB of memory; 1: in this process)")
+                   help="check rows in N worker processes (default: one per core, at most 4 and one per 8 GiB "
+                        "of memory; 1: in this process)")
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser("detect", help="which layout a cache of this shape is (refuses to guess)")
