@@ -146,11 +146,9 @@ class Rows:
             threads = max(1, cores() // self.jobs)
             self._pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_start, initargs=(self.ctx.inputs, self.check, threads))
-        if cost is None:
-            return self._pool.map(_run, tasks)
-        pool = self._pool
-        # sorted() is stable: rows of equal cost keep their order
-        futures = {i: pool.submit(_run, tasks[i]) for i in sorted(range(len(tasks)), key=lambda i: -cost(tasks[i]))}
+        # sorted() is stable: rows of equal cost (every row, without `cost`) keep their order
+        order = sorted(range(len(tasks)), key=lambda i: -cost(tasks[i])) if cost else range(len(tasks))
+        futures = {i: self._pool.submit(_run, tasks[i]) for i in order}
         return (futures[i].result() for i in range(len(tasks)))
 
 

@@ -150,7 +150,7 @@ def check_row(ctx: Context, task: Task) -> tuple[bool, ...]:
 
 
 def main(args: Any) -> int:
-    keep_freed_memory()  # for the rows --jobs 1 checks in this process
+    keep_freed_memory()  # for the rows checked in this process (--jobs 1, or a kind with one row)
     ctx = load(Inputs(args.out, tuple(args.specs), args.backend))
     chosen = _select(args, ctx)
     # torch: only once the selection is known good
