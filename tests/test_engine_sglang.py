@@ -12,6 +12,7 @@ runs this file there; elsewhere it skips, saying why.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata
 import re
@@ -116,7 +117,7 @@ LOW = torch.tensor([3, 5, 12, 0, 9, 15, 7, 1])
 
 
 def mutant_store(conn: Any, cache: Any) -> torch.Tensor:
-    obj = MemoryObj(torch.full(tuple(conn.get_shape(T, cache)), -1.0))
+    obj = MemoryObj(torch.full(tuple(conn.get_shape(T, cache)), -1.0).to(conn.get_dtype(cache)))
     conn.from_gpu(obj, 0, T, kvcaches=cache, slot_mapping=LOW)
     return obj.tensor
 
@@ -188,7 +189,9 @@ def test_the_hnd_pool_is_refused_without_its_word_and_moves_right_with_it(monkey
 
 MUTANTS = {"sglang_mha_hnd": ("dims: [B, H, N, C]", "dims: [B, N, H, C]"),
            "hicache_page_head": ("dims: [KV, B, H, N, L, C]", "dims: [KV, B, N, H, L, C]"),
-           "hicache_page_unified": ("dims: [B, 1, L, KV, N, H, C]", "dims: [B, 1, L, KV, H, N, C]")}
+           "hicache_page_unified": ("dims: [B, 1, L, KV, N, H, C]", "dims: [B, 1, L, KV, H, N, C]"),
+           # a head's group and its place in the group swapped: the same shape for two groups of two heads
+           "hicache_page_unified_grouped": ("dims: [B, H/g, L, KV, N, H%g, C]", "dims: [B, H%g, L, KV, N, H/g, C]")}
 
 
 @pytest.fixture(scope="module")
@@ -396,14 +399,20 @@ def host_pages(pool: Any) -> list[torch.Tensor]:
 #: The host round trips: (SGLang layout word, an MLA pool, head_group_num) by the spec each binds.
 HOST_CASES = {**{f"hicache_{w}": (w, False, 1) for w in HOST_DIMS},
               "hicache_page_unified_per_head": ("page_unified", False, H),
+              "hicache_page_unified_grouped": ("page_unified", False, 2),
               **{f"hicache_mla_{w}": (w, True, 1) for w in MLA_HOST_DIMS}}
+
+
+def as_kv_2ltd(stored: torch.Tensor) -> torch.Tensor:
+    """A kv_planes object of one plane [L, KV T H C] (its bytes) read as kv_2ltd's [2, L, T, H * C]."""
+    return stored.view(torch.float32).reshape(L, 2, T, H * C).transpose(0, 1)
 
 
 @pytest.mark.parametrize("spec", list(HOST_CASES))
 def test_hicache_host_pools_built_by_sglang_move_right_both_ways(spec: str, mutants: Any) -> None:
     word, is_mla, groups = HOST_CASES[spec]
     names = (MLA_HOST_DIMS if is_mla else HOST_DIMS)[word]
-    obj = "kv_mla" if is_mla else "kv_2ltd"
+    obj = "kv_mla" if is_mla else "kv_planes" if spec == "hicache_page_unified_grouped" else "kv_2ltd"
     pool = host(word, is_mla, groups)
     write_host(pool, names, SLOTS, head_groups=groups)
     bound = kvgen.from_sglang(pool)  # the pool's class, `layout` and head_group_num choose the spec
@@ -412,18 +421,19 @@ def test_hicache_host_pools_built_by_sglang_move_right_both_ways(spec: str, muta
     out = store(bound)
     want = (torch.stack([rows(layer, 0, SLOTS, 1, RANK + ROPE)[:, 0] for layer in range(L)])[None] if is_mla
             else kv_2ltd_expected())
-    assert torch.equal(out.tensor, want)
+    assert torch.equal(as_kv_2ltd(out.tensor) if obj == "kv_planes" else out.tensor, want)
     fresh, oracle = host(word, is_mla, groups), host(word, is_mla, groups)
     load(kvgen.from_sglang(fresh), out)
     write_host(oracle, names, AGAIN, head_groups=groups)
     pages, want_pages = host_pages(fresh), host_pages(oracle)  # SGLang's own page reader (what L3 reads)
     assert len(pages) == len(want_pages) and all(map(torch.equal, pages, want_pages))
     assert not all(map(torch.equal, pages, host_pages(host(word, is_mla, groups))))  # the load wrote
-    if spec in ("hicache_page_head", "hicache_page_unified"):  # the neighbouring reading (N and H swapped) fails
+    if spec in MUTANTS:  # the neighbouring reading (N and H, or a head's group and place, swapped) fails
         everything = torch.arange(4 * PAGE)
-        write_host(pool, names, everything, values_of=everything)
-        assert torch.equal(mutant_store(bound.connector, pool.kv_buffer), kv_2ltd_expected(LOW))
-        assert not torch.equal(mutant_store(mutants.get(f"mutant_{spec}", "kv_2ltd")(), pool.kv_buffer),
+        write_host(pool, names, everything, values_of=everything, head_groups=groups)
+        read = as_kv_2ltd if obj == "kv_planes" else (lambda t: t)
+        assert torch.equal(read(mutant_store(bound.connector, pool.kv_buffer)), kv_2ltd_expected(LOW))
+        assert not torch.equal(read(mutant_store(mutants.get(f"mutant_{spec}", obj)(), pool.kv_buffer)),
                                kv_2ltd_expected(LOW))
 
 
@@ -482,12 +492,29 @@ def test_a_page_unified_pool_of_one_head_per_group_is_told_by_head_group_num_not
         one_group.from_gpu(out, 0, T, kvcaches=pool.kv_buffer, slot_mapping=SLOTS)
 
 
-def test_a_page_unified_pool_of_several_head_groups_is_refused_before_the_first_write() -> None:
-    """kvgen describes page_unified with SGLang's default head_group_num = 1 and with one head per
-    group; a pool cut into two head groups of two heads ([pages, 2, L, 2, N, H / 2, C]) is refused
-    both ways, nothing written."""
+@pytest.mark.parametrize("groups", [1, 2, H])
+def test_the_grouped_page_unified_spec_reads_the_heads_per_group_from_the_pool(groups: int) -> None:
+    """hicache_page_unified_grouped splits H by a factor read from the tensor: one generated
+    connector moves a pool of any head_group_num, each where SGLang's chunk_span reads it back."""
+    pool = host("page_unified", head_groups=groups)
+    write_host(pool, HOST_DIMS["page_unified"], SLOTS, head_groups=groups)
+    conn = generated.get("hicache_page_unified_grouped", "kv_planes")()
+    out = MemoryObj(torch.full(tuple(conn.get_shape(T, pool.kv_buffer)), 255, dtype=torch.uint8))
+    conn.from_gpu(out, 0, T, kvcaches=pool.kv_buffer, slot_mapping=SLOTS)
+    assert torch.equal(as_kv_2ltd(out.tensor), kv_2ltd_expected())
+    fresh, oracle = host("page_unified", head_groups=groups), host("page_unified", head_groups=groups)
+    conn.to_gpu(copy(out), 0, T, kvcaches=fresh.kv_buffer, slot_mapping=AGAIN)
+    write_host(oracle, HOST_DIMS["page_unified"], AGAIN, head_groups=groups)
+    assert all(map(torch.equal, host_pages(fresh), host_pages(oracle)))
+
+
+def test_a_page_unified_pool_of_several_head_groups_is_told_by_head_group_num_and_refused_by_one_group() -> None:
+    """A pool cut into two head groups of two heads ([pages, 2, L, 2, N, H / 2, C]) binds to
+    hicache_page_unified_grouped (its round trip: the host test above); the one-group and per-head
+    specs refuse it, nothing written."""
     pool = host("page_unified", head_groups=2)
     assert tuple(pool.kv_buffer.shape) == (pool.page_num, 2, L, 2, PAGE, H // 2, C)
+    assert kvgen.from_sglang(pool).layout == "hicache_page_unified_grouped"
     write_host(pool, HOST_DIMS["page_unified"], SLOTS, head_groups=2)
     before = pool.kv_buffer.clone()
     conn = generated.get("hicache_page_unified", "kv_2ltd")()
@@ -502,8 +529,6 @@ def test_a_page_unified_pool_of_several_head_groups_is_refused_before_the_first_
     with pytest.raises(KVLayoutError, match=r"dim 5 is a singleton \(1\) in this layout, got extent 2"):
         per_head.from_gpu(out, 0, T, kvcaches=pool.kv_buffer, slot_mapping=SLOTS)
     assert bool((out.tensor == -1.0).all()) and torch.equal(pool.kv_buffer, before)
-    untouched(pool, re.escape("kvgen has no connector for SGLang's MHATokenToKVPoolHost with layout 'page_unified': "
-                              "its pages are cut into head_group_num=2 head groups of 2 heads"))
 
 
 def untouched(pool: Any, match: str) -> None:
@@ -543,13 +568,14 @@ def test_kvgen_verify_checks_the_hand_written_facts_against_sglangs_live_pools(
     from kvgen.tools.verify import engines as verify_engines
 
     wrong, checked = verify_engines.sglang_disagreements()
-    assert (wrong, checked) == ([], 9)
+    assert (wrong, checked) == ([], 10)
     assert verify_engines.run() == 0
-    assert "9 of 9 SGLang 0.5.23 pool facts agree with the engine's live pools" in capsys.readouterr().out
+    assert "10 of 10 SGLang 0.5.23 pool facts agree with the engine's live pools" in capsys.readouterr().out
 
 
 def test_a_wrong_fact_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvgen.oracle.facts import layouts as facts
+    from kvgen.oracle.facts import planes as planes_facts
     from kvgen.tools.verify import engines as verify_engines
 
     hnd = facts.FACTS["sglang_mha_hnd"]
@@ -565,3 +591,10 @@ def test_a_wrong_fact_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
                             facts.Fact(hnd.name, hnd.kind, hnd.container, shape, nhd_address, hnd.fixed))
         wrong, _ = verify_engines.sglang_disagreements()
         assert len(wrong) == 1 and wrong[0].startswith("sglang_mha_hnd:")
+    monkeypatch.setitem(facts.FACTS, "sglang_mha_hnd", hnd)
+    grouped = planes_facts.PARTS_FACTS["hicache_page_unified_grouped"]  # read as one head per group
+    per_head = dataclasses.replace(grouped.parts[0], shape=lambda g: (g.B, g.H, g.L, 2, g.N, 1, g.C))
+    monkeypatch.setitem(planes_facts.PARTS_FACTS, grouped.name, dataclasses.replace(grouped, parts=(per_head,)))
+    wrong, _ = verify_engines.sglang_disagreements()
+    assert len(wrong) == 1
+    assert wrong[0].startswith("hicache_page_unified_grouped: SGLang's buffer is [7, 2, 3, 2, 16, 2, 8]")

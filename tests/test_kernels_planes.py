@@ -226,11 +226,15 @@ def test_split_axes_are_row_dims_and_slot_dims_of_the_plane_kernels() -> None:
     assert "(cs_B, cs_N_t8, os_T, cs_N_p8, E_N_p8)" in "\n".join(five.planes[1].body)
     mx = make_planes_kernel_plan(TILED["sglang_mha_mxfp8_interleaved__kv_planes_layer"])
     assert [p.slot for p in mx.planes] == [("B", "N"), ("B", "N"), ("B", "N/32", "N%32"), ("B", "N/32", "N%32")]
-    assert sorted(TILED) == sorted(f"{n}__{o}" for n in ("sglang_mha_vectorized_5d", "sglang_mha_vectorized_5d_fp8",
-                                                          "sglang_mha_mxfp8_interleaved")
-                                   for o in ("kv_planes", "kv_planes_layer"))
+    tiled = ("sglang_mha_vectorized_5d", "sglang_mha_vectorized_5d_fp8", "sglang_mha_mxfp8_interleaved",
+             "hicache_page_unified_grouped")
+    assert sorted(TILED) == sorted(f"{n}__{o}" for n in tiled for o in ("kv_planes", "kv_planes_layer"))
     for plan in TILED.values():
-        assert plan_refusal(plan) is None and "rows [H C" in (kernel_grid(plan) or "")
+        assert plan_refusal(plan) is None and "rows [H" in (kernel_grid(plan) or "")
+    grouped = make_planes_kernel_plan(TILED["hicache_page_unified_grouped__kv_planes_layer"])
+    assert isinstance(grouped, PlanesKernelPlan)  # H split by a factor read from the tensor: a row dim and an outer one
+    assert [(p.slot, p.row, p.outer) for p in grouped.planes] == [(("B", "N"), ("H%g", "C", "E"), ("KV", "H/g"))]
+    assert grouped.leaves == "[kvcaches.select(2, layer) for layer in range(g.L)]"  # L a dim of the one tensor
     assert slot_refusal(("B", "H", "N/8", "C")) == PARTIAL_SLOT_REASON
     assert slot_refusal(("B", "H", "N%8", "C")) == PARTIAL_SLOT_REASON
     assert slot_refusal(("B", "N%8", "H", "N/8")) is None and slot_refusal(("B", "N", "H")) is None

@@ -137,6 +137,25 @@ def test_split_axes_address_what_torch_reshapes_address(tmp_path: Path, t: tuple
         assert v[plane_address(spec, vp, coords, ext, 8)[1]] == v_logical[slot, h, cc]
 
 
+@SETTINGS
+@given(st.integers(1, 4), st.integers(1, 4))
+def test_a_named_factor_addresses_what_torch_reshapes_address(tmp_path: Path, groups: int, per_group: int) -> None:
+    """H split by a factor read from the tensor (`H/g`, `H%g`: SGLang's page_unified head groups):
+    the reference addresses head h at group h // g, place h % g for any g the tensor has."""
+    text = ("kvgen: 3\nname: t_groups\nkind: paged\nsummary: Random head groups.\n"
+            "dims: [B, H/g, L, KV, N, H%g, C]\nsizes: {KV: 2}\n")
+    spec = load(tmp_path, text)
+    heads, (blocks, n, c, layers) = groups * per_group, (EXT["B"], EXT["N"], 3, EXT["L"])
+    ext = {**EXT, "H": heads, "H%g": per_group, "C": c, "C.": c}
+    cache = torch.arange(blocks * heads * layers * 2 * n * c).reshape(blocks, groups, layers, 2, n, per_group, c)
+    # Independently: [L, KV, B * N, H, C] by a permute and reshape, H as (group, place) in order.
+    logical = cache.permute(2, 3, 0, 4, 1, 5, 6).reshape(layers, 2, blocks * n, heads, c)
+    (plane,) = spec.moved_planes()
+    for layer, kv, slot, h in itertools.product(range(layers), range(2), range(blocks * n), range(heads)):
+        coords = {"l": layer, "kv": kv, "slot": slot, "h": h, "c": c - 1}
+        assert cache[plane_address(spec, plane, coords, ext, 8)[1]] == logical[layer, kv, slot, h, c - 1]
+
+
 def test_a_token_ratio_says_which_slots_hold_a_token_and_only_whole_tokens_pair(tmp_path: Path) -> None:
     """Several slots per token (pooling) pairs with the token objects, k rows a token; several tokens
     per slot pairs with none (a chunk would split a slot): model groups move those."""

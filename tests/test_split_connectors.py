@@ -1,8 +1,10 @@
 """Connectors for caches with split (tiled) axes (spec format 3: `C/8` with `C%8`, `N/8` with `N%8`),
 against the byte-level reference, which places every value from the spec's own address arithmetic
 (kvgen.oracle.address): the built-in specs of SGLang's vectorized_5d pools (AITER's SHUFFLE layout,
-tiles of 8 and of 16) and of MHATokenToKVPoolMXFP8's page-128 interleaved scales, whose addresses
-tests/test_engine_sglang_vectorized_5d.py and tests/test_engine_sglang_mxfp8.py check against SGLang's kernels.
+tiles of 8 and of 16), of MHATokenToKVPoolMXFP8's page-128 interleaved scales, and of HiCache's
+page_unified host pool in head groups (H split by a factor read from the tensor), whose addresses
+tests/test_engine_sglang_vectorized_5d.py, test_engine_sglang_mxfp8.py and test_engine_sglang.py check
+against SGLang's kernels and pools.
 
 Every byte of a cache carries a code of its part, tensor and position, so a value moved from a
 transposed tile, or a token placed at another offset in its block, changes bytes the comparison sees:
@@ -40,7 +42,8 @@ from kvgen.runtime.movers.base import Unsupported
 from kvgen.runtime.movers.triton import TritonMover
 
 LIBRARY = tiled_library()
-NAMES = ("sglang_mha_vectorized_5d", "sglang_mha_vectorized_5d_fp8", "sglang_mha_mxfp8_interleaved")
+NAMES = ("sglang_mha_vectorized_5d", "sglang_mha_vectorized_5d_fp8", "sglang_mha_mxfp8_interleaved",
+         "hicache_page_unified_grouped")
 PLANS = {p.module: p for p in plan_connectors(LIBRARY) if isinstance(p, PlanesPlan) and p.paged.name in NAMES}
 
 
@@ -85,6 +88,11 @@ MORE = {**SCENARIOS, **{s.name: s for s in (SQUARE, SQUARE_N, SQUARE_BLOCKS)}}
     # whole blocks of V: token n of a block taken as tile n % 8, place n // 8
     ("sglang_mha_vectorized_5d__kv_planes", ("(-1, g.N // 8, 8))", "(-1, g.N // 8, 8)).transpose(2, 3)"),
      "square_blocks"),
+    # SGLang's head groups (H split by a factor read from the tensor, two groups of two heads here):
+    # head h taken from group h % g at place h // g
+    ("hicache_page_unified_grouped__kv_planes",
+     (".unflatten(3, ((g.H // g.split('H%g')), g.split('H%g')))",
+      ".unflatten(3, ((g.H // g.split('H%g')), g.split('H%g'))).transpose(3, 4)"), "random_slots"),
     # MXFP8's interleaved scales: token n's read from the next place of its tile, [(n + 1) % 32, n // 32]
     ("sglang_mha_mxfp8_interleaved__kv_planes_layer",
      ("(ck.off % 32), (ck.off // 32)", "((ck.off + 1) % 32), (ck.off // 32)"), "random_slots"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from kvgen.spec.elements import split_extents, split_of
+from kvgen.spec.elements import factor_value, split_extents, split_of
 from kvgen.spec.model import ITEMSIZE, Dim, Field, Part, Plane, Spec
 
 #: Logical coordinates of an element: l, kv, h, c, and slot (paged) or t (object).
@@ -19,8 +19,8 @@ def _coordinate(axis: str, coords: Coords, ext: Mapping[str, int]) -> int:
     split = split_of(axis)
     if split is not None:  # format 3: a tile of an axis, or the place in it
         base, op, f = split
-        whole = _coordinate(base, coords, ext)
-        return whole // f if op == "/" else whole % f
+        whole, value = _coordinate(base, coords, ext), factor_value(base, f, ext)
+        return whole // value if op == "/" else whole % value
     if axis == "B":
         return coords["slot"] // ext["N"]
     if axis == "N":

@@ -111,6 +111,8 @@ class _PlanesReading:
         self.known: dict[str, str] = {a: a for a in levels}  # an extent -> the variable holding it
         self.fused: list[tuple[int, Dim, str]] = []
         self.plain: list[str] = list(levels)
+        #: The place axis of each split by a named factor (`H%g`) -> the variable holding its extent.
+        self.named: dict[str, str] = {}
 
     def read_part(self, p: int, part: Part) -> None:
         """Part `p`'s dims named and checked: singletons, fused dims kept for later, a shared extent
@@ -141,7 +143,10 @@ class _PlanesReading:
             if not pair:
                 continue
             tile, place = (self.known[_own(a, p)] for a in pair)
-            self.lines.append(f"reader.fixed({pair[1]!r}, {place}, {splits.factor(pair[1])})")
+            if isinstance(splits.factor(pair[1]), int):
+                self.lines.append(f"reader.fixed({pair[1]!r}, {place}, {splits.factor(pair[1])})")
+            else:  # a named factor: the place's extent, as the tensor has it
+                self.named[pair[1]] = place
             whole, axis = f"{tile} * {place}", _own(base, p)
             if axis in self.known:
                 self.lines.append(f"reader.same({base!r}, {self.known[axis]}, {whole})")
@@ -207,6 +212,7 @@ class _PlanesReading:
                 "    planes=(",
                 *(f"        {text}," for text in planes),
                 "    ),",
+                *([f"    splits=({' '.join(f'({a!r}, {v}),' for a, v in self.named.items())}),"] if self.named else []),
                 ")"]
 
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 from kvgen.plan import splits
 from kvgen.plan.code import assign_chain
-from kvgen.plan.copy import LOOP_VARS, SLOT, CopyPlan, Mode, View, canonical
-from kvgen.plan.planes import PlaneCopy, PlanesPlan
+from kvgen.plan.copy import SLOT, CopyPlan, Mode, View, canonical
+from kvgen.plan.planes import PlaneCopy, PlanesPlan, layer_dim, leaf_source
 from kvgen.spec.elements import split_of
 from kvgen.spec.model import PART_LEVEL, Pack, Spec
 
@@ -383,17 +383,13 @@ class PlanesKernelPlan:
     def summary(self) -> tuple[str, str]:
         """For people: what a chunk costs, and how the kernels reach the cache."""
         per = "per layer and chunk" if self.layerwise else "per chunk"
-        return (f"one launch per plane {per} ({len(self.planes)} planes), grid (whole blocks + token tiles, outer)",
+        count = f"{len(self.planes)} plane{'s' if len(self.planes) > 1 else ''}"
+        return (f"one launch per plane {per} ({count}), grid (whole blocks + token tiles, outer)",
                 "leaves by a table over L; " + "; ".join(p.summary for p in self.planes))
 
     @property
     def grid(self) -> str:
         return "; ".join(self.summary)
-
-
-def _leaf_source(paged: Spec, plane: int) -> str:
-    """The plane's leaf expression inside the torch copy's layer loop."""
-    return "kvcaches" + "".join(f"[{plane}]" if a == PART_LEVEL else f"[{LOOP_VARS[a]}]" for a in paged.lists)
 
 
 def _rewrite(expr: str, i: int, swaps: dict[str, str]) -> str:
@@ -407,7 +403,7 @@ def _rewrite(expr: str, i: int, swaps: dict[str, str]) -> str:
 
 def _plane_kernel(plan: PlanesPlan, pc: PlaneCopy, index: int) -> PlaneKernelPlan:
     copy, layerwise = pc.copy, plan.mode is Mode.LAYERWISE
-    source = _leaf_source(plan.paged, pc.plane.index)
+    source = leaf_source(plan.paged, pc.plane.index)
     if source not in copy.cache_view.expr:
         raise ValueError(f"{plan.module}: plane {pc.plane.name}'s cache view does not read {source}")
     leaf = View(_rewrite(copy.cache_view.expr, index, {source: "leaf"}), copy.cache_view.axes)
@@ -453,8 +449,7 @@ def make_planes_kernel_plan(plan: PlanesPlan) -> PlanesKernelPlan | RefusedKerne
     if why is not None:
         return RefusedKernelPlan(plan, why)
     planes = tuple(_plane_kernel(plan, pc, i) for i, pc in enumerate(plan.planes))
-    leaf = "kvcaches" + "".join("[plane]" if a == PART_LEVEL else "[layer]" for a in plan.paged.lists)
-    return PlanesKernelPlan(plan, planes, f"[{leaf} for layer in range(g.L)]")
+    return PlanesKernelPlan(plan, planes, f"[{leaf_source(plan.paged, 'plane')} for layer in range(g.L)]")
 
 
 #: Why a plane whose block slot splits into a tile or a place without the other has no kernel: a
@@ -467,7 +462,19 @@ def plan_refusal(plan: object) -> str | None:
     C or H is two dims of a plane's row, a split block slot N two slot dims (tile and place)."""
     if not isinstance(plan, PlanesPlan):
         return None
+    if any(a not in (PART_LEVEL, "L") for a in plan.paged.lists):
+        return LIST_LEVELS_REASON
+    if "L" not in plan.paged.lists and any(p.has("L") for p in plan.paged.parts) and layer_dim(plan.paged) is None:
+        return LAYER_DIM_REASON
     return next((why for pc in plan.planes if (why := slot_refusal(pc.copy.cache_view.axes)) is not None), None)
+
+
+#: Why a cache of planes listed by another level than its parts and layers (a one-tree cache listed
+#: by KV, say) has no kernel: the kernels reach every layer's leaf by one table over L.
+LIST_LEVELS_REASON = "list levels other than the parts P and the layers L"
+#: Why a cache whose tensors hold L, but not as one dim at one place in every part, has no kernel:
+#: a layer's leaf is the slice of that dim (kvgen.plan.planes.layer_dim).
+LAYER_DIM_REASON = "L is not a dim of its own at one place in every part"
 
 
 def slot_refusal(cache_axes: tuple[str, ...]) -> str | None:

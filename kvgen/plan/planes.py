@@ -76,7 +76,8 @@ class PlanesPlan:
     def strategy(self) -> str:
         names = ", ".join(pc.plane.name for pc in self.planes)
         per = "per layer" if self.mode is Mode.LAYERWISE else "all layers"
-        return f"{len(self.planes)} planes ({names}) as bytes, {per}, into {self.obj.pack}"
+        count = f"{len(self.planes)} plane{'s' if len(self.planes) > 1 else ''}"
+        return f"{count} ({names}) as bytes, {per}, into {self.obj.pack}"
 
 
 def compatible_planes(paged: Spec, obj: Spec) -> bool:
@@ -184,12 +185,33 @@ def _object_shape(obj: Spec, planes: tuple[Plane, ...],
     return shape, None, ()
 
 
+def layer_dim(paged: Spec) -> int | None:
+    """The dim of L in the tensors of a cache that holds its layers there, not in a list level (a
+    one-tree cache such as SGLang's page_unified host pool), where L is a dim of its own at one place
+    in every part; None otherwise. Such a cache is moved as a list over L of the tensors' layer slices,
+    so every mover reaches a layer as it reaches a leaf of a list."""
+    if "L" in paged.lists:
+        return None
+    places = {tuple(j for j, d in enumerate(p.dims) if d.axes == ("L",)) for p in paged.parts}
+    return places.pop()[0] if len(places) == 1 and len(next(iter(places))) == 1 else None
+
+
+def leaf_source(paged: Spec, plane: int | str) -> str:
+    """The expression of one layer's leaf holding part `plane` inside a copy's layer loop:
+    `kvcaches[plane][layer]` down the list levels, a layer slice where the tensors hold L."""
+    leaf = "kvcaches" + "".join(f"[{plane}]" if a == PART_LEVEL else f"[{LOOP_VARS[a]}]" for a in paged.lists)
+    at = layer_dim(paged)
+    return leaf if at is None else f"{leaf}.select({at}, layer)"
+
+
 def _plane_copy(paged: Spec, obj: Spec, i: int, plane: Plane, whole: bool) -> PlaneCopy:
     """Plane `i` moved as a format-1 copy between its byte view of the cache and its place in the object."""
     dims, raw = _cache_dims(plane)
     view = dataclasses.replace(part_view(paged, plane.part), dims=dims)
-    leaf = "kvcaches" + "".join(f"[{plane.index}]" if a == PART_LEVEL else f"[{LOOP_VARS[a]}]"
-                                for a in paged.lists)
+    at = layer_dim(paged)
+    if at is not None:  # each layer's slice a leaf of a list over L
+        view = dataclasses.replace(view, lists=("L", *view.lists), dims=(*dims[:at], *dims[at + 1:]))
+    leaf = leaf_source(paged, plane.index)
     extent = {**EXTENT, "C": f"(g.planes[{i}].C // wd[{i}])"}
     if obj.pack is Pack.REGIONS:
         odims = _region_dims(obj, plane)

@@ -15,7 +15,7 @@ String and tuple work on specs; torch is never imported.
 
 from __future__ import annotations
 
-from kvgen.spec.elements import split_of, tiled
+from kvgen.spec.elements import Factor, place_of, split_of, tiled
 from kvgen.spec.model import Dim, Part
 
 #: Why a cache with split axes keeps the torch path on the compiled kernel's one-part copies:
@@ -38,11 +38,18 @@ def splits(part: Part, base: str) -> tuple[str, ...]:
     return tuple(sorted(found, key=lambda a: (split_of(a) or ("", "", 0))[1] != "/"))
 
 
-def factor(axis: str) -> int:
+def factor(axis: str) -> Factor:
     split = split_of(axis)
     if split is None:
         raise ValueError(f"{axis} is not a split axis")
     return split[2]
+
+
+def factor_expr(axis: str) -> str:
+    """The factor of a split axis in the generated copy: a literal, or a named one's extent as
+    read_geometry read it from the tensor (`g.split('H%g')`)."""
+    base, _, f = split_of(axis) or ("", "", 0)
+    return str(f) if isinstance(f, int) else f"g.split({place_of(base, f)!r})"
 
 
 def object_dims(part: Part, dims: tuple[Dim, ...]) -> tuple[Dim, ...]:
@@ -67,7 +74,7 @@ def extents(part: Part, plane: int) -> dict[str, str]:
     out = {"C": f"{geo}.values", ELEMENT: f"({geo}.C // {geo}.values // wd[{plane}])"}
     for base, whole in (("C", f"{geo}.values"), ("H", "g.H"), ("N", "g.N")):
         for a in splits(part, base):
-            out[a] = f"({whole} // {factor(a)})" if "/" in a else str(factor(a))
+            out[a] = f"({whole} // {factor_expr(a)})" if "/" in a else factor_expr(a)
     return out
 
 

@@ -47,12 +47,19 @@ class Geometry:
     dtype: torch.dtype
     device: torch.device
     planes: tuple[PlaneGeometry, ...] = ()
+    #: Format 3: the extent of each split's place whose factor the spec names (`H%g`), as the
+    #: tensors have it; a literal factor (`C%8`) is the generated code's own.
+    splits: tuple[tuple[str, int], ...] = ()
 
     def extents(self) -> dict[str, int]:
-        ext = {"L": self.L, "KV": self.KV, "H": self.H, "C": self.C, "S": self.S}
+        ext = {"L": self.L, "KV": self.KV, "H": self.H, "C": self.C, "S": self.S, **dict(self.splits)}
         if self.N is not None:
             ext.update(N=self.N, B=self.S // self.N)
         return ext
+
+    def split(self, place: str) -> int:
+        """The factor of a split by a named factor: its place's extent (`g.split('H%g')`)."""
+        return dict(self.splits)[place]
 
     def plane_start(self, index: int) -> int:
         """Where plane `index` starts in a row of every plane (the bytes of the planes before it)."""

@@ -30,17 +30,36 @@ BITS = {**{t: 8 * n for t, n in ITEMSIZE.items() if t in DTYPES}, **dict.fromkey
 SCALE_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "ue8m0")
 
 __all__ = ["BITS", "BIT_STREAMS", "DTYPES", "EXPLICIT_DTYPES", "FIELD_DTYPES", "ITEMSIZE", "SCALE_DTYPES", "SUB_BYTE",
-           "Packing", "split_extents", "split_of", "tiled"]
+           "Factor", "Packing", "factor_value", "place_of", "split_extents", "split_of", "tiled"]
 
 #: Format 3 split (tiled) axes: `C/16` is the index c // 16 and `C%16` the index c % 16 of an
-#: axis split into (C / 16, 16) tiles; N (the slot in a block) and H split alike.
-SPLIT = re.compile(r"^(N|H|C)([/%])([1-9][0-9]{0,3})$")
+#: axis split into (C / 16, 16) tiles; N (the slot in a block) and H split alike. A factor may be
+#: a name instead (`H/g` with `H%g`): it is then read from the tensor, as the place's extent
+#: (SGLang's page_unified head groups: g heads in each of H / g groups).
+SPLIT = re.compile(r"^(N|H|C)([/%])([1-9][0-9]{0,3}|[a-z][a-z0-9]{0,7})$")
+
+#: A split's factor: a literal, or the name of one read from the tensor.
+Factor = int | str
 
 
-def split_of(axis: str) -> tuple[str, str, int] | None:
-    """(base axis, "/" or "%", factor) of a split axis name, or None for a plain axis."""
+def split_of(axis: str) -> tuple[str, str, Factor] | None:
+    """(base axis, "/" or "%", factor) of a split axis name, or None for a plain axis; a named
+    factor is its name."""
     m = SPLIT.match(axis)
-    return (m.group(1), m.group(2), int(m.group(3))) if m else None
+    if m is None:
+        return None
+    f = m.group(3)
+    return m.group(1), m.group(2), int(f) if f.isdigit() else f
+
+
+def place_of(base: str, factor: Factor) -> str:
+    """The place axis of a split (`H%g`): its extent is the factor, literal or read from the tensor."""
+    return f"{base}%{factor}"
+
+
+def factor_value(base: str, factor: Factor, ext: Mapping[str, int]) -> int:
+    """The factor of a split at extents `ext`: a literal as it is, a named one the place's extent there."""
+    return factor if isinstance(factor, int) else ext[place_of(base, factor)]
 
 
 class Packing(str, enum.Enum):
@@ -60,11 +79,13 @@ def tiled(axes: Iterable[str]) -> bool:
 
 
 def split_extents(axes: Iterable[str], ext: Mapping[str, int]) -> dict[str, int]:
-    """The extent of each split axis among `axes`: C/16 has C // 16, C%16 has 16."""
+    """The extent of each split axis among `axes`: C/16 has C // 16, C%16 has 16; a named factor's
+    place (`H%g`) keeps the extent `ext` gives it, and its tile has H // that."""
     out = {}
     for a in axes:
         split = split_of(a)
         if split is not None:
             base, op, f = split
-            out[a] = ext[base] // f if op == "/" else f
+            value = factor_value(base, f, ext)
+            out[a] = ext[base] // value if op == "/" else value
     return out

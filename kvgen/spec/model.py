@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvgen.notation import format_dim, format_layout
-from kvgen.spec.elements import BITS, Packing, split_of
+from kvgen.spec.elements import BITS, Packing, split_of, tiled
 from kvgen.spec.elements import DTYPES as DTYPES  # re-exported: the planner, oracle and passes read them here
 from kvgen.spec.elements import ITEMSIZE as ITEMSIZE
 
@@ -210,8 +210,10 @@ class Plane:
 
     @property
     def name(self) -> str:
+        """The part's name, its field's, or both; `cache` for the one plane of a one-tree cache
+        without fields (a tiled tree: kvgen.spec.model.Spec.is_simple)."""
         if self.field is None:
-            return self.part.name
+            return self.part.name or "cache"
         return self.field.name if not self.part.name else f"{self.part.name}.{self.field.name}"
 
     @property
@@ -288,9 +290,10 @@ class Spec(Shaped):
 
     @property
     def is_simple(self) -> bool:
-        """One tensor tree of one content, no fields, no pack: what format 1 says. Everything
-        else is planned plane by plane (kvgen.plan.planes)."""
-        return len(self.parts) <= 1 and not any(p.fields for p in self.parts) and self.pack is None
+        """One tensor tree of one content, no fields, no pack, no split axes: what format 1 says.
+        Everything else is planned plane by plane (kvgen.plan.planes)."""
+        return (len(self.parts) <= 1 and not any(p.fields for p in self.parts) and self.pack is None
+                and not any(tiled(p.tensor_axes) for p in self.parts))
 
     @property
     def part_lists(self) -> tuple[str, ...]:

@@ -45,8 +45,9 @@ _PATTERN_WORDS = {
     "^[^\\n]*(?!\\n)$": "a single line (no line break, not even a trailing one)",
     RANGE: "a range of releases, comma-separated comparisons (e.g. '>=0.33,<0.34')",
     "^[a-z][a-z0-9_]*$": "an engine family in lowercase (e.g. vllm, sglang)",
-    "^(N|H|C)[/%][1-9][0-9]{0,3}$": "an axis, or (format 3) N, H or C split as tile and place, e.g. C/16 "
-                                    "and C%16",
+    "^(N|H|C)[/%]([1-9][0-9]{0,3}|[a-z][a-z0-9]{0,7})$": "an axis, or (format 3) N, H or C split as tile "
+                                                        "and place, e.g. C/16 and C%16 (H/g with H%g: a factor "
+                                                        "read from the tensor)",
 }
 
 

@@ -33,16 +33,17 @@ MHA_DIMS: dict[str, Callable[[Any], tuple[int, ...]]] = {
     "page_first": lambda p: (2, p.size, p.layer_num, p.head_num, p.head_dim),
     "page_first_direct": lambda p: (2, p.page_num, p.layer_num, p.page_size, p.head_num, p.head_dim),
     "page_head": lambda p: (2, p.page_num, p.head_num, p.page_size, p.layer_num, p.head_dim),
-    # PageUnifiedLayout.page_dims with one head group (per_head_dims: one head per group; others refused)
+    # PageUnifiedLayout.page_dims with one head group (grouped_dims: head_group_num groups)
     "page_unified": lambda p: (p.page_num, 1, p.layer_num, 2, p.page_size, p.head_num, p.head_dim),
 }
-#: The spec of page_unified with one kv head per head group (head_group_num = head_num).
-PER_HEAD_LAYOUT = "hicache_page_unified_per_head"
+#: The specs of page_unified with one kv head per head group (head_group_num = head_num), and with
+#: 1 < head_group_num < head_num groups (its H split by a factor read from the pool's tensor).
+PER_HEAD_LAYOUT, GROUPED_LAYOUT = "hicache_page_unified_per_head", "hicache_page_unified_grouped"
 
 
-def per_head_dims(p: Any) -> tuple[int, ...]:
-    """PageUnifiedLayout.page_dims with one kv head per head group: [pages, H, L, 2, page, 1, C]."""
-    return (p.page_num, p.head_num, p.layer_num, 2, p.page_size, 1, p.head_dim)
+def grouped_dims(p: Any, groups: int) -> tuple[int, ...]:
+    """PageUnifiedLayout.page_dims with `groups` head groups: [pages, G, L, 2, page, H / G, C]."""
+    return (p.page_num, groups, p.layer_num, 2, p.page_size, int(p.head_num) // groups, p.head_dim)
 
 
 #: MLATokenToKVPoolHost.init_kv_buffer's dims (D = kv_cache_dim, kv_lora_rank + qk_rope_head_dim).
@@ -63,7 +64,7 @@ NO_HOST_SPEC = {
     "page_first_kv_split": "Ascend's separate K and V buffers",
 }
 #: The specs host readers bind whose tree is one tensor (its layer count is the pool's layer_num): K and V, MLA.
-HOST_LAYOUTS = frozenset({*(f"hicache_{w}" for w in MHA_DIMS), PER_HEAD_LAYOUT})
+HOST_LAYOUTS = frozenset({*(f"hicache_{w}" for w in MHA_DIMS), PER_HEAD_LAYOUT, GROUPED_LAYOUT})
 HOST_MLA_LAYOUTS = frozenset(f"hicache_mla_{w}" for w in MLA_DIMS)
 
 
@@ -105,12 +106,11 @@ def _mha_host(pool: Any) -> Read:
     groups = int(getattr(pool, "head_group_num", 1) or 1)
     heads = int(pool.head_num)
     if word == "page_unified" and groups != 1:
-        if groups != heads:
-            raise _refuse(pool, f"its pages are cut into head_group_num={groups} head groups of {heads // groups} "
-                                f"heads; kvgen describes one group (hicache_page_unified, SGLang's default) and one "
-                                f"head per group (hicache_page_unified_per_head, head_group_num={heads}), since a "
-                                "split of H whose factor is read from the pool has no spec yet")
-        return PER_HEAD_LAYOUT, _one_tensor(pool, per_head_dims(pool)), {}
+        if heads % groups:
+            raise _refuse(pool, f"its head_group_num={groups} does not divide its {heads} kv heads")
+        # head_group_num decides, not the shape: [pages, G, L, 2, page, H / G, C] fits the grouped spec for any G
+        layout = PER_HEAD_LAYOUT if groups == heads else GROUPED_LAYOUT
+        return layout, _one_tensor(pool, grouped_dims(pool, groups)), {}
     return f"hicache_{word}", _one_tensor(pool, MHA_DIMS[word](pool)), {}
 
 

@@ -20,6 +20,7 @@ from kvgen import generated
 from kvgen.errors import KVLayoutError
 from kvgen.integrations.detect import detect, detectable
 from kvgen.integrations.sglang.host import (
+    GROUPED_LAYOUT,
     HOST_LAYOUTS,
     HOST_MLA_LAYOUTS,
     HOST_READERS,
@@ -57,7 +58,8 @@ DEFAULT_OBJECT = {"sglang_mha": "kv_2ltd", "sglang_mha_hnd": "kv_2ltd", "sglang_
                   "sglang_mha_mxfp8_interleaved": "kv_planes", "sglang_mha_vectorized_5d": "kv_planes",
                   "sglang_mha_vectorized_5d_fp8": "kv_planes",
                   "sglang_minimax_m3_nvfp4": "kv_planes", "sglang_minimax_m3_nvfp4_index": "kv_planes",
-                  **dict.fromkeys(HOST_LAYOUTS, "kv_2ltd"), **dict.fromkeys(HOST_MLA_LAYOUTS, "kv_mla")}
+                  **dict.fromkeys(HOST_LAYOUTS, "kv_2ltd"), **dict.fromkeys(HOST_MLA_LAYOUTS, "kv_mla"),
+                  GROUPED_LAYOUT: "kv_planes"}  # a tiled cache pairs with the objects that keep each plane dense
 
 
 def _describe(pool: Any) -> str:

@@ -212,6 +212,19 @@ _register(_vectorized_5d("sglang_mha_vectorized_5d", 8, ("bfloat16", "float16"))
 _register(_vectorized_5d("sglang_mha_vectorized_5d_fp8", 16, ("uint8",)))
 
 
+# -- SGLang HiCache MHA host pool, layout page_unified in head groups -------------------------------
+# pool_host/page_unified.py PageUnifiedLayout.page_dims: one kv_buffer (page_num, head_group_num,
+# layer_num, 2, page_size, head_num // head_group_num, head_dim); head h lies in group h // (H / G) at
+# place h % (H / G). Compared at two heads per group (the spec reads that factor from the tensor), H
+# counted in groups: H = 4 is two groups of two heads.
+_register(PartsFact(
+    "hicache_page_unified_grouped", (),
+    (PartFact("", lambda g: (g.B, g.H // 2, g.L, 2, g.N, 2, g.C), ()),),
+    (PlaneFact("cache", 0, None, lambda g: g.C, True, True, True,
+               lambda g, layer, kv, slot, h, c: ((), (slot // g.N, h // 2, layer, kv, slot % g.N, h % 2, c), 0)),),
+    fixed={"KV": 2}, tiles={"H": 2}, splits={"H%g": 2}))
+
+
 # -- packed objects ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -334,7 +347,7 @@ def extents(fact: PartsFact, g: EngineGeometry) -> dict[str, int]:
     """The geometry as kvgen extents, with each part's free width."""
     out = {"L": g.L, "KV": 2, "B": g.B, "N": g.N, "H": g.H, "C": g.C, "T": g.T}
     out.update({f"C.{p.name}": width(g, i) for i, p in enumerate(fact.parts)})
-    return out
+    return {**out, **fact.splits}
 
 
 def _part_disagreement(spec: Spec, part: Any, pf: PartFact, ext: Mapping[str, int], g: EngineGeometry) -> str | None:

@@ -150,6 +150,9 @@ class PartsFact:
     #: multiples of X), by tile size: a geometry counts these axes in tiles (kvgen.oracle.facts.planes
     #: source_geometry), so every geometry of the tests is one the source accepts.
     tiles: Mapping[str, int] = field(default_factory=dict)
+    #: The extent the source's tensors give each split by a factor the spec names (`H%g`: SGLang's
+    #: page_unified heads per group), at which the spec is compared.
+    splits: Mapping[str, int] = field(default_factory=dict)
 
     def value_bytes(self, plane: PlaneFact) -> int:
         return BYTES[plane.dtype or self.parts[plane.part].dtype or FREE_DTYPE]

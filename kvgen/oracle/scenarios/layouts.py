@@ -28,7 +28,7 @@ from kvgen.oracle.reference import planes
 from kvgen.oracle.scenarios.common import allocate, block_table_mapping, clone_tree, same_bits, tensors_of
 from kvgen.runtime import MemoryObj
 from kvgen.runtime.ops import bits
-from kvgen.spec.elements import split_of
+from kvgen.spec.elements import place_of, split_of
 from kvgen.spec.model import Spec
 
 #: Small geometry: 3 layers, 2 heads, 4 values per head, 12 blocks of 4 slots.
@@ -280,6 +280,10 @@ def _label(objs: list[Any], connector: Any) -> None:
             o.metadata.fmt = connector.format
 
 
+#: The factor a scenario reads from its cache's tensors where the spec names one (`H/g`, `H%g`).
+NAMED_FACTOR = 2
+
+
 def _round_up(n: int, f: int) -> int:
     return -(-n // f) * f
 
@@ -295,7 +299,8 @@ def fitted(paged: Spec, scenario: Scenario) -> Scenario:
     """The scenario at extents a cache's split axes (format 3 tiles) divide: N and H at the
     spec's fixed extent or rounded up to a multiple of every factor that splits them, and each
     part that splits C given a width its factors divide where the scenario gives it none
-    (planes.parts_extents keeps it)."""
+    (planes.parts_extents keeps it). A factor read from the tensor (`H%g`) is NAMED_FACTOR where
+    the scenario gives it none, with H at least twice it: several groups of several heads."""
     ext = dict(scenario.ext)
     factors: dict[str, int] = {}
     for i, part in enumerate(paged.parts):
@@ -304,6 +309,9 @@ def fitted(paged: Spec, scenario: Scenario) -> Scenario:
             if split is None:
                 continue
             base, _, f = split
+            if isinstance(f, str):
+                f = ext.setdefault(place_of(base, f), NAMED_FACTOR)
+                ext[base] = max(ext[base], 2 * f)
             if base == "C":
                 ext.setdefault(f"C.{part.name}", part.size("C") or _round_up(ext["C"] + 2 * i, f))
             else:

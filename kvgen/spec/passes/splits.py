@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvgen.errors import Problem, YamlPath
 from kvgen.spec.document import Document
-from kvgen.spec.elements import split_of, tiled
+from kvgen.spec.elements import Factor, split_of, tiled
 from kvgen.spec.model import Part, Spec
 from kvgen.spec.passes.common import Pass, part_path
 
@@ -27,7 +27,7 @@ def check_splits(spec: Spec, doc: Document) -> list[Problem]:
     return out
 
 
-def _split_problems(spec: Spec, part: Part, path: YamlPath, axis: str, split: tuple[str, str, int],
+def _split_problems(spec: Spec, part: Part, path: YamlPath, axis: str, split: tuple[str, str, Factor],
                     doc: Document) -> list[Problem]:
     base, op, f = split
     if spec.version < 3:
@@ -40,6 +40,8 @@ def _split_problems(spec: Spec, part: Part, path: YamlPath, axis: str, split: tu
         out.append(doc.problem(path, f"{axis} is the place in a tile of {base}; add {partner}, the tile"))
     if base in part.tensor_axes:
         out.append(doc.problem(path, f"{base} appears whole and split ({axis}); an axis is one or the other"))
+    if isinstance(f, str):
+        return out + _named_problems(path, axis, base, doc)
     if f < 2:
         out.append(doc.problem(path, f"{axis} splits by {f}; a split needs a factor of at least 2"))
     fixed = part.size(base) if base == "C" else spec.size(base)
@@ -48,20 +50,25 @@ def _split_problems(spec: Spec, part: Part, path: YamlPath, axis: str, split: tu
     return out
 
 
+def _named_problems(path: YamlPath, axis: str, base: str, doc: Document) -> list[Problem]:
+    """A factor read from the tensor splits H only: N's and C's factors are fixed where the code
+    is generated (a slot's tile and place, a value's words). (A split H has no fixed size: the
+    sizes pass refuses one.)"""
+    if base != "H":
+        return [doc.problem(path, f"{axis}: a named factor (read from the tensor) splits H only; "
+                                  f"give {base} a number ({base}/8 with {base}%8)")]
+    return []
+
+
 def check_split_trees(spec: Spec, doc: Document) -> list[Problem]:
-    """Split axes outside a cache of parts: kvgen plans them only plane by plane, in a cache of parts
-    whose object keeps every axis whole (kvgen.plan.splits), so a one-tree cache with split axes would
-    build with no connector, and an object has none."""
+    """Split axes in an object: an object keeps every axis whole (kvgen.plan.splits views its dense
+    axis as the cache's tile and place). A cache's tree, one or several, may split its axes: a
+    tiled one-tree cache is planned as one plane (kvgen.spec.model.Spec.is_simple)."""
     split = [a for d in spec.dims for a in d.axes if split_of(a) is not None]
-    if not split or "parts" in doc.data:
+    if not split or spec.is_paged:
         return []
-    shown = ", ".join(split)
-    if not spec.is_paged:
-        return [doc.problem(("dims",), f"an object keeps its axes whole; split axes ({shown}) describe a cache's "
-                                       "parts")]
-    return [doc.problem(("dims",), f"split axes ({shown}) are moved only in a cache of parts: declare the tree "
-                                   "under `parts:` (e.g. `parts: {k: {dims: [...]}, v: ...}` with P in lists); "
-                                   "kvgen plans no connector for a one-tree cache with split axes")]
+    return [doc.problem(("dims",), f"an object keeps its axes whole; split axes ({', '.join(split)}) describe "
+                                   "a cache's")]
 
 
 def check_ratio(spec: Spec, doc: Document) -> list[Problem]:

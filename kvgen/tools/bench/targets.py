@@ -5,6 +5,7 @@ they come from, cache extents and the chunk's slot mapping. No torch at import t
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 import tempfile
 import uuid
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvgen.emit.build import build
 from kvgen.errors import KVGenError, KVLayoutError
+from kvgen.spec.elements import place_of, split_of
 from kvgen.spec.library import REPO_ROOT, Library
 from kvgen.spec.transfers import load_transfers
 
@@ -165,19 +167,28 @@ def _has(package: Any, paged: Spec, obj: Spec) -> bool:
     return True
 
 
+#: The heads of a group where a cache's spec reads that factor from the tensor (SGLang's page_unified).
+GROUP_HEADS = 2
+
+
 def extents(spec: Spec, layers: int, heads: int, head_size: int, block_size: int, num_blocks: int) -> dict[str, int]:
     """Axis extents of a cache of `spec`: MLA layouts (no H axis) get one head of MLA_C values;
     a cache of several parts takes its axes from its parts (a part of fixed width keeps it); a
-    block of `slots_per_token` k holds `block_size` tokens in N = block_size * k stored slots."""
+    block of `slots_per_token` k holds `block_size` tokens in N = block_size * k stored slots; H
+    split by a factor read from the tensor (`H%g`, head groups) has groups of GROUP_HEADS heads."""
     if spec.is_simple:
         kv, mla = spec.has("KV"), not spec.has("H")
-    else:
-        axes = {a for part in spec.parts for d in part.dims for a in d.axes}
-        kv, mla = "KV" in axes, "H" not in axes
+    else:  # an axis held whole or split
+        kv, mla = any(p.has("KV") for p in spec.parts), not any(p.has("H") for p in spec.parts)
     out = {"L": layers, "KV": 2 if kv else 1, "H": 1 if mla else heads,
            "C": MLA_C if mla else head_size, "N": block_size * spec.token_ratio[1], "B": num_blocks}
     if "H" in dict(spec.sizes):  # a layout of a fixed head count (DeepSeek-V4's one head slot) keeps it
         out["H"] = dict(spec.sizes)["H"]
+    for part in spec.parts:
+        for axis in part.tensor_axes:
+            base, _, factor = split_of(axis) or ("", "", 0)
+            if isinstance(factor, str):
+                out[place_of(base, factor)] = math.gcd(out[base], GROUP_HEADS)
     return out
 
 

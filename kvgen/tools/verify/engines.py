@@ -68,6 +68,7 @@ def sglang_disagreements() -> tuple[list[str], int]:
     import torch
 
     from kvgen.oracle.facts.layouts import FACTS, EngineGeometry
+    from kvgen.oracle.facts.planes import PARTS_FACTS
 
     mp, host_mod = _sglang_modules()
     L, H, PAGE, C, SIZE = 3, 4, 16, 8, 48  # H != PAGE: a swap of heads and slots shows
@@ -141,12 +142,19 @@ def sglang_disagreements() -> tuple[list[str], int]:
     info = mha(False).get_device_pool_infos()[0].buffer_info
     hosts = [(f"hicache_{w}", w, 1) for w in ("layer_first", "page_first", "page_first_direct", "page_head",
                                                "page_unified")]
-    for name, layout, groups in [*hosts, ("hicache_page_unified_per_head", "page_unified", H)]:
+    for name, layout, groups in [*hosts, ("hicache_page_unified_per_head", "page_unified", H),
+                                 ("hicache_page_unified_grouped", "page_unified", 2)]:
         host = host_mod.MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
                                              device_capacity_tokens=SIZE, start_layer=0, end_layer=L,
                                              head_group_num=groups)
-        holds(name, host.kv_buffer, EngineGeometry(L=L, B=host.size // PAGE, N=PAGE, H=H, C=C), 0, H)
-    return wrong, 9
+        g = EngineGeometry(L=L, B=host.size // PAGE, N=PAGE, H=H, C=C)
+        if name in PARTS_FACTS:  # a tiled pool (its fact: two heads per group): its shape
+            want = PARTS_FACTS[name].parts[0].shape(g)
+            if tuple(host.kv_buffer.shape) != want:
+                wrong.append(f"{name}: SGLang's buffer is {list(host.kv_buffer.shape)}, the fact says {list(want)}")
+            continue
+        holds(name, host.kv_buffer, g, 0, H)
+    return wrong, 10
 
 
 def _vllm_modules() -> tuple[Any, Any, Any, Any, Any]:
