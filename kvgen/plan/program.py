@@ -25,7 +25,6 @@ from kvgen.plan import splits
 from kvgen.plan.code import COLUMNS, chain_calls
 from kvgen.plan.copy import CopyPlan, Mode
 from kvgen.plan.planes import PlanesPlan
-from kvgen.spec.elements import tiled
 from kvgen.spec.model import Spec
 
 #: The most dims one call of the compiled kernel takes (KV_MAXD in kvgen/runtime/csrc/kvcopy.c;
@@ -126,8 +125,6 @@ def program_plan(plan: CopyPlan | PlanesPlan) -> ProgramPlan:
         return planes_program(plan)
     if [a for a in plan.obj.lists if a != "L"]:
         return ProgramPlan((("compiled", f"object list levels {plan.obj.lists}"),), ())
-    if tiled(plan.paged.axes):  # extents come from the geometry by name here; a tile or a place has none
-        return ProgramPlan((("compiled", splits.SPLITS_REASON),), ())
     return copy_program(places(plan.paged), plan.paged.lists, places(plan.obj), plan.mode is Mode.LAYERWISE,
                         units=unit_axes(plan.paged))
 

@@ -18,12 +18,9 @@ from __future__ import annotations
 from kvgen.spec.elements import Factor, place_of, split_of, tiled
 from kvgen.spec.model import Dim, Part
 
-#: Why a cache with split axes keeps the torch path on the compiled kernel's one-part copies:
-#: they take each axis's extent from the geometry by its name, and a tile or a place has none
-#: there. The compiled kernel's planes programs and the Triton planes kernels read every extent
-#: from the plane's views instead (kvgen.plan.program.planes_program, kvgen.plan.kernel), so
-#: they move split axes.
-SPLITS_REASON = "split (tiled) axes have no named extent"
+# A cache with split axes is always planned plane by plane (kvgen.spec.model.Spec.is_simple):
+# the compiled kernel's planes programs and the Triton planes kernels read every extent from the
+# plane's views (kvgen.plan.program.planes_program, kvgen.plan.kernel), a tile's and a place's too.
 #: The trailing axis of a tiled plane: the words of one value (its bytes over the call's word).
 ELEMENT = "E"
 
