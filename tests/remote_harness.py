@@ -22,6 +22,10 @@ from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.scenarios.transfers import DST_SALT, make_cache
 
 LIBRARY = builtin_library()
+#: The built-in transfer pairs remote plans: not those of a cache whose dims split an axis (SGLang's
+#: page_unified in head groups, `H/g` with `H%g`), which remote.describe refuses
+#: (tests/test_remote_plan.py::test_a_cache_of_head_groups_is_refused_by_describe).
+REMOTE_PAIRS = sorted(p for p in generated.TRANSFERS if not any(LIBRARY[n].version == 3 for n in p))
 #: A source rank's salt: codes of different ranks (and the destination's) never meet.
 RANK_SALT = 100000
 
@@ -199,4 +203,4 @@ def moved_right(case: Case, src_slots: list[int], dst_slots: list[int], strategy
     return same_bits(dst, want) and untouched, p.strategy
 
 
-__all__ = ["LIBRARY", "PART_WIDTHS", "Case", "PartsCase", "moved_right", "run_by_memmove"]
+__all__ = ["LIBRARY", "PART_WIDTHS", "REMOTE_PAIRS", "Case", "PartsCase", "moved_right", "run_by_memmove"]

@@ -437,15 +437,16 @@ def test_hicache_host_pools_built_by_sglang_move_right_both_ways(spec: str, muta
                                kv_2ltd_expected(LOW))
 
 
-@pytest.mark.parametrize("groups", [1, H], ids=["one_group", "one_head_per_group"])
+@pytest.mark.parametrize("groups", [1, 2, H], ids=["one_group", "two_groups", "one_head_per_group"])
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 def test_sglangs_device_pool_and_its_page_unified_host_pool_transfer_both_ways(
         layout: str, groups: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """What HiCache's write-back and load-back kernels (CUDA) do, by kvgen's transfers: K and V that
-    SGLang's set_kv_buffer wrote reach the page_unified host pool (one head group, or one head per
-    group) where page_dims says, and come back to a fresh device pool where SGLang's getters read them."""
+    SGLang's set_kv_buffer wrote reach the page_unified host pool (one head group, two, or one head
+    per group) where page_dims says, and come back to a fresh device pool where SGLang's getters read them."""
     device_name = "sglang_mha" if layout == "nhd" else "sglang_mha_hnd"
-    host_name = "hicache_page_unified" if groups == 1 else "hicache_page_unified_per_head"
+    host_name = {1: "hicache_page_unified", H: "hicache_page_unified_per_head"}.get(groups,
+                                                                                  "hicache_page_unified_grouped")
     pool = mha(layout, monkeypatch)
     write_mha(pool, SLOTS, list(range(L)))
     cache = [list(pool.k_buffer), list(pool.v_buffer)]

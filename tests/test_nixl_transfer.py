@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from kvgen import generated, remote
+from kvgen import remote
 from kvgen.integrations import nixl
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.scenarios.transfers import SCENARIOS
 from kvgen.runtime.errors import KVLayoutError
-from tests.remote_harness import Case, PartsCase
+from tests.remote_harness import REMOTE_PAIRS, Case, PartsCase
 
 pytestmark = pytest.mark.skipif(nixl.unavailable() is not None, reason=str(nixl.unavailable()))
 
@@ -55,7 +55,7 @@ def _case(pair: tuple[str, str], scenario: str, sizes: tuple[int, int] = (1, 1),
 
 
 @pytest.mark.parametrize("strategy", ["direct", "staged"])
-@pytest.mark.parametrize("pair", sorted(generated.TRANSFERS), ids=lambda p: f"{p[0]}->{p[1]}")
+@pytest.mark.parametrize("pair", REMOTE_PAIRS, ids=lambda p: f"{p[0]}->{p[1]}")
 def test_every_builtin_pair_through_nixl(agents: tuple[Any, Any], pair: tuple[str, str], strategy: str) -> None:
     ok, p = _moved(agents, _case(pair, "partial_minus1"), "partial_minus1", strategy)
     assert ok and p.strategy == strategy

@@ -11,7 +11,7 @@ from kvgen.oracle import reference
 from kvgen.oracle.address import element_address
 from kvgen.oracle.reference import planes, transfers
 from kvgen.oracle.scenarios import SCENARIOS, at_odd_offsets, clone_tree, fitted, make_objects
-from kvgen.oracle.scenarios.transfers import DST_EXT, SRC_EXT
+from kvgen.oracle.scenarios.transfers import DST_EXT, SRC_EXT, fitted_extents
 from kvgen.oracle.scenarios.transfers import make_cache as transfer_cache
 from kvgen.plan.copy import plan_library
 from kvgen.plan.package import kind_of, plan_connectors
@@ -184,21 +184,23 @@ def _transfer_one_by_one(src, src_ext, source, src_slots, dst, dst_ext, target, 
 
 @pytest.mark.parametrize("heads", [None, ((1, 2), (0, 1))], ids=["all_heads", "one_head"])
 def test_transfer_reference_moves_each_element_where_element_address_says(heads) -> None:
-    """Every built-in transfer pair (with a head range where both have heads), with a skipped
-    source slot and a destination slot written twice: the later token wins."""
+    """Every built-in transfer pair (with a head range where both have heads; a cache of head
+    groups, in groups of two, moves a range of one group), with a skipped source slot and a
+    destination slot written twice: the later token wins."""
     src_slots, dst_slots = [5, -1, 17, 30, 2], [9, 3, 38, 9, 11]
     for a, b in sorted(generated.TRANSFERS):
         src, dst = LIB[a], LIB[b]
         if heads is not None and not (src.has("H") and dst.has("H")):
             continue
-        sh, dh = heads or (transfers.heads_of(src, SRC_EXT, None), transfers.heads_of(dst, DST_EXT,
-                                                                                                         None))
-        source = transfer_cache(src, SRC_EXT, torch.float32, "cpu")
-        got = transfer_cache(dst, DST_EXT, torch.float32, "cpu", 50_000)
+        src_ext, dst_ext = fitted_extents((src, dst), (SRC_EXT, DST_EXT))
+        ranges = heads if heads is None or src_ext["H"] == SRC_EXT["H"] else ((2, 4), (0, 2))
+        sh, dh = ranges or (transfers.heads_of(src, src_ext, None), transfers.heads_of(dst, dst_ext, None))
+        source = transfer_cache(src, src_ext, torch.float32, "cpu")
+        got = transfer_cache(dst, dst_ext, torch.float32, "cpu", 50_000)
         want = clone_tree(got)
-        transfers.transfer(transfers.TransferSide(src, SRC_EXT, source, src_slots, sh),
-            transfers.TransferSide(dst, DST_EXT, got, dst_slots, dh))
-        _transfer_one_by_one(src, SRC_EXT, source, src_slots, dst, DST_EXT, want, dst_slots, sh, dh)
+        transfers.transfer(transfers.TransferSide(src, src_ext, source, src_slots, sh),
+            transfers.TransferSide(dst, dst_ext, got, dst_slots, dh))
+        _transfer_one_by_one(src, src_ext, source, src_slots, dst, dst_ext, want, dst_slots, sh, dh)
         assert same_bits(got, want), (a, b)
 
 

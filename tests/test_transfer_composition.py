@@ -15,7 +15,7 @@ from harness import builtin_library
 from kvgen import generated, tp
 from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import clone_tree, same_bits
-from kvgen.oracle.scenarios.transfers import DST_EXT, SRC_EXT, make_cache
+from kvgen.oracle.scenarios.transfers import DST_EXT, SRC_EXT, fitted_extents, make_cache
 
 LIBRARY = builtin_library()
 PAIRS = sorted(generated.TRANSFERS)
@@ -38,14 +38,15 @@ def _identity(spec: Any, ext: dict[str, int], source: Any, into: Any, slots: lis
 @pytest.mark.parametrize("pair", BOTH_WAYS, ids=lambda p: f"{p[0]}-{p[1]}")
 def test_there_and_back_is_the_identity_on_the_copied_slots(pair: tuple[str, str]) -> None:
     a_spec, b_spec = LIBRARY[pair[0]], LIBRARY[pair[1]]
-    a = make_cache(a_spec, SRC_EXT, torch.float32, "cpu")
-    b = make_cache(b_spec, B_EXT, torch.float32, "cpu", 10000)
-    back = make_cache(a_spec, SRC_EXT, torch.float32, "cpu", 20000)
+    a_ext, b_ext = fitted_extents((a_spec, b_spec), (SRC_EXT, B_EXT))  # heads in whole groups where a cache groups them
+    a = make_cache(a_spec, a_ext, torch.float32, "cpu")
+    b = make_cache(b_spec, b_ext, torch.float32, "cpu", 10000)
+    back = make_cache(a_spec, a_ext, torch.float32, "cpu", 20000)
     s, m = torch.tensor(A_SLOTS), torch.tensor(B_SLOTS)
     generated.transfer(*pair)().copy(a, s, b, m)
     for _ in generated.transfer(pair[1], pair[0])().copy_layers(b, m, back, s):
         pass
-    assert same_bits(back, _identity(a_spec, SRC_EXT, a, back, A_SLOTS, B_SLOTS))
+    assert same_bits(back, _identity(a_spec, a_ext, a, back, A_SLOTS, B_SLOTS))
 
 
 def _triples() -> list[tuple[str, str, str]]:
@@ -57,9 +58,9 @@ def _triples() -> list[tuple[str, str, str]]:
 @pytest.mark.parametrize("triple", _triples(), ids=lambda t: "-".join(t))
 def test_through_a_third_layout_equals_direct(triple: tuple[str, str, str]) -> None:
     a_spec, b_spec, c_spec = (LIBRARY[n] for n in triple)
-    c_ext = {**DST_EXT, "N": 2, "B": 20}
-    a = make_cache(a_spec, SRC_EXT, torch.float32, "cpu")
-    b = make_cache(b_spec, B_EXT, torch.float32, "cpu", 10000)
+    a_ext, b_ext, c_ext = fitted_extents((a_spec, b_spec, c_spec), (SRC_EXT, B_EXT, {**DST_EXT, "N": 2, "B": 20}))
+    a = make_cache(a_spec, a_ext, torch.float32, "cpu")
+    b = make_cache(b_spec, b_ext, torch.float32, "cpu", 10000)
     via, direct = (make_cache(c_spec, c_ext, torch.float32, "cpu", 20000) for _ in range(2))
     s = torch.tensor([5, 6, 7, 8, 9, 10, 11, 29, 30])  # a -1 here would leave B stale for the second hop
     m = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8])  # every token lands in B

@@ -2,7 +2,8 @@
 copies of every built-in transfer leave the destination bit for bit alike, and as the
 element-by-element reference does, for random extents, block sizes on each side (powers of
 two and others), slot pairs with skipped tokens, head ranges, strided or odd-offset storage,
-whole or per layer."""
+whole or per layer. A cache of head groups (`H/g`, `H%g`) gets random group sizes and ranges of
+whole groups."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.scenarios.transfers import make_cache, run_transfer
 from kvgen.runtime import native
+from kvgen.spec.elements import split_extents
 from kvgen.spec.transfers import load_transfers
 
 BUILTIN = load_transfers(builtin_library())
@@ -33,7 +35,17 @@ def cases(draw: st.DrawFn) -> dict:
     # block sizes of powers of two (the kernel splits a slot by a shift and a mask) and others (by a division)
     src = {**base, "N": draw(st.sampled_from([1, 2, 3, 4, 6])), "B": draw(st.integers(1, 6))}
     dst = {**base, "N": draw(st.sampled_from([1, 2, 3, 4, 6])), "B": draw(st.integers(1, 6))}
-    if heads:
+    if _grouped(pair.src) or _grouped(pair.dst):  # heads in groups of g: ranges of whole groups
+        g, groups = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+        count = g * draw(st.integers(1, groups))
+        s0, d0 = (g * draw(st.integers(0, groups - count // g)) for _ in range(2))
+        ranges = tp.HeadRanges((s0, s0 + count), (d0, d0 + count))
+        for spec, ext in ((pair.src, src), (pair.dst, dst)):
+            ext["H"] = g * groups
+            if _grouped(spec):
+                ext["H%g"] = g
+                ext.update(split_extents(spec.axes, ext))
+    elif heads:
         dst["H"] = draw(st.integers(1, 3))
         count = draw(st.integers(1, min(src["H"], dst["H"])))
         s0, d0 = draw(st.integers(0, src["H"] - count)), draw(st.integers(0, dst["H"] - count))
@@ -57,6 +69,10 @@ def cases(draw: st.DrawFn) -> dict:
     storage = draw(st.sampled_from([("plain", "plain"), ("strided", "odd"), ("odd", "strided")]))
     return {"pair": pair, "src": src, "dst": dst, "heads": ranges, "s": s_map, "d": d_map, "storage": storage,
             "layerwise": draw(st.booleans()), "dtype": draw(st.sampled_from([torch.float32, torch.bfloat16]))}
+
+
+def _grouped(spec) -> bool:  # noqa: ANN001
+    return "H%g" in spec.axes
 
 
 def _cache(spec, ext, case, side: int, salt: int = 0):  # noqa: ANN001, ANN202

@@ -68,6 +68,7 @@ def test_the_builtin_set_covers_the_issue() -> None:
     assert all(both(e, h) for e in ("vllm_mla", "sglang_mla") for h in mla_hosts)
     assert all(both(e, "hicache_page_unified") for e in ("sglang_mha", "sglang_mha_hnd"))  # SGLang 0.5.23's own
     assert all(both(e, "hicache_page_unified_per_head") for e in ("sglang_mha", "sglang_mha_hnd"))
+    assert all(both(e, "hicache_page_unified_grouped") for e in ("sglang_mha", "sglang_mha_hnd"))
     assert all(both(e, "hicache_mla_page_unified") for e in ("vllm_mla", "sglang_mla"))
 
 

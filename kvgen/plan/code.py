@@ -47,11 +47,11 @@ LINE = COLUMNS - 8
 
 
 def chain_calls(expr: str) -> list[str]:
-    """`a(...).b(...).c(...)` as ["a(...)", ".b(...)", ".c(...)"]: its calls at the outermost level."""
+    """`a(...).b(...)[i].c(...)` as ["a(...)", ".b(...)[i]", ".c(...)"]: its calls at the outermost level."""
     parts, depth, start = [], 0, 0
     for i, ch in enumerate(expr):
         depth += (ch in "([{") - (ch in ")]}")
-        if ch == "." and depth == 0 and i and expr[i - 1] == ")":
+        if ch == "." and depth == 0 and i and expr[i - 1] in ")]":
             parts.append(expr[start:i])
             start = i
     return [*parts, expr[start:]]
@@ -66,14 +66,15 @@ def _assign(name: str, expr: str, comment: str) -> list[str]:
     return [f"# {comment}", *assign_chain(name, expr)]
 
 
-def assign_chain(name: str, expr: str) -> list[str]:
-    """`name = expr`, a chain of calls too long for one line taken a call or more at a time."""
+def assign_chain(name: str, expr: str, width: int = LINE) -> list[str]:
+    """`name = expr`, a chain of calls too long for one line (of `width` columns) taken a call or
+    more at a time."""
     parts = chain_calls(expr)
     if re.search(rf"\b{re.escape(name)}\b", "".join(parts[1:])):  # a later call reads the name: one line
         return [f"{name} = {expr}"]
     lines, line = [], f"{name} = {parts[0]}"
     for part in parts[1:]:
-        if len(line + part) > LINE:
+        if len(line + part) > width:
             lines.append(line)
             line = f"{name} = {name}"
         line += part

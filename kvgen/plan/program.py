@@ -32,8 +32,6 @@ from kvgen.spec.model import Spec
 KERNEL_DIMS = 8
 #: Axes that address tokens: the cache's block, slot in block and folded slot, the object's token.
 TOKEN_AXES = frozenset({"B", "N", "S", "T"})
-#: Why caches of several planes or fields (spec format 2) keep the torch path.
-PLANES_REASON = "caches of several planes move by torch ops"
 
 Fields = tuple[tuple[str, Any], ...]
 Place = tuple[str, int, tuple[str, ...]]
@@ -234,13 +232,29 @@ def _cache_key(spec: Spec, places_: tuple[Place, ...], shared: tuple[str, ...]) 
     return key
 
 
+def head_group(spec: Spec) -> tuple[str, ...]:
+    """(tile, place) of a one-tree cache whose heads are split into groups (`H/g`, `H%g`), or ()."""
+    return splits.splits(spec.parts[0], "H") if not spec.is_simple and len(spec.parts) == 1 else ()
+
+
+def _grouped_heads(sides: tuple[Place, ...], group: tuple[str, ...]) -> tuple[Place, ...]:
+    """A side's places with a whole H seen as the other side's head groups: the tile outer, the
+    place inner, in H's dim (its stride the group's size of H's). A split side keeps its own."""
+    if not group:
+        return sides
+    tile, place = group
+    out: list[Place] = []
+    for axis, dim, inner in sides:
+        out += [(tile, dim, (place, *inner)), (place, dim, inner)] if axis == "H" else [(axis, dim, inner)]
+    return tuple(out)
+
+
 def transfer_program(src: Spec, dst: Spec) -> ProgramPlan:
     """The PROGRAM of a layout-to-layout transfer (runtime.TransferProgram): both caches'
     places, the shared axes, and per path the dims of a whole call and of a layer's call in
     the source's order with the innermost that may merge into the run."""
-    if not (src.is_simple and dst.is_simple):
-        return ProgramPlan((("compiled", PLANES_REASON),), ())
-    sp, dp = places(src), places(dst)
+    group = head_group(src) or head_group(dst)  # a one-tree cache of head groups: both sides see them
+    sp, dp = (_grouped_heads(places(s), group) for s in (src, dst))
     sa, da = tuple(p[0] for p in sp), tuple(p[0] for p in dp)
     src_axes, dst_axes = set(sa) | set(src.lists), set(da) | set(dst.lists)
     shared = tuple(sorted((src_axes | dst_axes) - TOKEN_AXES))

@@ -23,7 +23,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kvgen.plan.code import INDENT, Method
+from kvgen.plan import splits
+from kvgen.plan.code import COLUMNS, INDENT, Method, assign_chain
 from kvgen.plan.copy import (
     LOOP_VARS,
     SLOT,
@@ -36,9 +37,9 @@ from kvgen.plan.copy import (
     permute_suffix,
     select,
 )
-from kvgen.plan.geometry import geometry_body
+from kvgen.plan.geometry import geometry_body, planes_geometry_body
 from kvgen.plan.layouts import Fields, layout_fields
-from kvgen.plan.program import ProgramPlan, transfer_program
+from kvgen.plan.program import ProgramPlan, head_group, transfer_program
 from kvgen.spec.model import Spec
 from kvgen.spec.transfers import TransferPair
 
@@ -110,8 +111,15 @@ def _loops(src: Spec, dst: Spec, layerwise: bool) -> tuple[Loop, ...]:
     return tuple(Loop(LOOP_VARS[a], a, f"gs.{a}") for a in listed)
 
 
-def _view(spec: Spec, side: str, fixed: dict[str, str], widen: bool) -> View:
-    """The canonical view of one side's leaf inside the loops, its heads narrowed to the call's range."""
+def _group(spec: Spec, side: str) -> str:
+    """The size of a head group of `spec` as the generated copy reads it from that side's geometry."""
+    place = head_group(spec)[1]
+    return splits.factor_expr(place).replace("g.", "gs." if side == "src" else "gd.", 1)
+
+
+def _view(spec: Spec, side: str, fixed: dict[str, str], widen: bool, other: tuple[Spec, str]) -> View:
+    """The canonical view of one side's leaf inside the loops, its heads narrowed to the call's
+    range; where either side groups its heads (`H/g`, `H%g`), H as the same tile and place."""
     geometry = "gs" if side == "src" else "gd"
     extent = {a: f"{geometry}.{a}" for a in AXES}
     if widen:
@@ -119,8 +127,17 @@ def _view(spec: Spec, side: str, fixed: dict[str, str], widen: bool) -> View:
     leaf = f"{side}_caches" + "".join(f"[{fixed[a]}]" for a in spec.lists)
     raw = f"{leaf}.view(w.dtype)" if widen else f"runtime.bits({leaf})"
     view = select(canonical(raw, spec.dims, extent), fixed)
+    split = head_group(spec)
+    if split:  # whole groups (the runtime checks the ranges): the tile narrowed by the group size
+        at, group = view.axes.index(split[0]), _group(spec, side)
+        return View(f"{view.expr}.narrow({at}, p.{side}_h // {group}, p.heads // {group})", view.axes)
     if "H" in view.axes:
-        view = View(f"{view.expr}.narrow({view.axes.index('H')}, p.{side}_h, p.heads)", view.axes)
+        at = view.axes.index("H")
+        view = View(f"{view.expr}.narrow({at}, p.{side}_h, p.heads)", view.axes)
+        grouped = head_group(other[0])
+        if grouped:  # the other side's heads in groups: these as the same tile and place
+            axes = (*view.axes[:at], *grouped, *view.axes[at + 1:])
+            view = View(f"{view.expr}.unflatten({at}, (-1, {_group(other[0], other[1])}))", axes)
     return view
 
 
@@ -151,6 +168,11 @@ def _token_copy(x: View, y: View) -> list[str]:
     else:
         put = f"y{dst_index} = v"
     return ["if p.has_tokens:  # single tokens by slot", f"{INDENT}{gather}", f"{INDENT}{put}"]
+
+
+def _commented(lines: list[str], view: View) -> list[str]:
+    """A view's assignment with its dims said on its last line."""
+    return [*lines[:-1], f"{lines[-1]}  # {_axes(view.axes)}"]
 
 
 def _fit(lines: list[str], indent: int = 8) -> list[str]:
@@ -189,8 +211,9 @@ def copy_body(src: Spec, dst: Spec, widen: bool, layerwise: bool) -> tuple[str, 
     fixed = {lp.axis: lp.var for lp in loops}
     if layerwise:
         fixed["L"] = "layer"
-    x, y = _view(src, "src", fixed, widen), _view(dst, "dst", fixed, widen)
-    inner = [f"x = {x.expr}  # {_axes(x.axes)}", f"y = {y.expr}  # {_axes(y.axes)}"]
+    x, y = _view(src, "src", fixed, widen, (dst, "dst")), _view(dst, "dst", fixed, widen, (src, "src"))
+    width = COLUMNS - 8 - len(INDENT) * len(loops)  # what a line of the loops' body has
+    inner = [*_commented(assign_chain("x", x.expr, width), x), *_commented(assign_chain("y", y.expr, width), y)]
     if SLOT not in x.axes or SLOT not in y.axes:
         (xe, xa), (ye, ya) = _blocks_of(x, "x"), _blocks_of(y, "y")
         order = ", ".join(str(xa.index(a)) for a in ya)
@@ -210,8 +233,13 @@ def plan_transfer(pair: TransferPair) -> TransferPlan:
     methods = (Method("_copy", COPY_PARAMS, copy_body(src, dst, widen, layerwise=False)),
                Method("_copy_layer", ("layer: int", *COPY_PARAMS), copy_body(src, dst, widen, layerwise=True)))
     return TransferPlan(pair, widen, _loops(src, dst, False), blocks, layout_fields(src), layout_fields(dst),
-                        ("PAGED = SRC", *geometry_body(src)), ("PAGED = DST", *geometry_body(dst)), methods,
+                        ("PAGED = SRC", *_geometry(src)), ("PAGED = DST", *_geometry(dst)), methods,
                         transfer_program(src, dst))
+
+
+def _geometry(spec: Spec) -> tuple[str, ...]:
+    """The body of a side's read_geometry: a tiled tree's reads its tile and place (and the group size)."""
+    return geometry_body(spec) if spec.is_simple else planes_geometry_body(spec)
 
 
 def plan_transfers(pairs: tuple[TransferPair, ...]) -> tuple[TransferPlan, ...]:

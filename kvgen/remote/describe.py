@@ -264,7 +264,8 @@ def _described_part(cls: Any, caches: Any, g: Geometry, k: int, ranks: tuple[int
     name = paged.parts[k][0]
     axes = {a for a, _, _ in program.cache_places}
     if axes - PLANNABLE:
-        raise KVLayoutError(f"{paged.name}: part {name} splits or tiles axes ({', '.join(sorted(axes - PLANNABLE))}) "
+        what = f"part {name}" if name else "its tree"
+        raise KVLayoutError(f"{paged.name}: {what} splits or tiles axes ({', '.join(sorted(axes - PLANNABLE))}) "
                             "over its dims; remote transfers plan parts whose dims each hold whole axes")
     if not axes & {"S", "B", "N"}:
         raise KVLayoutError(f"{paged.name}: part {name} has no token axis (one value per layer); remote transfers "

@@ -100,9 +100,10 @@ class Registry:
             if facts.get("slots_per_token", 1) > 1:
                 return (f"{name} stores each token as {facts['slots_per_token']} slots; transfers move layouts "
                         "of one slot a token")
-            if "parts" in facts:
-                return f"{name} is a spec format 2 layout; transfers move single-part (format 1) layouts only"
-        content = {name: {a for dim in (self.layouts[name]["lists"], *self.layouts[name]["dims"]) for a in dim}
+            if "parts" in facts and not _head_groups_only(facts):
+                return (f"{name} is a spec format 2 or 3 layout with parts, fields or split axes; transfers move "
+                        "single-part (format 1) layouts only, and one tree whose only split axes split H")
+        content = {name: {_whole(a) for dim in (self.layouts[name]["lists"], *self.layouts[name]["dims"]) for a in dim}
                    - {"B", "N"} for name in (src, dst)}
         if content[src] != content[dst]:
             def words(axes: set[str]) -> str:
@@ -120,6 +121,18 @@ class Registry:
             raise KVLayoutError(f"{cls.layout.name} <-> {cls.memory.format} is not generated for device "
                                 f"{device!r}; supported device types: {', '.join(DEVICES)}")
         return cls(device=device, **kwargs)
+
+
+def _head_groups_only(facts: dict[str, Any]) -> bool:
+    """A one-tree layout whose split axes all split H (`H/g`, `H%g`; a tree with split axes has
+    no fields), which transfers move."""
+    split = [a for dim in facts["dims"] for a in dim if _whole(a) != a]
+    return facts["parts"] == ("",) and bool(split) and all(_whole(a) == "H" for a in split)
+
+
+def _whole(axis: str) -> str:
+    """The axis a split axis splits (`H/g`, `H%g`: H); any other axis itself."""
+    return axis.split("/")[0].split("%")[0]
 
 
 def check_transition(transitions: frozenset[tuple[str, str]], formats: Any, current: Any, target: Any) -> None:

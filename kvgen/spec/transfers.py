@@ -28,6 +28,7 @@ import jsonschema
 
 from kvgen.errors import KVGenError, Problem, SpecError
 from kvgen.spec.document import Document, key_problem, short
+from kvgen.spec.elements import split_of
 from kvgen.spec.library import BUILTIN_SPECS, TRANSFER_FILES, Library
 from kvgen.spec.loader import parse_yaml
 from kvgen.spec.model import Spec
@@ -76,16 +77,26 @@ def transfer_files(extra_dirs: Sequence[Path] = (), *, builtin: bool = True) -> 
 
 def single_part(spec: Spec) -> str | None:
     """Why a transfer cannot move `spec` (None when it can): transfers move format-1 layouts,
-    whose every element is one (layer, kv, slot, head, c) of one tensor kind."""
-    parts = getattr(spec, "parts", None)
+    whose every element is one (layer, kv, slot, head, c) of one tensor kind, and one tree
+    whose only split axes split H (heads in groups)."""
     tokens, slots = getattr(spec, "token_ratio", (1, 1))
     if (tokens, slots) != (1, 1):
         return (f"{spec.name} stores {f'each token as {slots} slots' if slots > 1 else f'{tokens} tokens a slot'}; "
                 "transfers move layouts of one slot a token")
-    if spec.version != 1 or (parts is not None and len(parts) > 1):
-        return (f"{spec.name} is a spec format {spec.version} layout with several parts; transfers move "
-                "single-part (format 1) layouts only")
+    if spec.version != 1 and not heads_split_only(spec):
+        return (f"{spec.name} is a spec format {spec.version} layout with parts, fields or split axes; transfers "
+                "move single-part (format 1) layouts only, and one tree whose only split axes split H")
     return None
+
+
+def heads_split_only(spec: Spec) -> bool:
+    """A one-tree cache without fields or pack whose split axes (format 3) all split H: a
+    transfer views the other side's H as the same tile and place (SGLang's page_unified head groups)."""
+    parts = getattr(spec, "parts", ())
+    if len(parts) != 1 or parts[0].fields or getattr(spec, "pack", None) is not None:
+        return False
+    split = [s for s in map(split_of, parts[0].tensor_axes) if s is not None]
+    return bool(split) and all(base == "H" for base, _, _ in split)
 
 
 def content_problem(src: Spec, dst: Spec) -> str | None:
@@ -96,13 +107,22 @@ def content_problem(src: Spec, dst: Spec) -> str | None:
         why = single_part(spec)
         if why:
             return why
-    a, b = set(src.axes) - _SLOT_AXES, set(dst.axes) - _SLOT_AXES
+    a, b = _whole_axes(src) - _SLOT_AXES, _whole_axes(dst) - _SLOT_AXES
     if a != b:
         return (f"{src.name} holds {_content(src)} but {dst.name} holds {_content(dst)}: "
                 "a transfer needs the same content on both sides")
+    a, b = ([x for x in s.axes if (split_of(x) or ("",))[0] == "H"] for s in (src, dst))
+    if a and b and a != b:
+        return (f"{src.name} splits H as {', '.join(a)} and {dst.name} as {', '.join(b)}: a transfer between two "
+                "caches of head groups needs the same split")
     if not set(src.dtypes) & set(dst.dtypes):
         return f"{src.name} and {dst.name} share no dtype ({', '.join(src.dtypes)} vs {', '.join(dst.dtypes)})"
     return None
+
+
+def _whole_axes(spec: Spec) -> set[str]:
+    """The spec's axes, a split one as the axis it splits (`H/g` and `H%g` are H)."""
+    return {(split_of(a) or (a,))[0] for a in spec.axes}
 
 
 def _content(spec: Spec) -> str:

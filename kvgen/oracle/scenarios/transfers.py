@@ -13,7 +13,7 @@ or storage offsets forbid wide copy words.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -23,7 +23,9 @@ import torch
 from kvgen.oracle import reference
 from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios.common import allocate, clone_tree, same_bits
+from kvgen.oracle.scenarios.layouts import NAMED_FACTOR
 from kvgen.runtime.ops import bits
+from kvgen.spec.elements import place_of, split_extents, split_of
 from kvgen.spec.model import Spec
 from kvgen.tp import HeadRanges
 
@@ -172,7 +174,10 @@ def make_cache(spec: Spec, ext: Mapping[str, int], dtype: torch.dtype, device: s
     shape = reference.layouts.leaf_shape(spec, ext)
 
     def make(path: tuple[int, ...]) -> torch.Tensor:
-        t = allocate(shape, dtype, device, storage == "strided", storage == "odd")
+        if not spec.is_simple:  # a tree of head groups moves its rows as bytes: strided, its last dim stays dense
+            t = reference.planes.allocate_part(shape, dtype, device, storage == "strided", storage == "odd", 1)
+        else:
+            t = allocate(shape, dtype, device, storage == "strided", storage == "odd")
         bits(t).copy_(bits(reference.leaf(template, path)))
         return t
 
@@ -180,8 +185,33 @@ def make_cache(spec: Spec, ext: Mapping[str, int], dtype: torch.dtype, device: s
 
 
 def applies(src: Spec, dst: Spec, scenario: TransferScenario) -> bool:
-    """Head-range scenarios need heads on both sides (an MLA latent has none)."""
-    return not scenario.needs_heads or (src.has("H") and dst.has("H"))
+    """Head-range scenarios need heads on both sides (an MLA latent has none), and whole head
+    groups where a side groups its heads (their ranges cut groups: tests/test_transfer_groups.py
+    moves whole groups)."""
+    if not scenario.needs_heads:
+        return True
+    return src.has("H") and dst.has("H") and not (_head_groups(src) or _head_groups(dst))
+
+
+def _head_groups(spec: Spec) -> list[str]:
+    """The split axes of H with a named factor (`H/g`, `H%g`): heads in groups read from the tensor."""
+    return [a for a in spec.axes if isinstance((split_of(a) or ("", "", 0))[2], str)]
+
+
+def fitted_extents(specs: Sequence[Spec], exts: Sequence[Mapping[str, int]]) -> list[dict[str, int]]:
+    """The extents of caches that exchange KV, where any groups its heads: groups of NAMED_FACTOR
+    heads, at least two groups on every cache (so each moves the others' head count), and the
+    split axes' extents."""
+    out = [dict(ext) for ext in exts]
+    if not any(_head_groups(spec) for spec in specs):
+        return out
+    for spec, ext in zip(specs, out, strict=True):
+        ext["H"] = max(ext["H"], 2 * NAMED_FACTOR) // NAMED_FACTOR * NAMED_FACTOR
+        for axis in _head_groups(spec):
+            base, _, factor = split_of(axis) or ("", "", 0)
+            ext[place_of(base, str(factor))] = NAMED_FACTOR
+        ext.update(split_extents(spec.axes, ext))
+    return out
 
 
 def run_transfer(transfer: Any, src: tuple[Any, torch.Tensor], dst: tuple[Any, torch.Tensor], *,
@@ -209,14 +239,15 @@ def check_transfer(package: Any, src: Spec, dst: Spec, device: str, scenario: Tr
     """Whether one generated transfer leaves the destination exactly as the reference does and
     the source untouched."""
     rng = random.Random(f"{src.name}/{dst.name}/{scenario.name}")
-    src_map, dst_map = scenario.mapping(rng, scenario.src_ext, scenario.dst_ext)
+    src_ext, dst_ext = fitted_extents((src, dst), (scenario.src_ext, scenario.dst_ext))
+    src_map, dst_map = scenario.mapping(rng, src_ext, dst_ext)
     transfer = run.transfer if run.transfer is not None else package.transfer(src.name, dst.name)()
-    src_cache = make_cache(src, scenario.src_ext, run.dtype, device, storage=scenario.src_storage)
-    dst_cache = make_cache(dst, scenario.dst_ext, run.dtype, device, DST_SALT, storage=scenario.dst_storage)
+    src_cache = make_cache(src, src_ext, run.dtype, device, storage=scenario.src_storage)
+    dst_cache = make_cache(dst, dst_ext, run.dtype, device, DST_SALT, storage=scenario.dst_storage)
     src_before, want = clone_tree(src_cache), clone_tree(dst_cache)
     run_transfer(transfer, (src_cache, torch.tensor(src_map, device=device)),
                  (dst_cache, torch.tensor(dst_map, device=device)), layerwise=run.layerwise, heads=scenario.heads)
     transfers.transfer(
-        transfers.TransferSide(src, scenario.src_ext, src_before, src_map, scenario.src_heads),
-        transfers.TransferSide(dst, scenario.dst_ext, want, dst_map, scenario.dst_heads))
+        transfers.TransferSide(src, src_ext, src_before, src_map, scenario.src_heads),
+        transfers.TransferSide(dst, dst_ext, want, dst_map, scenario.dst_heads))
     return same_bits(dst_cache, want) and same_bits(src_cache, src_before)

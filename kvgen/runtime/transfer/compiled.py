@@ -121,8 +121,14 @@ class _Side:
 def _shared_rows(program: TransferProgram, sides: tuple[_Side, _Side], p: Pairs, dims: tuple[str, ...]
                  ) -> dict[str, list[int]]:
     """The row of every shared axis of `dims` with more than one entry (H: this call's heads)."""
-    es, ed = sides[0].g.extents(), sides[1].g.extents()
+    es, ed = _extents(sides[0].g, sides[1].g)
     heads = {"H": (p.src_h, p.dst_h, p.heads)}
+    tile = next((a for a in program.shared if a.startswith("H/")), None)
+    if tile is not None:  # heads in groups: the call's ranges in whole groups, by the tile
+        group = es[tile.replace("/", "%")]
+        if p.src_h % group or p.dst_h % group:
+            raise native.Unsupported(f"a head range that starts inside a group of {group} heads")
+        heads = {tile: (p.src_h // group, p.dst_h // group, p.heads // group)}
     rows = {}
     for a in program.shared:
         if a not in dims:
@@ -144,9 +150,11 @@ def describe(program: TransferProgram, call: Any, layerwise: bool) -> TransferDe
         raise native.Unsupported("the compiled kernel moves CPU caches only")
     if program.compiled is not None:
         raise native.Unsupported(program.compiled)
-    es, ed = gs.extents(), gd.extents()
-    sides = (_Side(leaf_set(call.bindings[0], lambda: call.src, program.src_places, program.src_lists, es), gs),
-             _Side(leaf_set(call.bindings[1], lambda: call.dst, program.dst_places, program.dst_lists, ed), gd))
+    es, ed = _extents(gs, gd)
+    # a side's strides of H's tile and place depend on the group's size: its leaf set is kept per size
+    group = next((n for a, n in (*gs.splits, *gd.splits) if a.startswith("H%")), 0)
+    sides = (_Side(leaf_set(call.bindings[0], lambda: call.src, program.src_places, program.src_lists, es, group), gs),
+             _Side(leaf_set(call.bindings[1], lambda: call.dst, program.dst_places, program.dst_lists, ed, group), gd))
     item = gs.dtype.itemsize
     out: list[_Part] = []
     keep: list[Any] = []
@@ -158,6 +166,19 @@ def describe(program: TransferProgram, call: Any, layerwise: bool) -> TransferDe
     total = per_call * gs.L
     return TransferDescription(out, (sides[0].c.base, sides[1].c.base), layer, p,  # type: ignore[arg-type]
                                (sides[0].c, sides[1].c, *keep), per_call if layerwise else total, total)
+
+
+def _extents(gs: Geometry, gd: Geometry) -> tuple[dict[str, int], dict[str, int]]:
+    """Each side's extents by axis name; where a side splits H into groups (`H%g`, the group
+    size read from its tensor), both sides see H as those groups (the call checked that two
+    grouped sides group alike), the tile's extent H // g."""
+    groups = {**dict(gs.splits), **dict(gd.splits)}
+    out = []
+    for g in (gs, gd):
+        ext = {**g.extents(), **groups}
+        ext.update({place.replace("%", "/"): g.H // n for place, n in groups.items() if place.startswith("H%")})
+        out.append(ext)
+    return out[0], out[1]
 
 
 def _token_rows(path: TransferPath, sides: tuple[_Side, _Side], p: Pairs, keep: list[Any]) -> dict[str, list[int]]:

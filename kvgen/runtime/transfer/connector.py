@@ -261,7 +261,21 @@ class TransferBase:
             raise KVLayoutError(f"{self.name}: src_heads {s} is {s[1] - s[0]} heads but dst_heads {d} is "
                                 f"{d[1] - d[0]}; give both ranges with the same number of heads (kvgen.tp.plan "
                                 "gives them for a TP resharding)")
+        self._check_head_groups(s, d, gs, gd)
         return s[0], d[0], s[1] - s[0]
+
+    def _check_head_groups(self, s: tuple[int, int], d: tuple[int, int], gs: Geometry, gd: Geometry) -> None:
+        """A cache whose H is split into groups of a size read from its tensor (`H%g`) moves whole
+        groups: each range starts and ends on a group's edge, and two such sides group alike."""
+        groups = {side: n for side, g in (("src", gs), ("dst", gd)) for a, n in g.splits if a.startswith("H%")}
+        if len(set(groups.values())) > 1:
+            raise KVLayoutError(f"{self.name}: src_caches hold heads in groups of {groups['src']} and dst_caches in "
+                                f"groups of {groups['dst']}; a transfer moves between caches that group heads alike")
+        for side, (start, stop) in (("src", s), ("dst", d)):
+            n = groups.get(side, 1)
+            if start % n or stop % n:
+                raise KVLayoutError(f"{self.name}: {side}_heads ({start}, {stop}) cuts a group of {n} heads of "
+                                    f"{side}_caches; give a range of whole groups")
 
     # -- devices -------------------------------------------------------------------------------
 

@@ -187,8 +187,9 @@ def extents(spec: Spec, layers: int, heads: int, head_size: int, block_size: int
     for part in spec.parts:
         for axis in part.tensor_axes:
             base, _, factor = split_of(axis) or ("", "", 0)
-            if isinstance(factor, str):
-                out[place_of(base, factor)] = math.gcd(out[base], GROUP_HEADS)
+            if isinstance(factor, str):  # the group's place, and the groups (a format-1 tree's shape reads both)
+                group = out[place_of(base, factor)] = math.gcd(out[base], GROUP_HEADS)
+                out[f"{base}/{factor}"] = out[base] // group
     return out
 
 
