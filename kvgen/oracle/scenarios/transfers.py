@@ -209,7 +209,7 @@ def fitted_extents(specs: Sequence[Spec], exts: Sequence[Mapping[str, int]]) -> 
         ext["H"] = max(ext["H"], 2 * NAMED_FACTOR) // NAMED_FACTOR * NAMED_FACTOR
         for axis in _head_groups(spec):
             base, _, factor = split_of(axis) or ("", "", 0)
-            ext[place_of(base, str(factor))] = NAMED_FACTOR
+            ext[place_of(base, factor)] = NAMED_FACTOR
         ext.update(split_extents(spec.axes, ext))
     return out
 

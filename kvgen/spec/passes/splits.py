@@ -67,8 +67,8 @@ def check_split_trees(spec: Spec, doc: Document) -> list[Problem]:
     split = [a for d in spec.dims for a in d.axes if split_of(a) is not None]
     if not split or spec.is_paged:
         return []
-    return [doc.problem(("dims",), f"an object keeps its axes whole; split axes ({', '.join(split)}) describe "
-                                   "a cache's")]
+    return [doc.problem(("dims",), f"an object keeps its axes whole; split axes ({', '.join(split)}) are for "
+                                   "a cache's dims")]
 
 
 def check_ratio(spec: Spec, doc: Document) -> list[Problem]:
