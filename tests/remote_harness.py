@@ -20,12 +20,15 @@ from kvgen import generated, remote, tp
 from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.scenarios.transfers import DST_SALT, make_cache
+from kvgen.spec.elements import split_of
 
 LIBRARY = builtin_library()
 #: The built-in transfer pairs remote plans: not those of a cache whose dims split an axis (SGLang's
 #: page_unified in head groups, `H/g` with `H%g`), which remote.describe refuses
 #: (tests/test_remote_plan.py::test_a_cache_of_head_groups_is_refused_by_describe).
-REMOTE_PAIRS = sorted(p for p in generated.TRANSFERS if not any(LIBRARY[n].version == 3 for n in p))
+SPLIT_LAYOUTS = frozenset(n for pair in generated.TRANSFERS for n in pair
+                          if any(split_of(a) is not None for a in LIBRARY[n].axes))
+REMOTE_PAIRS = sorted(p for p in generated.TRANSFERS if not SPLIT_LAYOUTS & set(p))
 #: A source rank's salt: codes of different ranks (and the destination's) never meet.
 RANK_SALT = 100000
 
@@ -203,4 +206,5 @@ def moved_right(case: Case, src_slots: list[int], dst_slots: list[int], strategy
     return same_bits(dst, want) and untouched, p.strategy
 
 
-__all__ = ["LIBRARY", "PART_WIDTHS", "REMOTE_PAIRS", "Case", "PartsCase", "moved_right", "run_by_memmove"]
+__all__ = ["LIBRARY", "PART_WIDTHS", "REMOTE_PAIRS", "SPLIT_LAYOUTS", "Case", "PartsCase", "moved_right",
+           "run_by_memmove"]

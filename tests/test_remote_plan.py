@@ -13,7 +13,7 @@ from kvgen import generated, remote
 from kvgen.oracle.scenarios import same_bits
 from kvgen.oracle.scenarios.transfers import SCENARIOS, SRC_EXT
 from kvgen.runtime.errors import KVLayoutError
-from tests.remote_harness import REMOTE_PAIRS, Case, moved_right, run_by_memmove
+from tests.remote_harness import REMOTE_PAIRS, SPLIT_LAYOUTS, Case, moved_right, run_by_memmove
 
 PAIRS = REMOTE_PAIRS
 #: Partial blocks at both ends with -1 on either side; a larger destination block size; a
@@ -42,10 +42,9 @@ def test_every_builtin_pair_moves_like_the_reference(pair: tuple[str, str], stra
 
 
 def test_a_cache_of_head_groups_is_refused_by_describe() -> None:
-    """The one kind of built-in transfer pair remote does not plan: a side whose heads are split
-    into groups read from the tensor (SGLang's page_unified pool), refused when it is described."""
-    assert sorted(set(generated.TRANSFERS) - set(PAIRS)) == sorted(
-        p for p in generated.TRANSFERS if "hicache_page_unified_grouped" in p)
+    """The one kind of built-in transfer pair remote does not plan: a side whose dims split an
+    axis, today only SGLang's page_unified pool in head groups, refused when it is described."""
+    assert SPLIT_LAYOUTS == {"hicache_page_unified_grouped"}
     pool = torch.zeros(4, 2, 3, 2, 16, 2, 8)  # [pages, groups, L, 2, page, heads per group, C]
     with pytest.raises(KVLayoutError, match=r"hicache_page_unified_grouped: its tree splits or tiles axes \(E, H%g, "
                                             r"H/g\) over its dims; remote transfers plan parts whose dims each hold"):

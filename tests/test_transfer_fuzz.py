@@ -18,7 +18,7 @@ from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.scenarios.transfers import make_cache, run_transfer
 from kvgen.runtime import native
-from kvgen.spec.elements import split_extents
+from kvgen.spec.elements import split_extents, split_of
 from kvgen.spec.transfers import load_transfers
 
 BUILTIN = load_transfers(builtin_library())
@@ -42,9 +42,8 @@ def cases(draw: st.DrawFn) -> dict:
         ranges = tp.HeadRanges((s0, s0 + count), (d0, d0 + count))
         for spec, ext in ((pair.src, src), (pair.dst, dst)):
             ext["H"] = g * groups
-            if _grouped(spec):
-                ext["H%g"] = g
-                ext.update(split_extents(spec.axes, ext))
+            ext.update({a: g for a in _places(spec)})
+            ext.update(split_extents(spec.axes, ext))
     elif heads:
         dst["H"] = draw(st.integers(1, 3))
         count = draw(st.integers(1, min(src["H"], dst["H"])))
@@ -71,8 +70,13 @@ def cases(draw: st.DrawFn) -> dict:
             "layerwise": draw(st.booleans()), "dtype": draw(st.sampled_from([torch.float32, torch.bfloat16]))}
 
 
+def _places(spec) -> list[str]:  # noqa: ANN001
+    """The place axes of H split by a factor read from the tensor (`H%g`)."""
+    return [a for a in spec.axes if isinstance((split_of(a) or ("", "", 0))[2], str)]
+
+
 def _grouped(spec) -> bool:  # noqa: ANN001
-    return "H%g" in spec.axes
+    return bool(_places(spec))
 
 
 def _cache(spec, ext, case, side: int, salt: int = 0):  # noqa: ANN001, ANN202

@@ -140,3 +140,18 @@ def test_two_caches_of_groups_must_group_alike(tmp_path: Path) -> None:
         sys.path.remove(str(tmp_path))
         for name in [m for m in sys.modules if m.startswith("grouped_pairs")]:
             del sys.modules[name]
+
+
+def test_a_literal_split_of_h_is_no_head_group_for_a_transfer(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                              ) -> None:
+    """Only a factor read from the tensor makes heads a group a transfer views the other side as:
+    a literal split of H is a tiling transfers do not plan, refused when the build reads the line."""
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "pairs.yaml").write_text("kvgen: 3\nname: t_literal_groups\nkind: paged\nsummary: Heads in pairs.\n"
+                                      "dims: [B, H/2, L, KV, N, H%2, C]\nsizes: {KV: 2}\n")
+    (specs / "transfers.yaml").write_text("kvgen: 1\ntransfers:\n  - sglang_mha -> t_literal_groups\n")
+    assert main(["build", "--specs", str(specs), "--out", str(tmp_path / "out")]) != 0
+    assert ("t_literal_groups is a spec format 3 layout with parts, fields or split axes; transfers move single-part "
+            "(format 1) layouts only, and one tree whose only split axes split H by a factor read from the tensor "
+            "(H/g, H%g)") in capsys.readouterr().err

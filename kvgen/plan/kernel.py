@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from kvgen.plan import splits
 from kvgen.plan.code import assign_chain
 from kvgen.plan.copy import SLOT, CopyPlan, Mode, View, canonical
-from kvgen.plan.planes import PlaneCopy, PlanesPlan, layer_dim, leaf_source
+from kvgen.plan.planes import LIST_LEVELS_REASON, PlaneCopy, PlanesPlan, leaf_source, tensor_layer_dim
 from kvgen.spec.elements import split_of
 from kvgen.spec.model import PART_LEVEL, Pack, Spec
 
@@ -464,16 +464,14 @@ def plan_refusal(plan: object) -> str | None:
         return None
     if any(a not in (PART_LEVEL, "L") for a in plan.paged.lists):
         return LIST_LEVELS_REASON
-    if "L" not in plan.paged.lists and any(p.has("L") for p in plan.paged.parts) and layer_dim(plan.paged) is None:
+    holds_l = "L" not in plan.paged.lists and any(p.has("L") for p in plan.paged.parts)
+    if holds_l and tensor_layer_dim(plan.paged) is None:
         return LAYER_DIM_REASON
     return next((why for pc in plan.planes if (why := slot_refusal(pc.copy.cache_view.axes)) is not None), None)
 
 
-#: Why a cache of planes listed by another level than its parts and layers (a one-tree cache listed
-#: by KV, say) has no kernel: the kernels reach every layer's leaf by one table over L.
-LIST_LEVELS_REASON = "list levels other than the parts P and the layers L"
 #: Why a cache whose tensors hold L, but not as one dim at one place in every part, has no kernel:
-#: a layer's leaf is the slice of that dim (kvgen.plan.planes.layer_dim).
+#: a layer's leaf is the slice of that dim (kvgen.plan.planes.tensor_layer_dim).
 LAYER_DIM_REASON = "L is not a dim of its own at one place in every part"
 
 

@@ -185,7 +185,13 @@ def _object_shape(obj: Spec, planes: tuple[Plane, ...],
     return shape, None, ()
 
 
-def layer_dim(paged: Spec) -> int | None:
+#: Why a cache of planes listed by another level than its parts and layers (a one-tree cache listed
+#: by KV, say) has no compiled program and no Triton kernel: both reach every layer's leaf of a
+#: plane by one step over L.
+LIST_LEVELS_REASON = "list levels other than the parts P and the layers L"
+
+
+def tensor_layer_dim(paged: Spec) -> int | None:
     """The dim of L in the tensors of a cache that holds its layers there, not in a list level (a
     one-tree cache such as SGLang's page_unified host pool), where L is a dim of its own at one place
     in every part; None otherwise. Such a cache is moved as a list over L of the tensors' layer slices,
@@ -200,7 +206,7 @@ def leaf_source(paged: Spec, plane: int | str) -> str:
     """The expression of one layer's leaf holding part `plane` inside a copy's layer loop:
     `kvcaches[plane][layer]` down the list levels, a layer slice where the tensors hold L."""
     leaf = "kvcaches" + "".join(f"[{plane}]" if a == PART_LEVEL else f"[{LOOP_VARS[a]}]" for a in paged.lists)
-    at = layer_dim(paged)
+    at = tensor_layer_dim(paged)
     return leaf if at is None else f"{leaf}.select({at}, layer)"
 
 
@@ -208,7 +214,7 @@ def _plane_copy(paged: Spec, obj: Spec, i: int, plane: Plane, whole: bool) -> Pl
     """Plane `i` moved as a format-1 copy between its byte view of the cache and its place in the object."""
     dims, raw = _cache_dims(plane)
     view = dataclasses.replace(part_view(paged, plane.part), dims=dims)
-    at = layer_dim(paged)
+    at = tensor_layer_dim(paged)
     if at is not None:  # each layer's slice a leaf of a list over L
         view = dataclasses.replace(view, lists=("L", *view.lists), dims=(*dims[:at], *dims[at + 1:]))
     leaf = leaf_source(paged, plane.index)

@@ -24,7 +24,7 @@ from typing import Any
 from kvgen.plan import splits
 from kvgen.plan.code import COLUMNS, chain_calls
 from kvgen.plan.copy import CopyPlan, Mode
-from kvgen.plan.planes import PlanesPlan
+from kvgen.plan.planes import LIST_LEVELS_REASON, PlanesPlan
 from kvgen.spec.model import Spec
 
 #: The most dims one call of the compiled kernel takes (KV_MAXD in kvgen/runtime/csrc/kvcopy.c;
@@ -180,7 +180,7 @@ def planes_program(plan: PlanesPlan) -> ProgramPlan:
     axis's extent from its dim there, a tile's and a place's too (a split axis has no extent in
     the geometry)."""
     if any(tuple(lp.axis for lp in pc.copy.loops) != ("L",) for pc in plan.planes):
-        return ProgramPlan((("compiled", "caches of several planes with list levels besides L and the parts"),), ())
+        return ProgramPlan((("compiled", LIST_LEVELS_REASON),), ())
     layerwise = plan.mode is Mode.LAYERWISE
     planes = []
     for pc in plan.planes:

@@ -42,11 +42,11 @@ def factor(axis: str) -> Factor:
     return split[2]
 
 
-def factor_expr(axis: str) -> str:
+def factor_expr(axis: str, geometry: str = "g") -> str:
     """The factor of a split axis in the generated copy: a literal, or a named one's extent as
-    read_geometry read it from the tensor (`g.split('H%g')`)."""
+    read_geometry read it from the tensor into `geometry` (`g.split('H%g')`)."""
     base, _, f = split_of(axis) or ("", "", 0)
-    return str(f) if isinstance(f, int) else f"g.split({place_of(base, f)!r})"
+    return str(f) if isinstance(f, int) else f"{geometry}.split({place_of(base, f)!r})"
 
 
 def object_dims(part: Part, dims: tuple[Dim, ...]) -> tuple[Dim, ...]:

@@ -113,8 +113,7 @@ def _loops(src: Spec, dst: Spec, layerwise: bool) -> tuple[Loop, ...]:
 
 def _group(spec: Spec, side: str) -> str:
     """The size of a head group of `spec` as the generated copy reads it from that side's geometry."""
-    place = head_group(spec)[1]
-    return splits.factor_expr(place).replace("g.", "gs." if side == "src" else "gd.", 1)
+    return splits.factor_expr(head_group(spec)[1], "gs" if side == "src" else "gd")
 
 
 def _view(spec: Spec, side: str, fixed: dict[str, str], widen: bool, other: tuple[Spec, str]) -> View:

@@ -263,12 +263,12 @@ def _described_part(cls: Any, caches: Any, g: Geometry, k: int, ranks: tuple[int
     paged, program = cls.layout, cls.program.planes[k]
     name = paged.parts[k][0]
     axes = {a for a, _, _ in program.cache_places}
+    what = f"part {name}" if name else "its tree"
     if axes - PLANNABLE:
-        what = f"part {name}" if name else "its tree"
         raise KVLayoutError(f"{paged.name}: {what} splits or tiles axes ({', '.join(sorted(axes - PLANNABLE))}) "
                             "over its dims; remote transfers plan parts whose dims each hold whole axes")
     if not axes & {"S", "B", "N"}:
-        raise KVLayoutError(f"{paged.name}: part {name} has no token axis (one value per layer); remote transfers "
+        raise KVLayoutError(f"{paged.name}: {what} has no token axis (one value per layer); remote transfers "
                             "move parts held per token")
     tensors = part_leaves(caches, paged.lists, k)
     first = tensors[0]

@@ -61,6 +61,11 @@ class Geometry:
         """The factor of a split by a named factor: its place's extent (`g.split('H%g')`)."""
         return dict(self.splits)[place]
 
+    @property
+    def head_group(self) -> int:
+        """The heads of a group where the tensors split H into groups (`H%g`); 1 otherwise."""
+        return next((n for place, n in self.splits if place.startswith("H%")), 1)
+
     def plane_start(self, index: int) -> int:
         """Where plane `index` starts in a row of every plane (the bytes of the planes before it)."""
         return sum(p.C for p in self.planes[:index])

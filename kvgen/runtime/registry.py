@@ -102,7 +102,8 @@ class Registry:
                         "of one slot a token")
             if "parts" in facts and not _head_groups_only(facts):
                 return (f"{name} is a spec format 2 or 3 layout with parts, fields or split axes; transfers move "
-                        "single-part (format 1) layouts only, and one tree whose only split axes split H")
+                        "single-part (format 1) layouts only, and one tree whose only split axes split H by a "
+                        "factor read from the tensor (H/g, H%g)")
         content = {name: {_whole(a) for dim in (self.layouts[name]["lists"], *self.layouts[name]["dims"]) for a in dim}
                    - {"B", "N"} for name in (src, dst)}
         if content[src] != content[dst]:
@@ -111,6 +112,11 @@ class Registry:
                         f"{'per head' if 'H' in axes else 'without heads'}")
 
             return f"{src} holds {words(content[src])} but {dst} holds {words(content[dst])}"
+        groups = [sorted(a for dim in self.layouts[name]["dims"] for a in dim if _whole(a) == "H" != a)
+                  for name in (src, dst)]
+        if groups[0] and groups[1] and groups[0] != groups[1]:
+            return (f"{src} splits H as {', '.join(groups[0])} and {dst} as {', '.join(groups[1])}: a transfer "
+                    "between two caches of head groups needs the same split")
         return None
 
     def connector(self, layout: str, obj: str, device: str = "cpu", **kwargs: Any) -> Any:
@@ -124,10 +130,11 @@ class Registry:
 
 
 def _head_groups_only(facts: dict[str, Any]) -> bool:
-    """A one-tree layout whose split axes all split H (`H/g`, `H%g`; a tree with split axes has
-    no fields), which transfers move."""
+    """A one-tree layout whose split axes all split H by a factor read from the tensor (`H/g`,
+    `H%g`; a tree with split axes has no fields), which transfers move."""
     split = [a for dim in facts["dims"] for a in dim if _whole(a) != a]
-    return facts["parts"] == ("",) and bool(split) and all(_whole(a) == "H" for a in split)
+    return (facts["parts"] == ("",) and bool(split)
+            and all(_whole(a) == "H" and not a[2:].isdigit() for a in split))
 
 
 def _whole(axis: str) -> str:

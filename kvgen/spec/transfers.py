@@ -85,18 +85,20 @@ def single_part(spec: Spec) -> str | None:
                 "transfers move layouts of one slot a token")
     if spec.version != 1 and not heads_split_only(spec):
         return (f"{spec.name} is a spec format {spec.version} layout with parts, fields or split axes; transfers "
-                "move single-part (format 1) layouts only, and one tree whose only split axes split H")
+                "move single-part (format 1) layouts only, and one tree whose only split axes split H by a factor "
+                "read from the tensor (H/g, H%g)")
     return None
 
 
 def heads_split_only(spec: Spec) -> bool:
-    """A one-tree cache without fields or pack whose split axes (format 3) all split H: a
-    transfer views the other side's H as the same tile and place (SGLang's page_unified head groups)."""
+    """A one-tree cache without fields or pack whose split axes (format 3) all split H by a
+    factor read from the tensor (`H/g`, `H%g`): a transfer views the other side's H as the same
+    groups (SGLang's page_unified head groups). A literal factor is a tiling a transfer does not plan."""
     parts = getattr(spec, "parts", ())
     if len(parts) != 1 or parts[0].fields or getattr(spec, "pack", None) is not None:
         return False
     split = [s for s in map(split_of, parts[0].tensor_axes) if s is not None]
-    return bool(split) and all(base == "H" for base, _, _ in split)
+    return bool(split) and all(base == "H" and isinstance(f, str) for base, _, f in split)
 
 
 def content_problem(src: Spec, dst: Spec) -> str | None:
@@ -111,7 +113,7 @@ def content_problem(src: Spec, dst: Spec) -> str | None:
     if a != b:
         return (f"{src.name} holds {_content(src)} but {dst.name} holds {_content(dst)}: "
                 "a transfer needs the same content on both sides")
-    a, b = ([x for x in s.axes if (split_of(x) or ("",))[0] == "H"] for s in (src, dst))
+    a, b = (sorted(x for x in s.axes if (split_of(x) or ("",))[0] == "H") for s in (src, dst))
     if a and b and a != b:
         return (f"{src.name} splits H as {', '.join(a)} and {dst.name} as {', '.join(b)}: a transfer between two "
                 "caches of head groups needs the same split")

@@ -19,7 +19,8 @@ from typing import Any
 
 from kvgen.errors import KVLayoutError
 
-__all__ = ["HOST_LAYOUTS", "HOST_MLA_LAYOUTS", "HOST_READERS", "MINIMAX_CELL", "MINIMAX_PAGE", "minimax_cells"]
+__all__ = ["GROUPED_LAYOUT", "HOST_LAYOUTS", "HOST_MLA_LAYOUTS", "HOST_READERS", "MINIMAX_CELL", "MINIMAX_PAGE",
+           "minimax_cells"]
 
 #: A reader's answer: the spec, the kvcaches tree, detection's hints.
 Read = tuple[str, Any, dict[str, Any]]

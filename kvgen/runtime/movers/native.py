@@ -74,11 +74,12 @@ _KEPT = 16
 
 
 def leaf_set(binding: Any, tree: Callable[[], Any], places: tuple[Place, ...], lists: tuple[str, ...],
-             ext: dict[str, int], part: int = 0) -> LeafSet:
+             ext: dict[str, int], variant: int = 0) -> LeafSet:
     """Per binding (immutable, one per cache fingerprint: leaf addresses, shapes, strides) and
-    plane `part`, so every tree a call brings with that binding has these leaves; without a
-    binding, per call. `tree()` makes the tree of leaves, called only when none is kept."""
-    key = (id(binding), part)
+    `variant` (what else the strides depend on: a connector's plane, a transfer's head group
+    size), so every tree a call brings with that binding has these leaves; without a binding,
+    per call. `tree()` makes the tree of leaves, called only when none is kept."""
+    key = (id(binding), variant)
     found = _leaf_sets.get(key) if binding is not None else None
     if found is None or found.binding is not binding:
         found = LeafSet(binding, tree(), places, lists, ext)

@@ -125,7 +125,7 @@ def _shared_rows(program: TransferProgram, sides: tuple[_Side, _Side], p: Pairs,
     heads = {"H": (p.src_h, p.dst_h, p.heads)}
     tile = next((a for a in program.shared if a.startswith("H/")), None)
     if tile is not None:  # heads in groups: the call's ranges in whole groups, by the tile
-        group = es[tile.replace("/", "%")]
+        group = max(sides[0].g.head_group, sides[1].g.head_group)
         if p.src_h % group or p.dst_h % group:
             raise native.Unsupported(f"a head range that starts inside a group of {group} heads")
         heads = {tile: (p.src_h // group, p.dst_h // group, p.heads // group)}
@@ -152,7 +152,7 @@ def describe(program: TransferProgram, call: Any, layerwise: bool) -> TransferDe
         raise native.Unsupported(program.compiled)
     es, ed = _extents(gs, gd)
     # a side's strides of H's tile and place depend on the group's size: its leaf set is kept per size
-    group = next((n for a, n in (*gs.splits, *gd.splits) if a.startswith("H%")), 0)
+    group = max(gs.head_group, gd.head_group)
     sides = (_Side(leaf_set(call.bindings[0], lambda: call.src, program.src_places, program.src_lists, es, group), gs),
              _Side(leaf_set(call.bindings[1], lambda: call.dst, program.dst_places, program.dst_lists, ed, group), gd))
     item = gs.dtype.itemsize

@@ -267,7 +267,7 @@ class TransferBase:
     def _check_head_groups(self, s: tuple[int, int], d: tuple[int, int], gs: Geometry, gd: Geometry) -> None:
         """A cache whose H is split into groups of a size read from its tensor (`H%g`) moves whole
         groups: each range starts and ends on a group's edge, and two such sides group alike."""
-        groups = {side: n for side, g in (("src", gs), ("dst", gd)) for a, n in g.splits if a.startswith("H%")}
+        groups = {side: g.head_group for side, g in (("src", gs), ("dst", gd)) if g.splits}
         if len(set(groups.values())) > 1:
             raise KVLayoutError(f"{self.name}: src_caches hold heads in groups of {groups['src']} and dst_caches in "
                                 f"groups of {groups['dst']}; a transfer moves between caches that group heads alike")
