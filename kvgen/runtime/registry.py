@@ -93,17 +93,9 @@ class Registry:
         """Why the build would refuse `src -> dst`, from the layouts' facts (None when it would
         take it). The build's rule is kvgen.spec.transfers.content_problem, which the runtime
         cannot import; tests/test_user_errors.py checks the two agree on every built-in pair."""
-        for name in (src, dst):
-            facts = self.layouts[name]
-            if facts["kind"] != "paged":
-                return f"{name} is a memory object; transfers copy between paged layouts"
-            if facts.get("slots_per_token", 1) > 1:
-                return (f"{name} stores each token as {facts['slots_per_token']} slots; transfers move layouts "
-                        "of one slot a token")
-            if "parts" in facts and not _head_groups_only(facts):
-                return (f"{name} is a spec format 2 or 3 layout with parts, fields or split axes; transfers move "
-                        "single-part (format 1) layouts only, and one tree whose only split axes split H by a "
-                        "factor read from the tensor (H/g, H%g)")
+        why = next((w for name in (src, dst) if (w := _side_blocker(name, self.layouts[name])) is not None), None)
+        if why is not None:
+            return why
         content = {name: {_whole(a) for dim in (self.layouts[name]["lists"], *self.layouts[name]["dims"]) for a in dim}
                    - {"B", "N"} for name in (src, dst)}
         if content[src] != content[dst]:
@@ -127,6 +119,20 @@ class Registry:
             raise KVLayoutError(f"{cls.layout.name} <-> {cls.memory.format} is not generated for device "
                                 f"{device!r}; supported device types: {', '.join(DEVICES)}")
         return cls(device=device, **kwargs)
+
+
+def _side_blocker(name: str, facts: dict[str, Any]) -> str | None:
+    """Why one layout cannot be a side of any transfer (the build's kvgen.spec.transfers.single_part)."""
+    if facts["kind"] != "paged":
+        return f"{name} is a memory object; transfers copy between paged layouts"
+    if facts.get("slots_per_token", 1) > 1:
+        return (f"{name} stores each token as {facts['slots_per_token']} slots; transfers move layouts "
+                "of one slot a token")
+    if "parts" in facts and not _head_groups_only(facts):
+        return (f"{name} is a spec format 2 or 3 layout with parts, fields or split axes; transfers move "
+                "single-part (format 1) layouts only, and one tree whose only split axes split H by a "
+                "factor read from the tensor (H/g, H%g)")
+    return None
 
 
 def _head_groups_only(facts: dict[str, Any]) -> bool:
