@@ -193,8 +193,7 @@ def test_transfer_reference_moves_each_element_where_element_address_says(heads)
         if heads is not None and not (src.has("H") and dst.has("H")):
             continue
         src_ext, dst_ext = fitted_extents((src, dst), (SRC_EXT, DST_EXT))  # groups of two heads, at least two groups
-        grouped = any("H%" in a for spec in (src, dst) for a in spec.axes)
-        ranges = ((2, 4), (0, 2)) if heads is not None and grouped else heads
+        ranges = ((2, 4), (0, 2)) if heads is not None and (src.head_groups or dst.head_groups) else heads
         sh, dh = ranges or (transfers.heads_of(src, src_ext, None), transfers.heads_of(dst, dst_ext, None))
         source = transfer_cache(src, src_ext, torch.float32, "cpu")
         got = transfer_cache(dst, dst_ext, torch.float32, "cpu", 50_000)

@@ -18,7 +18,7 @@ from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import clone_tree, same_bits
 from kvgen.oracle.scenarios.transfers import make_cache, run_transfer
 from kvgen.runtime import native
-from kvgen.spec.elements import split_extents, split_of
+from kvgen.spec.elements import split_extents
 from kvgen.spec.transfers import load_transfers
 
 BUILTIN = load_transfers(builtin_library())
@@ -42,7 +42,7 @@ def cases(draw: st.DrawFn) -> dict:
         ranges = tp.HeadRanges((s0, s0 + count), (d0, d0 + count))
         for spec, ext in ((pair.src, src), (pair.dst, dst)):
             ext["H"] = g * groups
-            ext.update({a: g for a in _places(spec)})
+            ext.update({a: g for a in spec.head_groups[1:]})  # the place's extent: the group's size
             ext.update(split_extents(spec.axes, ext))
     elif heads:
         dst["H"] = draw(st.integers(1, 3))
@@ -70,13 +70,8 @@ def cases(draw: st.DrawFn) -> dict:
             "layerwise": draw(st.booleans()), "dtype": draw(st.sampled_from([torch.float32, torch.bfloat16]))}
 
 
-def _places(spec) -> list[str]:  # noqa: ANN001
-    """The place axes of H split by a factor read from the tensor (`H%g`)."""
-    return [a for a in spec.axes if isinstance((split_of(a) or ("", "", 0))[2], str)]
-
-
 def _grouped(spec) -> bool:  # noqa: ANN001
-    return bool(_places(spec))
+    return bool(spec.head_groups)
 
 
 def _cache(spec, ext, case, side: int, salt: int = 0):  # noqa: ANN001, ANN202

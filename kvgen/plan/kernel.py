@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from kvgen.plan import splits
 from kvgen.plan.code import assign_chain
 from kvgen.plan.copy import SLOT, CopyPlan, Mode, View, canonical
-from kvgen.plan.planes import LIST_LEVELS_REASON, PlaneCopy, PlanesPlan, leaf_source, tensor_layer_dim
+from kvgen.plan.planes import LIST_LEVELS_REASON, PlaneCopy, PlanesPlan, counted, leaf_source, tensor_layer_dim
 from kvgen.spec.elements import split_of
 from kvgen.spec.model import PART_LEVEL, Pack, Spec
 
@@ -383,8 +383,8 @@ class PlanesKernelPlan:
     def summary(self) -> tuple[str, str]:
         """For people: what a chunk costs, and how the kernels reach the cache."""
         per = "per layer and chunk" if self.layerwise else "per chunk"
-        count = f"{len(self.planes)} plane{'s' if len(self.planes) > 1 else ''}"
-        return (f"one launch per plane {per} ({count}), grid (whole blocks + token tiles, outer)",
+        return (f"one launch per plane {per} ({counted(len(self.planes), 'plane')}), grid (whole blocks + token "
+                "tiles, outer)",
                 "leaves by a table over L; " + "; ".join(p.summary for p in self.planes))
 
     @property

@@ -76,8 +76,12 @@ class PlanesPlan:
     def strategy(self) -> str:
         names = ", ".join(pc.plane.name for pc in self.planes)
         per = "per layer" if self.mode is Mode.LAYERWISE else "all layers"
-        count = f"{len(self.planes)} plane{'s' if len(self.planes) > 1 else ''}"
-        return f"{count} ({names}) as bytes, {per}, into {self.obj.pack}"
+        return f"{counted(len(self.planes), 'plane')} ({names}) as bytes, {per}, into {self.obj.pack}"
+
+
+def counted(n: int, noun: str) -> str:
+    """`1 plane`, `2 planes`: a count for people (a connector's strategy, its kernels' summary)."""
+    return f"{n} {noun}{'s' if n != 1 else ''}"
 
 
 def compatible_planes(paged: Spec, obj: Spec) -> bool:

@@ -232,11 +232,6 @@ def _cache_key(spec: Spec, places_: tuple[Place, ...], shared: tuple[str, ...]) 
     return key
 
 
-def head_group(spec: Spec) -> tuple[str, ...]:
-    """(tile, place) of a one-tree cache whose heads are split into groups (`H/g`, `H%g`), or ()."""
-    return splits.splits(spec.parts[0], "H") if not spec.is_simple and len(spec.parts) == 1 else ()
-
-
 def _grouped_heads(sides: tuple[Place, ...], group: tuple[str, ...]) -> tuple[Place, ...]:
     """A side's places with a whole H seen as the other side's head groups: the tile outer, the
     place inner, in H's dim (its stride the group's size of H's). A split side keeps its own."""
@@ -253,7 +248,7 @@ def transfer_program(src: Spec, dst: Spec) -> ProgramPlan:
     """The PROGRAM of a layout-to-layout transfer (runtime.TransferProgram): both caches'
     places, the shared axes, and per path the dims of a whole call and of a layer's call in
     the source's order with the innermost that may merge into the run."""
-    group = head_group(src) or head_group(dst)  # a one-tree cache of head groups: both sides see them
+    group = src.head_groups or dst.head_groups  # a one-tree cache of head groups: both sides see them
     sp, dp = (_grouped_heads(places(s), group) for s in (src, dst))
     sa, da = tuple(p[0] for p in sp), tuple(p[0] for p in dp)
     src_axes, dst_axes = set(sa) | set(src.lists), set(da) | set(dst.lists)

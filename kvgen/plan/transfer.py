@@ -39,7 +39,7 @@ from kvgen.plan.copy import (
 )
 from kvgen.plan.geometry import geometry_body, planes_geometry_body
 from kvgen.plan.layouts import Fields, layout_fields
-from kvgen.plan.program import ProgramPlan, head_group, transfer_program
+from kvgen.plan.program import ProgramPlan, transfer_program
 from kvgen.spec.model import Spec
 from kvgen.spec.transfers import TransferPair
 
@@ -113,7 +113,7 @@ def _loops(src: Spec, dst: Spec, layerwise: bool) -> tuple[Loop, ...]:
 
 def _group(spec: Spec, side: str) -> str:
     """The size of a head group of `spec` as the generated copy reads it from that side's geometry."""
-    return splits.factor_expr(head_group(spec)[1], "gs" if side == "src" else "gd")
+    return splits.factor_expr(spec.head_groups[1], "gs" if side == "src" else "gd")
 
 
 def _view(spec: Spec, side: str, fixed: dict[str, str], widen: bool, other: tuple[Spec, str]) -> View:
@@ -126,14 +126,14 @@ def _view(spec: Spec, side: str, fixed: dict[str, str], widen: bool, other: tupl
     leaf = f"{side}_caches" + "".join(f"[{fixed[a]}]" for a in spec.lists)
     raw = f"{leaf}.view(w.dtype)" if widen else f"runtime.bits({leaf})"
     view = select(canonical(raw, spec.dims, extent), fixed)
-    split = head_group(spec)
+    split = spec.head_groups
     if split:  # whole groups (the runtime checks the ranges): the tile narrowed by the group size
         at, group = view.axes.index(split[0]), _group(spec, side)
         return View(f"{view.expr}.narrow({at}, p.{side}_h // {group}, p.heads // {group})", view.axes)
     if "H" in view.axes:
         at = view.axes.index("H")
         view = View(f"{view.expr}.narrow({at}, p.{side}_h, p.heads)", view.axes)
-        grouped = head_group(other[0])
+        grouped = other[0].head_groups
         if grouped:  # the other side's heads in groups: these as the same tile and place
             axes = (*view.axes[:at], *grouped, *view.axes[at + 1:])
             view = View(f"{view.expr}.unflatten({at}, (-1, {_group(other[0], other[1])}))", axes)

@@ -296,6 +296,17 @@ class Spec(Shaped):
                 and not any(tiled(p.tensor_axes) for p in self.parts))
 
     @property
+    def head_groups(self) -> tuple[str, ...]:
+        """(tile, place) where the spec splits H into groups of a size read from its tensors
+        (`H/g`, `H%g`, format 3: SGLang's page_unified head groups); () otherwise."""
+        for part in self.parts:
+            found = [a for a in part.tensor_axes if (s := split_of(a)) is not None and s[0] == "H"
+                     and isinstance(s[2], str)]
+            if found:
+                return tuple(sorted(found, key=lambda a: "%" in a))  # the tile, then the place
+        return ()
+
+    @property
     def part_lists(self) -> tuple[str, ...]:
         """The list levels without the part level P."""
         return tuple(a for a in self.lists if a != PART_LEVEL)

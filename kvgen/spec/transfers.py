@@ -97,8 +97,8 @@ def heads_split_only(spec: Spec) -> bool:
     parts = getattr(spec, "parts", ())
     if len(parts) != 1 or parts[0].fields or getattr(spec, "pack", None) is not None:
         return False
-    split = [s for s in map(split_of, parts[0].tensor_axes) if s is not None]
-    return bool(split) and all(base == "H" and isinstance(f, str) for base, _, f in split)
+    split = {a for a in parts[0].tensor_axes if split_of(a) is not None}
+    return bool(split) and split == set(spec.head_groups)
 
 
 def content_problem(src: Spec, dst: Spec) -> str | None:
@@ -113,7 +113,7 @@ def content_problem(src: Spec, dst: Spec) -> str | None:
     if a != b:
         return (f"{src.name} holds {_content(src)} but {dst.name} holds {_content(dst)}: "
                 "a transfer needs the same content on both sides")
-    a, b = (sorted(x for x in s.axes if (split_of(x) or ("",))[0] == "H") for s in (src, dst))
+    a, b = src.head_groups, dst.head_groups
     if a and b and a != b:
         return (f"{src.name} splits H as {', '.join(a)} and {dst.name} as {', '.join(b)}: a transfer between two "
                 "caches of head groups needs the same split")

@@ -25,7 +25,7 @@ from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios.common import allocate, clone_tree, same_bits
 from kvgen.oracle.scenarios.layouts import NAMED_FACTOR
 from kvgen.runtime.ops import bits
-from kvgen.spec.elements import place_of, split_extents, split_of
+from kvgen.spec.elements import split_extents
 from kvgen.spec.model import Spec
 from kvgen.tp import HeadRanges
 
@@ -190,12 +190,7 @@ def applies(src: Spec, dst: Spec, scenario: TransferScenario) -> bool:
     moves whole groups)."""
     if not scenario.needs_heads:
         return True
-    return src.has("H") and dst.has("H") and not (_head_groups(src) or _head_groups(dst))
-
-
-def _head_groups(spec: Spec) -> list[str]:
-    """The split axes of H with a named factor (`H/g`, `H%g`): heads in groups read from the tensor."""
-    return [a for a in spec.axes if isinstance((split_of(a) or ("", "", 0))[2], str)]
+    return src.has("H") and dst.has("H") and not (src.head_groups or dst.head_groups)
 
 
 def fitted_extents(specs: Sequence[Spec], exts: Sequence[Mapping[str, int]]) -> list[dict[str, int]]:
@@ -203,13 +198,12 @@ def fitted_extents(specs: Sequence[Spec], exts: Sequence[Mapping[str, int]]) -> 
     heads, at least two groups on every cache (so each moves the others' head count), and the
     split axes' extents."""
     out = [dict(ext) for ext in exts]
-    if not any(_head_groups(spec) for spec in specs):
+    if not any(spec.head_groups for spec in specs):
         return out
     for spec, ext in zip(specs, out, strict=True):
         ext["H"] = max(ext["H"], 2 * NAMED_FACTOR) // NAMED_FACTOR * NAMED_FACTOR
-        for axis in _head_groups(spec):
-            base, _, factor = split_of(axis) or ("", "", 0)
-            ext[place_of(base, factor)] = NAMED_FACTOR
+        if spec.head_groups:  # (tile, place): the place's extent is the group's size
+            ext[spec.head_groups[1]] = NAMED_FACTOR
         ext.update(split_extents(spec.axes, ext))
     return out
 
