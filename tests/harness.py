@@ -2,10 +2,12 @@
 
 import importlib
 import importlib.util
+import os
+import sys
 import types
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import torch
@@ -72,6 +74,38 @@ def tiled_connector(layout: str, obj: str, edit: tuple[str, str] | None = None) 
     space = types.ModuleType(plan.module)
     exec(compile(text, plan.module, "exec"), space.__dict__)
     return space.Connector
+
+
+# -- LMCache ------------------------------------------------------------------------------------------
+
+LMCACHE_MISSING = "lmcache 0.5.6 is not installed (scripts/dev test installs it)"
+
+
+def need_lmcache() -> None:
+    """Skips the calling module where lmcache is not installed. An installed lmcache that does not
+    import fails the module's imports instead of skipping it: scripts/dev's set-up reads only its
+    metadata, so a broken install must show here."""
+    if importlib.util.find_spec("lmcache") is None:
+        pytest.skip(LMCACHE_MISSING, allow_module_level=True)
+
+
+# -- SGLang, in its own venv ---------------------------------------------------------------------------
+
+#: Set by scripts/dev where it runs the SGLang tests in .venv-sglang: there SGLang must import.
+SGLANG_REQUIRED = "KVGEN_REQUIRE_SGLANG"
+
+
+def sglang_absent(exc: Exception, what: str) -> NoReturn:
+    """Skips the calling module, whose import of SGLang's `what` failed with `exc`: this Python
+    has no working SGLang (the main one never has). Where scripts/dev runs these tests in the venv
+    it set up (SGLANG_REQUIRED), a failing import is raised instead: set-up reads only SGLang's
+    metadata, so a broken install must show here."""
+    if os.environ.get(SGLANG_REQUIRED):
+        raise exc
+    module = sys._getframe(1).f_globals["__name__"]  # the skip's reported place is this helper
+    pytest.skip(f"{module}: sglang's {what} do not import here ({type(exc).__name__}: {exc}); "
+                "`scripts/dev engines` runs these tests in .venv-sglang (sglang 0.5.23, torch 2.14.1)",
+                allow_module_level=True)
 
 
 # -- vLLM, imported by the tests that use it, not at collection ------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,51 @@ def test_a_whole_test_run_runs_the_sglang_tests_beside_the_parallel_pass_and_fai
     sglang = next(i for i, c in enumerate(calls) if c.startswith("sglang "))
     serial = calls.index("-m pytest -q -o faulthandler_timeout=600 -m serial")
     assert "tests/test_engine_sglang" in calls[sglang] and sglang < serial, calls
+
+
+# -- set-up reads what is installed from package metadata (scripts/installed.py) -------------------
+
+
+def _dist(site: Path, name: str, version: str, requires: tuple[str, ...] = (), url: str | None = None) -> Path:
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"  # as wheels name it
+    info.mkdir(parents=True)
+    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    lines += [f"Requires-Dist: {r}" for r in requires]
+    (info / "METADATA").write_text("\n".join(lines) + "\n")
+    if url is not None:
+        (info / "direct_url.json").write_text(f'{{"dir_info": {{"editable": true}}, "url": "{url}"}}')
+    return info
+
+
+def _installed(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "installed.py"), *args], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(site)})
+
+
+def test_set_up_finds_kvgen_installed_from_this_checkout_by_its_metadata(tmp_path: Path) -> None:
+    """kvgen counts as set up only when installed editable from this checkout after pyproject.toml
+    last changed, with the requirements of the extra asked for; anything else says what to do."""
+    checkout, site = tmp_path / "checkout", tmp_path / "site"
+    checkout.mkdir()
+    (checkout / "pyproject.toml").write_text("[project]\n")
+    os.utime(checkout / "pyproject.toml", (1_000_000, 1_000_000))
+    requires = ("pytest>=1", 'no-such-package-kvgen>=1; extra == "extra"')
+    _dist(site, "kvgen", "0.1.0", requires, checkout.resolve().as_uri())
+    assert _installed(site, "kvgen", str(checkout), "").returncode == 0
+    missing = _installed(site, "kvgen", str(checkout), "extra")
+    assert missing.returncode == 1 and "no-such-package-kvgen is not installed" in missing.stderr
+    other = _installed(site, "kvgen", str(tmp_path), "")
+    assert other.returncode == 1 and "not editable from" in other.stderr
+    (checkout / "pyproject.toml").touch()  # edited after the install
+    assert "pyproject.toml changed" in _installed(site, "kvgen", str(checkout), "").stderr
+
+
+def test_set_up_finds_pinned_packages_by_their_metadata(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    _dist(site, "engine-kvgen-test", "2.14.1+cu128")
+    assert _installed(site, "pinned", "engine-kvgen-test==2.14.1", "pytest").returncode == 0
+    assert _installed(site, "pinned", "engine-kvgen-test>=2.5").returncode == 0
+    for wanted, said in [("engine-kvgen-test==2.14.0", "2.14.1+cu128 is installed, not 2.14.0"),
+                         ("engine-kvgen-test>=2.15", "older than 2.15"), ("absent-kvgen-test", "not installed")]:
+        done = _installed(site, "pinned", wanted)
+        assert done.returncode == 1 and said in done.stderr, (wanted, done.stderr)

@@ -24,16 +24,15 @@ from typing import Any
 
 import pytest
 import torch
+from harness import sglang_absent
 
 try:
     from sglang.srt.mem_cache import memory_pool as mp
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
     from sglang.srt.runtime_context import get_parallel
-except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain means: not here
-    pytest.skip(f"sglang's memory pools do not import here ({type(exc).__name__}: {exc}); "
-                "`scripts/dev engines` runs these tests in .venv-sglang (sglang 0.5.23, torch 2.14.1)",
-                allow_module_level=True)
+except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain
+    sglang_absent(exc, "memory pools")
 
 import kvgen  # noqa: E402
 from kvgen import generated  # noqa: E402

@@ -30,16 +30,13 @@ from typing import Any
 
 import pytest
 import torch
+from harness import builtin_library, sglang_absent
 
 try:
     from sglang.srt.layers.quantization import kvfp4_tensor
     from sglang.srt.mem_cache import minimax_m3_nvfp4_pool as mm
-except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain means: not here
-    pytest.skip(f"sglang's MiniMax NVFP4 pools do not import here ({type(exc).__name__}: {exc}); "
-                "`scripts/dev engines` runs these tests in .venv-sglang (sglang 0.5.23, torch 2.14.1)",
-                allow_module_level=True)
-
-from harness import builtin_library  # noqa: E402
+except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain
+    sglang_absent(exc, "MiniMax NVFP4 pools")
 
 import kvgen  # noqa: E402
 from kvgen.integrations.detect import detect  # noqa: E402

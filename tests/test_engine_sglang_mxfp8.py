@@ -30,15 +30,12 @@ from typing import Any
 
 import pytest
 import torch
+from harness import builtin_library, sglang_absent, tiled_connector
 
 try:
     from sglang.srt.mem_cache import memory_pool as mp
-except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain means: not here
-    pytest.skip(f"sglang's memory pools do not import here ({type(exc).__name__}: {exc}); "
-                "`scripts/dev engines` runs these tests in .venv-sglang (sglang 0.5.23, torch 2.14.1)",
-                allow_module_level=True)
-
-from harness import builtin_library, tiled_connector  # noqa: E402
+except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain
+    sglang_absent(exc, "memory pools")
 
 import kvgen  # noqa: E402
 from kvgen.oracle.address import plane_address  # noqa: E402

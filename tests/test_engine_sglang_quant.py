@@ -24,16 +24,13 @@ from typing import Any
 
 import pytest
 import torch
+from harness import builtin_library, sglang_absent
 
 try:
     from sglang.srt.mem_cache import memory_pool as mp
     from sglang.srt.runtime_context import get_parallel
-except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain means: not here
-    pytest.skip(f"sglang's memory pools do not import here ({type(exc).__name__}: {exc}); "
-                "`scripts/dev engines` runs these tests in .venv-sglang (sglang 0.5.23, torch 2.14.1)",
-                allow_module_level=True)
-
-from harness import builtin_library  # noqa: E402
+except Exception as exc:  # noqa: BLE001 - any failure of SGLang's import chain
+    sglang_absent(exc, "memory pools")
 
 import kvgen  # noqa: E402
 from kvgen.oracle.address import packed_value, plane_address  # noqa: E402

@@ -13,11 +13,10 @@ from typing import Any
 
 import pytest
 import torch
+from harness import builtin_library, need_lmcache
 
-pytest.importorskip("lmcache.v1.memory_allocators.pin_memory_allocator",
-                    reason="lmcache 0.5.6 is not installed (scripts/dev installs it)")
+need_lmcache()
 
-from harness import builtin_library  # noqa: E402
 from lmcache.v1.memory_allocators.pin_memory_allocator import PinMemoryAllocator  # noqa: E402
 from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402

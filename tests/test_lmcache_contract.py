@@ -10,11 +10,10 @@ from typing import Any
 
 import pytest
 import torch
+from harness import builtin_library, need_lmcache
 
-pytest.importorskip("lmcache.v1.gpu_connector.xpu_connectors",
-                    reason="lmcache 0.5.6 is not installed (scripts/dev installs it)")
+need_lmcache()
 
-from harness import builtin_library  # noqa: E402
 from lmcache.utils import EngineType  # noqa: E402
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 from lmcache.v1.gpu_connector import CreateGPUConnector, gpu_connectors, xpu_connectors  # noqa: E402

@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import need_lmcache
 
-pytest.importorskip("lmcache", reason="lmcache 0.5.6 is not installed (scripts/dev test installs it)")
+need_lmcache()
 
 # Under pytest-xdist one worker runs this file, so the engine subprocess is made once (conftest.py).
 pytestmark = pytest.mark.xdist_group("lmcache_engine")

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import need_lmcache
 
-pytest.importorskip("lmcache.v1.memory_allocators.pin_memory_allocator",
-                    reason="lmcache 0.5.6 is not installed (scripts/dev installs it)")
+need_lmcache()
 
 from lmcache.v1.memory_allocators.pin_memory_allocator import PinMemoryAllocator  # noqa: E402
 from lmcache.v1.memory_management import MemoryFormat  # noqa: E402

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 import torch
+from harness import VLLM_GROUP, builtin_library, need_lmcache
 
-pytest.importorskip("lmcache.v1.metadata", reason="lmcache 0.5.6 is not installed (scripts/dev installs it)")
+need_lmcache()
 
-from harness import VLLM_GROUP, builtin_library  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
 import kvgen.integrations.lmcache as kl  # noqa: E402
