@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 import tokenize
 from collections.abc import Iterator
@@ -26,6 +27,12 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "kvgen"
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+@functools.cache
+def source_tree(path: Path) -> ast.Module:
+    """The parsed source of `path`, parsed once: every rule walks every module (read only)."""
+    return ast.parse(path.read_text("utf-8"))
 
 
 def module_name(path: Path) -> str:
@@ -77,7 +84,7 @@ def _functions_in(path: Path, body: list[ast.stmt], prefix: str, in_class: bool)
 
 
 def functions(paths: list[Path] = SOURCES) -> list[Function]:
-    return [f for p in paths for f in _functions_in(p, ast.parse(p.read_text("utf-8")).body, "", False)]
+    return [f for p in paths for f in _functions_in(p, source_tree(p).body, "", False)]
 
 
 def _node_complexity(node: ast.AST) -> int:
@@ -117,7 +124,7 @@ def parameters(f: Function) -> int:
 def classes(paths: list[Path] = SOURCES) -> list[tuple[str, str]]:
     """(name, file:line) of every class defined anywhere in `paths`."""
     return [(node.name, where(p, node.lineno)) for p in paths
-            for node in ast.walk(ast.parse(p.read_text("utf-8"))) if isinstance(node, ast.ClassDef)]
+            for node in ast.walk(source_tree(p)) if isinstance(node, ast.ClassDef)]
 
 
 # ----------------------------------------------------------------------------- imports
@@ -189,7 +196,7 @@ def _owners(path: Path, tree: ast.Module) -> dict[int, str]:
 
 
 def import_sites(path: Path) -> list[ImportSite]:
-    tree = ast.parse(path.read_text("utf-8"))
+    tree = source_tree(path)
     comments, owner = _comment_lines(path), _owners(path, tree)
     sites = []
     for run, typing_only in _import_runs(tree.body):

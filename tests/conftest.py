@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from kvgen.runtime import available_devices
+from kvgen.tools.verify import pool as verify_pool
 from kvgen.tools.verify.interpreter import quicken
 
 
@@ -56,9 +57,15 @@ def one_thread_per_worker() -> None:
     start) runs one thread. With torch's default of one thread per core, every small op of one
     worker waited in an OpenMP barrier for threads the other worker's tests kept descheduled:
     tests of many small ops took 2-8 times as long. Tests of the kernels' thread split ask
-    for their threads (cpu_threads patched); the serial pass keeps torch's default."""
+    for their threads (cpu_threads patched); the serial pass keeps torch's default.
+
+    For the same reason a `kvgen verify` run by a test sees one core, so it checks its rows in
+    the test's own process: by default it spawned a worker per core, each importing torch and
+    the package (2 s of CPU a worker) for a few rows. The tests of the worker pool ask for it
+    (`--jobs 2`)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    verify_pool.cores = lambda: 1
 
 
 #: The one way a test becomes serial: the marker, written in its module.

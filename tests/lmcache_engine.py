@@ -21,6 +21,9 @@ from typing import Any
 import torch
 
 logging.disable(logging.ERROR)
+# No usage telemetry from a test: with it on, LMCache probes the CPU in a py-cpuinfo subprocess
+# (half a second) and reports at every engine it builds.
+os.environ["LMCACHE_TRACK_USAGE"] = "false"
 
 try:
     from lmcache.v1.cache_engine import LMCacheEngineBuilder

@@ -37,6 +37,7 @@ from code_rules import (
     loads_at_import,
     module_name,
     parameters,
+    source_tree,
     third_party,
 )
 
@@ -73,7 +74,7 @@ def stage_of(module: str) -> str:
 def imports(path: Path) -> set[str]:
     """Every module `path` imports, at top level or inside functions."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+    for node in ast.walk(source_tree(path)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

@@ -4,6 +4,7 @@ and scale types a field may hold, with how two sub-byte values share a byte. No 
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from collections.abc import Iterable, Mapping
 
@@ -42,6 +43,7 @@ SPLIT = re.compile(r"^(N|H|C)([/%])([1-9][0-9]{0,3}|[a-z][a-z0-9]{0,7})$")
 Factor = int | str
 
 
+@functools.lru_cache(maxsize=4096)  # few axis names, asked millions of times (planner, oracle)
 def split_of(axis: str) -> tuple[str, str, Factor] | None:
     """(base axis, "/" or "%", factor) of a split axis name, or None for a plain axis; a named
     factor is its name."""

@@ -65,6 +65,8 @@ class Library:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {s.name: s for s in self.specs})
+        names = (Named(s.name, s.aliases, tuple(f for f in (s.format, s.lmcache_format) if f)) for s in self.specs)
+        object.__setattr__(self, "_named", tuple(names))
 
     @classmethod
     def of(cls, specs: Iterable[AnySpec]) -> Library:
@@ -84,7 +86,8 @@ class Library:
         return by_name[resolve(name, self.named())]
 
     def named(self) -> list[Named]:
-        return [Named(s.name, s.aliases, tuple(f for f in (s.format, s.lmcache_format) if f)) for s in self.specs]
+        """Each spec's names (name, aliases, LMCache formats), made once: every lookup reads them."""
+        return list(self._named)  # type: ignore[attr-defined]
 
     def described_names(self) -> list[str]:
         return described(self.named())

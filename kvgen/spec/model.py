@@ -10,6 +10,7 @@ one part, or one field of a part. docs/spec-language.md has the grammar.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -149,7 +150,7 @@ class Shaped:
     dims: tuple[Dim, ...]
     sizes: tuple[tuple[str, int], ...]
 
-    @property
+    @functools.cached_property  # frozen dataclasses: asked millions of times by the planner and the oracle
     def tensor_axes(self) -> tuple[str, ...]:
         return tuple(a for d in self.dims for a in d.axes)
 
@@ -274,7 +275,7 @@ class Spec(Shaped):
     def is_paged(self) -> bool:
         return self.kind is Kind.PAGED
 
-    @property
+    @functools.cached_property
     def axes(self) -> tuple[str, ...]:
         """Every axis the layout names, list levels first, in declaration order."""
         return self.lists + self.tensor_axes
