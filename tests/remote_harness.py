@@ -19,16 +19,17 @@ from harness import builtin_library
 from kvgen import generated, remote, tp
 from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import clone_tree, same_bits
+from kvgen.oracle.scenarios.layouts import NAMED_FACTOR
 from kvgen.oracle.scenarios.transfers import DST_SALT, make_cache
-from kvgen.spec.elements import split_of
+from kvgen.spec.elements import split_extents, split_of
 
 LIBRARY = builtin_library()
-#: The built-in transfer pairs remote plans: not those of a cache whose dims split an axis (SGLang's
-#: page_unified in head groups, `H/g` with `H%g`), which remote.describe refuses
-#: (tests/test_remote_plan.py::test_a_cache_of_head_groups_is_refused_by_describe).
+#: The layouts of built-in transfer pairs whose dims split an axis: SGLang's page_unified pool in
+#: head groups (`H/g` with `H%g`), whose caches the tests make in groups of NAMED_FACTOR heads.
 SPLIT_LAYOUTS = frozenset(n for pair in generated.TRANSFERS for n in pair
                           if any(split_of(a) is not None for a in LIBRARY[n].axes))
-REMOTE_PAIRS = sorted(p for p in generated.TRANSFERS if not SPLIT_LAYOUTS & set(p))
+#: Every built-in transfer pair: remote plans each.
+REMOTE_PAIRS = sorted(generated.TRANSFERS)
 #: A source rank's salt: codes of different ranks (and the destination's) never meet.
 RANK_SALT = 100000
 
@@ -46,11 +47,23 @@ class Case:
     dst_rank: int
     num_kv_heads: int
 
-    def local(self, ext: dict[str, int], size: int) -> dict[str, int]:
-        return {**ext, "H": tp.local_heads(self.num_kv_heads, size)} if LIBRARY[self.src].has("H") else dict(ext)
+    def local(self, ext: dict[str, int], size: int, layout: str) -> dict[str, int]:
+        """A rank's extents: its share of the heads, in groups of NAMED_FACTOR where its layout
+        groups them (the rank's heads must be whole groups)."""
+        spec = LIBRARY[layout]
+        if not LIBRARY[self.src].has("H"):
+            return dict(ext)
+        out = {**ext, "H": tp.local_heads(self.num_kv_heads, size)}
+        if spec.head_groups:
+            out[spec.head_groups[1]] = NAMED_FACTOR
+            out.update(split_extents(spec.axes, out))
+        return out
+
+    def extents(self) -> tuple[dict[str, int], dict[str, int]]:
+        return self.local(self.src_ext, self.src_tp, self.src), self.local(self.dst_ext, self.dst_tp, self.dst)
 
     def caches(self, dtype: torch.dtype = torch.float32) -> tuple[list[Any], Any]:
-        s_ext, d_ext = self.local(self.src_ext, self.src_tp), self.local(self.dst_ext, self.dst_tp)
+        s_ext, d_ext = self.extents()
         srcs = [make_cache(LIBRARY[self.src], s_ext, dtype, "cpu", RANK_SALT * (r + 1)) for r in range(self.src_tp)]
         return srcs, make_cache(LIBRARY[self.dst], d_ext, dtype, "cpu", DST_SALT)
 
@@ -64,7 +77,7 @@ class Case:
         """The destination as the reference leaves it: every route of this rank, one by one."""
         want = clone_tree(dst)
         mla = not LIBRARY[self.src].has("H")
-        s_ext, d_ext = self.local(self.src_ext, self.src_tp), self.local(self.dst_ext, self.dst_tp)
+        s_ext, d_ext = self.extents()
         for r in tp.plan(self.num_kv_heads, self.src_tp, self.dst_tp, mla=mla):
             if r.dst_rank == self.dst_rank:
                 transfers.transfer(

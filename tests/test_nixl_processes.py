@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from kvgen import tp
+from kvgen.errors import KVGenError
 from kvgen.integrations import nixl
 from kvgen.oracle.reference import transfers
 from kvgen.oracle.scenarios import same_bits
 from kvgen.tools.pd import command as pd
 from kvgen.tools.pd import run as pd_run
-from kvgen.tools.pd.request import Request
+from kvgen.tools.pd.request import Request, WorkerSide
 from tests.remote_harness import LIBRARY
 
 pytestmark = pytest.mark.skipif(nixl.unavailable() is not None, reason=str(nixl.unavailable()))
@@ -42,15 +43,33 @@ def test_two_processes_move_a_request_between_layouts_tp_and_block_sizes() -> No
 
 
 def test_the_pd_command_prints_elements_right_strategy_and_throughput(capsys: pytest.CaptureFixture[str]) -> None:
+    """Here between SGLang's device pool and its page_unified host pool in groups of two heads
+    (the other test moves vLLM's NHD into HND)."""
     from kvgen.tools.cli import main
 
-    status = main(["pd", "--src", "NHD:tp=2:N=4", "--dst", "HND:tp=4:N=8", "--tokens", "21", "-L", "2", "--heads",
-                   "4", "--head-size", "8", "--dtype", "float32", "--repeats", "1"])
+    status = main(["pd", "--src", "sglang_mha:tp=2:N=4", "--dst", "hicache_page_unified_grouped:tp=2:N=8:g=2",
+                   "--tokens", "21", "-L", "2", "--heads", "4", "--head-size", "8", "--dtype", "float32",
+                   "--repeats", "1"])
     out = capsys.readouterr().out
     assert status == 0, out
     lines = out.splitlines()
-    assert lines[0].startswith("vllm_flash_attn_nhd tp=2 N=4 -> vllm_flash_attn_hnd tp=4 N=8, 21 tokens")
-    assert sum(1 for line in lines if line.startswith("  decode rank ")) == 4
+    assert lines[0].startswith("sglang_mha tp=2 N=4 -> hicache_page_unified_grouped tp=2 N=8 g=2, 21 tokens")
+    assert sum(1 for line in lines if line.startswith("  decode rank ")) == 2
     total = 21 * 2 * 2 * 4 * 8
     assert f"{total}/{total} elements right" in lines
     assert lines[-1].startswith("throughput ") and "4 MiB-descriptor copy" in lines[-1]
+
+
+def test_a_side_in_head_groups_names_its_group_size_checked_before_any_process_starts() -> None:
+    assert pd.side("hicache_page_unified_grouped:tp=2:N=16:g=2") == \
+        WorkerSide("hicache_page_unified_grouped", 2, 16, 2)
+
+    def request(src: str, dst: str) -> Request:
+        return Request(pd.side(src), pd.side(dst), tokens=8, layers=1, heads=4, head_size=8, dtype="float32")
+
+    with pytest.raises(KVGenError, match="sglang_mha does not hold its heads in groups"):
+        pd_run.check(request("sglang_mha:g=2", "hicache_page_unified_grouped"))
+    with pytest.raises(KVGenError, match=r"2 heads a rank \(--heads 4, tp=2\) are not whole groups of g=4"):
+        pd_run.check(request("sglang_mha", "hicache_page_unified_grouped:tp=2:g=4"))
+    ok = pd_run.check(request("sglang_mha", "hicache_page_unified_grouped:tp=2:g=2"))
+    assert pd_run.extents(ok, ok.dst)["H%"] == 2

@@ -22,8 +22,10 @@ MAPPINGS = ("partial_minus1", "larger_dst_blocks", "smaller_dst_blocks", "random
 
 
 def _case(src: str, dst: str, scenario: str, src_tp: int = 1, dst_tp: int = 1, rank: int = 0,
-          heads: int = 2) -> tuple[Case, list[int], list[int]]:
+          heads: int | None = None) -> tuple[Case, list[int], list[int]]:
+    """A case of `heads` KV heads: by default 2, and 4 (two groups of two) where a side groups them."""
     sc = SCENARIOS[scenario]
+    heads = heads or (4 if SPLIT_LAYOUTS & {src, dst} else 2)
     case = Case(src, dst, dict(sc.src_ext), dict(sc.dst_ext), src_tp, dst_tp, rank, heads)
     s, d = sc.mapping(random.Random(f"{src}/{dst}/{scenario}/{rank}"), sc.src_ext, sc.dst_ext)
     return case, s, d
@@ -41,14 +43,51 @@ def test_every_builtin_pair_moves_like_the_reference(pair: tuple[str, str], stra
     assert wrong == []
 
 
-def test_a_cache_of_head_groups_is_refused_by_describe() -> None:
-    """The one kind of built-in transfer pair remote does not plan: a side whose dims split an
-    axis, today only SGLang's page_unified pool in head groups, refused when it is described."""
-    assert SPLIT_LAYOUTS == {"hicache_page_unified_grouped"}
-    pool = torch.zeros(4, 2, 3, 2, 16, 2, 8)  # [pages, groups, L, 2, page, heads per group, C]
-    with pytest.raises(KVLayoutError, match=r"hicache_page_unified_grouped: its tree splits or tiles axes \(E, H%g, "
-                                            r"H/g\) over its dims; remote transfers plan parts whose dims each hold"):
-        remote.describe(pool, "hicache_page_unified_grouped", tp_rank=0, tp_size=1)
+#: (source, destination) of the built-in pairs with SGLang's page_unified pool in head groups.
+GROUPED_PAIRS = [p for p in PAIRS if SPLIT_LAYOUTS & set(p)]
+
+
+def test_a_cache_in_head_groups_is_described_by_its_groups() -> None:
+    """SGLang's page_unified pool in head groups ([pages, groups, L, 2, page, heads per group, C]):
+    each axis's byte stride is its dim's, H is described as its groups and a head's place in one,
+    and the description crosses the wire unchanged."""
+    assert SPLIT_LAYOUTS == {"hicache_page_unified_grouped"} and len(GROUPED_PAIRS) == 4
+    pool = torch.zeros(4, 3, 5, 2, 16, 2, 8)  # 3 groups of 2 heads, 5 layers
+    d = remote.describe(pool, "hicache_page_unified_grouped", tp_rank=0, tp_size=1)
+    item = pool.element_size()
+    assert {a: d.stride(a) for a in ("B", "H/", "L", "KV", "N", "H%", "C")} == \
+        {a: pool.stride(i) * item for i, a in enumerate(("B", "H/", "L", "KV", "N", "H%", "C"))}
+    assert (d.extent("H"), d.group, d.grouped, d.mla, d.num_kv_heads) == (6, 2, True, False, 6)
+    assert remote.CacheDescription.from_bytes(d.to_bytes()) == d
+
+
+@pytest.mark.parametrize("sizes", [(1, 2), (2, 1), (2, 2)], ids=lambda s: f"tp{s[0]}->tp{s[1]}")
+@pytest.mark.parametrize("pair", GROUPED_PAIRS, ids=lambda p: f"{p[0]}->{p[1]}")
+def test_head_groups_move_between_tp_sizes(pair: tuple[str, str], sizes: tuple[int, int]) -> None:
+    """4 KV heads in groups of two on the grouped side: every rank's heads are whole groups."""
+    for rank in range(sizes[1]):
+        for strategy in ("direct", "staged"):
+            assert moved_right(*_case(*pair, "larger_dst_blocks", *sizes, rank, heads=4), strategy)[0], \
+                (rank, strategy)
+
+
+def test_a_read_that_cuts_a_head_group_is_refused_before_any_read() -> None:
+    """Two groups of two heads on one rank, read by four ranks of one head each: each read would
+    cut a group. Refused while planning (nothing posted, nothing written), naming why."""
+    case, s, d = _case("hicache_page_unified_grouped", "sglang_mha", "partial_minus1", 1, 4, 1, heads=4)
+    srcs, dst = case.caches()
+    sd, dd = case.describe(srcs, dst)
+    with pytest.raises(KVLayoutError, match=r"hicache_page_unified_grouped -> sglang_mha: a read of 1 heads is "
+                                            r"not whole groups of 2"):
+        remote.plan(sd, dd, torch.tensor(s), torch.tensor(d))
+
+
+def test_two_caches_grouped_unlike_are_refused() -> None:
+    """Groups of two against groups of one: a head would land in another place of its group."""
+    two = remote.describe(torch.zeros(4, 2, 3, 2, 16, 2, 8), "hicache_page_unified_grouped", tp_rank=0, tp_size=1)
+    one = remote.describe(torch.zeros(4, 4, 3, 2, 16, 1, 8), "hicache_page_unified_grouped", tp_rank=0, tp_size=1)
+    with pytest.raises(KVLayoutError, match="heads per group 2 vs 1"):
+        remote.check_pair(two, one)
 
 
 @pytest.mark.parametrize("scenario", MAPPINGS)

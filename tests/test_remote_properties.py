@@ -11,15 +11,18 @@ from hypothesis import strategies as st
 from kvgen import remote
 from kvgen.oracle.scenarios import same_bits
 from kvgen.oracle.scenarios.transfers import SRC_EXT
-from tests.remote_harness import PART_WIDTHS, Case, PartsCase, run_by_memmove
+from tests.remote_harness import PART_WIDTHS, SPLIT_LAYOUTS, Case, PartsCase, run_by_memmove
 
 PAIRS = [("vllm_flash_attn_nhd", "vllm_flash_attn_hnd"), ("vllm_flash_attn_hnd", "vllm_flash_attn_nhd"),
          ("sglang_mha", "vllm_flash_attn_nhd"), ("vllm_kv_tuple", "hicache_page_first"),
          ("vllm_flash_attn_nhd", "hicache_layer_first"), ("dynamo_universal", "vllm_kv_tuple"),
          ("sglang_mla", "vllm_mla"), ("vllm_mla", "hicache_mla_page_first_direct"),
-         ("vllm_lhbnc", "vllm_canonical_lbhnc")]
-#: TP sizes for 4 KV heads: split, and replicated (8 ranks).
+         ("vllm_lhbnc", "vllm_canonical_lbhnc"), ("sglang_mha", "hicache_page_unified_grouped"),
+         ("hicache_page_unified_grouped", "sglang_mha_hnd")]
+#: TP sizes for 4 KV heads: split, and replicated (8 ranks); where a side holds the heads in groups
+#: of two, the sizes that keep each rank's heads whole groups.
 SIZES = [1, 2, 4, 8]
+GROUPED_SIZES = [1, 2]
 SLOTS = 48  # every cache here has 48 slots, whatever its block size
 
 
@@ -44,7 +47,8 @@ def _region_counts(descs: torch.Tensor, regions: list[tuple[int, int]]) -> list[
 def cases(draw: st.DrawFn) -> tuple[Case, list[int], list[int], str]:
     src, dst = draw(st.sampled_from(PAIRS))
     s_n, d_n = draw(st.sampled_from([2, 4, 8])), draw(st.sampled_from([2, 4, 8, 16]))
-    s_tp, d_tp = draw(st.sampled_from(SIZES)), draw(st.sampled_from(SIZES))
+    sizes = GROUPED_SIZES if SPLIT_LAYOUTS & {src, dst} else SIZES
+    s_tp, d_tp = draw(st.sampled_from(sizes)), draw(st.sampled_from(sizes))
     rank = draw(st.integers(0, d_tp - 1))
     case = Case(src, dst, {**SRC_EXT, "N": s_n, "B": SLOTS // s_n}, {**SRC_EXT, "N": d_n, "B": SLOTS // d_n},
                 s_tp, d_tp, rank, 4)

@@ -29,6 +29,10 @@ from kvgen.runtime.movers import native as native_mover
 
 #: Bump when the fields of a description change meaning.
 VERSION = 1
+#: Where a cache splits H into groups of a size read from its tensors (`H/g`, `H%g`: SGLang's
+#: page_unified host pool), the description names the groups' axis GROUP and a head's place in its
+#: group PLACE, whatever the spec calls them; PLACE's extent is the heads of a group.
+GROUP, PLACE = "H/", "H%"
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,17 @@ class CacheDescription:
     @property
     def mla(self) -> bool:
         """Whether the layout holds one latent without heads (every TP rank keeps it whole)."""
-        return "H" not in self._axes[1] and "H" not in self._axes[2]
+        return "H" not in self._axes[1] and "H" not in self._axes[2] and not self.grouped
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the cache holds its heads in groups (GROUP and PLACE instead of H)."""
+        return PLACE in self._axes[1]
+
+    @property
+    def group(self) -> int:
+        """Heads per group (1 where the cache does not group its heads)."""
+        return self.extent(PLACE)
 
     @property
     def fingerprint(self) -> str:
@@ -172,7 +186,8 @@ def empty(layout: str, ext: dict[str, int], dtype: torch.dtype) -> Any:
     """An uninitialized cache of `layout` with extents `ext` (L, KV, H, C, and B and N, or S for
     a folded slot axis), as the engine would hand it over."""
     paged, _ = layout_of(layout)
-    shape = [ext["S"] if dim == ("B", "N") else math.prod(ext[a] for a in dim) for dim in paged.dims]
+    sizes = {**ext, **_group_extents(paged, ext)}
+    shape = [ext["S"] if dim == ("B", "N") else math.prod(sizes[a] for a in dim) for dim in paged.dims]
 
     def level(k: int) -> Any:
         if k == len(paged.lists):
@@ -232,8 +247,54 @@ def describe(caches: Any, layout: str, *, tp_rank: int, tp_size: int, device_id:
                             tp_rank, tp_size, heads, device_id)
 
 
-#: The axes a part's dims may hold for its runs to be planned: whole axes, none split or tiled.
+#: The axes a part's dims may hold for its runs to be planned: whole axes, none split or tiled
+#: (but H in groups of a size read from the tensors, head_split).
 PLANNABLE = frozenset({"S", "B", "N", "H", "KV", "C"})
+
+
+def head_split(paged: PagedLayout) -> tuple[str, str] | None:
+    """(tile, place) where a one-tree cache splits H by a factor read from its tensors (`H/g`
+    with `H%g`); None otherwise (a literal factor is fixed where code is generated: no group)."""
+    axes = {a for dims in (paged.dims, *(p[1] for p in paged.parts)) for d in dims for a in d}
+    tile = next((a for a in sorted(axes) if a.startswith("H/") and not a[2:].isdigit()), None)
+    if tile is None or f"H%{tile[2:]}" not in axes:
+        return None
+    return tile, f"H%{tile[2:]}"
+
+
+def _group_extents(paged: PagedLayout, ext: dict[str, int]) -> dict[str, int]:
+    """The extents of a grouped cache's tile and place, from H and the description's PLACE."""
+    split = head_split(paged)
+    if split is None:
+        return {}
+    return {split[0]: ext["H"] // ext[PLACE], split[1]: ext[PLACE]}
+
+
+def _described_groups(cls: Any, caches: Any, g: Geometry, ranks: tuple[int, int, int, int]) -> CacheDescription:
+    """describe() of a one-tree cache in head groups ([B, H/g, L, KV, N, H%g, C]): each axis's
+    byte stride read from the dim that holds it, H as GROUP and PLACE."""
+    paged = cls.layout
+    tile, place = head_split(paged)  # type: ignore[misc]
+    dims = paged.parts[0][1]
+    odd = {a for d in dims for a in d} - PLANNABLE - {"L", tile, place}
+    if odd:
+        raise KVLayoutError(f"{paged.name}: its tree splits or tiles axes ({', '.join(sorted(odd))}) over its "
+                            "dims; remote transfers plan dims that each hold whole axes or heads in groups")
+    tensors = leaves(caches)
+    first = tensors[0]
+    if any(t.stride() != first.stride() for t in tensors[1:]):
+        raise KVLayoutError(f"{paged.name}: every cache tensor must have the same strides to be described")
+    ext = {**g.extents(), tile: g.H // g.head_group}
+    places = tuple((a, i, d[j + 1:]) for i, d in enumerate(dims) for j, a in enumerate(d))
+    strides = native_mover.strides(places, first, ext)
+    strides[GROUP], strides[PLACE] = strides.pop(tile), strides.pop(place)
+    tp_rank, tp_size, device_id, heads = ranks
+    extents = (("L", g.L), ("KV", g.KV), ("H", g.H), ("C", g.C), ("S", g.S), ("N", g.N or 0),
+               (PLACE, g.head_group))
+    return CacheDescription(paged.name, digest(paged), str(first.dtype).removeprefix("torch."), extents,
+                            tuple(t.data_ptr() for t in tensors), _span(first), tuple(sorted(strides.items())),
+                            tuple(sorted(_list_steps(paged.lists, ext).items())), tp_rank, tp_size, heads,
+                            device_id)
 
 
 def _described_parts(cls: Any, caches: Any, ranks: tuple[int, int, int], num_kv_heads: int | None) -> CacheDescription:
@@ -245,6 +306,8 @@ def _described_parts(cls: Any, caches: Any, ranks: tuple[int, int, int], num_kv_
         raise KVLayoutError(f"{paged.name}: its parts hold typed fields ({', '.join(p.name for p in g.planes)}); "
                             "remote transfers plan parts of whole values, not fields inside a part")
     heads = num_kv_heads if num_kv_heads is not None else g.H * ranks[1]
+    if len(paged.parts) == 1 and head_split(paged) is not None:
+        return _described_groups(cls, caches, g, (*ranks, heads))
     parts = tuple(_described_part(cls, caches, g, k, (*ranks, heads)) for k in range(len(paged.parts)))
     return replace(parts[0], leaves=tuple(t.data_ptr() for t in leaves(caches)), parts=parts, part="")
 
@@ -312,9 +375,11 @@ def check_pair(src: CacheDescription, dst: CacheDescription) -> None:
         ("dtype", src.dtype, dst.dtype), ("head size C", src.extent("C"), dst.extent("C")),
         ("layers L", src.extent("L"), dst.extent("L")), ("KV planes", src.extent("KV"), dst.extent("KV")),
         ("MLA", src.mla, dst.mla), ("num_kv_heads", src.num_kv_heads, dst.num_kv_heads)) if a != b]
+    if src.grouped and dst.grouped and src.group != dst.group:  # one head would be two places apart
+        problems.append(f"heads per group {src.group} vs {dst.group}")
     if problems:
         raise KVLayoutError(f"the two caches cannot exchange KV ({'; '.join(problems)}): source {src}; "
                             f"destination {dst}")
 
 
-__all__ = ["CacheDescription", "check_pair", "describe", "digest", "empty", "layout_of"]
+__all__ = ["GROUP", "PLACE", "CacheDescription", "check_pair", "describe", "digest", "empty", "head_split", "layout_of"]

@@ -23,7 +23,7 @@ import torch
 
 from kvgen import generated, tp
 from kvgen.remote.cost import Costs, costs
-from kvgen.remote.describe import CacheDescription, check_pair, describe, empty
+from kvgen.remote.describe import PLACE, CacheDescription, check_pair, describe, empty
 from kvgen.remote.runs import EXACT, Heads, Layout, layout, outside, parts
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.errors import KVLayoutError
@@ -228,6 +228,8 @@ def _staged(s: CacheDescription, dst: CacheDescription, pairs: tuple[np.ndarray,
     heads = route.count if narrow else s.extent("H")
     ext = {"L": s.extent("L"), "KV": s.extent("KV"), "H": heads, "C": s.extent("C")}
     ext.update({"B": blocks.size, "N": n, "S": blocks.size * n} if s.block else {"S": blocks.size})
+    if s.grouped:
+        ext[PLACE] = s.group
     caches = empty(s.spec, ext, getattr(torch, s.dtype))
     here = _described(caches, s, tuple(ext.items()), dst.device_id)
     read = (route.src_heads, (0, heads)) if narrow else ((0, heads), (0, heads))

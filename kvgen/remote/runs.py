@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from kvgen.remote.describe import CacheDescription
+from kvgen.remote.describe import GROUP, PLACE, CacheDescription
+from kvgen.runtime.errors import KVLayoutError
 
 #: A head range (start, stop) in a rank's local heads.
 Heads = tuple[int, int]
@@ -48,9 +49,33 @@ def _token_offsets(d: CacheDescription, slots: np.ndarray) -> np.ndarray:
     return (slots // d.block) * d.stride("B") + (slots % d.block) * d.stride("N")
 
 
+def _group_size(src: CacheDescription, dst: CacheDescription) -> int:
+    """Heads per group where a side holds its heads in groups (check_pair: both alike), else 1."""
+    return src.group if src.grouped else dst.group
+
+
+def _head_axes(d: CacheDescription, group: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(step, stride) of a head group and of a head within it: a side without groups steps
+    `group` heads per group."""
+    if d.grouped:
+        return _axis(d, GROUP), _axis(d, PLACE)
+    step, stride = _axis(d, "H")
+    return (step * group, stride * group), (step, stride)
+
+
 def _dims(src: CacheDescription, dst: CacheDescription, count: int) -> list[RunDim]:
     out = []
+    group = _group_size(src, dst)
     for axis in ("L", "KV", "H", "C"):
+        if axis == "H" and (src.grouped or dst.grouped):
+            if count % group:
+                raise KVLayoutError(f"{src.spec} -> {dst.spec}: a read of {count} heads is not whole groups of "
+                                    f"{group}; a cache in head groups moves whole groups (TP sizes whose ranks "
+                                    "hold whole groups on both sides)")
+            (s_group, s_head), (d_group, d_head) = _head_axes(src, group), _head_axes(dst, group)
+            out += [RunDim(n, a, b) for n, a, b in ((count // group, s_group, d_group), (group, s_head, d_head))
+                    if n > 1]
+            continue
         n = count if axis == "H" else src.extent(axis)
         if n > 1:
             out.append(RunDim(n, _axis(src, axis), _axis(dst, axis)))
@@ -67,6 +92,12 @@ def _split(dims: list[RunDim], item: int) -> tuple[int, list[RunDim]]:
 
 
 def _head_shift(d: CacheDescription, start: int) -> tuple[int, int]:
+    if d.grouped:  # a head range of a cache in groups starts at a group
+        if start % d.group:
+            raise KVLayoutError(f"{d.spec}: a head range from head {start} cuts a group of {d.group} heads; "
+                                "a cache in head groups moves whole groups")
+        ls, bs = _axis(d, GROUP)
+        return start // d.group * ls, start // d.group * bs
     ls, bs = _axis(d, "H")
     return start * ls, start * bs
 

@@ -20,17 +20,18 @@ from kvgen.tools.pd.request import Request, WorkerSide
 
 
 def side(text: str) -> WorkerSide:
-    """`LAYOUT:tp=2:N=16` (tp and N optional: 1 and 16)."""
+    """`LAYOUT:tp=2:N=16` (tp and N optional: 1 and 16), and for a cache in head groups `:g=2`
+    (heads per group, optional: 1)."""
     layout, *rest = text.split(":")
-    values = {"tp": 1, "N": 16}
+    values = {"tp": 1, "N": 16, "g": 1}
     for item in rest:
         key, _, value = item.partition("=")
         if key not in values or not value.isdigit() or int(value) <= 0:
-            raise argparse.ArgumentTypeError(f"expected LAYOUT:tp=T:N=B with positive integers, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected LAYOUT:tp=T:N=B[:g=G] with positive integers, got {text!r}")
         values[key] = int(value)
     if not layout:
         raise argparse.ArgumentTypeError(f"expected LAYOUT:tp=T:N=B, got {text!r}")
-    return WorkerSide(layout, values["tp"], values["N"])
+    return WorkerSide(layout, values["tp"], values["N"], values["g"])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,7 +57,9 @@ def main(args: argparse.Namespace) -> int:
     wrong = sum(r["wrong"] for r in rows)
     seconds, plain = sum(r["seconds"] for r in rows), sum(r["plain"] for r in rows)
     nbytes = sum(r["bytes"] for r in rows)
-    print(f"{req.src.layout} tp={req.src.tp} N={req.src.N} -> {req.dst.layout} tp={req.dst.tp} N={req.dst.N}, "
+    groups = [f" g={s.g}" if s.g > 1 else "" for s in (req.src, req.dst)]
+    print(f"{req.src.layout} tp={req.src.tp} N={req.src.N}{groups[0]} -> {req.dst.layout} tp={req.dst.tp} "
+          f"N={req.dst.N}{groups[1]}, "
           f"{req.tokens} tokens, L={req.layers} H={req.heads} C={req.head_size} {req.dtype}")
     for r in rows:
         print(f"  decode rank {r['rank']}: {r['strategy']} ({r['why']}); {r['count']} descriptors; "

@@ -14,6 +14,9 @@ class WorkerSide:
     layout: str
     tp: int
     N: int
+    #: Heads per group, for a cache that holds its heads in groups (SGLang's page_unified pool in
+    #: head groups: head_num / head_group_num); 1 elsewhere.
+    g: int = 1
 
 
 @dataclass(frozen=True)

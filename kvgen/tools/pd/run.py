@@ -17,19 +17,26 @@ import torch
 from kvgen import generated, remote, tp
 from kvgen.errors import KVGenError
 from kvgen.integrations import nixl
+from kvgen.remote.describe import PLACE, head_split
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.ops import bits
 from kvgen.tools.pd.request import PLAIN, Request, WorkerSide
 
 
 def _mla(layout: str) -> bool:
-    return not remote.layout_of(layout)[0].has("H")
+    paged = remote.layout_of(layout)[0]
+    return not paged.has("H") and head_split(paged) is None
+
+
+def _grouped(layout: str) -> bool:
+    return head_split(remote.layout_of(layout)[0]) is not None
 
 
 def extents(req: Request, s: WorkerSide) -> dict[str, int]:
     blocks = math.ceil(req.tokens / s.N) * 5 // 4 + 1  # room, so a block table is scattered
     heads = 1 if _mla(s.layout) else tp.local_heads(req.heads, s.tp)
-    return {"L": req.layers, "KV": 2, "H": heads, "C": req.head_size, "N": s.N, "B": blocks, "S": blocks * s.N}
+    ext = {"L": req.layers, "KV": 2, "H": heads, "C": req.head_size, "N": s.N, "B": blocks, "S": blocks * s.N}
+    return {**ext, PLACE: s.g} if _grouped(s.layout) else ext
 
 
 def caches(req: Request, s: WorkerSide, rank: int, fill: bool) -> Any:
@@ -229,6 +236,12 @@ def check(req: Request) -> Request:
     src, dst = replace(req.src, layout=generated.resolve(req.src.layout)), \
         replace(req.dst, layout=generated.resolve(req.dst.layout))
     generated.transfer(src.layout, dst.layout)  # the check's expected caches need it; names the partners
+    for s in (src, dst):
+        if not _grouped(s.layout) and s.g != 1:
+            raise KVGenError(f"{s.layout} does not hold its heads in groups: g= is for a cache that does")
+        if _grouped(s.layout) and tp.local_heads(req.heads, s.tp) % s.g:
+            raise KVGenError(f"{s.layout}: {tp.local_heads(req.heads, s.tp)} heads a rank (--heads {req.heads}, "
+                             f"tp={s.tp}) are not whole groups of g={s.g}")
     tp.plan(req.heads, src.tp, dst.tp, mla=_mla(src.layout))
     return replace(req, src=src, dst=dst)
 
