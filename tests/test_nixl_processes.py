@@ -71,5 +71,7 @@ def test_a_side_in_head_groups_names_its_group_size_checked_before_any_process_s
         pd_run.check(request("sglang_mha:g=2", "hicache_page_unified_grouped"))
     with pytest.raises(KVGenError, match=r"2 heads a rank \(--heads 4, tp=2\) are not whole groups of g=4"):
         pd_run.check(request("sglang_mha", "hicache_page_unified_grouped:tp=2:g=4"))
+    with pytest.raises(KVGenError, match="destination rank 0's head 0 of route 0 -> 0 cut its groups of 2 heads"):
+        pd_run.check(request("sglang_mha:tp=4", "hicache_page_unified_grouped:g=2"))
     ok = pd_run.check(request("sglang_mha", "hicache_page_unified_grouped:tp=2:g=2"))
     assert pd_run.extents(ok, ok.dst)["H%"] == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import random
+import re
 
 import pytest
 import torch
@@ -71,15 +72,34 @@ def test_head_groups_move_between_tp_sizes(pair: tuple[str, str], sizes: tuple[i
                 (rank, strategy)
 
 
-def test_a_read_that_cuts_a_head_group_is_refused_before_any_read() -> None:
-    """Two groups of two heads on one rank, read by four ranks of one head each: each read would
-    cut a group. Refused while planning (nothing posted, nothing written), naming why."""
-    case, s, d = _case("hicache_page_unified_grouped", "sglang_mha", "partial_minus1", 1, 4, 1, heads=4)
-    srcs, dst = case.caches()
-    sd, dd = case.describe(srcs, dst)
-    with pytest.raises(KVLayoutError, match=r"hicache_page_unified_grouped -> sglang_mha: a read of 1 heads is "
-                                            r"not whole groups of 2"):
-        remote.plan(sd, dd, torch.tensor(s), torch.tensor(d))
+@pytest.mark.parametrize("strategy", ["direct", "staged", None])
+@pytest.mark.parametrize(("src", "dst", "sizes", "said"), [
+    ("hicache_page_unified_grouped", "sglang_mha", (1, 4), "source rank 0's head 1 of route 0 -> 1"),
+    ("sglang_mha", "hicache_page_unified_grouped", (4, 2), "destination rank 1's head 0 of route 2 -> 1"),
+], ids=["grouped-source", "grouped-destination"])
+def test_a_read_that_cuts_a_head_group_is_refused_before_anything_is_allocated(
+        src: str, dst: str, sizes: tuple[int, int], said: str, strategy: str | None) -> None:
+    """Two groups of two heads on a rank, read by (or from) ranks of one head each: each read
+    would cut a group. Refused while planning whatever the strategy (a staged plan reads into
+    staging in the source's own layout, where no group is seen), naming the rank and its heads."""
+    case, s, d = _case(src, dst, "partial_minus1", *sizes, 1, heads=4)
+    srcs, dst_cache = case.caches()
+    sd, dd = case.describe(srcs, dst_cache)
+    with pytest.raises(KVLayoutError, match=re.escape(f"hicache_page_unified_grouped: {said} cut its groups of 2 "
+                                                      "heads; a cache in head groups moves whole groups")):
+        remote.plan(sd, dd, torch.tensor(s), torch.tensor(d), strategy=strategy)
+
+
+def test_a_cache_in_head_groups_is_made_with_its_group_size_and_fingerprinted_by_it() -> None:
+    ext = {"L": 2, "KV": 2, "H": 6, "C": 8, "B": 4, "N": 16, "S": 64}
+    with pytest.raises(KVLayoutError, match="its extents need 'H%', the heads of a group, dividing H=6"):
+        remote.empty("hicache_page_unified_grouped", {**ext, "H%": 4}, torch.float32)
+    with pytest.raises(KVLayoutError, match="dividing H=6 \\(got None\\)"):
+        remote.empty("hicache_page_unified_grouped", ext, torch.float32)
+    two, one = (remote.empty("hicache_page_unified_grouped", {**ext, "H%": g}, torch.float32) for g in (2, 1))
+    assert (two.shape[1], two.shape[5], one.shape[1], one.shape[5]) == (3, 2, 6, 1)
+    prints = {remote.describe(c, "hicache_page_unified_grouped", tp_rank=0, tp_size=1).fingerprint for c in (two, one)}
+    assert len(prints) == 2  # a stored object of groups of two is not read back as groups of one
 
 
 def test_two_caches_grouped_unlike_are_refused() -> None:

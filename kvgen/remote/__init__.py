@@ -13,10 +13,10 @@ plan and the strategies.
 
 from kvgen.remote.cost import Costs, costs
 from kvgen.remote.describe import CacheDescription, check_pair, describe, digest, empty, layout_of
-from kvgen.remote.plan import STRATEGIES, Plan, Read, Staging, plan
+from kvgen.remote.plan import STRATEGIES, Plan, Read, Staging, group_cut, plan
 from kvgen.remote.stamps import check_loads, check_stamp, stamp
 from kvgen.remote.state import StateDescription, check_state_pair, describe_state, plan_state
 
 __all__ = ["STRATEGIES", "Costs", "CacheDescription", "Plan", "Read", "Staging", "StateDescription", "check_loads",
            "check_pair", "check_stamp", "check_state_pair", "costs", "describe", "describe_state", "digest", "empty",
-           "layout_of", "plan", "plan_state", "stamp"]
+           "group_cut", "layout_of", "plan", "plan_state", "stamp"]

@@ -112,6 +112,8 @@ class CacheDescription:
                self.extent("C"), self.tp_size, self.num_kv_heads, self.version]
         if self.parts:
             key.append([(p.part, p.fingerprint) for p in self.parts])
+        if self.grouped:  # the heads of a group shape where each head lies
+            key.append([PLACE, self.group])
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
 
     def regions(self) -> list[tuple[int, int, int]]:
@@ -184,8 +186,12 @@ def digest(layout: PagedLayout) -> str:
 
 def empty(layout: str, ext: dict[str, int], dtype: torch.dtype) -> Any:
     """An uninitialized cache of `layout` with extents `ext` (L, KV, H, C, and B and N, or S for
-    a folded slot axis), as the engine would hand it over."""
+    a folded slot axis; for a layout in head groups also PLACE, the heads of a group, which
+    divides H), as the engine would hand it over."""
     paged, _ = layout_of(layout)
+    if head_split(paged) is not None and (ext.get(PLACE, 0) <= 0 or ext["H"] % ext[PLACE]):
+        raise KVLayoutError(f"{paged.name} holds its heads in groups: its extents need {PLACE!r}, the heads of a "
+                            f"group, dividing H={ext['H']} (got {ext.get(PLACE)})")
     sizes = {**ext, **_group_extents(paged, ext)}
     shape = [ext["S"] if dim == ("B", "N") else math.prod(sizes[a] for a in dim) for dim in paged.dims]
 

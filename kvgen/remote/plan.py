@@ -257,7 +257,25 @@ def _routes(sources: dict[int, CacheDescription], dst: CacheDescription) -> list
         raise KVLayoutError(f"destination rank {dst.tp_rank} of {dst.tp_size} reads from source ranks "
                             f"{sorted({r.src_rank for r in routes})} of {first.tp_size}; no description of "
                             f"rank(s) {missing} was given")
+    for r in routes:  # before any staging is allocated or any read is made, whatever the strategy
+        why = group_cut(r, (first.spec, dst.spec), (first.group, dst.group))
+        if why:
+            raise KVLayoutError(why)
     return routes
+
+
+def group_cut(route: tp.Route, specs: tuple[str, str], groups: tuple[int, int]) -> str | None:
+    """Why `route` cannot move between caches holding their heads in groups of groups[0] (source)
+    and groups[1] (destination) heads (1: whole heads): a range of heads that starts or ends
+    inside a group; None where every range is whole groups."""
+    for side, spec, rank, (start, stop), g in (("source", specs[0], route.src_rank, route.src_heads, groups[0]),
+                                               ("destination", specs[1], route.dst_rank, route.dst_heads, groups[1])):
+        if start % g or stop % g:
+            heads = f"head {start}" if stop - start == 1 else f"heads {start}..{stop - 1}"
+            return (f"{spec}: {side} rank {rank}'s {heads} of route {route.src_rank} -> "
+                    f"{route.dst_rank} cut its groups of {g} heads; a cache in head groups moves whole groups "
+                    "(choose TP sizes that give each rank whole groups of the routes' heads)")
+    return None
 
 
 def _moved_bytes(dst: CacheDescription, tokens: int, routes: list[tp.Route]) -> int:

@@ -68,10 +68,9 @@ def _dims(src: CacheDescription, dst: CacheDescription, count: int) -> list[RunD
     group = _group_size(src, dst)
     for axis in ("L", "KV", "H", "C"):
         if axis == "H" and (src.grouped or dst.grouped):
-            if count % group:
-                raise KVLayoutError(f"{src.spec} -> {dst.spec}: a read of {count} heads is not whole groups of "
-                                    f"{group}; a cache in head groups moves whole groups (TP sizes whose ranks "
-                                    "hold whole groups on both sides)")
+            if count % group:  # plan() refuses such routes first (group_cut); a direct caller of layout()
+                raise KVLayoutError(f"{src.spec} -> {dst.spec}: a read of {count} head(s) is not whole groups "
+                                    f"of {group}; a cache in head groups moves whole groups")
             (s_group, s_head), (d_group, d_head) = _head_axes(src, group), _head_axes(dst, group)
             out += [RunDim(n, a, b) for n, a, b in ((count // group, s_group, d_group), (group, s_head, d_head))
                     if n > 1]

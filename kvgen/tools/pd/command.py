@@ -30,7 +30,7 @@ def side(text: str) -> WorkerSide:
             raise argparse.ArgumentTypeError(f"expected LAYOUT:tp=T:N=B[:g=G] with positive integers, got {text!r}")
         values[key] = int(value)
     if not layout:
-        raise argparse.ArgumentTypeError(f"expected LAYOUT:tp=T:N=B, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected LAYOUT:tp=T:N=B[:g=G], got {text!r}")
     return WorkerSide(layout, values["tp"], values["N"], values["g"])
 
 

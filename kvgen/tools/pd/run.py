@@ -18,6 +18,7 @@ from kvgen import generated, remote, tp
 from kvgen.errors import KVGenError
 from kvgen.integrations import nixl
 from kvgen.remote.describe import PLACE, head_split
+from kvgen.remote.plan import group_cut
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.ops import bits
 from kvgen.tools.pd.request import PLAIN, Request, WorkerSide
@@ -242,7 +243,10 @@ def check(req: Request) -> Request:
         if _grouped(s.layout) and tp.local_heads(req.heads, s.tp) % s.g:
             raise KVGenError(f"{s.layout}: {tp.local_heads(req.heads, s.tp)} heads a rank (--heads {req.heads}, "
                              f"tp={s.tp}) are not whole groups of g={s.g}")
-    tp.plan(req.heads, src.tp, dst.tp, mla=_mla(src.layout))
+    for route in tp.plan(req.heads, src.tp, dst.tp, mla=_mla(src.layout)):
+        why = group_cut(route, (src.layout, dst.layout), (src.g, dst.g))
+        if why:
+            raise KVGenError(why)
     return replace(req, src=src, dst=dst)
 
 
