@@ -276,11 +276,12 @@ def _group_extents(paged: PagedLayout, ext: dict[str, int]) -> dict[str, int]:
     return {split[0]: ext["H"] // ext[PLACE], split[1]: ext[PLACE]}
 
 
-def _described_groups(cls: Any, caches: Any, g: Geometry, ranks: tuple[int, int, int, int]) -> CacheDescription:
-    """describe() of a one-tree cache in head groups ([B, H/g, L, KV, N, H%g, C]): each axis's
-    byte stride read from the dim that holds it, H as GROUP and PLACE."""
+def _described_groups(cls: Any, caches: Any, g: Geometry, split: tuple[str, str],
+                      ranks: tuple[int, int, int, int]) -> CacheDescription:
+    """describe() of a one-tree cache in head groups ([B, H/g, L, KV, N, H%g, C], `split` its
+    head_split): each axis's byte stride read from the dim that holds it, H as GROUP and PLACE."""
     paged = cls.layout
-    tile, place = head_split(paged)  # type: ignore[misc]
+    tile, place = split
     dims = paged.parts[0][1]
     odd = {a for d in dims for a in d} - PLANNABLE - {"L", tile, place}
     if odd:
@@ -312,8 +313,9 @@ def _described_parts(cls: Any, caches: Any, ranks: tuple[int, int, int], num_kv_
         raise KVLayoutError(f"{paged.name}: its parts hold typed fields ({', '.join(p.name for p in g.planes)}); "
                             "remote transfers plan parts of whole values, not fields inside a part")
     heads = num_kv_heads if num_kv_heads is not None else g.H * ranks[1]
-    if len(paged.parts) == 1 and head_split(paged) is not None:
-        return _described_groups(cls, caches, g, (*ranks, heads))
+    split = head_split(paged)
+    if len(paged.parts) == 1 and split is not None:
+        return _described_groups(cls, caches, g, split, (*ranks, heads))
     parts = tuple(_described_part(cls, caches, g, k, (*ranks, heads)) for k in range(len(paged.parts)))
     return replace(parts[0], leaves=tuple(t.data_ptr() for t in leaves(caches)), parts=parts, part="")
 

@@ -68,7 +68,7 @@ def _dims(src: CacheDescription, dst: CacheDescription, count: int) -> list[RunD
     group = _group_size(src, dst)
     for axis in ("L", "KV", "H", "C"):
         if axis == "H" and (src.grouped or dst.grouped):
-            if count % group:  # plan() refuses such routes first (group_cut); a direct caller of layout()
+            if count % group:  # plan() refuses such routes first (group_cut); this guards a call of layout()
                 raise KVLayoutError(f"{src.spec} -> {dst.spec}: a read of {count} head(s) is not whole groups "
                                     f"of {group}; a cache in head groups moves whole groups")
             (s_group, s_head), (d_group, d_head) = _head_axes(src, group), _head_axes(dst, group)
