@@ -189,7 +189,7 @@ def empty(layout: str, ext: dict[str, int], dtype: torch.dtype) -> Any:
     a folded slot axis; for a layout in head groups also PLACE, the heads of a group, which
     divides H), as the engine would hand it over."""
     paged, _ = layout_of(layout)
-    if head_split(paged) is not None and (ext.get(PLACE, 0) <= 0 or ext["H"] % ext[PLACE]):
+    if paged.head_split is not None and (ext.get(PLACE, 0) <= 0 or ext["H"] % ext[PLACE]):
         raise KVLayoutError(f"{paged.name} holds its heads in groups: its extents need {PLACE!r}, the heads of a "
                             f"group, dividing H={ext['H']} (got {ext.get(PLACE)})")
     sizes = {**ext, **_group_extents(paged, ext)}
@@ -238,39 +238,41 @@ def describe(caches: Any, layout: str, *, tp_rank: int, tp_size: int, device_id:
     if paged.parts:
         return _described_parts(cls, caches, (tp_rank, tp_size, device_id), num_kv_heads)
     g: Geometry = read_geometry(caches)
+    mla = not paged.has("H")
+    heads = 1 if mla else (num_kv_heads if num_kv_heads is not None else g.H * tp_size)
+    return _described_tree(paged, caches, g, places, (tp_rank, tp_size, device_id, heads))
+
+
+def _described_tree(paged: PagedLayout, caches: Any, g: Geometry, places: tuple[Any, ...],
+                    ranks: tuple[int, int, int, int]) -> CacheDescription:
+    """A cache of one tree of leaves alike in strides: each axis's byte stride at its place and
+    each list level's step; where it holds its heads in groups, H as GROUP and PLACE."""
     tensors = leaves(caches)
     first = tensors[0]
     if any(t.stride() != first.stride() for t in tensors[1:]):
         raise KVLayoutError(f"{paged.name}: every cache tensor must have the same strides to be described")
-    ext = g.extents()
+    split = paged.head_split
+    ext = {**g.extents(), **({split[0]: g.H // g.head_group} if split else {})}
     strides = native_mover.strides(places, first, ext)
-    mla = not paged.has("H")
-    heads = 1 if mla else (num_kv_heads if num_kv_heads is not None else g.H * tp_size)
-    extents = (("L", g.L), ("KV", g.KV), ("H", g.H), ("C", g.C), ("S", g.S), ("N", g.N or 0))
-    return CacheDescription(paged.name, digest(paged), str(g.dtype).removeprefix("torch."), extents,
-                            tuple(t.data_ptr() for t in tensors), _span(first),
-                            tuple(sorted(strides.items())), tuple(sorted(_list_steps(paged.lists, ext).items())),
-                            tp_rank, tp_size, heads, device_id)
+    extents = [("L", g.L), ("KV", g.KV), ("H", g.H), ("C", g.C), ("S", g.S), ("N", g.N or 0)]
+    if split:
+        strides[GROUP], strides[PLACE] = strides.pop(split[0]), strides.pop(split[1])
+        extents.append((PLACE, g.head_group))
+    tp_rank, tp_size, device_id, heads = ranks
+    return CacheDescription(paged.name, digest(paged), str(first.dtype).removeprefix("torch."), tuple(extents),
+                            tuple(t.data_ptr() for t in tensors), _span(first), tuple(sorted(strides.items())),
+                            tuple(sorted(_list_steps(paged.lists, ext).items())), tp_rank, tp_size, heads,
+                            device_id)
 
 
 #: The axes a part's dims may hold for its runs to be planned: whole axes, none split or tiled
-#: (but H in groups of a size read from the tensors, head_split).
+#: (but H in groups of a size read from the tensors, PagedLayout.head_split).
 PLANNABLE = frozenset({"S", "B", "N", "H", "KV", "C"})
-
-
-def head_split(paged: PagedLayout) -> tuple[str, str] | None:
-    """(tile, place) where a one-tree cache splits H by a factor read from its tensors (`H/g`
-    with `H%g`); None otherwise (a literal factor is fixed where code is generated: no group)."""
-    axes = {a for dims in (paged.dims, *(p[1] for p in paged.parts)) for d in dims for a in d}
-    tile = next((a for a in sorted(axes) if a.startswith("H/") and not a[2:].isdigit()), None)
-    if tile is None or f"H%{tile[2:]}" not in axes:
-        return None
-    return tile, f"H%{tile[2:]}"
 
 
 def _group_extents(paged: PagedLayout, ext: dict[str, int]) -> dict[str, int]:
     """The extents of a grouped cache's tile and place, from H and the description's PLACE."""
-    split = head_split(paged)
+    split = paged.head_split
     if split is None:
         return {}
     return {split[0]: ext["H"] // ext[PLACE], split[1]: ext[PLACE]}
@@ -279,7 +281,7 @@ def _group_extents(paged: PagedLayout, ext: dict[str, int]) -> dict[str, int]:
 def _described_groups(cls: Any, caches: Any, g: Geometry, split: tuple[str, str],
                       ranks: tuple[int, int, int, int]) -> CacheDescription:
     """describe() of a one-tree cache in head groups ([B, H/g, L, KV, N, H%g, C], `split` its
-    head_split): each axis's byte stride read from the dim that holds it, H as GROUP and PLACE."""
+    head_split): each axis at the dim that holds it (its plane program reaches L as layer slices)."""
     paged = cls.layout
     tile, place = split
     dims = paged.parts[0][1]
@@ -287,21 +289,8 @@ def _described_groups(cls: Any, caches: Any, g: Geometry, split: tuple[str, str]
     if odd:
         raise KVLayoutError(f"{paged.name}: its tree splits or tiles axes ({', '.join(sorted(odd))}) over its "
                             "dims; remote transfers plan dims that each hold whole axes or heads in groups")
-    tensors = leaves(caches)
-    first = tensors[0]
-    if any(t.stride() != first.stride() for t in tensors[1:]):
-        raise KVLayoutError(f"{paged.name}: every cache tensor must have the same strides to be described")
-    ext = {**g.extents(), tile: g.H // g.head_group}
     places = tuple((a, i, d[j + 1:]) for i, d in enumerate(dims) for j, a in enumerate(d))
-    strides = native_mover.strides(places, first, ext)
-    strides[GROUP], strides[PLACE] = strides.pop(tile), strides.pop(place)
-    tp_rank, tp_size, device_id, heads = ranks
-    extents = (("L", g.L), ("KV", g.KV), ("H", g.H), ("C", g.C), ("S", g.S), ("N", g.N or 0),
-               (PLACE, g.head_group))
-    return CacheDescription(paged.name, digest(paged), str(first.dtype).removeprefix("torch."), extents,
-                            tuple(t.data_ptr() for t in tensors), _span(first), tuple(sorted(strides.items())),
-                            tuple(sorted(_list_steps(paged.lists, ext).items())), tp_rank, tp_size, heads,
-                            device_id)
+    return _described_tree(paged, caches, g, places, ranks)
 
 
 def _described_parts(cls: Any, caches: Any, ranks: tuple[int, int, int], num_kv_heads: int | None) -> CacheDescription:
@@ -313,7 +302,7 @@ def _described_parts(cls: Any, caches: Any, ranks: tuple[int, int, int], num_kv_
         raise KVLayoutError(f"{paged.name}: its parts hold typed fields ({', '.join(p.name for p in g.planes)}); "
                             "remote transfers plan parts of whole values, not fields inside a part")
     heads = num_kv_heads if num_kv_heads is not None else g.H * ranks[1]
-    split = head_split(paged)
+    split = paged.head_split
     if len(paged.parts) == 1 and split is not None:
         return _described_groups(cls, caches, g, split, (*ranks, heads))
     parts = tuple(_described_part(cls, caches, g, k, (*ranks, heads)) for k in range(len(paged.parts)))
@@ -390,4 +379,4 @@ def check_pair(src: CacheDescription, dst: CacheDescription) -> None:
                             f"destination {dst}")
 
 
-__all__ = ["GROUP", "PLACE", "CacheDescription", "check_pair", "describe", "digest", "empty", "head_split", "layout_of"]
+__all__ = ["GROUP", "PLACE", "CacheDescription", "check_pair", "describe", "digest", "empty", "layout_of"]

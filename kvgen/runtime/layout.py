@@ -5,7 +5,7 @@ Reading and checking happen once per registered cache, never per token.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -103,6 +103,11 @@ class PagedLayout:
     def has(self, axis: str) -> bool:
         return axis in self.lists or any(axis in d for d in self.dims)
 
+    @property
+    def head_split(self) -> tuple[str, str] | None:
+        """(tile, place) where the layout splits H into groups of a size read from its tensors."""
+        return head_split(self.dims)
+
 
 @dataclass(frozen=True)
 class ObjectLayout:
@@ -122,6 +127,17 @@ class ObjectLayout:
             return f"{outer} bytes, per layer each plane as a region {region}"
         text = format_layout(self.lists, self.dims, ext)
         return f"{text} (C: each token's planes, one after another)" if self.pack == "rows" else text
+
+
+def head_split(dims: Iterable[Sequence[str]]) -> tuple[str, str] | None:
+    """(tile, place) where `dims` split H by a factor read from the tensor (`H/g` with `H%g`,
+    SGLang's page_unified head groups); None otherwise (a literal factor is a tiling fixed where
+    code is generated, not a head group)."""
+    axes = {a for d in dims for a in d}
+    tile = next((a for a in sorted(axes) if a.startswith("H/") and not a[2:].isdigit()), None)
+    if tile is None or f"H%{tile[2:]}" not in axes:
+        return None
+    return tile, f"H%{tile[2:]}"
 
 
 def describe(value: Any, depth: int = 0) -> str:

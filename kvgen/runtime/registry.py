@@ -13,6 +13,7 @@ from typing import Any
 
 from kvgen.errors import KVLayoutError
 from kvgen.names import Named, resolve
+from kvgen.runtime.layout import head_split
 from kvgen.runtime.memory import format_name
 
 #: Device types every generated connector runs on (through kvgen.runtime's backends).
@@ -104,8 +105,7 @@ class Registry:
                         f"{'per head' if 'H' in axes else 'without heads'}")
 
             return f"{src} holds {words(content[src])} but {dst} holds {words(content[dst])}"
-        groups = [sorted(a for dim in self.layouts[name]["dims"] for a in dim if _whole(a) == "H" != a)
-                  for name in (src, dst)]
+        groups = [head_split(self.layouts[name]["dims"]) for name in (src, dst)]
         if groups[0] and groups[1] and groups[0] != groups[1]:
             return (f"{src} splits H as {', '.join(groups[0])} and {dst} as {', '.join(groups[1])}: a transfer "
                     "between two caches of head groups needs the same split")
@@ -138,9 +138,8 @@ def _side_blocker(name: str, facts: dict[str, Any]) -> str | None:
 def _head_groups_only(facts: dict[str, Any]) -> bool:
     """A one-tree layout whose split axes all split H by a factor read from the tensor (`H/g`,
     `H%g`; a tree with split axes has no fields), which transfers move."""
-    split = [a for dim in facts["dims"] for a in dim if _whole(a) != a]
-    return (facts["parts"] == ("",) and bool(split)
-            and all(_whole(a) == "H" and not a[2:].isdigit() for a in split))
+    split = {a for dim in facts["dims"] for a in dim if _whole(a) != a}
+    return facts["parts"] == ("",) and bool(split) and split == set(head_split(facts["dims"]) or ())
 
 
 def _whole(axis: str) -> str:

@@ -17,7 +17,7 @@ import torch
 from kvgen import generated, remote, tp
 from kvgen.errors import KVGenError
 from kvgen.integrations import nixl
-from kvgen.remote.describe import PLACE, head_split
+from kvgen.remote.describe import PLACE
 from kvgen.remote.plan import group_cut
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.ops import bits
@@ -26,11 +26,11 @@ from kvgen.tools.pd.request import PLAIN, Request, WorkerSide
 
 def _mla(layout: str) -> bool:
     paged = remote.layout_of(layout)[0]
-    return not paged.has("H") and head_split(paged) is None
+    return not paged.has("H") and paged.head_split is None
 
 
 def _grouped(layout: str) -> bool:
-    return head_split(remote.layout_of(layout)[0]) is not None
+    return remote.layout_of(layout)[0].head_split is not None
 
 
 def extents(req: Request, s: WorkerSide) -> dict[str, int]:
