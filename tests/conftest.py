@@ -6,9 +6,13 @@ present. A device that is asked for but absent is skipped, never silently replac
 Tests marked `serial` measure time, count threads or start CPU-heavy neighbours: a test
 running beside them on another worker would change what they see. `scripts/dev test` runs
 the others in parallel (pytest-xdist) and then these alone. Under a plain `pytest -n N`
-they are kept on one worker, one after another (an xdist group, `--dist loadgroup`). A
-file whose module fixture is costly (a build, a subprocess) names an xdist group of its own,
-so one worker makes that fixture once.
+they are kept on one worker, one after another (an xdist group, `--dist loadgroup`).
+
+Under xdist a worker is handed whole test modules (or a whole xdist group, where tests of
+several modules share a costly import), so that every module fixture (a build, NIXL agents,
+a rendered library) is made once, and the controller sends one message per module instead
+of one per test; modules marked `slow` go first, then the others largest first, so that no
+long module is left for the end while the other worker idles.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # workers parse the command line afresh, so the controller tells them (workerinput).
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", None) == "load":
         config.option.dist = "loadgroup"
+        config.option.loadscopereorder = False  # the workers put the scopes in order (in_dispatch_order)
     if getattr(config, "workerinput", {}).get("kvgen_loadgroup"):
         config.option.loadgroup = True
 
@@ -53,6 +58,22 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest without xdist never calls it
 def pytest_configure_node(node: Any) -> None:
     node.workerinput["kvgen_loadgroup"] = node.config.option.dist == "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest without xdist never calls it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`loadgroup` with a module as the scope of every test outside a group (xdist's own makes
+    each such test a scope of its own)."""
+    if config.option.dist != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class ModuleScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            group = super()._split_scope(nodeid)
+            return group if group != nodeid else nodeid.split("::", 1)[0]
+
+    return ModuleScheduling(config, log)
 
 
 def one_thread_per_worker() -> None:
@@ -106,6 +127,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("serial") is not None:
             item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items[:] = in_dispatch_order(items)
+
+
+def _scope(item: pytest.Item) -> str:
+    """What one worker runs whole (ModuleScheduling): the test's xdist group, else its module."""
+    group = item.get_closest_marker("xdist_group")
+    if group is not None:
+        return str(group.kwargs.get("name", group.args[0] if group.args else "default"))
+    return item.nodeid.split("::", 1)[0]
+
+
+def in_dispatch_order(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The items scope by scope, in the order the controller hands the scopes out: scopes with a
+    `slow` test first (a few tests of seconds each: processes, builds, an engine's import), then
+    the others by their number of tests, largest first; within a scope, the collection order.
+    Every worker computes the same order from the same collection, as xdist requires."""
+    tests: dict[str, int] = {}
+    slow: set[str] = set()
+    for item in items:
+        scope = _scope(item)
+        tests[scope] = tests.get(scope, 0) + 1
+        if item.get_closest_marker("slow") is not None:
+            slow.add(scope)
+    first_seen = {scope: i for i, scope in enumerate(tests)}
+    rank = {scope: (scope not in slow, -n, first_seen[scope]) for scope, n in tests.items()}
+    return sorted(items, key=lambda item: rank[_scope(item)])
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -32,9 +32,8 @@ from kvgen.errors import BuildError
 from kvgen.spec.library import BUILTIN_SPECS, REPO_ROOT
 
 # The kills that assert where they land are placed, not timed, and the lock tests wait on the
-# lock, not on a clock, so this file runs beside others; on one worker, which renders the
-# library once for all its tests (conftest.py).
-pytestmark = pytest.mark.xdist_group("build_kill")
+# lock, not on a clock, so this file runs beside others.
+pytestmark = pytest.mark.slow
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -57,7 +56,8 @@ def extra_specs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def outputs(extra_specs: Path) -> dict[str, dict[str, str]]:
-    """Two different complete outputs: the built-in library (A) and one with an extra layout (B)."""
+    """Two different complete outputs: the built-in library (A) and one with an extra layout (B), for
+    the tests whose output must be the library's: `kvgen check` and the CLI's concurrent builds."""
     a, b = render(), render([extra_specs])
     assert set(a) < set(b) and a["__init__.py"] != b["__init__.py"]
     return {"A": a, "B": b}
@@ -67,7 +67,7 @@ def outputs(extra_specs: Path) -> dict[str, dict[str, str]]:
 def small_outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
     """Two different complete outputs of a small library (a few files, so that a write takes
     milliseconds and the kill tests can kill dozens): one layout and LMCache's object (A), and one
-    more layout (B)."""
+    more layout (B); every test of the write's own steps (lock, exchange, fallback, recovery) uses these."""
     outs = {}
     for which, names in (("A", ("vllm/flash_attn_nhd", "lmcache/kv_2ltd")),
                          ("B", ("vllm/flash_attn_nhd", "vllm/flash_attn_hnd", "lmcache/kv_2ltd"))):
@@ -99,8 +99,9 @@ def backups_of(out: Path) -> list[Path]:
     return [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.old-")]
 
 
-def import_package(folder: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
-    """Import `folder` as a package under a fresh name, every module, and make a connector."""
+def import_package(folder: Path, monkeypatch: pytest.MonkeyPatch, layout: str, skip: Snapshot | None = None) -> None:
+    """Import `folder` as a package under a fresh name, every module (but those byte for byte
+    in `skip`), and make a connector."""
     package = f"kvgen_kill_{next(_PACKAGES)}"
     root = folder.parent / f"importroot_{package}"
     shutil.copytree(folder, root / package)
@@ -108,8 +109,10 @@ def import_package(folder: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -
     try:
         pkg = importlib.import_module(package)
         for path in sorted((root / package).glob("*.py")):
+            if path.name == "__init__.py" or (skip and skip.get(path.name) == path.read_bytes()):
+                continue
             # kernel modules import triton, an optional extra
-            if path.name != "__init__.py" and (HAVE_TRITON or not path.stem.endswith("_triton")):
+            if HAVE_TRITON or not path.stem.endswith("_triton"):
                 importlib.import_module(f"{package}.{path.stem}")
         assert pkg.connector(layout, "kv_2ltd", "cpu").layout.name == layout
     finally:
@@ -311,12 +314,15 @@ def in_order(left: list[str]) -> bool:
 def test_both_outputs_import(outputs: dict[str, dict[str, str]], small_outputs: dict[str, dict[str, str]],
                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The outputs the kill and lock tests compare against are complete, importable packages, so
-    a folder equal to one of them byte for byte is too."""
-    for which, files, layout in (("A", outputs["A"], "vllm_flash_attn_nhd"), ("B", outputs["B"], "my_layout"),
-                                 ("small_A", small_outputs["A"], "vllm_flash_attn_nhd"),
-                                 ("small_B", small_outputs["B"], "vllm_flash_attn_hnd")):
+    a folder equal to one of them byte for byte is too. (The library's modules that equal the
+    committed generated/ are left out: the rest of the suite imports those.)"""
+    committed = {p.name: p.read_bytes() for p in (REPO_ROOT / "generated").glob("*.py")}
+    for which, files, layout, skip in (("A", outputs["A"], "vllm_flash_attn_nhd", committed),
+                                       ("B", outputs["B"], "my_layout", committed),
+                                       ("small_A", small_outputs["A"], "vllm_flash_attn_nhd", None),
+                                       ("small_B", small_outputs["B"], "vllm_flash_attn_hnd", None)):
         write_atomically(tmp_path / which, files)
-        import_package(tmp_path / which, monkeypatch, layout)
+        import_package(tmp_path / which, monkeypatch, layout, skip)
 
 
 def test_sigkill_at_any_point_leaves_old_or_new_output(small_outputs: dict[str, dict[str, str]],
@@ -350,9 +356,9 @@ def test_concurrent_cli_builds_take_turns(outputs: dict[str, dict[str, str]], ex
     assert leftovers(tmp_path, "generated") == []
 
 
-def test_second_build_waits_for_the_lock(outputs: dict[str, dict[str, str]], tmp_path: Path) -> None:
+def test_second_build_waits_for_the_lock(small_outputs: dict[str, dict[str, str]], tmp_path: Path) -> None:
     out = tmp_path / "generated"
-    write_atomically(out, outputs["A"])
+    write_atomically(out, small_outputs["A"])
     lock = tmp_path / ".generated.lock"
     fd = os.open(lock, os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)
@@ -362,7 +368,7 @@ def test_second_build_waits_for_the_lock(outputs: dict[str, dict[str, str]], tmp
 
         def other() -> None:
             try:
-                write_atomically(out, outputs["B"])
+                write_atomically(out, small_outputs["B"])
             except BaseException as exc:  # pragma: no cover - reported below
                 errors.append(exc)
             done.set()
@@ -371,18 +377,18 @@ def test_second_build_waits_for_the_lock(outputs: dict[str, dict[str, str]], tmp
         thread.start()
         time.sleep(0.3)
         assert not done.is_set(), "a build ran while another held the lock"
-        assert snapshot(out) == encoded(outputs["A"])
+        assert snapshot(out) == encoded(small_outputs["A"])
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".generated.new-")] == []
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
     thread.join(timeout=30)
     assert done.is_set() and not errors, errors
-    assert snapshot(out) == encoded(outputs["B"])
+    assert snapshot(out) == encoded(small_outputs["B"])
     assert leftovers(tmp_path, "generated") == []
 
 
-def test_lock_file_lives_beside_out_and_is_removed(outputs: dict[str, dict[str, str]], tmp_path: Path,
+def test_lock_file_lives_beside_out_and_is_removed(small_outputs: dict[str, dict[str, str]], tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "generated"
     seen: list[list[str]] = []
@@ -394,10 +400,10 @@ def test_lock_file_lives_beside_out_and_is_removed(outputs: dict[str, dict[str, 
         return real(staging, target)
 
     monkeypatch.setattr(kbuild, "_swap", spy)
-    write_atomically(out, outputs["A"])
-    write_atomically(out, outputs["A"])
+    write_atomically(out, small_outputs["A"])
+    write_atomically(out, small_outputs["A"])
     assert [n for n in seen[0] if not n.startswith(".generated.new-")] == [".generated.lock"]
-    assert sorted(p.name for p in out.iterdir()) == sorted(outputs["A"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(small_outputs["A"])
     assert leftovers(tmp_path, "generated") == []
 
 
@@ -431,15 +437,15 @@ def test_check_and_build_restore_a_backup_left_by_a_kill(outputs: dict[str, dict
     assert leftovers(tmp_path, "generated") == []
 
 
-def test_recover_drops_backup_when_the_new_output_is_in_place(outputs: dict[str, dict[str, str]],
+def test_recover_drops_backup_when_the_new_output_is_in_place(small_outputs: dict[str, dict[str, str]],
                                                               tmp_path: Path) -> None:
     out = tmp_path / "generated"
-    backup = killed_between_renames(out, outputs["A"])
-    write_atomically(tmp_path / "scratch", outputs["B"])
+    backup = killed_between_renames(out, small_outputs["A"])
+    write_atomically(tmp_path / "scratch", small_outputs["B"])
     os.rename(tmp_path / "scratch", out)  # killed after the second rename, before the clean-up
     shutil.copytree(out, backup.with_name(".generated.old-0000000000000000000-1"))
     recover(out)
-    assert snapshot(out) == encoded(outputs["B"])
+    assert snapshot(out) == encoded(small_outputs["B"])
     assert leftovers(tmp_path, "generated") == []
 
 
@@ -448,12 +454,12 @@ def no_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("mode", ["exchange", "fallback"])
-def test_failed_second_rename_keeps_previous_output(mode: str, outputs: dict[str, dict[str, str]], tmp_path: Path,
+def test_failed_second_rename_keeps_previous_output(mode: str, small_outputs: dict[str, dict[str, str]], tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """An OSError while moving the new output in (not a kill) leaves the old output, a
     BuildError and no debris."""
     out = tmp_path / "generated"
-    write_atomically(out, outputs["A"])
+    write_atomically(out, small_outputs["A"])
     if mode == "fallback":
         no_exchange(monkeypatch)
     real_rename = os.rename
@@ -469,21 +475,21 @@ def test_failed_second_rename_keeps_previous_output(mode: str, outputs: dict[str
     monkeypatch.setattr(kbuild.os, "rename", flaky)
     monkeypatch.setattr(kbuild, "_renameat2", lambda: refused)
     with pytest.raises(BuildError, match="cross-device"):
-        write_atomically(out, outputs["B"])
+        write_atomically(out, small_outputs["B"])
     monkeypatch.undo()
-    assert snapshot(out) == encoded(outputs["A"])
+    assert snapshot(out) == encoded(small_outputs["A"])
     assert leftovers(tmp_path, "generated") == []
 
 
 @pytest.mark.parametrize("code", ["EINVAL", "ENOSYS", "missing"])
-def test_exchange_refused_falls_back(code: str, outputs: dict[str, dict[str, str]], tmp_path: Path,
+def test_exchange_refused_falls_back(code: str, small_outputs: dict[str, dict[str, str]], tmp_path: Path,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A filesystem that refuses RENAME_EXCHANGE (EINVAL), a kernel without renameat2 (ENOSYS)
     or no way to call it: the build still replaces the output, through the fallback."""
     import errno
 
     out = tmp_path / "generated"
-    write_atomically(out, outputs["A"])
+    write_atomically(out, small_outputs["A"])
     calls: list[bytes] = []
 
     def refusing(a: bytes, b: bytes, flags: int) -> int:
@@ -491,8 +497,8 @@ def test_exchange_refused_falls_back(code: str, outputs: dict[str, dict[str, str
         return getattr(errno, code)
 
     monkeypatch.setattr(kbuild, "_renameat2", lambda: None if code == "missing" else refusing)
-    write_atomically(out, outputs["B"])
-    assert snapshot(out) == encoded(outputs["B"])
+    write_atomically(out, small_outputs["B"])
+    assert snapshot(out) == encoded(small_outputs["B"])
     assert leftovers(tmp_path, "generated") == []
     assert len(calls) == (0 if code == "missing" else 1)
 
@@ -512,11 +518,11 @@ def test_exchange_through_raw_syscall(tmp_path: Path, monkeypatch: pytest.Monkey
     assert [p.name for p in first.iterdir()] == ["two"] and [p.name for p in second.iterdir()] == ["one"]
 
 
-def test_out_that_is_a_file_is_refused(outputs: dict[str, dict[str, str]], tmp_path: Path) -> None:
+def test_out_that_is_a_file_is_refused(small_outputs: dict[str, dict[str, str]], tmp_path: Path) -> None:
     out = tmp_path / "generated"
     out.write_text("not a folder")
     with pytest.raises(BuildError, match="not a folder"):
-        write_atomically(out, outputs["A"])
+        write_atomically(out, small_outputs["A"])
     assert out.read_text() == "not a folder"
     assert leftovers(tmp_path, "generated") == []
 

@@ -12,8 +12,7 @@ import pytest
 from kvgen.tools.cli import main
 
 # Heads outermost, K/V packed inside each head's content: a layout not in the library.
-# Under pytest-xdist one worker runs this file, so the package `built` writes is made once (conftest.py).
-pytestmark = pytest.mark.xdist_group("cli_user_specs")
+pytestmark = pytest.mark.slow
 
 GOOD = """\
 kvgen: 1

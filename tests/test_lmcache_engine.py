@@ -18,8 +18,7 @@ from harness import need_lmcache
 
 need_lmcache()
 
-# Under pytest-xdist one worker runs this file, so the engine subprocess is made once (conftest.py).
-pytestmark = pytest.mark.xdist_group("lmcache_engine")
+pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).with_name("lmcache_engine.py")
 from kvgen.oracle.facts.vllm import KV_CACHE_LAYOUTS  # noqa: E402

@@ -25,9 +25,6 @@ from kvgen.runtime.model import connector as runtime_model
 from kvgen.spec.library import load_library
 from kvgen.spec.model import Pack
 
-# Under pytest-xdist one worker runs this file, so the toy models `toys` builds is made once (conftest.py).
-pytestmark = pytest.mark.xdist_group("model_connectors")
-
 LIBRARY = builtin_library()
 GROUPS_OBJECTS = [o.name for o in LIBRARY.objects if o.pack is Pack.GROUPS]
 #: A short chunk with per-group holes, for every built-in model (the reference is slow on real geometry).

@@ -17,7 +17,7 @@ from kvgen.tools.pd import run as pd_run
 from kvgen.tools.pd.request import Request, WorkerSide
 from tests.remote_harness import LIBRARY
 
-pytestmark = pytest.mark.skipif(nixl.unavailable() is not None, reason=str(nixl.unavailable()))
+pytestmark = [pytest.mark.skipif(nixl.unavailable() is not None, reason=str(nixl.unavailable())), pytest.mark.slow]
 
 
 def test_two_processes_move_a_request_between_layouts_tp_and_block_sizes() -> None:

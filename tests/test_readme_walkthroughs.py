@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # eight processes, one after another
+
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("## Adding a layout", "## A cache with scales", "## A quantized cache", "## A hybrid model")
 
