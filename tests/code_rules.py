@@ -214,12 +214,22 @@ def import_sites(path: Path) -> list[ImportSite]:
     return sites
 
 
-SITES = [s for p in SOURCES for s in import_sites(p)]
-_TOP_LEVEL: dict[str, list[str]] = {}
-for _site in [*SITES, *import_sites(GENERATED)]:
-    if _site.function is None and not _site.typing_only:
-        name = "kvgen.generated" if _site.path == GENERATED else module_name(_site.path)
-        _TOP_LEVEL.setdefault(name, []).append(_site.target)
+@functools.cache
+def sites() -> tuple[ImportSite, ...]:
+    """Every import in the package, parsed when a rule first asks (not when a test module is
+    collected: every pytest worker collects every module)."""
+    return tuple(s for p in SOURCES for s in import_sites(p))
+
+
+@functools.cache
+def _top_level() -> dict[str, list[str]]:
+    """Each module's module-level imports (kvgen.generated's too), by module name."""
+    found: dict[str, list[str]] = {}
+    for site in [*sites(), *import_sites(GENERATED)]:
+        if site.function is None and not site.typing_only:
+            name = "kvgen.generated" if site.path == GENERATED else module_name(site.path)
+            found.setdefault(name, []).append(site.target)
+    return found
 
 
 def parents(module: str) -> list[str]:
@@ -237,7 +247,7 @@ def loads_at_import(module: str) -> set[str]:
         if m in seen:
             continue
         seen.add(m)
-        todo += parents(m) + _TOP_LEVEL.get(m, [])
+        todo += parents(m) + _top_level().get(m, [])
     return seen
 
 

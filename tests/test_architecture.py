@@ -27,7 +27,6 @@ import pytest
 from code_rules import (
     MODULES,
     PACKAGE,
-    SITES,
     SOURCES,
     ImportSite,
     classes,
@@ -37,6 +36,7 @@ from code_rules import (
     loads_at_import,
     module_name,
     parameters,
+    sites,
     source_tree,
     third_party,
 )
@@ -329,7 +329,7 @@ MAX_PARAMETERS = 6
 def _cycle_graph(left_out: Collection[str] = PENDING_IMPORTS.keys()) -> dict[str, list[ImportSite]]:
     """Each module's imports of kvgen modules, less those in the functions `left_out`."""
     graph: dict[str, list[ImportSite]] = {m: [] for m in MODULES}
-    for site in SITES:
+    for site in sites():
         if site.target in MODULES and site.function not in left_out and not site.typing_only:
             graph[module_name(site.path)].append(site)
     return graph
@@ -369,7 +369,7 @@ def test_function_level_imports_only_defer_heavy_dependencies() -> None:
     of consecutive imports or on the line just above the run, says why it is deferred. An import
     whose only reason is a cycle (or start-up time) is none of these: it belongs at the top."""
     found = [f"{s.where}: import of {s.target} in {s.function}: {why}"
-             for s in SITES if s.function is not None and s.function not in PENDING_IMPORTS
+             for s in sites() if s.function is not None and s.function not in PENDING_IMPORTS
              and (why := _deferral_problem(s))]
     assert not found, "\n".join(found)
 
@@ -409,7 +409,7 @@ def test_pending_entries_are_still_offenders() -> None:
               if k not in by_key or parameters(by_key[k]) <= MAX_PARAMETERS]
     closed = len(cycles(_cycle_graph()))
     stale += [k for k in PENDING_IMPORTS
-              if not any(s.function == k and _deferral_problem(s) for s in SITES)
+              if not any(s.function == k and _deferral_problem(s) for s in sites())
               and len(cycles(_cycle_graph(PENDING_IMPORTS.keys() - {k}))) == closed]
     class_keys = {f"{module_name(PACKAGE.parent / at.split(':')[0])}:{n}" for n, at in classes()}
     stale += [k for k in PENDING_CLASSES if k not in class_keys]
