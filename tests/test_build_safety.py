@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 import kvgen.emit.build
+import kvgen.emit.render
 from kvgen import __version__
 from kvgen.emit.build import DEFAULT_OUT, build, check, render
-from kvgen.emit.render import DIGEST_PREFIX, body_digest, unseal
+from kvgen.emit.render import DIGEST_PREFIX, body_digest, seal, unseal
 from kvgen.errors import BuildError
 from kvgen.spec.library import BUILTIN_SPECS, REPO_ROOT, load_library
 
@@ -275,6 +276,28 @@ def test_render_does_not_depend_on_hash_seed_or_cwd(files: dict[str, str], tmp_p
 
 # That the generator never imports torch (plan, render, build, check in a fresh interpreter) is
 # test_architecture.py::test_building_the_library_never_imports_torch: one interpreter checks both.
+
+
+def test_seal_skips_the_compile_only_for_bodies_a_build_compiled(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A render that repeats a module of the shipped generated/ is not compiled again: a build
+    compiled it (its recorded digest is its body's). A body edited by hand after its build, or
+    new, is compiled, and one that does not compile is refused."""
+    shipped = tmp_path / "generated"
+    shipped.mkdir()
+    as_built, edited, new = "value = (\n", "other = (\n", "third = (\n"  # none of them compiles
+    (shipped / "a.py").write_text(f"{DIGEST_PREFIX}{body_digest(as_built)}\n{as_built}")
+    before_edit = "other = 1\n"
+    (shipped / "b.py").write_text(f"{DIGEST_PREFIX}{body_digest(before_edit)}\n{edited}")
+    monkeypatch.setattr(kvgen.emit.render, "data_dir", lambda name: tmp_path / name)
+    kvgen.emit.render._shipped.cache_clear()
+    try:
+        assert seal("a", as_built).endswith(as_built)  # taken as compiled: what a build wrote
+        for name, body in (("b", edited), ("c", new)):
+            with pytest.raises(BuildError, match="is not valid Python"):
+                seal(name, body)
+    finally:
+        kvgen.emit.render._shipped.cache_clear()
 
 
 # -- what every generated file says about itself --------------------------------------------

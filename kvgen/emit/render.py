@@ -21,7 +21,7 @@ from kvgen.errors import BuildError
 from kvgen.interface import ABI
 from kvgen.plan.models import ModelPlan
 from kvgen.plan.package import ConnectorPlan, PackagePlan
-from kvgen.spec.library import TEMPLATES
+from kvgen.spec.library import TEMPLATES, data_dir
 
 DIGEST_PREFIX = "# kvgen-body-sha256: "
 
@@ -137,11 +137,24 @@ def environment() -> jinja2.Environment:
 _COMPILED: set[str] = set()
 
 
+@cache
+def _shipped() -> frozenset[str]:
+    """The bodies of the package kvgen ships (generated/) as a build wrote them: each file whose
+    recorded digest is its body's was compiled by that build's seal. A user's build repeats all of
+    them beside its own modules, so knowing them saves compiling 560 modules (0.5 s) a build."""
+    found = set()
+    for path in data_dir("generated").glob("*.py"):
+        recorded, body = unseal(path.read_text("utf-8"))
+        if recorded is not None and recorded == body_digest(body):
+            found.add(recorded)
+    return frozenset(found)
+
+
 def seal(name: str, text: str) -> str:
     """Check the module parses and compiles, then record a digest of its body so that a
     later hand edit can be told apart from a stale build."""
     digest = body_digest(text)
-    if digest not in _COMPILED:
+    if digest not in _COMPILED and digest not in _shipped():
         try:
             compile(text, name, "exec", dont_inherit=True)  # parses to an AST, then to bytecode
         except SyntaxError as exc:
