@@ -57,9 +57,9 @@ def test_every_source_package_is_listed_for_the_wheel() -> None:
 
 
 def test_the_wheel_carries_every_package_the_generated_code_needs(tmp_path: Path) -> None:
-    """A real wheel of the project (no build isolation: setuptools is installed) holds every
-    package's modules, the C source the compiled path builds, the specs and the templates. Built
-    as a user's pip builds it, in an isolated environment with the declared build backend."""
+    """A real wheel of the project holds every package's modules, the C source the compiled path
+    builds, the specs and the templates. Built as a user's pip builds it, in an isolated
+    environment with the declared build backend."""
     source = tmp_path / "source"  # a copy without build/ and *.egg-info, which setuptools would reuse
     for name in ("kvgen", "specs", "templates", "generated"):
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
