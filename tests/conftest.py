@@ -70,10 +70,17 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class ModuleScheduling(LoadGroupScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            group = super()._split_scope(nodeid)
-            return group if group != nodeid else nodeid.split("::", 1)[0]
+            return scope_of(nodeid)
 
     return ModuleScheduling(config, log)
+
+
+def scope_of(nodeid: str) -> str:
+    """What one worker runs whole: the xdist group xdist's worker appended to the test's id
+    (`...@name`, as LoadGroupScheduling reads it), else the test's module."""
+    if nodeid.rfind("@") > nodeid.rfind("]"):  # a parameter id may hold an @
+        return nodeid.rsplit("@", 1)[1]
+    return nodeid.split("::", 1)[0]
 
 
 def one_thread_per_worker() -> None:
@@ -122,21 +129,17 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return True
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups off the items
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+# A wrapper: the groups are marked before xdist's worker reads them off the items and appends
+# them to the tests' ids, and the items are ordered after, by those ids.
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Any:
     for item in items:
         if item.get_closest_marker("serial") is not None:
             item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
+    result = yield
     if os.environ.get("PYTEST_XDIST_WORKER"):
         items[:] = in_dispatch_order(items)
-
-
-def _scope(item: pytest.Item) -> str:
-    """What one worker runs whole (ModuleScheduling): the test's xdist group, else its module."""
-    group = item.get_closest_marker("xdist_group")
-    if group is not None:
-        return str(group.kwargs.get("name", group.args[0] if group.args else "default"))
-    return item.nodeid.split("::", 1)[0]
+    return result
 
 
 def in_dispatch_order(items: list[pytest.Item]) -> list[pytest.Item]:
@@ -147,13 +150,13 @@ def in_dispatch_order(items: list[pytest.Item]) -> list[pytest.Item]:
     tests: dict[str, int] = {}
     slow: set[str] = set()
     for item in items:
-        scope = _scope(item)
+        scope = scope_of(item.nodeid)
         tests[scope] = tests.get(scope, 0) + 1
         if item.get_closest_marker("slow") is not None:
             slow.add(scope)
     first_seen = {scope: i for i, scope in enumerate(tests)}
     rank = {scope: (scope not in slow, -n, first_seen[scope]) for scope, n in tests.items()}
-    return sorted(items, key=lambda item: rank[_scope(item)])
+    return sorted(items, key=lambda item: rank[scope_of(item.nodeid)])
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

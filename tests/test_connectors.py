@@ -12,6 +12,7 @@ GPUs without Triton and CPUs without a compiler use.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -119,11 +120,11 @@ def _load_case(case: tuple, backend: str | None, device: str) -> None:
 _REFERENCES: dict[tuple, list[torch.Tensor]] = {}
 
 
-def _reference_of(key: tuple, reference) -> list[torch.Tensor]:
-    module = key[1][0]
-    if any(k[1][0] != module for k in _REFERENCES):
-        _REFERENCES.clear()
+def _reference_of(key: tuple, reference: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The reference's tensors for `key` (kind, case, device), computed on the first ask."""
     if key not in _REFERENCES:
+        if any(k[1][0] != key[1][0] for k in _REFERENCES):  # another module's: done with
+            _REFERENCES.clear()
         _REFERENCES[key] = [t.clone() for t in reference()]
     return _REFERENCES[key]
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from kvgen.emit.render import body_digest, render_package, unseal
+from kvgen.emit.render import as_built, render_package
 from kvgen.errors import BuildError, display_path
 from kvgen.plan.package import plan_package
 from kvgen.spec.library import data_dir, load_library
@@ -328,6 +328,5 @@ def _compare(out: Path, expected: dict[str, str]) -> CheckReport:
             raise BuildError(f"cannot read {path}: {exc}") from None
         if text == expected[name]:
             continue
-        recorded, body = unseal(text)
-        (report.stale if recorded == body_digest(body) else report.edited).append(name)
+        (report.stale if as_built(text) is not None else report.edited).append(name)
     return report
