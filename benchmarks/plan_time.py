@@ -126,7 +126,7 @@ def agents(row: str, tokens: int, repeats: int) -> None:
 
     a, b, *shape = row.split(":")
     req = _request((a, b), tuple(int(x) for x in shape), tokens)  # type: ignore[arg-type]
-    pair = (nixl.new_agent("prefill"), nixl.new_agent("decode"))
+    pair = (nixl.new_agent("prefill"), nixl.new_agent("decode", serves=False))
     prefill = []
     for rank in range(req.src.tp):
         tree = _cache(req, req.src)

@@ -37,8 +37,8 @@ MAX_SECTIONS, MAX_TP = 4, 8
 @pytest.fixture(scope="module")
 def agents() -> Iterator[tuple[Any, Any]]:
     api = nixl.api()
-    yield tuple(api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
-                for name in ("state-prefill", "state-decode"))
+    yield tuple(api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=serves, backends=["UCX"]))
+                for name, serves in (("state-prefill", True), ("state-decode", False)))
 
 
 def _where(j: int, sections: tuple[int, ...], tp: int, rank: int) -> tuple[int, int]:

@@ -24,9 +24,11 @@ pytestmark = pytest.mark.skipif(nixl.unavailable() is not None, reason=str(nixl.
 
 @pytest.fixture(scope="module")
 def agents() -> Iterator[tuple[Any, Any]]:
-    """One prefill and one decode agent for every test here (an agent takes ~0.5 s to start)."""
+    """One prefill and one decode agent for every test here (an agent takes ~0.5 s to start); as
+    nixl.new_agent's `serves`, only the agent read from runs NIXL's progress thread."""
     api = nixl.api()
-    yield tuple(api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"])) for name in ("prefill", "decode"))
+    yield tuple(api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=serves, backends=["UCX"]))
+                for name, serves in (("prefill", True), ("decode", False)))
 
 
 def _moved(agents: tuple[Any, Any], case: Case, scenario: str, strategy: str | None) -> tuple[bool, remote.Plan]:

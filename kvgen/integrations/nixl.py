@@ -69,11 +69,18 @@ def unavailable() -> str | None:
     return None
 
 
-def new_agent(name: str, streams: int = STREAMS) -> Any:
+def new_agent(name: str, streams: int = STREAMS, *, serves: bool = True) -> Any:
     """A NIXL agent with a UCX backend of `streams` workers, safe to post from several threads
-    (a Worker given it takes `streams=` as many)."""
+    (a Worker given it takes `streams=` as many).
+
+    `serves`: peers read this agent's memory, so it runs NIXL's progress thread, which answers
+    them while this process does something else. An agent that only reads (serves=False, a decode
+    worker's) needs none: waiting for its reads progresses its UCX workers. NIXL's progress thread
+    polls without a pause, a core for each agent even when idle, and takes the workers' lock the
+    reads are posted and checked under."""
     nixl = api()
-    conf = nixl.nixl_agent_config(backends=[], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    conf = nixl.nixl_agent_config(enable_prog_thread=serves, backends=[],
+                                  sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
     agent = nixl.nixl_agent(name, conf)
     agent.create_backend("UCX", {"num_workers": str(streams)})
     return agent
@@ -129,10 +136,11 @@ class Worker(_Reads):
     """One rank's cache registered with a NIXL agent: its own (named `name`, STREAMS workers),
     or `agent`, one the caller made and keeps (several caches may share one: an agent costs
     ~0.5 s to start). `streams`: threads reads are posted from (default: STREAMS on its own
-    agent, 1 on a given one; more than 1 needs an agent safe across threads, as new_agent's)."""
+    agent, 1 on a given one; more than 1 needs an agent safe across threads, as new_agent's). `serves`: whether peers read this cache
+    (new_agent's `serves`, for an agent of its own; a decode worker that only pulls passes False)."""
 
     def __init__(self, name: str, caches: Any, description: CacheDescription, agent: Any = None,
-                 streams: int | None = None):
+                 streams: int | None = None, *, serves: bool = True):
         found = tuple(t.data_ptr() for t in leaves(caches))
         if found != description.leaves:
             raise KVLayoutError(f"{name}: the description is not of these caches ({description})")
@@ -140,7 +148,7 @@ class Worker(_Reads):
         self.name, self.caches, self.description = name, caches, description
         self._own = agent is None
         self.streams = streams or (STREAMS if agent is None else 1)
-        self.agent = new_agent(name, self.streams) if agent is None else agent
+        self.agent = new_agent(name, self.streams, serves=serves) if agent is None else agent
         self.name = self.agent.name
         self._pool = ThreadPoolExecutor(self.streams, thread_name_prefix=f"kvgen-nixl-{self.name}") \
             if self.streams > 1 else None

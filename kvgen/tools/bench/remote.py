@@ -164,7 +164,7 @@ def main(args: argparse.Namespace) -> int:
     if why:
         print(f"kvgen bench: {why}")
         return 2
-    agents = tuple(nixl.new_agent(n) for n in ("prefill", "decode"))
+    agents = (nixl.new_agent("prefill"), nixl.new_agent("decode", serves=False))
     if args.costs:
         print("KVGEN_REMOTE_COSTS=" + json.dumps(vars(costs(agents, args.repeats))))
     rows = []

@@ -135,7 +135,7 @@ def planned_best(worker: Any, src_slots: Any, dst_slots: Any, req: Request) -> t
 def _decode_rank(req: Request, rank: int, handshakes: list[bytes], sources: list[Any]) -> dict[str, Any]:
     tree = caches(req, req.dst, rank, False)
     d = remote.describe(tree, req.dst.layout, tp_rank=rank, tp_size=req.dst.tp, num_kv_heads=req.heads)
-    w = nixl.Worker(f"decode-{rank}", tree, d)
+    w = nixl.Worker(f"decode-{rank}", tree, d, serves=False)  # it only pulls
     for h in handshakes:
         w.connect(h)
     s, t = slots(req, req.src, 1), slots(req, req.dst, 2)
