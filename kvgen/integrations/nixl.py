@@ -136,8 +136,9 @@ class Worker(_Reads):
     """One rank's cache registered with a NIXL agent: its own (named `name`, STREAMS workers),
     or `agent`, one the caller made and keeps (several caches may share one: an agent costs
     ~0.5 s to start). `streams`: threads reads are posted from (default: STREAMS on its own
-    agent, 1 on a given one; more than 1 needs an agent safe across threads, as new_agent's). `serves`: whether peers read this cache
-    (new_agent's `serves`, for an agent of its own; a decode worker that only pulls passes False)."""
+    agent, 1 on a given one; more than 1 needs an agent safe across threads, as new_agent's).
+    `serves`: whether peers read this cache (new_agent's `serves`, for an agent of its own; a
+    decode worker that only pulls passes False)."""
 
     def __init__(self, name: str, caches: Any, description: CacheDescription, agent: Any = None,
                  streams: int | None = None, *, serves: bool = True):
