@@ -7,8 +7,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import types
 from pathlib import Path
+
+import conftest
+import pytest
 
 HERE = Path(__file__).resolve().parent
 
@@ -26,9 +29,20 @@ def test_the_serial_pass_imports_only_modules_that_mark_a_test_serial(tmp_path: 
     shutil.copy(HERE / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_marked.py").write_text(SERIAL)
     (tmp_path / "test_unmarked.py").write_text(UNMARKED)
-    with ThreadPoolExecutor(max_workers=2) as pool:  # two independent collections, side by side
-        serial, others = pool.map(lambda marks: _collect(tmp_path, marks), ["serial", "not serial"])
+    serial = _collect(tmp_path, "serial")
     assert serial.returncode == 0, serial.stdout + serial.stderr
     assert "test_marked.py::test_timed" in serial.stdout and "test_unmarked" not in serial.stdout
-    assert "test_marked.py::test_plain" in others.stdout
-    assert "RuntimeError: imported" in others.stdout, others.stdout  # collected (and its error shown) here
+
+
+@pytest.mark.parametrize("marks", ["not serial", "", "serial or slow"])
+def test_every_other_pass_leaves_collection_to_pytest(tmp_path: Path, marks: str) -> None:
+    """The hook the serial pass ignores modules by says nothing under any other -m (None: pytest's
+    own rules decide), so those passes import every module (and show its import errors)."""
+    (tmp_path / "test_unmarked.py").write_text(UNMARKED)
+    config = types.SimpleNamespace(getoption=lambda name, default=None: marks if name == "markexpr" else default)
+    assert conftest.pytest_ignore_collect(tmp_path / "test_unmarked.py", config) is None
+    assert conftest.pytest_ignore_collect(tmp_path / "test_unmarked.py", _serial()) is True
+
+
+def _serial() -> types.SimpleNamespace:
+    return types.SimpleNamespace(getoption=lambda name, default=None: "serial" if name == "markexpr" else default)
