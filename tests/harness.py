@@ -1,5 +1,6 @@
 """Test helpers: the machinery lives in kvgen.oracle.scenarios, shared with `kvgen verify`."""
 
+import copy
 import importlib
 import importlib.util
 import os
@@ -11,6 +12,7 @@ from typing import Any, NoReturn
 
 import pytest
 import torch
+import yaml
 
 from kvgen.emit.render import render_connector
 from kvgen.oracle.scenarios import (  # noqa: F401
@@ -51,6 +53,15 @@ def builtin_plans() -> tuple[Any, ...]:
     """The connector plans of the built-in specs (plan_connectors), made once per test process
     for the modules that parametrize over them at import (~0.3 s each)."""
     return tuple(plan_connectors(builtin_library()))
+
+
+def spec_text(data: dict[str, Any]) -> str:
+    """A spec's YAML text from its data, in the order given, as the mutation tests write each
+    mutant: libyaml's emitter where PyYAML has it (a tenth of the pure-Python one's time, over
+    thousands of mutants), and no anchors (a copy: a mutant shares parts with its original,
+    and a spec may hold no aliases)."""
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+    return yaml.dump(copy.deepcopy(data), Dumper=dumper, sort_keys=False, default_flow_style=None)
 
 
 #: Test-only specs with split (tiled) axes, beside the built-in ones (sglang_mha_vectorized_5d,

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
-from harness import builtin_library
+from harness import builtin_library, spec_text
 
 from kvgen.errors import SpecError
 from kvgen.oracle.facts.layouts import EngineGeometry, disagreement
@@ -120,15 +120,12 @@ def _verdict(text: str, path: Path) -> str | None:
     return None if why is None else f"facts: {why}"
 
 
-def _dump(data: dict[str, Any]) -> str:
-    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None)
-
 
 @pytest.mark.parametrize("name", sorted(FILES))
 def test_unmutated_copy_agrees_with_the_facts(name: str, tmp_path: Path) -> None:
     """The dump/load path itself changes nothing: only the mutations are caught."""
     data = yaml.safe_load(FILES[name].read_text("utf-8"))
-    assert _verdict(_dump(data), tmp_path / "copy.yaml") is None
+    assert _verdict(spec_text(data), tmp_path / "copy.yaml") is None
     assert _verdict(FILES[name].read_text("utf-8"), tmp_path / "same.yaml") is None
 
 
@@ -138,7 +135,7 @@ def test_every_mutant_of_a_builtin_spec_is_caught(name: str, tmp_path: Path) -> 
     survivors, by_facts, total = [], 0, 0
     for i, (what, mutant) in enumerate(mutants(data)):
         total += 1
-        verdict = _verdict(_dump(mutant), tmp_path / f"m{i}.yaml")
+        verdict = _verdict(spec_text(mutant), tmp_path / f"m{i}.yaml")
         if verdict is None:
             survivors.append(what)
         elif verdict.startswith("facts:"):

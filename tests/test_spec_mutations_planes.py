@@ -8,14 +8,13 @@ changing a part's dtypes; dropping or adding sizes; switching an object's pack. 
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from harness import builtin_library
+from harness import builtin_library, spec_text
 
 from kvgen.errors import SpecError
 from kvgen.oracle.facts.layouts import EngineGeometry, disagreement
@@ -109,9 +108,6 @@ def _verdict(text: str, path: Path) -> str | None:
     return None if why is None else f"facts: {why}"
 
 
-def _dump(data: dict[str, Any]) -> str:
-    return yaml.safe_dump(copy.deepcopy(data), sort_keys=False, default_flow_style=None)
-
 
 def test_every_format2_builtin_spec_is_mutated() -> None:
     assert len(FILES) >= 11
@@ -120,7 +116,7 @@ def test_every_format2_builtin_spec_is_mutated() -> None:
 @pytest.mark.parametrize("name", sorted(FILES))
 def test_unmutated_format2_copy_agrees_with_the_facts(name: str, tmp_path: Path) -> None:
     data = yaml.safe_load(FILES[name].read_text("utf-8"))
-    assert _verdict(_dump(data), tmp_path / "copy.yaml") is None
+    assert _verdict(spec_text(data), tmp_path / "copy.yaml") is None
 
 
 @pytest.mark.parametrize("name", sorted(FILES))
@@ -129,7 +125,7 @@ def test_every_mutant_of_a_format2_spec_is_caught(name: str, tmp_path: Path) -> 
     survivors, by_facts, total = [], 0, 0
     for i, (what, mutant) in enumerate(mutants(data)):
         total += 1
-        verdict = _verdict(_dump(mutant), tmp_path / f"m{i}.yaml")
+        verdict = _verdict(spec_text(mutant), tmp_path / f"m{i}.yaml")
         if verdict is None:
             survivors.append(what)
         elif verdict.startswith("facts:"):
