@@ -62,12 +62,16 @@ def slots(req: Request, s: WorkerSide, salt: int) -> Any:
 
 
 def _prefill(conn: Any, req: Request) -> None:
+    """Every source rank's cache, each a Worker on one agent: the agent's progress thread, which
+    answers the reads, keeps a core busy while the decode side works (one per rank would
+    keep as many, on hosts of few cores the decode side's)."""
     workers = []
     try:
+        agent = nixl.new_agent("prefill")
         for rank in range(req.src.tp):
             tree = caches(req, req.src, rank, True)
             d = remote.describe(tree, req.src.layout, tp_rank=rank, tp_size=req.src.tp, num_kv_heads=req.heads)
-            workers.append(nixl.Worker(f"prefill-{rank}", tree, d))
+            workers.append(nixl.Worker(f"prefill-{rank}", tree, d, agent=agent))
     except Exception as why:  # any failure comes back as one message, never as a silent exit
         conn.send(_said(why))
         return
