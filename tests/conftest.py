@@ -18,6 +18,7 @@ long module is left for the end while the other worker idles.
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -37,6 +38,19 @@ def _devices() -> list[str]:
 
 
 SERIAL_GROUP = "serial"
+
+
+def use_triton_interpreter() -> None:
+    """Where no GPU is present, every Triton kernel a test runs, kvgen's and an engine's (SGLang's
+    MXFP8 store kernel, vLLM's ROCm writer), runs in Triton's interpreter. triton.jit reads
+    TRITON_INTERPRET when a kernel is defined, which for SGLang is when its memory pools are
+    imported, at collection: so it is set before any test module is imported. A test that needs
+    it otherwise sets it (monkeypatch)."""
+    if available_devices() == ["cpu"] and importlib.util.find_spec("triton") is not None:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+use_triton_interpreter()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -22,10 +22,6 @@ elsewhere it skips, saying why.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -84,8 +80,8 @@ def pool(page: int, size: int) -> Any:
 
 def store_kernel_writes(slots: list[int]) -> dict[str, list[torch.Tensor]]:
     """Each buffer of a page-128 pool where SGLang's own quantizing write path stored the inputs of
-    tokens SLOTS at `slots`, layer by layer. Run in Triton's interpreter (the CPU has no Triton driver),
-    which triton.jit reads when triton is first imported: in a process of its own."""
+    tokens SLOTS at `slots`, layer by layer. Its Triton kernel runs in Triton's interpreter (the CPU
+    has no Triton driver), which tests/conftest.py turned on before SGLang was imported."""
     out = pool(128, 256)
     for layer in range(L):
         out.set_kv_buffer(Layer(layer), torch.tensor(slots), inputs(layer, 0, SLOTS), inputs(layer, 1, SLOTS))
@@ -93,15 +89,10 @@ def store_kernel_writes(slots: list[int]) -> dict[str, list[torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def kernel_output(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, ...], dict[str, list[torch.Tensor]]]:
-    """What SGLang's store kernel writes for the token positions these tests use, from a subprocess."""
-    path = tmp_path_factory.mktemp("mxfp8") / "written.pt"
+def kernel_output() -> dict[tuple[int, ...], dict[str, list[torch.Tensor]]]:
+    """What SGLang's store kernel writes for the token positions these tests use."""
     runs = [list(range(1, T + 1)), TILE_SLOTS]  # slot 0 of a page-128 pool is its padding sink
-    code = ("import sys, torch; import test_engine_sglang_mxfp8 as m; "
-            f"torch.save({{tuple(s): m.store_kernel_writes(s) for s in {runs!r}}}, {str(path)!r})")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, check=True, timeout=600)
-    return torch.load(path)
+    return {tuple(s): store_kernel_writes(s) for s in runs}
 
 
 def written(kernel_output: dict[tuple[int, ...], dict[str, list[torch.Tensor]]], slots: list[int]) -> Any:

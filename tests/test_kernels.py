@@ -39,16 +39,13 @@ from kvgen.plan.copy import CopyPlan, plan_library
 from kvgen.plan.kernel import make_kernel_plan, make_planes_kernel_plan
 from kvgen.plan.package import plan_package
 from kvgen.plan.planes import PlanesPlan
-from kvgen.runtime import KVLayoutError, available_devices, kernels, native
+from kvgen.runtime import KVLayoutError, kernels, native
 from kvgen.tools.verify import connectors as verify_connectors
 
 LIBRARY = builtin_library()
 PLANS = {p.module: p for p in plan_library(LIBRARY)}
 PARTS = {p.module: p for p in builtin_plans() if isinstance(p, PlanesPlan)}
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-if HAVE_TRITON and available_devices() == ["cpu"]:
-    # Kernel modules are imported on first use, after collection: they see the interpreter.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install 'kvgen[triton]')")
 
 #: One connector per way of reaching the cache, whole and layerwise.

@@ -39,7 +39,7 @@ from kvgen.plan.kernel import (
     slot_refusal,
 )
 from kvgen.plan.planes import PlanesPlan
-from kvgen.runtime import KVLayoutError, available_devices, kernels
+from kvgen.runtime import KVLayoutError, kernels
 from kvgen.tools.verify.connectors import INTERPRETER_LAYERS
 
 PLANS = [p for p in builtin_plans() if isinstance(p, PlanesPlan)]
@@ -47,8 +47,6 @@ PLANS = [p for p in builtin_plans() if isinstance(p, PlanesPlan)]
 PARTS = {p.module: p for p in PLANS if not p.tiled}
 TILED = {p.module: p for p in PLANS if p.tiled}
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-if HAVE_TRITON and available_devices() == ["cpu"]:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install 'kvgen[triton]')")
 
 #: One connector per way a plane is reached, with the slot patterns that matter for it.
