@@ -14,7 +14,17 @@ from typing import Any
 
 import torch
 import yaml
-from harness import EXT, Scenario, clone_tree, make_cache, make_objects, reference_load, reference_store, same_bits
+from harness import (
+    EXT,
+    Scenario,
+    clone_tree,
+    make_cache,
+    make_objects,
+    reference_load,
+    reference_store,
+    same_bits,
+    spec_data,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -183,7 +193,7 @@ def _load(connector: Any, objs: list[Any], sc: Scenario, cache: Any, mapping: to
 
 # -- random edits inside parts and fields: the loader refuses them with a SpecError, and only that --
 
-FORMAT2 = [yaml.safe_load(path.read_text("utf-8")) for path in sorted(BUILTIN_SPECS.rglob("*.yaml"))]
+FORMAT2 = [spec_data(path) for path in sorted(BUILTIN_SPECS.rglob("*.yaml"))]
 FORMAT2 = [d for d in FORMAT2 if d["kvgen"] == 2]
 LEAVES = st.none() | st.booleans() | st.integers(-3, 700) | st.text(max_size=6) | st.sampled_from(
     ["B", "N", "H", "C", "KV", "L", "T", "P", 1, ["B", "N"], ["H", "C"], "uint8", "float32", "row", "block",

@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from harness import builtin_library, spec_text
+from harness import builtin_library, spec_data, spec_text
 
 from kvgen.errors import SpecError
 from kvgen.oracle.facts.layouts import EngineGeometry, disagreement
@@ -115,13 +114,13 @@ def test_every_format2_builtin_spec_is_mutated() -> None:
 
 @pytest.mark.parametrize("name", sorted(FILES))
 def test_unmutated_format2_copy_agrees_with_the_facts(name: str, tmp_path: Path) -> None:
-    data = yaml.safe_load(FILES[name].read_text("utf-8"))
+    data = spec_data(FILES[name])
     assert _verdict(spec_text(data), tmp_path / "copy.yaml") is None
 
 
 @pytest.mark.parametrize("name", sorted(FILES))
 def test_every_mutant_of_a_format2_spec_is_caught(name: str, tmp_path: Path) -> None:
-    data = yaml.safe_load(FILES[name].read_text("utf-8"))
+    data = spec_data(FILES[name])
     survivors, by_facts, total = [], 0, 0
     for i, (what, mutant) in enumerate(mutants(data)):
         total += 1
