@@ -228,9 +228,11 @@ def test_generated_code_talks_to_devices_only_through_the_runtime() -> None:
     import ast
     from pathlib import Path
 
+    from code_rules import source_tree  # parsed once a process: test_architecture reads them too
+
     folder = Path(generated.__file__).parent
     for path in folder.glob("*.py"):
-        tree = ast.parse(path.read_text())
+        tree = source_tree(path)
         imports = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         imports |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
         allowed = {"__future__", "enum", "importlib", "typing", "collections.abc", "torch", "kvgen"}
