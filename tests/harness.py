@@ -56,15 +56,15 @@ def builtin_plans() -> tuple[Any, ...]:
 
 
 def spec_data(path: Path) -> Any:
-    """A spec file's YAML data, read with libyaml's parser where PyYAML has it (as kvgen's loader
-    reads specs; the pure-Python parser took a quarter of a second for the built-ins)."""
+    """A spec file's YAML data, read with libyaml's parser where PyYAML has it, as kvgen's loader
+    reads specs (the pure-Python parser is several times slower over the built-ins)."""
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     return yaml.load(Path(path).read_text("utf-8"), Loader=loader)  # noqa: S506 - a safe loader
 
 
 def spec_text(data: dict[str, Any]) -> str:
     """A spec's YAML text from its data, in the order given, as the mutation tests write each
-    mutant: libyaml's emitter where PyYAML has it (a tenth of the pure-Python one's time, over
+    mutant: libyaml's emitter where PyYAML has it (a quarter of the pure-Python one's time, over
     thousands of mutants), and no anchors (a copy: a mutant shares parts with its original,
     and a spec may hold no aliases)."""
     dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)

@@ -18,8 +18,8 @@ README = (ROOT / "README.md").read_text("utf-8")
 
 
 def test_numpy_is_a_dependency_so_torch_imports_quietly() -> None:
-    """(The wheel's test below imports torch and the runtime in a fresh interpreter, and finds
-    no NumPy warning.)"""
+    """numpy is declared; that torch then imports without NumPy's warning is checked in a fresh
+    interpreter by the wheel's test below."""
     pyproject = (ROOT / "pyproject.toml").read_text("utf-8")
     deps = pyproject.split("dependencies = [", 1)[1].split("]", 1)[0]
     assert re.search(r'"numpy[>=<~ 0-9.,]*"', deps), "numpy must be a runtime dependency"

@@ -39,10 +39,10 @@ def test_every_other_pass_leaves_collection_to_pytest(tmp_path: Path, marks: str
     """The hook the serial pass ignores modules by says nothing under any other -m (None: pytest's
     own rules decide), so those passes import every module (and show its import errors)."""
     (tmp_path / "test_unmarked.py").write_text(UNMARKED)
-    config = types.SimpleNamespace(getoption=lambda name, default=None: marks if name == "markexpr" else default)
-    assert conftest.pytest_ignore_collect(tmp_path / "test_unmarked.py", config) is None
-    assert conftest.pytest_ignore_collect(tmp_path / "test_unmarked.py", _serial()) is True
+    assert conftest.pytest_ignore_collect(tmp_path / "test_unmarked.py", _config(marks)) is None
+    assert conftest.pytest_ignore_collect(tmp_path / "test_unmarked.py", _config("serial")) is True
 
 
-def _serial() -> types.SimpleNamespace:
-    return types.SimpleNamespace(getoption=lambda name, default=None: "serial" if name == "markexpr" else default)
+def _config(marks: str) -> types.SimpleNamespace:
+    """What the hook reads of pytest's config: the -m expression."""
+    return types.SimpleNamespace(getoption=lambda name, default=None: marks if name == "markexpr" else default)

@@ -119,7 +119,6 @@ def _verdict(text: str, path: Path) -> str | None:
     return None if why is None else f"facts: {why}"
 
 
-
 @pytest.mark.parametrize("name", sorted(FILES))
 def test_unmutated_copy_agrees_with_the_facts(name: str, tmp_path: Path) -> None:
     """The dump/load path itself changes nothing: only the mutations are caught."""

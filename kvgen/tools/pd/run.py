@@ -62,9 +62,9 @@ def slots(req: Request, s: WorkerSide, salt: int) -> Any:
 
 
 def _prefill(conn: Any, req: Request) -> None:
-    """Every source rank's cache, each a Worker on one agent: the agent's progress thread, which
-    answers the reads, keeps a core busy while the decode side works (one per rank would
-    keep as many, on hosts of few cores the decode side's)."""
+    """Every source rank's cache, each a Worker on one shared agent: a serving agent's progress
+    thread keeps a core busy while the decode side works, so one agent, not one a rank, leaves
+    the decode side the other cores."""
     workers = []
     try:
         agent = nixl.new_agent("prefill")
