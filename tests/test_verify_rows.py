@@ -44,6 +44,42 @@ def test_the_costliest_rows_start_first_and_results_keep_their_order() -> None:
     assert results == [(True,), (False,), (True,), (False,), (True,)]
 
 
+def test_rows_handed_over_early_run_once_and_map_returns_their_results() -> None:
+    rows = Rows(None, 2, lambda ctx, task: (True,))  # type: ignore[arg-type]
+    rows._pool = _Recorder()  # type: ignore[assignment]
+    models = [("model", i, "cpu") for i in range(3)]
+    rows.submit(models, lambda task: 10 if task[1] == 2 else 1)
+    rows.submit([("connector", 7, "cpu")])
+    assert rows._pool.submitted == [2, 0, 1, 7]  # type: ignore[attr-defined]
+    assert list(rows.map(models)) == [(True,), (False,), (True,)]
+    assert list(rows.map([("connector", 7, "cpu")])) == [(False,)]
+    assert rows._pool.submitted == [2, 0, 1, 7]  # type: ignore[attr-defined]
+
+
+def test_verify_hands_every_row_to_the_workers_before_its_own_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The built-in specs' checks (vLLM's import among them: seconds of one core) run in verify's
+    own process while the workers check rows, costliest model rows first."""
+    from kvgen.tools.cli import main
+    from kvgen.tools.verify import connectors, engines, transfers
+    from kvgen.tools.verify import run as verify
+
+    calls: list[Any] = []
+
+    def submit(self: Rows, tasks: list[Task], cost: Any = None) -> None:
+        kinds = {kind for kind, _, _ in tasks}
+        calls.append(("submit", kinds, cost is not None))
+
+    monkeypatch.setattr(Rows, "submit", submit)
+    monkeypatch.setattr(verify, "_check_facts", lambda library: calls.append("facts") or 0)
+    monkeypatch.setattr(engines, "run", lambda: calls.append("engines") or 0)
+    monkeypatch.setattr(connectors, "run", lambda *args: calls.append("connector table") or 0)
+    monkeypatch.setattr(transfers, "run", lambda *args: calls.append("transfer table") or (0, 0))
+    monkeypatch.setattr(verify_models, "run", lambda *args: calls.append("model table") or (0, 0))
+    assert main(["verify", "--device", "cpu", "--jobs", "2"]) == 0
+    assert calls == [("submit", {"connector"}, False), ("submit", {"transfer"}, False), ("submit", {"model"}, True),
+                     "facts", "engines", "connector table", "transfer table", "model table"]
+
+
 def test_deepseek_v4_rows_are_the_costliest_model_rows() -> None:
     """128 tokens per compressed slot make each of its scenarios move 128x the tokens."""
     plans = plan_package(builtin_library()).models

@@ -101,7 +101,10 @@ def fill_words(t: torch.Tensor, base: int) -> None:
     raw = t.view(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
     words, tail = divmod(raw.numel(), 4)
     if words:
-        codes = torch.arange(base, base + words, dtype=torch.int64).to(torch.int32)
+        if base + words <= 2**31:  # the common case, without an int64 range twice the tensor's size
+            codes = torch.arange(base, base + words, dtype=torch.int32)
+        else:  # int64 codes wrapped to their low 32 bits
+            codes = torch.arange(base, base + words, dtype=torch.int64).to(torch.int32)
         raw[:4 * words].view(torch.int32).copy_(codes.to(raw.device))
     if tail:
         raw[4 * words:].copy_(torch.arange(tail, dtype=torch.uint8) + base % 200)

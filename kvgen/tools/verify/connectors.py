@@ -94,7 +94,7 @@ def check(package: ModuleType, plan: Any, device: str, backend: str | None) -> t
     return store, load, kernels.stats["launches"] > launches, len(chosen)
 
 
-def _with_kernels(selected: Sequence[Any]) -> list[Any]:
+def with_kernels(selected: Sequence[Any]) -> list[Any]:
     """The connectors that have a Triton kernel; each one whose twin refuses named and left out."""
     kept = []
     for plan in selected:
@@ -113,8 +113,6 @@ def run(rows: Rows, selected: Sequence[Any], everything: Sequence[Any], devices:
     from kvgen.oracle.scenarios import SCENARIOS
 
     count = failures = ran = 0
-    if backend == "triton":
-        selected = _with_kernels(selected)
     wide = max([24, *(len(p.paged.name) for p in selected)]), max([13, *(len(p.obj.name) for p in selected)])
     print(f"{'layout':<{wide[0]}} {'object':<{wide[1]}} {'mode':<9} {'device':<6} {'store ok':<8} {'load ok':<8}")
     for plan, device, (store_ok, load_ok, launched, runs) in each(rows, "connector", selected, everything, devices):

@@ -17,7 +17,7 @@ import multiprocessing.connection
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,6 +128,7 @@ class Rows:
     def __init__(self, ctx: Context, jobs: int, check: Check):
         self.ctx, self.jobs, self.check = ctx, jobs, check
         self._pool: ProcessPoolExecutor | None = None
+        self._futures: dict[Task, Future[tuple[bool, ...]]] = {}
 
     def __enter__(self) -> Rows:
         return self
@@ -136,29 +137,48 @@ class Rows:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
 
-    def map(self, tasks: Sequence[Task], cost: Callable[[Task], int] | None = None) -> Iterator[tuple[bool, ...]]:
-        """The results of `tasks`, in their order, each as soon as it and those before it are done.
-        With `cost` (a row's expected work) workers take the costliest rows first, so a long row
-        never starts last while the other workers have nothing left to do."""
-        if self.jobs <= 1 or len(tasks) <= 1:
-            return (self.check(self.ctx, t) for t in tasks)
+    def submit(self, tasks: Sequence[Task], cost: Callable[[Task], int] | None = None) -> None:
+        """Hand `tasks` to the workers now, so that they run while this process does other work
+        (map returns their results later); nothing with jobs 1. With `cost` (a row's expected
+        work) workers take the costliest rows first, so a long row never starts last while the
+        other workers have nothing left to do."""
+        if self.jobs <= 1 or (self._pool is None and len(tasks) <= 1):
+            return  # one row: checked in this process, without starting a pool
         if self._pool is None:
             threads = max(1, cores() // self.jobs)
             self._pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_start, initargs=(self.ctx.inputs, self.check, threads))
+        new = [t for t in tasks if t not in self._futures]
         # sorted() is stable: rows of equal cost (every row, without `cost`) keep their order
-        order = sorted(range(len(tasks)), key=lambda i: -cost(tasks[i])) if cost else range(len(tasks))
-        futures = {i: self._pool.submit(_run, tasks[i]) for i in order}
-        return (futures[i].result() for i in range(len(tasks)))
+        for task in sorted(new, key=lambda t: -cost(t)) if cost else new:
+            self._futures[task] = self._pool.submit(_run, task)
+
+    def map(self, tasks: Sequence[Task], cost: Callable[[Task], int] | None = None) -> Iterator[tuple[bool, ...]]:
+        """The results of `tasks`, in their order, each as soon as it and those before it are done
+        (submitted now, as `submit` does, where they were not before)."""
+        self.submit(tasks, cost)
+        if any(t not in self._futures for t in tasks):
+            return (self.check(self.ctx, t) for t in tasks)
+        return (self._futures[t].result() for t in tasks)
+
+
+def tasks_of(kind: str, items: Sequence[Any], everything: Sequence[Any], devices: Sequence[str]) -> list[Task]:
+    """The rows of the selected `items` of a kind on every device, devices outermost; an item
+    is named by its index in `everything`, the kind's whole planned list."""
+    where: Callable[[Any], int] = {id(x): i for i, x in enumerate(everything)}.__getitem__
+    return [(kind, where(id(item)), device) for device in devices for item in items]
+
+
+def by_cost(everything: Sequence[Any], cost: Callable[[Any], int] | None) -> Callable[[Task], int] | None:
+    """A task's expected work from its item's (`cost`), or None."""
+    return None if cost is None else (lambda task: cost(everything[task[1]]))
 
 
 def each(rows: Rows, kind: str, items: Sequence[Any], everything: Sequence[Any], devices: Sequence[str],
          cost: Callable[[Any], int] | None = None) -> Iterator[tuple[Any, str, tuple[bool, ...]]]:
     """(item, device, result) for every selected item on every device, devices outermost; `cost`
     (an item's expected work) hands the costliest rows to the workers first (Rows.map)."""
-    where: Callable[[Any], int] = {id(x): i for i, x in enumerate(everything)}.__getitem__
-    tasks = [(kind, where(id(item)), device) for device in devices for item in items]
     pairs = [(item, device) for device in devices for item in items]
-    by_task = None if cost is None else (lambda task: cost(everything[task[1]]))
-    for (item, device), result in zip(pairs, rows.map(tasks, by_task), strict=True):
+    results = rows.map(tasks_of(kind, items, everything, devices), by_cost(everything, cost))
+    for (item, device), result in zip(pairs, results, strict=True):
         yield item, device, result

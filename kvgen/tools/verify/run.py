@@ -27,7 +27,7 @@ from kvgen.tools.verify import engines as verify_engines
 from kvgen.tools.verify import models as verify_models
 from kvgen.tools.verify import transfers as verify_transfers
 from kvgen.tools.verify.heap import keep_freed_memory
-from kvgen.tools.verify.pool import Context, Inputs, Rows, Task, default_jobs, load
+from kvgen.tools.verify.pool import Context, Inputs, Rows, Task, by_cost, default_jobs, load, tasks_of
 
 
 def _mismatch(package: ModuleType, library: Any, plans: list[Any], out: Path, specs: list[Path]) -> str | None:
@@ -169,9 +169,15 @@ def main(args: Any) -> int:
             raise KVGenError("--backend triton: the selected modules are transfers or model connectors, which have "
                              "no Triton kernels of their own")
         # transfers have no kernels; model connectors move through their members
-        chosen = _Selection(chosen.connectors, [], [])
-    failures = _check_builtins(ctx.library, args.only, args.backend)
+        chosen = _Selection(verify_connectors.with_kernels(chosen.connectors), [], [])
     with Rows(ctx, args.jobs if args.jobs is not None else default_jobs(), check_row) as rows:
+        # Every row goes to the workers first: they check rows while this process runs the
+        # built-in checks (vLLM's import among them).
+        rows.submit(tasks_of("connector", chosen.connectors, ctx.plans, devices))
+        rows.submit(tasks_of("transfer", chosen.transfers, ctx.transfers, devices))
+        rows.submit(tasks_of("model", chosen.models, ctx.models, devices),
+                    by_cost(ctx.models, verify_models.expected_work))
+        failures = _check_builtins(ctx.library, args.only, args.backend)
         failures += verify_connectors.run(rows, chosen.connectors, ctx.plans, devices, args.backend)
         failures += verify_transfers.run(rows, chosen.transfers, ctx.transfers, devices)[1]
         failures += verify_models.run(rows, chosen.models, ctx.models, devices)[1]
