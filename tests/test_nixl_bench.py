@@ -28,6 +28,30 @@ def test_remote_rows_name_the_strategy_and_count_every_element(capsys: pytest.Ca
     assert cells[-1] == f"{20 * 2 * 2 * 4 * 8}/{20 * 2 * 2 * 4 * 8}"
 
 
+def test_a_cache_in_head_groups_is_benched_in_groups(capsys: pytest.CaptureFixture[str]) -> None:
+    """SGLang's page_unified pool in head groups: groups of 2 heads by default where every rank of
+    both sides has whole groups of 2, as many as a row's fifth field says otherwise."""
+    status = main(["bench", "--remote", "sglang_mha:hicache_page_unified_grouped",
+                   "--remote-shapes", "1:1:4:4,1:2:4:4:1", "--tokens", "8", "-L", "2", "--heads", "4",
+                   "--head-size", "8", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    rows = [line for line in out.splitlines() if line.startswith("sglang_mha ")]
+    assert [line.split()[1:3] for line in rows] == [["hicache_page_unified_grouped", "g=2"],
+                                                    ["hicache_page_unified_grouped", "g=1"]]
+    assert all(line.split()[-1] == f"{8 * 2 * 2 * 4 * 8}/{8 * 2 * 2 * 4 * 8}" for line in rows)
+
+
+def test_the_default_group_size_splits_no_rank_and_no_route() -> None:
+    assert bench_remote.group_size(8, (1, 1)) == 2
+    assert bench_remote.group_size(8, (2, 4)) == 2
+    assert bench_remote.group_size(8, (1, 8)) == 1  # one head a destination rank
+    assert bench_remote.group_size(6, (1, 1)) == 2
+    assert bench_remote.group_size(6, (1, 2)) == 1  # three heads a rank
+
+
 def test_bad_shapes_are_refused() -> None:
-    with pytest.raises(argparse.ArgumentTypeError, match="SRC_TP:DST_TP:SRC_N:DST_N"):
-        bench_remote.shapes("2:4")
+    for text in ("2:4", "2:4:16:16:2:2", "2:4:16:16:0"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"SRC_TP:DST_TP:SRC_N:DST_N\[:G\]"):
+            bench_remote.shapes(text)
+    assert bench_remote.shapes("1:1:16:16,2:4:16:32:4") == [(1, 1, 16, 16, None), (2, 4, 16, 32, 4)]

@@ -130,9 +130,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure P/D transfers through NIXL instead (kvgen.remote plans between two agents, beside "
                         "NIXL's 4 MiB-descriptor copy and memcpy of the same bytes) for these layout pairs, at the "
                         "largest --tokens and each --remote-shapes")
-    p.add_argument("--remote-shapes", default="1:1:16:16,2:4:16:32,4:2:16:16", metavar="TP:TP:N:N,...",
-                   help="source TP, destination TP, source and destination block sizes of each --remote row "
-                        "(default: 1:1:16:16,2:4:16:32,4:2:16:16)")
+    p.add_argument("--remote-shapes", default="1:1:16:16,2:4:16:32,4:2:16:16", metavar="TP:TP:N:N[:G],...",
+                   help="source TP, destination TP, source and destination block sizes of each --remote row, and "
+                        "the heads per group G of a side whose layout holds its heads in groups (default: 2 where "
+                        "every rank's heads are whole groups of 2, else 1) (default: 1:1:16:16,2:4:16:32,4:2:16:16)")
     p.add_argument("--costs", action="store_true",
                    help="measure kvgen.remote's cost model constants on this machine and print them as "
                         "KVGEN_REMOTE_COSTS (with or without --remote)")

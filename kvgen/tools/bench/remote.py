@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvgen import generated, remote
+from kvgen import generated, remote, tp
 from kvgen.integrations import nixl
 from kvgen.tools.pd import run as pd_run
 from kvgen.tools.pd.request import Request, WorkerSide
@@ -45,21 +45,48 @@ class RemoteRow:
 
     def cells(self) -> tuple[str, ...]:
         gbps = self.bytes / self.seconds / 1e9
-        return (self.req.src.layout, self.req.dst.layout, f"{self.req.src.tp}->{self.req.dst.tp}",
+        src, dst = (f"{s.layout} g={s.g}" if pd_run.grouped(s.layout) else s.layout
+                    for s in (self.req.src, self.req.dst))
+        return (src, dst, f"{self.req.src.tp}->{self.req.dst.tp}",
                 f"{self.req.src.N}->{self.req.dst.N}", self.strategy, str(self.count),
                 f"{self.bytes / max(self.count, 1):.0f}", f"{self.plan_ms:.2f}", f"{gbps:.2f}",
                 f"{self.plain / self.seconds:.2f}", f"{self.memcpy / self.seconds:.2f}",
                 f"{self.elements - self.wrong}/{self.elements}")
 
 
-def shapes(text: str) -> list[tuple[int, int, int, int]]:
-    out = []
+#: One row's shape: source and destination TP sizes and block sizes, and the heads per group of
+#: a side that holds its heads in groups (None: the default, `group_size`).
+Shape = tuple[int, int, int, int, int | None]
+
+
+def shapes(text: str) -> list[Shape]:
+    out: list[Shape] = []
     for item in (t.strip() for t in text.split(",") if t.strip()):
         parts = item.split(":")
-        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise argparse.ArgumentTypeError(f"--remote-shapes takes SRC_TP:DST_TP:SRC_N:DST_N,..., got {item!r}")
-        out.append(tuple(int(p) for p in parts))  # type: ignore[arg-type]
+        if len(parts) not in (4, 5) or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"--remote-shapes takes SRC_TP:DST_TP:SRC_N:DST_N[:G],..., got {item!r}")
+        s_tp, d_tp, s_n, d_n, *g = (int(p) for p in parts)
+        out.append((s_tp, d_tp, s_n, d_n, g[0] if g else None))
     return out
+
+
+def group_size(heads: int, tps: tuple[int, int]) -> int:
+    """Heads per group of a side that holds its heads in groups, where a row does not say: 2, as
+    SGLang's page_unified pool with head groups of two heads, where every rank of both sides has
+    whole groups of two (so no route cuts a group); else 1."""
+    return 2 if all(tp.local_heads(heads, n) % 2 == 0 for n in tps) else 1
+
+
+def request(pair: str, shape: Shape, args: argparse.Namespace) -> Request:
+    """The request of one row: the `SRC:DST` pair at `shape`, each side in head groups where its
+    layout holds its heads in groups."""
+    src, _, dst = pair.partition(":")
+    s_tp, d_tp, s_n, d_n, g = shape
+    g = group_size(args.heads, (s_tp, d_tp)) if g is None else g
+    sides = [WorkerSide(layout, n_tp, n, g if pd_run.grouped(generated.resolve(layout)) else 1)
+             for layout, n_tp, n in ((src, s_tp, s_n), (dst, d_tp, d_n))]
+    return Request(*sides, max(args.tokens), args.layers, args.heads, args.head_size, args.dtype,
+                   repeats=args.repeats)
 
 
 def _memcpy(nbytes: int, repeats: int) -> float:
@@ -169,11 +196,8 @@ def main(args: argparse.Namespace) -> int:
         print("KVGEN_REMOTE_COSTS=" + json.dumps(vars(costs(agents, args.repeats))))
     rows = []
     for pair in args.remote or []:
-        src, _, dst = pair.partition(":")
-        for s_tp, d_tp, s_n, d_n in args.remote_shapes:
-            req = Request(WorkerSide(src, s_tp, s_n), WorkerSide(dst, d_tp, d_n), max(args.tokens),
-                             args.layers, args.heads, args.head_size, args.dtype, repeats=args.repeats)
-            rows.append(row(pd_run.check(req), agents))
+        for shape in args.remote_shapes:
+            rows.append(row(pd_run.check(request(pair, shape, args)), agents))
     if rows:
         table = [HEADERS, *(r.cells() for r in rows)]
         widths = [max(len(line[k]) for line in table) for k in range(len(HEADERS))]
@@ -182,4 +206,4 @@ def main(args: argparse.Namespace) -> int:
     return 0 if all(r.wrong == 0 for r in rows) else 1
 
 
-__all__ = ["DEFAULT_SHAPES", "HEADERS", "RemoteRow", "costs", "main", "row", "shapes"]
+__all__ = ["DEFAULT_SHAPES", "HEADERS", "RemoteRow", "Shape", "costs", "group_size", "main", "request", "row", "shapes"]

@@ -29,7 +29,8 @@ def _mla(layout: str) -> bool:
     return not paged.has("H") and paged.head_split is None
 
 
-def _grouped(layout: str) -> bool:
+def grouped(layout: str) -> bool:
+    """Whether `layout` holds its heads in groups (a head split of a size read from the cache)."""
     return remote.layout_of(layout)[0].head_split is not None
 
 
@@ -37,7 +38,7 @@ def extents(req: Request, s: WorkerSide) -> dict[str, int]:
     blocks = math.ceil(req.tokens / s.N) * 5 // 4 + 1  # room, so a block table is scattered
     heads = 1 if _mla(s.layout) else tp.local_heads(req.heads, s.tp)
     ext = {"L": req.layers, "KV": 2, "H": heads, "C": req.head_size, "N": s.N, "B": blocks, "S": blocks * s.N}
-    return {**ext, PLACE: s.g} if _grouped(s.layout) else ext
+    return {**ext, PLACE: s.g} if grouped(s.layout) else ext
 
 
 def caches(req: Request, s: WorkerSide, rank: int, fill: bool) -> Any:
@@ -242,9 +243,9 @@ def check(req: Request) -> Request:
         replace(req.dst, layout=generated.resolve(req.dst.layout))
     generated.transfer(src.layout, dst.layout)  # the check's expected caches need it; names the partners
     for s in (src, dst):
-        if not _grouped(s.layout) and s.g != 1:
+        if not grouped(s.layout) and s.g != 1:
             raise KVGenError(f"{s.layout} does not hold its heads in groups: g= is for a cache that does")
-        if _grouped(s.layout) and tp.local_heads(req.heads, s.tp) % s.g:
+        if grouped(s.layout) and tp.local_heads(req.heads, s.tp) % s.g:
             raise KVGenError(f"{s.layout}: {tp.local_heads(req.heads, s.tp)} heads a rank (--heads {req.heads}, "
                              f"tp={s.tp}) are not whole groups of g={s.g}")
     for route in tp.plan(req.heads, src.tp, dst.tp, mla=_mla(src.layout)):
@@ -254,5 +255,5 @@ def check(req: Request) -> Request:
     return replace(req, src=src, dst=dst)
 
 
-__all__ = ["caches", "check", "expected", "extents", "loaded", "plain_read", "planned_best", "run", "slots",
+__all__ = ["caches", "check", "expected", "extents", "grouped", "loaded", "plain_read", "planned_best", "run", "slots",
            "wrong_elements"]
