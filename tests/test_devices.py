@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from code_rules import SOURCE_TREES_GROUP, source_tree
 from harness import (
     EXT,
     SCENARIOS,
@@ -223,12 +224,11 @@ def test_recording_backend_with_a_device_and_threads() -> None:
     assert ("copy", "main") in backend.events and ("sync", "main") in backend.events
 
 
+@pytest.mark.xdist_group(SOURCE_TREES_GROUP)  # with test_architecture, which parses these modules too
 def test_generated_code_talks_to_devices_only_through_the_runtime() -> None:
     """One connector serves every device: no generated module names a device API."""
     import ast
     from pathlib import Path
-
-    from code_rules import source_tree  # parsed once a process: test_architecture reads them too
 
     folder = Path(generated.__file__).parent
     for path in folder.glob("*.py"):
