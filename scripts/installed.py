@@ -10,6 +10,9 @@ where only an absent package makes them skip.
                                            EXTRA ("" for none) met
     installed.py pinned NAME==VERSION ...  each NAME at VERSION (NAME>=VERSION: at least it),
                                            and each bare NAME installed
+    installed.py requirements CHECKOUT EXTRA
+                                           every requirement of CHECKOUT's pyproject.toml, and
+                                           of its EXTRA, met (kvgen itself aside)
 
 Exit status 0: installed; 1: set-up has work to do (a line on stderr says what).
 """
@@ -62,6 +65,20 @@ def kvgen_problem(checkout: str, extra: str) -> str | None:
     return None
 
 
+def requirements_problem(checkout: str, extra: str) -> str | None:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: pip's copy of tomli
+        from pip._vendor import tomli as tomllib
+    project = tomllib.loads((Path(checkout) / "pyproject.toml").read_text("utf-8"))["project"]
+    wanted = [*project.get("dependencies", []), *project.get("optional-dependencies", {}).get(extra, [])]
+    for requirement in wanted:
+        problem = _missing_requirement(requirement, extra)
+        if problem:
+            return problem
+    return None
+
+
 def pinned_problem(wanted: list[str]) -> str | None:
     for item in wanted:
         name, op, version = (item.partition(">=") if ">=" in item else item.partition("=="))
@@ -79,6 +96,8 @@ def pinned_problem(wanted: list[str]) -> str | None:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["kvgen"] and len(argv) == 3:
         problem = kvgen_problem(argv[1], argv[2])
+    elif argv[:1] == ["requirements"] and len(argv) == 3:
+        problem = requirements_problem(argv[1], argv[2])
     elif argv[:1] == ["pinned"] and len(argv) > 1:
         problem = pinned_problem(argv[1:])
     else:

@@ -190,6 +190,23 @@ def test_set_up_finds_kvgen_installed_from_this_checkout_by_its_metadata(tmp_pat
     assert "pyproject.toml changed" in _installed(site, "kvgen", str(checkout), "").stderr
 
 
+def test_set_up_installs_kvgen_alone_where_its_requirements_are_met(tmp_path: Path) -> None:
+    """Before an editable install, the checkout's own pyproject.toml says whether pip has any
+    requirement left to install (else it installs kvgen with --no-deps)."""
+    checkout, site = tmp_path / "checkout", tmp_path / "site"
+    checkout.mkdir()
+    (checkout / "pyproject.toml").write_text(
+        '[project]\ndependencies = ["dep-kvgen-test>=1"]\n'
+        '[project.optional-dependencies]\ntest = ["extra-kvgen-test==2.0"]\n')
+    _dist(site, "dep-kvgen-test", "1.5")
+    assert _installed(site, "requirements", str(checkout), "").returncode == 0
+    missing = _installed(site, "requirements", str(checkout), "test")
+    assert missing.returncode == 1 and "extra-kvgen-test is not installed" in missing.stderr
+    _dist(site, "extra-kvgen-test", "2.1")
+    other = _installed(site, "requirements", str(checkout), "test")
+    assert other.returncode == 1 and "extra-kvgen-test 2.1 does not meet ==2.0" in other.stderr
+
+
 def test_set_up_finds_pinned_packages_by_their_metadata(tmp_path: Path) -> None:
     site = tmp_path / "site"
     _dist(site, "engine-kvgen-test", "2.14.1+cu128")
