@@ -229,23 +229,18 @@ class Bytes:
         self.data = torch.cat(raw) if raw else torch.empty(0, dtype=torch.uint8)
 
     def offsets(self, address: ByteAddress, list_sizes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tensor number, byte in the whole) of a ByteAddress of index grids; tensors are
-        numbered in path order over `list_sizes`, and those reached must share a shape."""
+        """(tensor number, byte in the whole) of a ByteAddress of index grids (and ints); tensors
+        are numbered in path order over `list_sizes`, and those reached must share a shape."""
         path, index, byte = address
-        number = torch.zeros((), dtype=torch.long)
-        for i, n in zip(path, list_sizes, strict=True):
-            number = number * n + torch.as_tensor(i)
-        reached = {self.shapes[k] for k in number.unique().tolist()}
+        number = _flat_index(path, list_sizes)
+        numbers = number.unique().tolist() if isinstance(number, torch.Tensor) else [number]
+        reached = {self.shapes[k] for k in numbers}
         if len(reached) != 1:
             raise AssertionError(f"one plane's values lie in tensors of shapes {sorted(reached)}")
-        shape, item = reached.pop(), self.items[int(number.reshape(-1)[0])]
-        flat = torch.zeros((), dtype=torch.long)
-        for i, n in zip(index, shape, strict=True):
-            i = torch.as_tensor(i)
-            if bool(((i < 0) | (i >= n)).any()):
-                raise IndexError(f"a value address falls outside an extent of {n}")
-            flat = flat * n + i
-        return number, torch.tensor(self.starts)[number] + flat * item + torch.as_tensor(byte)
+        shape, item = reached.pop(), self.items[numbers[0]]
+        flat = _flat_index(index, shape, checked=True)
+        start = torch.tensor(self.starts)[number] if isinstance(number, torch.Tensor) else self.starts[number]
+        return torch.as_tensor(number), torch.as_tensor(start + flat * item + byte)
 
     def write_back(self) -> None:
         for t, lo, hi, shape in zip(self.tensors, self.starts[:-1], self.starts[1:], self.shapes, strict=True):
@@ -254,6 +249,18 @@ class Bytes:
             if raw.storage_offset() % target.element_size():  # a view as wider words needs them aligned
                 raw = raw.clone()
             target.copy_(raw.view(target.dtype).reshape(shape).to(target.device))
+
+
+def _flat_index(index: Sequence[Any], extents: Sequence[int], checked: bool = False) -> Any:
+    """The row-major flat index of `index` (ints, or index grids that broadcast) over `extents`:
+    an int while every component is one. `checked`: each component within its extent, else
+    IndexError."""
+    flat: Any = 0
+    for i, n in zip(index, extents, strict=True):
+        if checked and (not 0 <= i < n if isinstance(i, int) else bool(((i < 0) | (i >= n)).any())):
+            raise IndexError(f"a value address falls outside an extent of {n}")
+        flat = flat * n + i
+    return flat
 
 
 def _list_sizes(spec: Spec, ext: Extents) -> list[int]:
