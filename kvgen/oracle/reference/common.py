@@ -19,6 +19,18 @@ def leaf(tree: Any, path: Sequence[int]) -> torch.Tensor:
     return tree
 
 
+def flat_index(index: Sequence[Any], extents: Sequence[int], what: str = "an address") -> Any:
+    """The row-major flat index of `index` (index grids that broadcast, or ints, which stay ints:
+    one torch op each would cost more than the arithmetic) over `extents`, each component
+    checked to lie within its extent (else IndexError, naming `what`)."""
+    flat: Any = 0
+    for i, n in zip(index, extents, strict=True):
+        if not 0 <= i < n if isinstance(i, int) else bool(((i < 0) | (i >= n)).any()):
+            raise IndexError(f"{what} falls outside an extent of {n}")
+        flat = flat * n + i
+    return flat
+
+
 def put_last(dst: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
     """dst[where] = values, where a position written twice keeps the later value (as a loop would)."""
     where, values = where.reshape(-1), values.reshape(-1)

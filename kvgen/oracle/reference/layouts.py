@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kvgen.oracle.address import element_address, stored_slots
-from kvgen.oracle.reference.common import Span, leaf, one_thread, put_last, tokens
+from kvgen.oracle.reference.common import Span, flat_index, leaf, one_thread, put_last, tokens
 from kvgen.runtime.ops import bits
 from kvgen.spec.model import Spec
 
@@ -68,13 +68,8 @@ def element_positions(spec: Spec, coords: Mapping[str, Any], ext: Extents, shape
     in leaf_paths order, each leaf in index order: element_address evaluated on every
     element at once, each index checked against the extent it indexes."""
     path, index = element_address(spec, coords, ext)
-    flat = torch.zeros((), dtype=torch.long)
-    for i, n in zip((*path, *index), (*(ext[a] for a in spec.lists), *shape), strict=True):
-        i = torch.as_tensor(i)
-        if bool(((i < 0) | (i >= n)).any()):
-            raise IndexError(f"{spec.name}: an element address falls outside an extent of {n}")
-        flat = flat * n + i
-    return flat
+    extents = (*(ext[a] for a in spec.lists), *shape)
+    return torch.as_tensor(flat_index((*path, *index), extents, f"{spec.name}: an element address"))
 
 
 def flat_bits(tree: Any, paths: list[tuple[int, ...]]) -> tuple[torch.Tensor, tuple[int, ...]]:

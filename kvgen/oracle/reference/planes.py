@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvgen.oracle.address import ByteAddress, ObjectAddresses, part_width, plane_address, plane_count
-from kvgen.oracle.reference.common import Span, leaf, one_thread, put_last, tokens
+from kvgen.oracle.reference.common import Span, flat_index, leaf, one_thread, put_last, tokens
 from kvgen.runtime.ops import bits
 from kvgen.spec.elements import split_extents, tiled
 from kvgen.spec.model import ITEMSIZE, PART_LEVEL, Part, Plane, Spec
@@ -232,13 +232,13 @@ class Bytes:
         """(tensor number, byte in the whole) of a ByteAddress of index grids (and ints); tensors
         are numbered in path order over `list_sizes`, and those reached must share a shape."""
         path, index, byte = address
-        number = _flat_index(path, list_sizes)
+        number = flat_index(path, list_sizes, "a value's tensor number")
         numbers = number.unique().tolist() if isinstance(number, torch.Tensor) else [number]
         reached = {self.shapes[k] for k in numbers}
         if len(reached) != 1:
             raise AssertionError(f"one plane's values lie in tensors of shapes {sorted(reached)}")
         shape, item = reached.pop(), self.items[numbers[0]]
-        flat = _flat_index(index, shape, checked=True)
+        flat = flat_index(index, shape, "a value address")
         start = torch.tensor(self.starts)[number] if isinstance(number, torch.Tensor) else self.starts[number]
         return torch.as_tensor(number), torch.as_tensor(start + flat * item + byte)
 
@@ -249,18 +249,6 @@ class Bytes:
             if raw.storage_offset() % target.element_size():  # a view as wider words needs them aligned
                 raw = raw.clone()
             target.copy_(raw.view(target.dtype).reshape(shape).to(target.device))
-
-
-def _flat_index(index: Sequence[Any], extents: Sequence[int], checked: bool = False) -> Any:
-    """The row-major flat index of `index` (ints, or index grids that broadcast) over `extents`:
-    an int while every component is one. `checked`: each component within its extent, else
-    IndexError."""
-    flat: Any = 0
-    for i, n in zip(index, extents, strict=True):
-        if checked and (not 0 <= i < n if isinstance(i, int) else bool(((i < 0) | (i >= n)).any())):
-            raise IndexError(f"a value address falls outside an extent of {n}")
-        flat = flat * n + i
-    return flat
 
 
 def _list_sizes(spec: Spec, ext: Extents) -> list[int]:
