@@ -62,23 +62,29 @@ def test_an_nhd_block_is_one_run_and_a_split_content_is_not() -> None:
     nhd = _rendered("vllm_flash_attn_nhd__kv_2ltd")
     blocks, tokens = nhd.path("blocks"), nhd.path("tokens")
     assert blocks is not None and tokens is not None
-    assert blocks.store == ("KV", "L", "B", "N", "H", "C") and blocks.store_run == ("N", "H", "C")
+    assert blocks.store == ("L", "KV", "B", "N", "H", "C") and blocks.store_run == ("N", "H", "C")
     assert blocks.load == ("KV", "L", "B", "N", "H", "C") and blocks.load_run == ("N", "H", "C")
-    assert tokens.store == ("KV", "L", "T", "H", "C") and tokens.store_run == ("H", "C")
+    assert tokens.store == ("L", "KV", "T", "H", "C") and tokens.store_run == ("H", "C")
     lbnhc = _rendered("vllm_lbnhc__kv_2ltd")
     assert lbnhc.cache_places[-2:] == (("KV", 3, ("C",)), ("C", 3, ()))
     assert all(p.store_run == ("C",) and p.load_run == ("C",) for p in lbnhc.paths)
 
-def test_both_directions_walk_the_object_front_to_back() -> None:
-    """A store writes the object in its own axis order and a load reads it in that order too:
-    walking the cache's order instead reads a per-layer object in pieces a stride apart."""
-    for module in (m for m in PLANS if isinstance(PLANS[m], CopyPlan)):
-        program = _rendered(module)
+def test_each_direction_walks_the_side_it_reads_front_to_back() -> None:
+    """A load reads the object in the object's axis order, a store the cache in the cache's (its
+    list levels, then its leaf's axes): walking the other side's order reads a stride apart."""
+    programs = [(m, q) for m in PLANS for q in (_rendered(m).planes or (_rendered(m),))]
+    assert len({m for m, q in programs if q.paths and not isinstance(PLANS[m], CopyPlan)}) > 10  # several planes too
+    for module, program in programs:
         objects = [place[0] for place in program.object_places]
+        cache = [*program.cache_lists, *(place[0] for place in program.cache_places)]
+        block = "S" if program.folded else "B"
         for path in program.paths:
-            assert path.load == path.store, (module, path.name)
-            ranks = [objects.index("T" if d in ("B", "N") else d) for d in path.store if d != "L" or "L" in objects]
+            slot = {"B", "N", *program.slot_split}  # at the object's T
+            ranks = [objects.index("T" if d in slot else d) for d in path.load if d != "L" or "L" in objects]
+            assert ranks == sorted(ranks), (module, path.name, path.load)
+            ranks = [cache.index(block if d in ("B", "T") else d) for d in path.store]
             assert ranks == sorted(ranks), (module, path.name, path.store)
+            assert sorted(path.store) == sorted(path.load), (module, path.name)
 
 
 def test_a_folded_slot_axis_has_the_token_path_only() -> None:

@@ -150,27 +150,54 @@ def copy_program(cp: tuple[Place, ...], lists: tuple[str, ...], op: tuple[Place,
         fields += (("slot_split", split),)
     if dict(fields)["compiled"] is not None:
         return ProgramPlan(fields, ())
-    # Both directions walk the object's axis order, so the object (the contiguous side) is
-    # written front to back by a store and read front to back by a load. A load that walked
-    # the cache's order instead read the object in pieces of one token's K or V, a stride
-    # apart, and took 1.3-1.7x as long on the CPU (vLLM and SGLang layouts, per-layer objects,
-    # 2048 tokens, 2 vCPUs shared with other jobs; the bare kernel 2x at 256 and 2048 tokens).
-    # B and N sit at the token's place, blocks outside slots; a split N's tile outside its place
-    # (the object's tokens of a block viewed as tile x place).
-    okey = {a: (objs.index(a), 0) for a in shared}
     if slotless:
         names: tuple[tuple[str, tuple[str, ...]], ...] = (("plane", shared),)
     else:
-        t = objs.index("T")
-        okey.update(B=(t, 0), T=(t, 0), **{a: (t, 1 + k) for k, a in enumerate(slot)})
         names = ((("blocks", ("B", *slot, *shared)),) if not folded else ()) + (("tokens", ("T", *shared)),)
+    okey, ckey = _object_key(objs, shared, slot, slotless), _leaf_key(cache, lists, shared, slot, slotless)
     sides: tuple[Side, ...] = ((cache, lists, "N"), (objs, (), "T"))
     paths = []
     for name, dims in names:
-        store = load = _order(dims, okey)
+        store, load = _order(dims, ckey), _order(dims, okey)
         paths.append((("name", name), ("store", store), ("load", load),
                       ("store_run", _run(store, sides, units)), ("load_run", _run(load, sides, units))))
     return ProgramPlan(fields, tuple(paths))
+
+
+# Each direction walks the order of the side it reads, which it reads front to back: a load the
+# object's (_object_key), a store the cache's (_leaf_key), as transfers walk their source's.
+# Reads a stride apart stall the walk until each line arrives; writes a stride apart do not. A
+# load that walked the cache's order read the object in pieces of one token's K or V, a stride
+# apart, and took 1.3-1.7x as long on the CPU (vLLM and SGLang layouts, per-layer objects, 2048
+# tokens, 2 vCPUs shared with other jobs; the bare kernel 2x at 256 and 2048 tokens). A store
+# that walked the object's order read the cache a head's stride apart: x memcpy at 2048 tokens,
+# medians of three runs, NVFP4 pages 0.57 then 0.77 in the cache's order, int8 per token and
+# head 0.69 then 0.94, HND per layer 0.89 then 1.11 (benchmarks/RESULTS.md, "Stores walk the
+# cache's order").
+
+
+def _object_key(objs: tuple[str, ...], shared: tuple[str, ...], slot: tuple[str, ...],
+                slotless: bool) -> dict[str, tuple[int, int]]:
+    """Each dim's place in the object: B and N at the token's place, blocks outside slots, a
+    split N's tile outside its place (the object's tokens of a block viewed as tile x place)."""
+    key = {a: (objs.index(a), 0) for a in shared}
+    if not slotless:
+        t = objs.index("T")
+        key.update(B=(t, 0), T=(t, 0), **{a: (t, 1 + k) for k, a in enumerate(slot)})
+    return key
+
+
+def _leaf_key(cache: tuple[str, ...], lists: tuple[str, ...], shared: tuple[str, ...], slot: tuple[str, ...],
+              slotless: bool) -> dict[str, tuple[int, int]]:
+    """Each dim's place in the cache: its list levels first, then its leaf's axes; a block and a
+    single token at the block's (or folded slot's) place, a block slot's axes at their own."""
+    def at(axis: str) -> tuple[int, int]:
+        return (lists.index(axis), 0) if axis in lists else (len(lists) + cache.index(axis), 0)
+
+    key = {a: at(a) for a in (*shared, *slot)}
+    if not slotless:
+        key["B"] = key["T"] = at("S" if "S" in cache else "B")
+    return key
 
 
 def planes_program(plan: PlanesPlan) -> ProgramPlan:

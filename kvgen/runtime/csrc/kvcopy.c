@@ -88,16 +88,9 @@ typedef struct {
 } kv_job;
 
 #if defined(__SSE2__)
-/* `run` bytes with 16-byte streaming stores: the unaligned head and the tail by memcpy. */
-static void kv_stream(char *dst, const char *src, int64_t run) {
-    int64_t head = (int64_t)((16 - ((uintptr_t)dst & 15)) & 15);
-    if (head > run)
-        head = run;
-    memcpy(dst, src, (size_t)head);
-    dst += head;
-    src += head;
-    run -= head;
-    int64_t body = run & ~(int64_t)63;
+/* `body` bytes, a multiple of 64, to a 16-byte aligned `dst` with streaming stores. Inline: an
+ * NVFP4 head's 64 data bytes are one call of this, a million of them per chunk. */
+static inline void kv_stream_lines(char *dst, const char *src, int64_t body) {
     for (int64_t b = 0; b < body; b += 64) {
         __m128i w0 = _mm_loadu_si128((const __m128i *)(src + b));
         __m128i w1 = _mm_loadu_si128((const __m128i *)(src + b + 16));
@@ -108,6 +101,19 @@ static void kv_stream(char *dst, const char *src, int64_t run) {
         _mm_stream_si128((__m128i *)(dst + b + 32), w2);
         _mm_stream_si128((__m128i *)(dst + b + 48), w3);
     }
+}
+
+/* `run` bytes with 16-byte streaming stores: the unaligned head and the tail by memcpy. */
+static void kv_stream(char *dst, const char *src, int64_t run) {
+    int64_t head = (int64_t)((16 - ((uintptr_t)dst & 15)) & 15);
+    if (head > run)
+        head = run;
+    memcpy(dst, src, (size_t)head);
+    dst += head;
+    src += head;
+    run -= head;
+    int64_t body = run & ~(int64_t)63;
+    kv_stream_lines(dst, src, body);
     memcpy(dst + body, src + body, (size_t)(run - body));
 }
 #endif
@@ -134,7 +140,11 @@ static inline void kv_fence(const kv_job *job) {
  * saves), short runs of whole 16-byte words inline (no call), others by memcpy. */
 static inline void kv_copy(char *dst, const char *src, int64_t run, int stream) {
 #if defined(__SSE2__)
-    if (stream && (run >= 256 || ((run & 63) == 0 && ((uintptr_t)dst & 63) == 0))) {
+    if (stream && (run & 63) == 0 && ((uintptr_t)dst & 63) == 0) { /* whole lines: no head, no tail */
+        kv_stream_lines(dst, src, run);
+        return;
+    }
+    if (stream && run >= 256) {
         kv_stream(dst, src, run);
         return;
     }
