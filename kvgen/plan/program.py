@@ -171,9 +171,10 @@ def copy_program(cp: tuple[Place, ...], lists: tuple[str, ...], op: tuple[Place,
 # apart, and took 1.3-1.7x as long on the CPU (vLLM and SGLang layouts, per-layer objects, 2048
 # tokens, 2 vCPUs shared with other jobs; the bare kernel 2x at 256 and 2048 tokens). A store
 # that walked the object's order read the cache a head's stride apart: x memcpy at 2048 tokens,
-# medians of three runs, NVFP4 pages 0.57 then 0.77 in the cache's order, int8 per token and
-# head 0.69 then 0.94, HND per layer 0.89 then 1.11 (benchmarks/RESULTS.md, "Stores walk the
-# cache's order").
+# one build with only the PROGRAM's store order swapped, three runs of each in turn, NVFP4 pages
+# 0.51-0.64 then 0.64-0.73 in the cache's order, int8 per token and head 0.57-0.67 then
+# 0.68-0.79, HND per layer 0.72-0.79 then 0.94-0.98, HND whole 0.96-1.13 then 1.14-1.22
+# (benchmarks/RESULTS.md, "Stores walk the cache's order").
 
 
 def _object_key(objs: tuple[str, ...], shared: tuple[str, ...], slot: tuple[str, ...],
