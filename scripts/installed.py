@@ -46,6 +46,11 @@ def _missing_requirement(requirement: str, extra: str) -> str | None:
     return None
 
 
+def _first_missing(requirements: list[str], extra: str) -> str | None:
+    """What the first unmet requirement lacks, or None."""
+    return next((p for p in (_missing_requirement(r, extra) for r in requirements) if p), None)
+
+
 def kvgen_problem(checkout: str, extra: str) -> str | None:
     try:
         dist = metadata.distribution("kvgen")
@@ -58,11 +63,7 @@ def kvgen_problem(checkout: str, extra: str) -> str | None:
     record = Path(str(dist.locate_file(f"kvgen-{dist.version}.dist-info/METADATA")))
     if not record.is_file() or record.stat().st_mtime < os.stat(here / "pyproject.toml").st_mtime:
         return "pyproject.toml changed since kvgen was installed"
-    for requirement in dist.requires or []:
-        problem = _missing_requirement(requirement, extra)
-        if problem:
-            return problem
-    return None
+    return _first_missing(dist.requires or [], extra)
 
 
 def requirements_problem(checkout: str, extra: str) -> str | None:
@@ -72,11 +73,7 @@ def requirements_problem(checkout: str, extra: str) -> str | None:
         from pip._vendor import tomli as tomllib
     project = tomllib.loads((Path(checkout) / "pyproject.toml").read_text("utf-8"))["project"]
     wanted = [*project.get("dependencies", []), *project.get("optional-dependencies", {}).get(extra, [])]
-    for requirement in wanted:
-        problem = _missing_requirement(requirement, extra)
-        if problem:
-            return problem
-    return None
+    return _first_missing(wanted, extra)
 
 
 def pinned_problem(wanted: list[str]) -> str | None:

@@ -154,7 +154,7 @@ def copy_program(cp: tuple[Place, ...], lists: tuple[str, ...], op: tuple[Place,
         names: tuple[tuple[str, tuple[str, ...]], ...] = (("plane", shared),)
     else:
         names = ((("blocks", ("B", *slot, *shared)),) if not folded else ()) + (("tokens", ("T", *shared)),)
-    okey, ckey = _object_key(objs, shared, slot, slotless), _leaf_key(cache, lists, shared, slot, slotless)
+    okey, ckey = _object_key(objs, shared, slot, slotless), _cache_key(cache, lists, shared, slot)
     sides: tuple[Side, ...] = ((cache, lists, "N"), (objs, (), "T"))
     paths = []
     for name, dims in names:
@@ -165,7 +165,7 @@ def copy_program(cp: tuple[Place, ...], lists: tuple[str, ...], op: tuple[Place,
 
 
 # Each direction walks the order of the side it reads, which it reads front to back: a load the
-# object's (_object_key), a store the cache's (_leaf_key), as transfers walk their source's.
+# object's (_object_key), a store the cache's (_cache_key), as transfers walk their source's.
 # Reads a stride apart stall the walk until each line arrives; writes a stride apart do not. A
 # load that walked the cache's order read the object in pieces of one token's K or V, a stride
 # apart, and took 1.3-1.7x as long on the CPU (vLLM and SGLang layouts, per-layer objects, 2048
@@ -185,19 +185,6 @@ def _object_key(objs: tuple[str, ...], shared: tuple[str, ...], slot: tuple[str,
     if not slotless:
         t = objs.index("T")
         key.update(B=(t, 0), T=(t, 0), **{a: (t, 1 + k) for k, a in enumerate(slot)})
-    return key
-
-
-def _leaf_key(cache: tuple[str, ...], lists: tuple[str, ...], shared: tuple[str, ...], slot: tuple[str, ...],
-              slotless: bool) -> dict[str, tuple[int, int]]:
-    """Each dim's place in the cache: its list levels first, then its leaf's axes; a block and a
-    single token at the block's (or folded slot's) place, a block slot's axes at their own."""
-    def at(axis: str) -> tuple[int, int]:
-        return (lists.index(axis), 0) if axis in lists else (len(lists) + cache.index(axis), 0)
-
-    key = {a: at(a) for a in (*shared, *slot)}
-    if not slotless:
-        key["B"] = key["T"] = at("S" if "S" in cache else "B")
     return key
 
 
@@ -249,14 +236,20 @@ def _continued(expr: str) -> list[str]:
     return [f"    {parts[0]}", *(f"        {p}" for p in parts[1:-1]), f"        {parts[-1]},"]
 
 
-def _cache_key(spec: Spec, places_: tuple[Place, ...], shared: tuple[str, ...]) -> dict[str, tuple[int, int]]:
-    """Each dim's place in a cache: its list levels first, then its leaf's axes; blocks and
-    single tokens at its block (or folded slot) axis, block slots just inside."""
-    lists, axes = spec.lists, tuple(p[0] for p in places_)
-    key = {a: ((lists.index(a), 0) if a in lists else (len(lists) + axes.index(a), 0)) for a in shared}
-    folded = "S" in axes
-    slot = len(lists) + axes.index("S" if folded else "B")
-    key.update(B=(slot, 0), T=(slot, 0), N=(slot, 1) if folded else (len(lists) + axes.index("N"), 0))
+def _cache_key(cache: tuple[str, ...], lists: tuple[str, ...], shared: tuple[str, ...],
+               slot: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """Each dim's place in a cache: its list levels first, then its leaf's axes; a block and a
+    single token at its block (or folded slot) axis, a block slot's axes (`slot`) at their own,
+    N just inside a folded slot."""
+    def at(axis: str) -> tuple[int, int]:
+        return (lists.index(axis), 0) if axis in lists else (len(lists) + cache.index(axis), 0)
+
+    key = {a: at(a) for a in (*shared, *slot)}
+    block = "S" if "S" in cache else "B"
+    if block in cache:  # else a plane without slots
+        key["B"] = key["T"] = at(block)
+    if block == "S":
+        key["N"] = (at(block)[0], 1)
     return key
 
 
@@ -291,7 +284,7 @@ def transfer_program(src: Spec, dst: Spec) -> ProgramPlan:
     # order instead took 1.1-1.4x as long on a quiet 2-vCPU host (2048 tokens, L=32, whole: vLLM
     # HND -> NHD 1.12x, NHD -> HiCache page-first 1.32x, whose layers it read from 32 leaves at
     # once; per layer 1.18x and 1.0x).
-    key = _cache_key(src, sp, shared)
+    key = _cache_key(sa, src.lists, shared, ("N",) if "N" in sa else ())
     sides: tuple[Side, ...] = ((sa, src.lists, "S" if "S" in sa else "N"), (da, dst.lists, "S" if "S" in da else "N"))
     paths = []
     for name, dims in (("blocks", ("B", "N", *shared)), ("tokens", ("T", *shared))):
