@@ -232,14 +232,14 @@ def test_generated_code_talks_to_devices_only_through_the_runtime() -> None:
 
     folder = Path(generated.__file__).parent
     for path in folder.glob("*.py"):
-        tree = source_tree(path)
-        imports = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-        imports |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        nodes = list(ast.walk(source_tree(path)))
+        imports = {alias.name for node in nodes if isinstance(node, ast.Import) for alias in node.names}
+        imports |= {node.module for node in nodes if isinstance(node, ast.ImportFrom) and node.module}
         allowed = {"__future__", "enum", "importlib", "typing", "collections.abc", "torch", "kvgen"}
         if path.stem.endswith("_triton"):  # a kernel: one Triton source for every GPU backend
             allowed |= {"triton", "triton.language", "kvgen.runtime", "kvgen.runtime.tiles"}
         assert imports <= allowed, path
-        attrs = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+        attrs = {node.attr for node in nodes if isinstance(node, ast.Attribute)
                  and isinstance(node.value, ast.Name) and node.value.id == "torch"}
         assert not attrs & {"cuda", "xpu", "mps"}, f"{path.name} uses torch.{attrs & {'cuda', 'xpu', 'mps'}}"
 

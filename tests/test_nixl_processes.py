@@ -4,6 +4,8 @@ transfer reference, from the prefill ranks' caches regenerated from the seed."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -20,10 +22,36 @@ from tests.remote_harness import LIBRARY
 pytestmark = [pytest.mark.skipif(nixl.unavailable() is not None, reason=str(nixl.unavailable())), pytest.mark.slow]
 
 
-def test_two_processes_move_a_request_between_layouts_tp_and_block_sizes() -> None:
-    req = Request(pd.side("vllm_flash_attn_nhd:tp=2:N=4"), pd.side("vllm_flash_attn_hnd:tp=4:N=8"), tokens=37,
-                     layers=2, heads=4, head_size=8, dtype="float32", repeats=1, keep=True)
-    rows = pd_run.run(req)
+def test_the_pd_command_moves_a_request_between_two_processes_layouts_tp_and_block_sizes(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvgen pd` from vLLM's NHD at TP 2, blocks of 4, into HND at TP 4, blocks of 8: what it
+    prints, and every decode rank's cache (sent back) against the independent transfer reference.
+    One pair of processes serves both checks: starting one costs seconds of torch and NIXL."""
+    from kvgen.tools.cli import main
+
+    runs = []
+
+    def run_keeping_caches(req: Request) -> list[dict]:
+        runs.append(dataclasses.replace(req, keep=True))
+        rows = real_run(runs[-1])
+        runs.append(rows)
+        return rows
+
+    real_run = pd_run.run
+    monkeypatch.setattr(pd_run, "run", run_keeping_caches)
+    status = main(["pd", "--src", "vllm_flash_attn_nhd:tp=2:N=4", "--dst", "vllm_flash_attn_hnd:tp=4:N=8",
+                   "--tokens", "37", "-L", "2", "--heads", "4", "--head-size", "8", "--dtype", "float32",
+                   "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    lines = out.splitlines()
+    assert lines[0].startswith("vllm_flash_attn_nhd tp=2 N=4 -> vllm_flash_attn_hnd tp=4 N=8, 37 tokens")
+    assert sum(1 for line in lines if line.startswith("  decode rank ")) == 4
+    total = 37 * 2 * 2 * 4 * 8
+    assert f"{total}/{total} elements right" in lines
+    assert lines[-1].startswith("throughput ") and "4 MiB-descriptor copy" in lines[-1]
+
+    req, rows = runs
     assert [r["rank"] for r in rows] == [0, 1, 2, 3]
     sources = [pd_run.caches(req, req.src, r, True) for r in range(req.src.tp)]
     s_ext, d_ext = pd_run.extents(req, req.src), pd_run.extents(req, req.dst)
@@ -42,24 +70,6 @@ def test_two_processes_move_a_request_between_layouts_tp_and_block_sizes() -> No
         assert not torch.equal(got[0], torch.zeros_like(got[0]))
 
 
-def test_the_pd_command_prints_elements_right_strategy_and_throughput(capsys: pytest.CaptureFixture[str]) -> None:
-    """Here between SGLang's device pool and its page_unified host pool in groups of two heads
-    (the other test moves vLLM's NHD into HND)."""
-    from kvgen.tools.cli import main
-
-    status = main(["pd", "--src", "sglang_mha:tp=2:N=4", "--dst", "hicache_page_unified_grouped:tp=2:N=8:g=2",
-                   "--tokens", "21", "-L", "2", "--heads", "4", "--head-size", "8", "--dtype", "float32",
-                   "--repeats", "1"])
-    out = capsys.readouterr().out
-    assert status == 0, out
-    lines = out.splitlines()
-    assert lines[0].startswith("sglang_mha tp=2 N=4 -> hicache_page_unified_grouped tp=2 N=8 g=2, 21 tokens")
-    assert sum(1 for line in lines if line.startswith("  decode rank ")) == 2
-    total = 21 * 2 * 2 * 4 * 8
-    assert f"{total}/{total} elements right" in lines
-    assert lines[-1].startswith("throughput ") and "4 MiB-descriptor copy" in lines[-1]
-
-
 def test_a_side_in_head_groups_names_its_group_size_checked_before_any_process_starts() -> None:
     assert pd.side("hicache_page_unified_grouped:tp=2:N=16:g=2") == \
         WorkerSide("hicache_page_unified_grouped", 2, 16, 2)
@@ -75,3 +85,18 @@ def test_a_side_in_head_groups_names_its_group_size_checked_before_any_process_s
         pd_run.check(request("sglang_mha:tp=4", "hicache_page_unified_grouped:g=2"))
     ok = pd_run.check(request("sglang_mha", "hicache_page_unified_grouped:tp=2:g=2"))
     assert pd_run.extents(ok, ok.dst)["H%"] == 2
+
+
+def test_the_pd_command_names_a_side_s_head_groups(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The header's g=N (the move itself is the test above's; here its rows are stood in for)."""
+    from kvgen.tools.cli import main
+
+    row = {"rank": 0, "strategy": "direct", "why": "stand-in", "count": 1, "plan_ms": 0.1, "bytes": 1 << 20,
+           "seconds": 1e-3, "plain": 1e-3, "elements": 10, "wrong": 0}
+    monkeypatch.setattr(pd_run, "run", lambda req: [dict(row, rank=r) for r in range(req.dst.tp)])
+    assert main(["pd", "--src", "sglang_mha:tp=2:N=4", "--dst", "hicache_page_unified_grouped:tp=2:N=8:g=2",
+                 "--tokens", "21", "-L", "2", "--heads", "4", "--head-size", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("sglang_mha tp=2 N=4 -> hicache_page_unified_grouped tp=2 N=8 g=2, 21 tokens")
+    assert "20/20 elements right" in lines
