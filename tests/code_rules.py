@@ -40,6 +40,13 @@ def source_tree(path: Path) -> ast.Module:
     return ast.parse(path.read_text("utf-8"))
 
 
+@functools.cache
+def source_nodes(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of `path`'s tree, walked once: the import and device rules both look at every
+    node of every generated module."""
+    return tuple(ast.walk(source_tree(path)))
+
+
 def module_name(path: Path) -> str:
     rel = path.relative_to(PACKAGE.parent).with_suffix("")
     parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
@@ -129,7 +136,7 @@ def parameters(f: Function) -> int:
 def classes(paths: list[Path] = SOURCES) -> list[tuple[str, str]]:
     """(name, file:line) of every class defined anywhere in `paths`."""
     return [(node.name, where(p, node.lineno)) for p in paths
-            for node in ast.walk(source_tree(p)) if isinstance(node, ast.ClassDef)]
+            for node in source_nodes(p) if isinstance(node, ast.ClassDef)]
 
 
 # ----------------------------------------------------------------------------- imports

@@ -38,7 +38,7 @@ from code_rules import (
     module_name,
     parameters,
     sites,
-    source_tree,
+    source_nodes,
     third_party,
 )
 
@@ -77,7 +77,7 @@ def stage_of(module: str) -> str:
 def imports(path: Path) -> set[str]:
     """Every module `path` imports, at top level or inside functions."""
     found: set[str] = set()
-    for node in ast.walk(source_tree(path)):
+    for node in source_nodes(path):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from code_rules import SOURCE_TREES_GROUP, source_tree
+from code_rules import SOURCE_TREES_GROUP, source_nodes
 from harness import (
     EXT,
     SCENARIOS,
@@ -232,7 +232,7 @@ def test_generated_code_talks_to_devices_only_through_the_runtime() -> None:
 
     folder = Path(generated.__file__).parent
     for path in folder.glob("*.py"):
-        nodes = list(ast.walk(source_tree(path)))
+        nodes = source_nodes(path)
         imports = {alias.name for node in nodes if isinstance(node, ast.Import) for alias in node.names}
         imports |= {node.module for node in nodes if isinstance(node, ast.ImportFrom) and node.module}
         allowed = {"__future__", "enum", "importlib", "typing", "collections.abc", "torch", "kvgen"}
