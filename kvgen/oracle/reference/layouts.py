@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kvgen.oracle.address import element_address, stored_slots
-from kvgen.oracle.reference.common import Span, flat_index, leaf, one_thread, put_last, tokens
+from kvgen.oracle.reference.common import Span, flat_index, gather, leaf, one_thread, put_last, tokens
 from kvgen.runtime.ops import bits
 from kvgen.spec.model import Spec
 
@@ -128,7 +128,7 @@ def store(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, spa
     m = _matched(paged, obj, ext, kvcaches, objects, replace(span, skip=0))
     if m is not None:
         # each object element is one moved token's, once (distinct chunk rows): a plain scatter
-        m.obj_vals[m.there.reshape(-1)] = m.cache_vals[m.here].reshape(-1).to(m.obj_vals.dtype)
+        m.obj_vals.index_copy_(0, m.there.reshape(-1), gather(m.cache_vals, m.here).to(m.obj_vals.dtype))
         write_back(objects, m.obj_paths, m.obj_vals)
 
 
@@ -137,7 +137,7 @@ def load(paged: Spec, obj: Spec, ext: Extents, kvcaches: Any, objects: Any, span
     """Copy `objects` into the cache at the span's slots (its first `skip` tokens left alone)."""
     m = _matched(paged, obj, ext, kvcaches, objects, span)
     if m is not None:
-        put_last(m.cache_vals, m.here, m.obj_vals[m.there])
+        put_last(m.cache_vals, m.here, gather(m.obj_vals, m.there))
         write_back(kvcaches, m.cache_paths, m.cache_vals)
 
 

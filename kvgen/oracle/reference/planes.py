@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvgen.oracle.address import ByteAddress, ObjectAddresses, part_width, plane_address, plane_count
-from kvgen.oracle.reference.common import Span, flat_index, leaf, one_thread, put_last, tokens
+from kvgen.oracle.reference.common import Span, flat_index, gather, leaf, one_thread, put_last, tokens
 from kvgen.runtime.ops import bits
 from kvgen.spec.elements import split_extents, tiled
 from kvgen.spec.model import ITEMSIZE, PART_LEVEL, Part, Plane, Spec
@@ -171,9 +171,9 @@ def _move(chunk: _PlanesChunk, *, to_cache: bool) -> None:
     for plane in chunk.paged.moved_planes():
         a, b = _plane_bytes(chunk, plane)
         if to_cache:
-            put_last(cache.data, a, objs.data[b])
+            put_last(cache.data, a, gather(objs.data, b))
         else:  # each object byte is one token's, once: a plain scatter
-            objs.data[b.reshape(-1)] = cache.data[a].reshape(-1)
+            objs.data.index_copy_(0, b.reshape(-1), gather(cache.data, a))
     (cache if to_cache else objs).write_back()
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvgen.oracle.reference.common import one_thread, put_last
+from kvgen.oracle.reference.common import gather, one_thread, put_last
 from kvgen.oracle.reference.layouts import element_positions, flat_bits, leaf_paths, write_back
 from kvgen.spec.model import Spec
 
@@ -61,5 +61,5 @@ def transfer(source_side: TransferSide, target_side: TransferSide) -> None:
     here = element_positions(src, {"l": layer, "kv": kv, "h": sh[0] + j, "c": c, "slot": s}, src_ext, src_shape)
     there = element_positions(dst, {"l": layer, "kv": kv, "h": dh[0] + j, "c": c, "slot": d}, dst_ext, dst_shape)
     here, there = torch.broadcast_tensors(here, there)
-    put_last(target, there, source[here])
+    put_last(target, there, gather(source, here))
     write_back(dst_caches, dst_paths, target)
