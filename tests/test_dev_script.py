@@ -138,6 +138,40 @@ def test_the_shared_sglang_venv_is_refused_where_another_user_could_write_it(tmp
     assert not ran.exists()
 
 
+def test_a_sglang_venv_with_pip_of_its_own_is_made_again(tmp_path: Path) -> None:
+    """A checkout's SGLang venv that an earlier set-up made with pip and setuptools of its own (an
+    old setuptools, ahead of the shared venv's on its path, cannot install kvgen editable) is
+    removed and made again without them, then kvgen installed into it and the tests run there."""
+    log, base, venv = tmp_path / "calls", tmp_path / "base", tmp_path / "venv"
+    old_site, new_site = venv / "lib" / "site-packages", tmp_path / "new-site"
+    for folder in (base / "bin", venv / "bin", old_site / "pip", new_site):
+        folder.mkdir(parents=True)
+
+    def shim(path: Path, name: str, site: Path, body: str = "", rc: int = 0) -> None:
+        path.write_text(f'#!/bin/sh\necho "{name} $*" >> {log}\ncase "$*" in *sysconfig*) echo {site}; exit 0;; esac\n'
+                        f'{body}exit {rc}\n')
+        path.chmod(0o755)
+
+    new = tmp_path / "new-python"
+    shim(new, "new", new_site)
+    # the shared venv: installed already; its `venv` makes the checkout's venv with the new python
+    shim(base / "bin" / "python", "base", tmp_path / "base-site",
+         f'case "$*" in *"-m venv --without-pip"*)\n'
+         f'  for d; do :; done; mkdir -p "$d/bin"; cp {new} "$d/bin/python";;\nesac\n')
+    shim(venv / "bin" / "python", "old", old_site, rc=1)  # kvgen from this checkout: not installed there
+    env = {k: v for k, v in os.environ.items() if k != "KVGEN_NO_ENGINES"}
+    done = subprocess.run([str(ROOT / "scripts" / "dev"), "engines"], capture_output=True, text=True, timeout=60,
+                          env={**env, "KVGEN_SGLANG_VENV": str(venv), "KVGEN_SGLANG_BASE": str(base)})
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    calls = log.read_text().splitlines()
+    assert f"base -m venv --without-pip {venv}" in calls, calls
+    assert not (old_site / "pip").exists() and (venv / "bin" / "python").read_text() == new.read_text()
+    installs = [c for c in calls if "pip install" in c]
+    assert installs and all(c.startswith("new ") for c in installs), calls
+    assert any(c.startswith("new -m pytest") and "tests/test_engine_sglang" in c for c in calls), calls
+    assert (new_site / "kvgen-sglang-base.pth").is_file()
+
+
 def test_a_whole_test_run_runs_the_sglang_tests_beside_the_parallel_pass_and_fails_with_them(tmp_path: Path) -> None:
     """With SGLang's venv in place, its engine tests run in the background beside the parallel
     pass and are joined before the serial pass; when they fail, the run fails with their output."""
