@@ -73,11 +73,14 @@ def element_positions(spec: Spec, coords: Mapping[str, Any], ext: Extents, shape
 
 
 def flat_bits(tree: Any, paths: list[tuple[int, ...]]) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """The bits of every leaf, in index order, laid end to end (on the CPU), and the leaf shape."""
+    """The bits of every leaf, in index order, laid end to end (on the CPU), and the leaf shape.
+    One contiguous CPU leaf is its own flat bits (a view, not a copy: write_back then has
+    nothing to do)."""
     shapes = {tuple(leaf(tree, p).shape) for p in paths}
     if len(shapes) != 1:
         raise ValueError(f"leaves of one tree differ in shape: {sorted(shapes)}")
-    return torch.cat([bits(leaf(tree, p)).detach().cpu().reshape(-1) for p in paths]), shapes.pop()
+    flats = [bits(leaf(tree, p)).detach().cpu().reshape(-1) for p in paths]
+    return (flats[0] if len(flats) == 1 else torch.cat(flats)), shapes.pop()
 
 
 def write_back(tree: Any, paths: list[tuple[int, ...]], flat: torch.Tensor) -> None:
@@ -85,7 +88,9 @@ def write_back(tree: Any, paths: list[tuple[int, ...]], flat: torch.Tensor) -> N
     for path in paths:
         raw = bits(leaf(tree, path))
         n = raw.numel()
-        raw.copy_(flat[at:at + n].view(raw.shape))
+        part = flat[at:at + n]
+        if not (raw.is_contiguous() and raw.data_ptr() == part.data_ptr()):  # not a view of this leaf
+            raw.copy_(part.view(raw.shape))
         at += n
 
 
