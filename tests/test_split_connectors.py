@@ -176,10 +176,14 @@ def test_a_program_with_tile_and_place_swapped_fails_the_reference(module: str, 
 
 
 def _swapped_strides(rows: list[list[int]]) -> list[list[int]]:
-    """The kernel's dims of a split slot with its tile's and place's cache strides swapped, both paths."""
+    """A token dim (kvcopy.c's fields: ext, idx, first, div, cs, cs2, tok, os, ls, div2, cs3) of a
+    split slot with its tile's (cs2) and place's (cs3) cache strides swapped. Square pages keep the
+    swapped addresses inside the block (tile and place have one extent); the block's own stride
+    (cs) stays, so no token is sent into another block, or past the cache's end."""
     for r in rows:
         if r[9] > 1:  # a token's offset split into tile and place
-            r[4], r[10] = r[10], r[4]
+            assert r[3] // r[9] == r[9], "not square: the swap would address outside the block"
+            r[5], r[10] = r[10], r[5]
     return rows
 
 
@@ -196,6 +200,7 @@ def test_kernel_dims_with_a_tile_broken_fail_the_reference(scenario: str, break_
     def slots(cache: Any, ext: Any, os_t: int, split: Any) -> list[list[int]]:
         rows = slot_rows(cache, ext, os_t, split)
         if split and break_ == "swap_strides":
+            assert rows[0][0] == rows[1][0], "not square: the swap would address outside the block"
             rows[0][4], rows[1][4] = rows[1][4], rows[0][4]
         if split and break_ == "drop_last_tile":
             rows[0][0] -= 1
