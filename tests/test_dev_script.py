@@ -146,6 +146,7 @@ def test_a_sglang_venv_with_pip_of_its_own_is_made_again(tmp_path: Path) -> None
     old_site, new_site = venv / "lib" / "site-packages", tmp_path / "new-site"
     for folder in (base / "bin", venv / "bin", old_site / "pip", new_site):
         folder.mkdir(parents=True)
+    (old_site / "kvgen-sglang-base.pth").write_text("import site\n")  # made by an earlier set-up
 
     def shim(path: Path, name: str, site: Path, body: str = "", rc: int = 0) -> None:
         path.write_text(f'#!/bin/sh\necho "{name} $*" >> {log}\ncase "$*" in *sysconfig*) echo {site}; exit 0;; esac\n'

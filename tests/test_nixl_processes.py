@@ -29,15 +29,13 @@ def test_the_pd_command_moves_a_request_between_two_processes_layouts_tp_and_blo
     One pair of processes serves both checks: starting one costs seconds of torch and NIXL."""
     from kvgen.tools.cli import main
 
-    runs = []
+    real_run, runs = pd_run.run, []
 
     def run_keeping_caches(req: Request) -> list[dict]:
-        runs.append(dataclasses.replace(req, keep=True))
-        rows = real_run(runs[-1])
-        runs.append(rows)
-        return rows
+        kept = dataclasses.replace(req, keep=True)
+        runs.append((kept, real_run(kept)))
+        return runs[-1][1]
 
-    real_run = pd_run.run
     monkeypatch.setattr(pd_run, "run", run_keeping_caches)
     status = main(["pd", "--src", "vllm_flash_attn_nhd:tp=2:N=4", "--dst", "vllm_flash_attn_hnd:tp=4:N=8",
                    "--tokens", "37", "-L", "2", "--heads", "4", "--head-size", "8", "--dtype", "float32",
@@ -51,7 +49,7 @@ def test_the_pd_command_moves_a_request_between_two_processes_layouts_tp_and_blo
     assert f"{total}/{total} elements right" in lines
     assert lines[-1].startswith("throughput ") and "4 MiB-descriptor copy" in lines[-1]
 
-    req, rows = runs
+    ((req, rows),) = runs
     assert [r["rank"] for r in rows] == [0, 1, 2, 3]
     sources = [pd_run.caches(req, req.src, r, True) for r in range(req.src.tp)]
     s_ext, d_ext = pd_run.extents(req, req.src), pd_run.extents(req, req.dst)
