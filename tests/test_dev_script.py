@@ -91,6 +91,58 @@ def test_a_pass_that_selects_no_test_fails_only_when_both_do(tmp_path: Path, emp
     assert done.returncode == code, done.stderr
 
 
+def _scratch_of_each_pass(tmp_path: Path, **env: str) -> tuple[list[tuple[str, str]], subprocess.CompletedProcess[str]]:
+    """(TMPDIR, its mode) as each pytest pass of `scripts/dev test` saw them, and the run."""
+    fake = tmp_path / "python"
+    log = tmp_path / "scratch"
+    fake.write_text(f'#!/bin/sh\ncase "$*" in *"-m pytest"*) echo "$TMPDIR $(stat -c %a "$TMPDIR")" >> {log};; esac\n'
+                    'exit 0\n')
+    fake.chmod(0o755)
+    done = subprocess.run([str(ROOT / "scripts" / "dev"), "test", "tests/test_words.py"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHON": str(fake), "KVGEN_TEST_WORKERS": "2",
+                                                      "KVGEN_NO_ENGINES": "1", **env})
+    return [tuple(line.split()) for line in log.read_text().splitlines()], done
+
+
+def _roomy_tmpfs(path: str) -> bool:
+    if sys.platform != "linux" or not os.path.isdir(path) or not os.access(path, os.W_OK):
+        return False
+    kind = subprocess.run(["stat", "-f", "-c", "%T", path], capture_output=True, text=True).stdout.strip()
+    st = os.statvfs(path)
+    return kind == "tmpfs" and st.f_bavail * st.f_frsize >= 2 << 30
+
+
+def test_the_passes_write_their_temporary_files_to_a_private_tmpfs_folder_removed_after(tmp_path: Path) -> None:
+    """Creating a file costs a disk file system 20 times what it costs a tmpfs, and the suite
+    creates tens of thousands: where /dev/shm is a tmpfs with room, both passes get a folder of
+    their own there (0700), gone when the run ends, as is one a killed run left; elsewhere the
+    system's temporary folder."""
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    left = Path(f"/dev/shm/kvgen-test-{os.getuid()}-{ended.pid}")  # a run killed before its clean-up
+    if _roomy_tmpfs("/dev/shm"):
+        left.mkdir()
+    seen, done = _scratch_of_each_pass(tmp_path, TMPDIR=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert len(seen) == 2 and seen[0] == seen[1], seen
+    folder, mode = seen[0]
+    if not _roomy_tmpfs("/dev/shm"):
+        assert folder == str(tmp_path)
+        return
+    assert re.fullmatch(rf"/dev/shm/kvgen-test-{os.getuid()}-\d+", folder) and mode == "700", seen
+    assert not os.path.exists(folder), "the run left its scratch folder behind"
+    assert not left.exists(), "a folder of a run that is gone was kept"
+
+
+def test_kvgen_test_tmpdir_names_the_passes_temporary_folder_and_it_is_kept(tmp_path: Path) -> None:
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o750)
+    seen, done = _scratch_of_each_pass(tmp_path, KVGEN_TEST_TMPDIR=str(mine))
+    assert done.returncode == 0, done.stderr
+    assert seen == [(str(mine), "750")] * 2
+    assert mine.is_dir()
+
+
 def _whole_test_run(tmp_path: Path, venv_python: str) -> subprocess.CompletedProcess[str]:
     """A whole `scripts/dev test` with a stand-in Python that logs its calls to tmp_path/calls and
     passes, and SGLang's venv (its base too) a folder whose python runs the script `venv_python`."""
