@@ -81,10 +81,17 @@ def tiled_library() -> Library:
     return load_library([TILED_SPECS] if TILED_SPECS.is_dir() else [])
 
 
+@cache
+def tiled_plans() -> dict[tuple[str, str], Any]:
+    """The connector plans of tiled_library by (layout, object), made once per test process: a
+    plan of every pair took ~50 ms, asked for by each of the split connectors' tests."""
+    return {(p.paged.name, p.obj.name): p for p in plan_connectors(tiled_library())}
+
+
 def tiled_connector(layout: str, obj: str, edit: tuple[str, str] | None = None) -> Any:
     """The connector class of a pair of tests/specs_tiled, rendered from its plan and run from its
     text (with `edit`, (old, new), applied: old must occur)."""
-    plan = next(p for p in plan_connectors(tiled_library()) if (p.paged.name, p.obj.name) == (layout, obj))
+    plan = tiled_plans()[layout, obj]
     text = render_connector(connector_plan(plan))
     if edit is not None:
         assert edit[0] in text, edit[0]

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import SCENARIOS, Scenario, block_table_mapping, make_cache, tiled_connector, tiled_library
+from harness import SCENARIOS, Scenario, block_table_mapping, make_cache, tiled_connector, tiled_plans
 
 from kvgen.emit.render import MODULE_KINDS
 from kvgen.oracle.scenarios import (
@@ -33,7 +33,6 @@ from kvgen.oracle.scenarios import (
     same_bits,
 )
 from kvgen.plan.kernel import PlanesKernelPlan, kernel_grid, make_planes_kernel_plan, plan_refusal
-from kvgen.plan.package import plan_connectors
 from kvgen.plan.planes import PlanesPlan
 from kvgen.plan.program import program_plan
 from kvgen.runtime import KVLayoutError, kernels, native
@@ -41,10 +40,9 @@ from kvgen.runtime.movers import native as native_mover
 from kvgen.runtime.movers.base import Unsupported
 from kvgen.runtime.movers.triton import TritonMover
 
-LIBRARY = tiled_library()
 NAMES = ("sglang_mha_vectorized_5d", "sglang_mha_vectorized_5d_fp8", "sglang_mha_mxfp8_interleaved",
          "hicache_page_unified_grouped")
-PLANS = {p.module: p for p in plan_connectors(LIBRARY) if isinstance(p, PlanesPlan) and p.paged.name in NAMES}
+PLANS = {p.module: p for p in tiled_plans().values() if isinstance(p, PlanesPlan) and p.paged.name in NAMES}
 
 
 def connector_class(module: str, edit: tuple[str, str] | None = None) -> Any:
