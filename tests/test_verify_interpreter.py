@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from harness import builtin_plans
@@ -172,3 +173,25 @@ def test_a_helper_that_sees_another_language_module_is_still_patched(tmp_path: P
         for name in ("interp_helper", "interp_kernel"):
             sys.modules.pop(name, None)
     assert out.tolist() == [7, 8, 9, 10]
+
+
+def test_a_quickened_interpreter_answers_each_dtype_as_triton_does() -> None:
+    """quicken keeps each answer of the interpreter's numpy-dtype lookup (which built its whole
+    table on every call): every scalar, block and pointer dtype gets triton's own answer, the
+    hashable ones from the kept table from the second ask on; quicken twice wraps it once."""
+    import triton.language as tl
+    from triton.runtime import interpreter as triton_interpreter
+
+    from kvgen.tools.verify import interpreter
+
+    assert interpreter.quicken() and interpreter.quicken()
+    kept = triton_interpreter._get_np_dtype
+    assert isinstance(kept, interpreter._NumpyDtypes) and not isinstance(kept.lookup, interpreter._NumpyDtypes)
+    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64,
+               tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e4nv]
+    dtypes = [*scalars, *(tl.block_type(t, [4]) for t in scalars), tl.pointer_type(tl.float32),
+              tl.block_type(tl.pointer_type(tl.uint8), [8])]
+    for _ in range(2):
+        assert [kept(t) for t in dtypes] == [kept.lookup(t) for t in dtypes]
+    assert set(scalars) <= set(kept.known)
+    assert kept.known[tl.bfloat16] == np.dtype(np.uint16) and kept.known[tl.float8e4nv] == np.dtype(np.uint8)
