@@ -158,7 +158,7 @@ def keep_the_collected_heap_out_of_gc() -> None:
     the gen-0 and gen-1 passes, a tenth of the workers' time went to the collector. Frozen
     (gc.freeze), the collector leaves those objects alone; what the tests allocate is still
     collected, in fewer, larger passes. Measured by gc.callbacks over the parallel pass: 20 s
-    of collection in the two workers before, 9-11 s after; the peak RSS of a worker fell too."""
+    of collection in the two workers before, 9-12 s after."""
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
 
