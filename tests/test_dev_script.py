@@ -105,6 +105,7 @@ def _scratch_of_each_pass(tmp_path: Path, **env: str) -> tuple[list[tuple[str, s
 
 
 def _roomy_tmpfs(path: str) -> bool:
+    """Whether `path` is a writable tmpfs with scripts/dev's SCRATCH_MIN_MB (2 GiB) free."""
     if sys.platform != "linux" or not os.path.isdir(path) or not os.access(path, os.W_OK):
         return False
     kind = subprocess.run(["stat", "-f", "-c", "%T", path], capture_output=True, text=True).stdout.strip()
@@ -117,16 +118,17 @@ def test_the_passes_write_their_temporary_files_to_a_private_tmpfs_folder_remove
     creates tens of thousands: where /dev/shm is a tmpfs with room, both passes get a folder of
     their own there (0700), gone when the run ends, as is one a killed run left; elsewhere the
     system's temporary folder."""
+    roomy = _roomy_tmpfs("/dev/shm")
     ended = subprocess.Popen(["true"])
     ended.wait()
     left = Path(f"/dev/shm/kvgen-test-{os.getuid()}-{ended.pid}")  # a run killed before its clean-up
-    if _roomy_tmpfs("/dev/shm"):
+    if roomy:
         left.mkdir()
     seen, done = _scratch_of_each_pass(tmp_path, TMPDIR=str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert len(seen) == 2 and seen[0] == seen[1], seen
     folder, mode = seen[0]
-    if not _roomy_tmpfs("/dev/shm"):
+    if not roomy:
         assert folder == str(tmp_path)
         return
     assert re.fullmatch(rf"/dev/shm/kvgen-test-{os.getuid()}-\d+", folder) and mode == "700", seen

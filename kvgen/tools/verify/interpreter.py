@@ -15,9 +15,9 @@ them off for the process:
   quarter of the rest), though the launch around it has patched them already and restores
   them once it ends. Inside a launch those repeats are skipped (the launch's own patch is
   kept); a helper that sees a module the launch did not patch is still patched.
-
-It also builds its table of numpy dtypes afresh (19 of them) to look up one, once per operation
-it runs: `quicken` answers from a table filled on first ask (a tenth of what is left).
+* It builds its table of numpy dtypes afresh (19 of them) to look up one, once per operation it
+  runs. Each answer is kept instead (a launch-heavy check: 0.78-1.22 s of CPU before, 0.61-0.73 s
+  after).
 
 What keeps a launch inside its tensors is the connector's check of every cache and object
 against its storage (kvgen.runtime.aliasing) before any mover runs; it runs as before.
