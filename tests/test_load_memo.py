@@ -1,6 +1,6 @@
 """What one process keeps between loads and renders, and why it never changes a result.
 
-A spec file that passed the schema is kept by its bytes, and a generated module body that
+A spec file that passed the schema is kept by its bytes (wherever it is read from), and a generated module body that
 compiled by its digest: loading or rendering again reads the file and renders the templates
 as before, and only skips work whose result the bytes decide.
 """
@@ -13,7 +13,7 @@ import pytest
 
 from kvgen.emit import render
 from kvgen.errors import BuildError, SpecError
-from kvgen.spec.library import BUILTIN_SPECS
+from kvgen.spec.library import BUILTIN_SPECS, load_each
 from kvgen.spec.loader import load_document
 
 SPEC = BUILTIN_SPECS / "vllm" / "flash_attn_nhd.yaml"
@@ -55,6 +55,16 @@ def test_the_same_file_under_another_name_is_located_under_that_name(tmp_path: P
         path.write_bytes(SPEC.read_bytes())
     assert load_document(a).file.endswith("a.yaml")
     assert load_document(b).file.endswith("b.yaml")
+
+
+def test_a_later_check_of_the_same_bytes_under_another_name_locates_its_problems_there(tmp_path: Path) -> None:
+    """The schema passes this spec; the semantic checks that follow it find an axis twice."""
+    text = SPEC.read_text().replace("dims: [KV, B, N, H, C]", "dims: [KV, B, N, H, H]")
+    for name in ("a.yaml", "b.yaml"):
+        (tmp_path / name).write_text(text)
+        _, problems = load_each([tmp_path / name])
+        assert problems and {p.file for p in problems} == {str(tmp_path / name)}
+        assert any("axis H appears twice" in p.message and p.line == 7 for p in problems)
 
 
 def test_a_body_that_compiled_is_sealed_alike_and_one_that_did_not_fails_every_time() -> None:

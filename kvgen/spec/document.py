@@ -24,12 +24,13 @@ class Document:
     positions: dict[YamlPath, tuple[int, int]] = field(default_factory=dict)
     key_positions: dict[YamlPath, tuple[int, int]] = field(default_factory=dict)
 
-    def copied(self) -> Document:
-        """A copy whose data and position tables may be edited without touching this one. The
-        data is plain YAML data (mappings, lists, scalars) and every key and position a tuple,
-        so only the mappings and lists are copied: copy.deepcopy took most of a memoized load."""
-        return Document(self.file, _plain_copy(self.data), self.text, dict(self.positions),
-                        dict(self.key_positions))
+    def copied(self, file: str | None = None) -> Document:
+        """A copy whose data and position tables may be edited without touching this one, read
+        from `file` (default: this one's). The data is plain YAML data (mappings, lists, scalars)
+        and every key and position a tuple, so only the mappings and lists are copied:
+        copy.deepcopy took most of a memoized load."""
+        return Document(self.file if file is None else file, _plain_copy(self.data), self.text,
+                        dict(self.positions), dict(self.key_positions))
 
     def where(self, path: YamlPath, *, key: bool = False) -> tuple[int, int]:
         """Line and column of the value (or its key) at `path`, else of its nearest parent."""

@@ -216,24 +216,26 @@ def _build(doc: Document, node: yaml.Node, path: YamlPath) -> Any:
                                            f"{_short_tag(node.tag)}")]) from exc
 
 
-#: Documents that passed the schema check, by (file as shown, bytes). One process loads the
-#: same specs many times (a build after a validate, verify's workers, kvgen's tests), and
-#: parsing and the schema check are most of a load; the result is a function of the bytes.
-_CLEAN: dict[tuple[str, bytes], Document] = {}
+#: Documents that passed the schema check, by their bytes. One process loads the same specs
+#: many times (a build after a validate, verify's workers, kvgen's tests), often from other
+#: folders (a copy of the built-ins beside a user's spec), and parsing and the schema check are
+#: most of a load. What they find is a function of the bytes alone; only the file a problem
+#: names differs, and a clean document has none, so a hit is the same document under its file.
+_CLEAN: dict[bytes, Document] = {}
 _CLEAN_LIMIT = 1024
 
 
 def load_document(path: Path) -> Document:
     """Parse and schema-check one spec file; raise SpecError listing every problem."""
     file, raw = read_spec(path)
-    clean = _CLEAN.get((file, raw))
+    clean = _CLEAN.get(raw)
     if clean is None:
         clean = _checked(parse_bytes(file, raw))
         if len(_CLEAN) >= _CLEAN_LIMIT:
             _CLEAN.clear()
-        _CLEAN[(file, raw)] = clean
+        _CLEAN[raw] = clean
     # A copy each time: callers may edit what they get (drop_unknown_fields, the tests' edits).
-    return clean.copied()
+    return clean.copied(file)
 
 
 def _checked(doc: Document) -> Document:
