@@ -294,16 +294,29 @@ def test_caches_the_kernel_cannot_address(device: str) -> None:
 
 @needs_triton
 def test_kernels_compile_for_h200_with_16_byte_rows() -> None:
-    """Compiled for sm_90 with the bundled ptxas, with the specializations a real launch
-    gets: every store and the data loads are 16-byte vectors."""
+    """Compiled for sm_90 with the bundled ptxas, with the specializations a real launch gets
+    (one process compiles both connectors' kernels):
+
+    - a format-1 connector (vllm_flash_attn_hnd/kv_2ltd): every store and the data loads are
+      16-byte vectors;
+    - fp8 MLA planes (vllm_mla_fp8/kv_mla_rows_layer): the 512- and 128-byte planes of a
+      656-byte row (82 words, a stride the compiler cannot see is even) move as 16-byte vectors
+      through the row alignment VA; the 16-byte scale plane in whole 8-byte words."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "kvgen.tools.kernel_asm", "--only", "vllm_flash_attn_hnd__kv_2ltd"],
+    done = subprocess.run([sys.executable, "-m", "kvgen.tools.kernel_asm", "--only", "vllm_flash_attn_hnd__kv_2ltd",
+                           "--only", "vllm_mla_fp8__kv_mla_rows_layer"],
                           capture_output=True, text=True, env=env, timeout=300,
                           cwd=Path(__file__).resolve().parent.parent)
     if done.returncode != 0 and "ptxas" in done.stderr:
         pytest.skip(f"Triton cannot compile for NVIDIA here: {done.stderr.strip().splitlines()[-1]}")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("16-byte rows") == 2
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert [(r[2], r[3], r[4]) for r in rows if r[0] == "vllm_flash_attn_hnd__kv_2ltd"] == \
+        [("store", "16-byte", "rows"), ("load", "16-byte", "rows")]
+    verdicts = {(r[1], r[2]): r[3] for r in rows if r[0] == "vllm_mla_fp8__kv_mla_rows_layer"}
+    assert verdicts == {(p, d): "16-byte" if p != "scale" else "8-byte"
+                        for p in ("nope", "scale", "rope") for d in ("store", "load")}
+    assert len(rows) == 2 + len(verdicts)
 
 
 # -- the command line --------------------------------------------------------------------------

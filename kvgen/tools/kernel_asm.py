@@ -1,6 +1,6 @@
 """Compile generated Triton kernels for a GPU without one, and count their memory accesses.
 
-`python -m kvgen.tools.kernel_asm [--arch 90] [--only TEXT]` runs each selected connector's
+`python -m kvgen.tools.kernel_asm [--arch 90] [--only TEXT ...]` runs each selected connector's
 store and load on a small CPU cache with the kernel launch intercepted, so the kernel gets
 exactly the arguments (and Triton exactly the specializations) a GPU run would give it, then
 compiles it for an NVIDIA target with the ptxas bundled in Triton's wheel and counts the
@@ -133,7 +133,8 @@ def verdict(counts: dict[str, dict[str, int]], word: int) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvgen.tools.kernel_asm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="NVIDIA compute capability x10 (default: 90, H100/H200)")
-    ap.add_argument("--only", default="", help="connectors whose module name contains this text")
+    ap.add_argument("--only", action="append", default=[], metavar="TEXT",
+                    help="connectors whose module name contains this text; repeatable (any of them)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("kernel_asm compiles kernels: unset TRITON_INTERPRET", file=sys.stderr)
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("kernel_asm needs triton, which is not installed: pip install 'kvgen[triton]'", file=sys.stderr)
         return 2
-    plans = {p.module: p for p in plan_connectors(load_library()) if args.only in p.module}
+    wanted = args.only or [""]
+    plans = {p.module: p for p in plan_connectors(load_library()) if any(text in p.module for text in wanted)}
     failed = 0
     for module, plan in plans.items():
         for direction, fn, kwargs in captured_launches(module):
