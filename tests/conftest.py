@@ -40,6 +40,9 @@ def _devices() -> list[str]:
 
 SERIAL_GROUP = "serial"
 
+#: A test running past the ini setting hang_dump_after (seconds) has every thread's stack printed.
+pytest_plugins = ("hang_watch",)
+
 
 def use_triton_interpreter() -> None:
     """Where no GPU is present, every Triton kernel a test runs, kvgen's and an engine's (SGLang's

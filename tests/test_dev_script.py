@@ -57,7 +57,7 @@ def test_a_failing_step_is_named_in_the_summary(tmp_path: Path) -> None:
 def test_test_runs_the_parallel_pass_then_the_serial_tests_alone(tmp_path: Path) -> None:
     done = _run(tmp_path, "", "test", "tests/test_words.py", "-x")
     assert done.returncode == 0, done.stderr
-    bounded = "-m pytest -q -o faulthandler_timeout=600"
+    bounded = "-m pytest -q -o hang_dump_after=600"
     assert _pytest_calls(tmp_path) == [f"{bounded} -n 2 --max-worker-restart=0 -m not serial tests/test_words.py -x",
                                        f"{bounded} -m serial tests/test_words.py -x"]
 
@@ -238,7 +238,7 @@ def test_a_whole_test_run_runs_the_sglang_tests_beside_the_parallel_pass_and_fai
     assert "2 failed in SGLang" in done.stdout and "SGLang engine tests failed" in done.stderr, done
     calls = [c for c in log.read_text().splitlines() if "-m pytest" in c]
     sglang = next(i for i, c in enumerate(calls) if c.startswith("sglang "))
-    serial = calls.index("-m pytest -q -o faulthandler_timeout=600 -m serial")
+    serial = calls.index("-m pytest -q -o hang_dump_after=600 -m serial")
     assert "tests/test_engine_sglang" in calls[sglang] and sglang < serial, calls
 
 
