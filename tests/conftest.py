@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from kvgen.runtime import available_devices
-from kvgen.tools.verify import pool as verify_pool
-from kvgen.tools.verify.interpreter import quicken
+# torch and kvgen are imported where a hook of a process that runs tests needs them: xdist's
+# controller runs none, and importing them cost it 1.8 s of CPU beside its workers.
 
 
 def _devices() -> list[str]:
+    from kvgen.runtime import available_devices
+
     asked = os.environ.get("KVGEN_TEST_DEVICES")
     return [d.strip() for d in asked.split(",") if d.strip()] if asked else available_devices()
 
@@ -48,19 +48,28 @@ def use_triton_interpreter() -> None:
     """Where no GPU is present, every Triton kernel a test runs, kvgen's and an engine's (SGLang's
     MXFP8 store kernel, vLLM's ROCm writer), runs in Triton's interpreter. triton.jit reads
     TRITON_INTERPRET when a kernel is defined, which for SGLang is when its memory pools are
-    imported, at collection: so it is set before any test module is imported. A test that needs
-    it otherwise sets it (monkeypatch)."""
+    imported, at collection: so it is set when the session is configured, before any test module
+    is imported. A test that needs it otherwise sets it (monkeypatch)."""
+    from kvgen.runtime import available_devices
+
     if available_devices() == ["cpu"] and importlib.util.find_spec("triton") is not None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-use_triton_interpreter()
+def runs_tests(config: pytest.Config) -> bool:
+    """Whether this process runs tests: all but pytest-xdist's controller, which hands them to
+    its workers."""
+    return bool(os.environ.get("PYTEST_XDIST_WORKER")) or not getattr(config.option, "numprocesses", None)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # The tests run Triton kernels in its interpreter as verify does: without its 32-bit
-    # overflow checks and its repeated patches of triton.language (kvgen.tools.verify.interpreter).
-    quicken()
+    if runs_tests(config):
+        use_triton_interpreter()
+        # The tests run Triton kernels in its interpreter as verify does: without its 32-bit overflow
+        # checks and its repeated patches of triton.language (kvgen.tools.verify.interpreter).
+        from kvgen.tools.verify.interpreter import quicken
+
+        quicken()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         one_thread_per_worker()
         atexit.register(end_worker_at_once)
@@ -113,6 +122,10 @@ def one_thread_per_worker() -> None:
     the test's own process: by default it spawned a worker per core, each importing torch and
     the package (2 s of CPU a worker) for a few rows. The tests of the worker pool ask for it
     (`--jobs 2`)."""
+    import torch
+
+    from kvgen.tools.verify import pool as verify_pool
+
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     verify_pool.cores = lambda: 1
@@ -219,6 +232,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture
 def device(request: pytest.FixtureRequest) -> str:
+    from kvgen.runtime import available_devices
+
     if request.param not in available_devices():
         pytest.skip(f"device {request.param} is not available here")
     return request.param

@@ -26,7 +26,8 @@ def _collect(tmp_path: Path, marks: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_serial_pass_imports_only_modules_that_mark_a_test_serial(tmp_path: Path) -> None:
-    shutil.copy(HERE / "conftest.py", tmp_path / "conftest.py")
+    for name in ("conftest.py", "hang_watch.py"):  # the conftest and the plugin it loads
+        shutil.copy(HERE / name, tmp_path / name)
     (tmp_path / "test_marked.py").write_text(SERIAL)
     (tmp_path / "test_unmarked.py").write_text(UNMARKED)
     serial = _collect(tmp_path, "serial")
