@@ -4,6 +4,8 @@ checked; skipped, saying why, where nixl is not installed."""
 from __future__ import annotations
 
 import argparse
+import json
+import math
 
 import pytest
 
@@ -14,12 +16,20 @@ from kvgen.tools.cli import main
 pytestmark = pytest.mark.skipif(nixl.unavailable() is not None, reason=str(nixl.unavailable()))
 
 
-def test_remote_rows_name_the_strategy_and_count_every_element(capsys: pytest.CaptureFixture[str]) -> None:
+def test_remote_rows_name_the_strategy_and_count_every_element(capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `--costs` first: the cost model's constants as one JSON line (measured here on a 4 MiB
+    read and a 64-token transfer, not the command's 64 MiB and 2048 tokens)."""
+    monkeypatch.setattr(bench_remote, "COST_READ_BYTES", 4 << 20)
+    monkeypatch.setattr(bench_remote, "COST_TOKENS", 64)
     status = main(["bench", "--remote", "vllm_flash_attn_nhd:vllm_flash_attn_hnd", "--remote-shapes", "2:4:4:8",
                    "--tokens", "20", "-L", "2", "--heads", "4", "--head-size", "8", "--repeats", "1", "--costs"])
     out = capsys.readouterr().out
     assert status == 0, out
     assert out.startswith("KVGEN_REMOTE_COSTS={")
+    measured = json.loads(out.splitlines()[0].split("=", 1)[1])
+    assert set(measured) == {"per_descriptor", "wire", "local", "per_permute"}
+    assert all(math.isfinite(v) and v >= 0 for v in measured.values()) and measured["wire"] > 0, measured
     header, line = out.splitlines()[1:3]
     assert header.split()[:3] == ["source", "destination", "tp"]
     cells = line.split()

@@ -138,11 +138,17 @@ def row(req: Request, agents: tuple[Any, Any]) -> RemoteRow:
                      sum(r["elements"] for r in ranks))
 
 
+#: What `--costs` moves: NIXL reads of COST_READ_BYTES, and a local transfer of COST_TOKENS tokens
+#: (32 layers of 8 heads of 128 bfloat16 values: 256 MiB a side).
+COST_READ_BYTES = 64 << 20
+COST_TOKENS = 2048
+
+
 def costs(agents: tuple[Any, Any], repeats: int) -> remote.Costs:
-    """The cost model's constants on this machine: NIXL reads of 64 MiB in 4 MiB and in 4 KiB
-    descriptors (wire bandwidth, then the per-descriptor cost), and kvgen's local transfer of a
-    2048-token request and of one token (local bandwidth, per-permute cost)."""
-    nbytes = 64 << 20
+    """The cost model's constants on this machine: NIXL reads of COST_READ_BYTES (64 MiB) in 4 MiB
+    and in 4 KiB descriptors (wire bandwidth, then the per-descriptor cost), and kvgen's local
+    transfer of a COST_TOKENS-token request (2048) and of one token (local bandwidth, per-permute cost)."""
+    nbytes = COST_READ_BYTES
     src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
     regs = [agents[0].register_memory(src), agents[1].register_memory(dst)]
     agents[1].add_remote_agent(agents[0].get_agent_metadata())
@@ -169,8 +175,7 @@ def costs(agents: tuple[Any, Any], repeats: int) -> remote.Costs:
 
 
 def _local(repeats: int) -> tuple[float, float]:
-
-    req = Request(WorkerSide("vllm_flash_attn_nhd", 1, 16), WorkerSide("vllm_flash_attn_hnd", 1, 16), 2048)
+    req = Request(WorkerSide("vllm_flash_attn_nhd", 1, 16), WorkerSide("vllm_flash_attn_hnd", 1, 16), COST_TOKENS)
     a, b = pd_run.caches(req, req.src, 0, True), pd_run.caches(req, req.dst, 0, False)
     move = generated.transfer(req.src.layout, req.dst.layout)()
     s, t = pd_run.slots(req, req.src, 1), pd_run.slots(req, req.dst, 2)
@@ -182,7 +187,7 @@ def _local(repeats: int) -> tuple[float, float]:
             move.copy(a, s[:n], b, t[:n])
             best = min(best, time.perf_counter() - start)
         timed[n] = best
-    nbytes = len(s) * 32 * 2 * 8 * 128 * 2
+    nbytes = len(s) * req.layers * 2 * req.heads * req.head_size * 2  # K and V, 2-byte values
     return nbytes / max(timed[len(s)] - timed[1], 1e-9), timed[1]
 
 
