@@ -14,16 +14,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
-import runpy
-import select
-import signal
-import sys
-import time
-import traceback
 from pathlib import Path
 
 import pytest
+from forked import run_forked
 from harness import VLLM_GROUP, need_lmcache
 
 need_lmcache()
@@ -42,42 +36,6 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 #: What the engine run imports, imported here first so that the forked child shares it.
 ENGINE_IMPORTS = ("lmcache.v1.cache_engine", "lmcache.v1.config", "lmcache.v1.metadata", "kvgen.integrations.lmcache",
                   "vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning", "vllm.v1.worker.utils")
-TIMEOUT = 300
-
-
-def run_forked(script: Path, args: list[str], log: Path, timeout: float = TIMEOUT) -> tuple[str, int | None]:
-    """`script` run as __main__ with `args` in a forked child: (its stdout, its exit status; None
-    when it ran past `timeout` seconds and was killed). Its stderr goes to `log`; an exception that
-    ends it is written there and exits 70."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        try:
-            os.close(read)
-            sys.stdout = os.fdopen(write, "w")
-            os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
-            sys.stderr = os.fdopen(2, "w")
-            sys.argv = [str(script), *args]
-            runpy.run_path(str(script), run_name="__main__")  # ends the process itself (os._exit)
-        except BaseException:  # noqa: BLE001 - whatever ends the child is shown, never raised into pytest
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(70)
-    os.close(write)
-    out, deadline = bytearray(), time.monotonic() + timeout
-    with os.fdopen(read, "rb", buffering=0) as pipe:
-        while (left := deadline - time.monotonic()) > 0 and select.select([pipe], [], [], left)[0]:
-            chunk = pipe.read(65536)
-            if not chunk:
-                break
-            out += chunk
-    if time.monotonic() >= deadline:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        return out.decode(), None
-    return out.decode(), os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +67,3 @@ def test_lmcache_engine_round_trip(results: dict[str, str], case: str) -> None:
 def test_lmcache_engine_takes_vllm_033_views_named_by_layout_hints(results: dict[str, str], case: str) -> None:
     assert results.get(case) == f"ok {case}", results.get(case, f"{case} did not run")
 
-
-def test_a_child_that_fails_shows_why_and_one_that_hangs_is_killed(tmp_path: Path) -> None:
-    script = tmp_path / "child.py"
-    script.write_text("import sys, time\nprint('ok one', flush=True)\nif sys.argv[1] == 'fail':\n"
-                      "    raise RuntimeError('the engine broke')\ntime.sleep(60)\n")
-    out, status = run_forked(script, ["fail"], tmp_path / "fail.txt")
-    assert (out, status) == ("ok one\n", 70)
-    assert "RuntimeError: the engine broke" in (tmp_path / "fail.txt").read_text()
-    start = time.monotonic()
-    out, status = run_forked(script, ["hang"], tmp_path / "hang.txt", timeout=0.5)
-    assert (out, status) == ("ok one\n", None) and time.monotonic() - start < 10
