@@ -57,8 +57,10 @@ def use_triton_interpreter() -> None:
 
 
 def runs_tests(config: pytest.Config) -> bool:
-    """Whether this process runs tests: all but pytest-xdist's controller, which hands them to
-    its workers."""
+    """Whether this process runs tests: not with --collect-only, nor as pytest-xdist's controller,
+    which hands them to its workers."""
+    if config.option.collectonly:
+        return False
     return bool(os.environ.get("PYTEST_XDIST_WORKER")) or not getattr(config.option, "numprocesses", None)
 
 
