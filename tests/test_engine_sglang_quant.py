@@ -54,6 +54,17 @@ class Layer:
         self.layer_id = layer_id
 
 
+@pytest.fixture(autouse=True, scope="module")
+def eager_quantizer() -> Iterator[None]:
+    """SGLang's quantize and dequantize functions are torch.compile'd. On a CPU, compiling them is
+    Dynamo's trace and an Inductor build of C++ for each pool class (3 s of this module's 10),
+    for the same element-wise ops on the same tensors: here they run eagerly."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(disable=True):
+        yield
+
+
 @contextmanager
 def one_rank() -> Iterator[None]:
     with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
