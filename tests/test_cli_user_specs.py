@@ -134,7 +134,7 @@ def test_verify_finds_a_wrong_connector(built: tuple[Path, Path], tmp_path: Path
 
 def test_verify_in_worker_processes_prints_the_rows_of_one_process(built: tuple[Path, Path], tmp_path: Path,
                                                                    capsys) -> None:
-    """--jobs 2 checks rows in spawned workers, which load the package themselves: the same rows
+    """--jobs 2 checks rows in worker processes, which load the package themselves: the same rows
     in the same order as --jobs 1, and a wrong connector still fails."""
     specs, out = built
     copy = tmp_path / "tampered-jobs"

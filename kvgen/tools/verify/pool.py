@@ -3,11 +3,13 @@ one device) checked by N worker processes, printed in the same order as one proc
 them.
 
 Why processes: the reference and the connectors' torch paths run mostly in Python, so one
-process keeps one core busy; the rows are independent. Workers are spawned, not forked: a
-forked child of a process whose torch started its OpenMP team hangs in its first parallel
-region. Each worker loads the library and the package itself, once, and gets rows by index
-into the same planned lists (planning is deterministic), so nothing but indices and results
-crosses the process boundary.
+process keeps one core busy; the rows are independent. Workers are not forks of verify's own
+process: a forked child of a process whose torch started its OpenMP team hangs in its first
+parallel region. They are forked from a fork server, a fresh process that imports torch and
+verify's modules once and runs nothing (2 s of CPU a worker spent importing them when each was
+spawned); where the platform has no fork server, they are spawned. Each worker loads the library
+and the package itself, once, and gets rows by index into the same planned lists (planning is
+deterministic), so nothing but indices and results crosses the process boundary.
 """
 
 from __future__ import annotations
@@ -81,6 +83,21 @@ def _start(inputs: Inputs, check: Check, threads: int) -> None:
     _worker["ctx"], _worker["check"] = load(inputs), check
 
 
+#: What the fork server imports before it forks a worker: torch, and the module of the row checks,
+#: which imports every kind's checks and the library's stages.
+WORKER_PRELOAD = ("torch", "kvgen.tools.verify.run")
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """How workers start: forked from a fork server that imported WORKER_PRELOAD (it never runs a
+    torch op, so it has no OpenMP team to lose), else spawned."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(WORKER_PRELOAD))
+    return context
+
+
 def _exit_with(sentinel: int) -> None:
     """End this worker once verify's process is gone (killed, say): a pool's workers would
     otherwise wait for rows forever."""
@@ -146,7 +163,7 @@ class Rows:
             return  # one row: checked in this process, without starting a pool
         if self._pool is None:
             threads = max(1, cores() // self.jobs)
-            self._pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"),
+            self._pool = ProcessPoolExecutor(self.jobs, mp_context=worker_context(),
                                              initializer=_start, initargs=(self.ctx.inputs, self.check, threads))
         new = [t for t in tasks if t not in self._futures]
         # sorted() is stable: rows of equal cost (every row, without `cost`) keep their order
