@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-import multiprocessing
 import time
 from dataclasses import replace
 from typing import Any
@@ -22,6 +21,7 @@ from kvgen.remote.plan import group_cut
 from kvgen.runtime.binding import leaves
 from kvgen.runtime.ops import bits
 from kvgen.tools.pd.request import PLAIN, Request, WorkerSide
+from kvgen.tools.processes import worker_context
 
 
 def _mla(layout: str) -> bool:
@@ -206,9 +206,13 @@ def _relay(prefill: Any, decode: Any) -> Any:
         return "the decode process ended before it sent its result"
 
 
+#: What the fork server imports before it forks the two processes (kvgen.tools.processes).
+PRELOAD = ("torch", "kvgen.tools.pd.run")
+
+
 def run(req: Request) -> list[dict[str, Any]]:
     """Start the two processes, move the request, return one result per decode rank."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context(PRELOAD)
     pre, pre_child = ctx.Pipe()
     dec, dec_child = ctx.Pipe()
     procs = [ctx.Process(target=_prefill, args=(pre_child, req)), ctx.Process(target=_decode, args=(dec_child, req))]

@@ -4,10 +4,8 @@ them.
 
 Why processes: the reference and the connectors' torch paths run mostly in Python, so one
 process keeps one core busy; the rows are independent. Workers are not forks of verify's own
-process: a forked child of a process whose torch started its OpenMP team hangs in its first
-parallel region. They are forked from a fork server, a fresh process that imports torch and
-verify's modules once and runs nothing (2 s of CPU a worker spent importing them when each was
-spawned); where the platform has no fork server, they are spawned. Each worker loads the library
+process, whose torch may have started its OpenMP team, but forks of a fork server that imports
+torch and verify's modules once (kvgen.tools.processes). Each worker loads the library
 and the package itself, once, and gets rows by index into the same planned lists (planning is
 deterministic), so nothing but indices and results crosses the process boundary.
 """
@@ -29,6 +27,7 @@ from kvgen.plan.package import plan_connectors
 from kvgen.spec.library import load_library
 from kvgen.spec.transfers import load_transfers
 from kvgen.tools.packages import import_package
+from kvgen.tools.processes import worker_context
 from kvgen.tools.verify.heap import keep_freed_memory
 
 #: Rows of each kind, as `(kind, index into the planned list, device)`.
@@ -83,19 +82,9 @@ def _start(inputs: Inputs, check: Check, threads: int) -> None:
     _worker["ctx"], _worker["check"] = load(inputs), check
 
 
-#: What the fork server imports before it forks a worker: torch, and the module of the row checks,
-#: which imports every kind's checks and the library's stages.
+#: What the fork server imports before it forks a worker (kvgen.tools.processes): torch, and the
+#: module of the row checks, which imports every kind's checks and the library's stages.
 WORKER_PRELOAD = ("torch", "kvgen.tools.verify.run")
-
-
-def worker_context() -> multiprocessing.context.BaseContext:
-    """How workers start: forked from a fork server that imported WORKER_PRELOAD (it never runs a
-    torch op, so it has no OpenMP team to lose), else spawned."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(WORKER_PRELOAD))
-    return context
 
 
 def _exit_with(sentinel: int) -> None:
@@ -163,7 +152,7 @@ class Rows:
             return  # one row: checked in this process, without starting a pool
         if self._pool is None:
             threads = max(1, cores() // self.jobs)
-            self._pool = ProcessPoolExecutor(self.jobs, mp_context=worker_context(),
+            self._pool = ProcessPoolExecutor(self.jobs, mp_context=worker_context(WORKER_PRELOAD),
                                              initializer=_start, initargs=(self.ctx.inputs, self.check, threads))
         new = [t for t in tasks if t not in self._futures]
         # sorted() is stable: rows of equal cost (every row, without `cost`) keep their order
