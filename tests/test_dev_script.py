@@ -45,6 +45,17 @@ def test_run_prints_its_steps_with_times_and_a_summary(tmp_path: Path) -> None:
     assert [c for c in calls if c.startswith("-m kvgen")] == ["-m kvgen build", "-m kvgen check", "-m kvgen verify"]
 
 
+@pytest.mark.parametrize("command", ["run", "test"])
+def test_set_up_compiles_the_checkouts_python_once_for_every_process(tmp_path: Path, command: str) -> None:
+    """Bytecode for kvgen and the generated package, which every process of a run imports (where
+    PYTHONDONTWRITEBYTECODE is set, none of them writes any), made before the first of them starts."""
+    done = _run(tmp_path, "", command)
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    compiled = calls.index("-m compileall -q -j 0 kvgen generated")
+    assert compiled < min(i for i, c in enumerate(calls) if c.startswith(("-m kvgen", "-m pytest")))
+
+
 def test_a_failing_step_is_named_in_the_summary(tmp_path: Path) -> None:
     done = _run(tmp_path, fail_on="kvgen check")
     assert done.returncode == 3
