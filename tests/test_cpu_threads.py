@@ -57,17 +57,18 @@ def test_a_reading_of_the_host_stands_for_a_while(monkeypatch: pytest.MonkeyPatc
 def test_runnable_counts_the_threads_of_a_busy_neighbour_which_is_stopped_after() -> None:
     """One neighbour (a process importing torch: a second of this serial pass) serves both checks."""
     assert threads._own_running() >= 1  # this thread is running, and is not counted
+    counted = threads.runnable() is not None  # where the host has /proc/loadavg
     seen = []
     with neighbour() as pid:
         os.kill(pid, 0)  # alive
-        for _ in range(50 if threads.runnable() is not None else 0):  # shows within a few scheduler ticks
+        for _ in range(50 if counted else 0):  # the neighbour's threads show within a few scheduler ticks
             seen.append(threads.runnable())
             if seen[-1]:
                 break
             time.sleep(0.05)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
-    if threads.runnable() is None:
+    if not counted:
         pytest.skip("no /proc/loadavg on this host: the neighbour ran and was stopped, its threads not counted")
     assert seen[-1] and seen[-1] >= 1, seen
 

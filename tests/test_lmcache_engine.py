@@ -66,4 +66,3 @@ def test_lmcache_engine_round_trip(results: dict[str, str], case: str) -> None:
 @pytest.mark.parametrize("case", VLLM033)
 def test_lmcache_engine_takes_vllm_033_views_named_by_layout_hints(results: dict[str, str], case: str) -> None:
     assert results.get(case) == f"ok {case}", results.get(case, f"{case} did not run")
-

@@ -1,8 +1,8 @@
 """What one process keeps between loads and renders, and why it never changes a result.
 
-A spec file that passed the schema is kept by its bytes (wherever it is read from), and a generated module body that
-compiled by its digest: loading or rendering again reads the file and renders the templates
-as before, and only skips work whose result the bytes decide.
+A spec file that passed the schema is kept by its bytes (wherever it is read from), and a
+generated module body that compiled by its digest: loading or rendering again reads the file
+and renders the templates as before, and only skips work whose result the bytes decide.
 """
 
 from __future__ import annotations

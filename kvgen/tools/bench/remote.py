@@ -145,9 +145,9 @@ COST_TOKENS = 2048
 
 
 def costs(agents: tuple[Any, Any], repeats: int) -> remote.Costs:
-    """The cost model's constants on this machine: NIXL reads of COST_READ_BYTES (64 MiB) in 4 MiB
-    and in 4 KiB descriptors (wire bandwidth, then the per-descriptor cost), and kvgen's local
-    transfer of a COST_TOKENS-token request (2048) and of one token (local bandwidth, per-permute cost)."""
+    """The cost model's constants on this machine: NIXL reads of COST_READ_BYTES in 4 MiB and in
+    4 KiB descriptors (wire bandwidth, then the per-descriptor cost), and kvgen's local transfer
+    of a COST_TOKENS-token request and of one token (local bandwidth, per-permute cost)."""
     nbytes = COST_READ_BYTES
     src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
     regs = [agents[0].register_memory(src), agents[1].register_memory(dst)]
