@@ -19,6 +19,15 @@ from pathlib import Path
 TIMEOUT = 300
 
 
+def one_thread_for_torch() -> None:
+    """A forked child runs torch's ops on one thread: it keeps the parent's OpenMP team but not the
+    team's threads, so its first parallel region (a large fill, say) would wait for them forever
+    where the parent had used more than one (a plain `pytest` run, not xdist's one-thread workers)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
 def run_forked(script: Path, args: list[str], log: Path, timeout: float = TIMEOUT) -> tuple[str, int | None]:
     """`script` run as __main__ with `args` in a forked child: (its stdout, its exit status; None
     when it ran past `timeout` seconds and was killed), as a process running the script would end:
@@ -30,6 +39,7 @@ def run_forked(script: Path, args: list[str], log: Path, timeout: float = TIMEOU
         status = 70
         try:
             os.close(read)
+            one_thread_for_torch()
             sys.stdout = os.fdopen(write, "w")
             os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
             sys.stderr = os.fdopen(2, "w")

@@ -26,3 +26,18 @@ def test_a_child_that_fails_shows_why_and_one_that_hangs_is_killed(tmp_path: Pat
     start = time.monotonic()
     out, status = run_forked(script, ["hang"], tmp_path / "hang.txt", timeout=0.2)
     assert (out, status) == ("ok one\n", None) and time.monotonic() - start < 10
+
+
+def test_a_child_of_a_parent_whose_torch_ran_on_threads_runs_its_parallel_ops(tmp_path: Path) -> None:
+    """The parent's OpenMP team has threads the fork does not: a child that used them would hang."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.ones(1 << 24).add_(1)  # large enough to run on the team
+        script = tmp_path / "child.py"
+        script.write_text("import torch\nprint(int(torch.ones(1 << 24).add_(1).sum()))\n")
+        assert run_forked(script, [], tmp_path / "log.txt", timeout=60) == (f"{2 << 24}\n", 0)
+    finally:
+        torch.set_num_threads(before)
