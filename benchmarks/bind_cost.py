@@ -32,17 +32,22 @@ def median_us(fn, number: int) -> float:
     return statistics.median(timeit.repeat(fn, number=number, repeat=7)) / number * 1e6
 
 
+def costs(module, cache) -> tuple[float, float, float]:
+    """(read_geometry, bind of a new cache, bind of the same cache again), microseconds."""
+    read = median_us(lambda: module.read_geometry(cache), 500)
+    fresh = median_us(lambda: module.Connector().bind(cache), 100)
+    conn = module.Connector()
+    conn.bind(cache)
+    same = median_us(lambda: conn.bind(cache), 500)
+    return read, fresh, same
+
+
 def main() -> None:
     library = load_library()
     print(f"{'layout':<22} {'read_geometry us':>17} {'bind new cache us':>18} {'bind same cache us':>19}")
     for layout, obj in LAYOUTS:
         module = importlib.import_module(f"kvgen.generated.{layout}__{obj}")
-        cache = cache_for(library[layout])
-        read = median_us(lambda: module.read_geometry(cache), 500)
-        fresh = median_us(lambda: module.Connector().bind(cache), 100)
-        conn = module.Connector()
-        conn.bind(cache)
-        same = median_us(lambda: conn.bind(cache), 500)
+        read, fresh, same = costs(module, cache_for(library[layout]))
         print(f"{layout:<22} {read:>17.1f} {fresh:>18.1f} {same:>19.1f}")
 
 
