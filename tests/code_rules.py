@@ -29,11 +29,6 @@ SOURCES = sorted(PACKAGE.rglob("*.py"))
 FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
 
-#: The xdist group of the tests that parse every module, kvgen's and the generated package's
-#: (about 3 MB, 2-3 s): on one worker, source_tree parses each module once.
-SOURCE_TREES_GROUP = "source_trees"
-
-
 @functools.cache
 def source_tree(path: Path) -> ast.Module:
     """The parsed source of `path`, parsed once: every rule walks every module (read only)."""

@@ -6,23 +6,27 @@ present. A device that is asked for but absent is skipped, never silently replac
 Tests marked `serial` measure time, count threads or start CPU-heavy neighbours: a test
 running beside them on another worker would change what they see. `scripts/dev test` runs
 the others in parallel (pytest-xdist) and then these alone. Under a plain `pytest -n N`
-they are kept on one worker, one after another (an xdist group, `--dist loadgroup`).
+the modules that hold them run on one worker, one after another.
 
-Under xdist a worker is handed whole test modules (or a whole xdist group, where tests of
-several modules share a costly import), so that every module fixture (a build, NIXL agents,
-a rendered library) is made once, and the controller sends one message per module instead
-of one per test; modules marked `slow` go first, then the others largest first, so that no
-long module is left for the end while the other worker idles.
+Under xdist a worker is handed whole scopes: a test module, or the modules of SHARED_SCOPES
+that share a costly import, so that every module fixture (a build, NIXL agents, a rendered
+library) is made once, and the controller sends one message per scope instead of one per
+test; scopes with a `slow` test go first, then the others largest first, so that no long
+module is left for the end while the other worker idles. The scopes are read off the test ids
+by kvgen's own scheduler (xdist's `loadgroup` marks ids with their group, which pytest 9.2's
+structured ids drop silently: pytest-xdist #1386).
 """
 
 from __future__ import annotations
 
 import atexit
+import fnmatch
+import functools
 import gc
 import importlib.util
 import os
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -38,7 +42,8 @@ def _devices() -> list[str]:
     return [d.strip() for d in asked.split(",") if d.strip()] if asked else available_devices()
 
 
-SERIAL_GROUP = "serial"
+#: The serial pass's marker expression (scripts/dev test: `-m serial`).
+SERIAL_MARKEXPR = "serial"
 
 #: A test running past the ini setting hang_dump_after (seconds) has every thread's stack printed.
 pytest_plugins = ("hang_watch",)
@@ -76,41 +81,64 @@ def pytest_configure(config: pytest.Config) -> None:
         one_thread_per_worker()
         atexit.register(end_worker_at_once)
     collect_garbage_once(config)
-    # xdist's default `load` ignores groups; `loadgroup` is `load` that honours them. Its
-    # workers parse the command line afresh, so the controller tells them (workerinput).
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", None) == "load":
-        config.option.dist = "loadgroup"
         config.option.loadscopereorder = False  # the workers put the scopes in order (in_dispatch_order)
-    if getattr(config, "workerinput", {}).get("kvgen_loadgroup"):
-        config.option.loadgroup = True
-
-
-@pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest without xdist never calls it
-def pytest_configure_node(node: Any) -> None:
-    node.workerinput["kvgen_loadgroup"] = node.config.option.dist == "loadgroup"
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest without xdist never calls it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`loadgroup` with a module as the scope of every test outside a group (xdist's own makes
-    each such test a scope of its own)."""
-    if config.option.dist != "loadgroup":
+    """For xdist's default distribution (`load`, what `-n` gives): whole scopes (scope_of) to a
+    worker at a time, where xdist's `load` hands out single tests. Another `--dist` is xdist's."""
+    if config.option.dist != "load":
         return None
-    from xdist.scheduler import LoadGroupScheduling
+    from xdist.scheduler import LoadScopeScheduling
 
-    class ModuleScheduling(LoadGroupScheduling):
+    class ScopeScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return scope_of(nodeid)
 
-    return ModuleScheduling(config, log)
+    return ScopeScheduling(config, log)
+
+
+#: Test modules (file-name patterns) whose tests run on one worker, by the scope's name: each
+#: loads something that costs seconds in a process, so that only one worker pays for it.
+SHARED_SCOPES = {
+    # vLLM's own cache code (about 7 s of CPU to import); LMCache's engine, in a fork of the
+    # worker, builds its caches with it
+    "vllm": ("test_engine_vllm*.py", "test_lmcache_engine.py", "test_lmcache_vllm033.py",
+             "test_remote_vllm_canonical.py"),
+    # every module of the package parsed (code_rules.source_tree: about 3 MB, 2-3 s), once
+    "source_trees": ("test_architecture.py", "test_devices.py"),
+}
+#: The one way a test becomes serial: the marker, written in its module.
+SERIAL_MARK = "mark.serial"
+#: The scope of the modules that hold a serial test (under a plain `pytest -n N`: one worker).
+SERIAL_SCOPE = "serial"
 
 
 def scope_of(nodeid: str) -> str:
-    """What one worker runs whole: the xdist group xdist's worker appended to the test's id
-    (`...@name`, as LoadGroupScheduling reads it), else the test's module."""
-    if nodeid.rfind("@") > nodeid.rfind("]"):  # a parameter id may hold an @
-        return nodeid.rsplit("@", 1)[1]
-    return nodeid.split("::", 1)[0]
+    """What one worker runs whole: the test module's shared scope, SERIAL_SCOPE for a module
+    that holds a serial test, else the module."""
+    return module_scope(nodeid.split("::", 1)[0])
+
+
+@functools.cache
+def module_scope(module: str) -> str:
+    name = PurePosixPath(module).name
+    shared = next((scope for scope, patterns in SHARED_SCOPES.items()
+                   if any(fnmatch.fnmatchcase(name, p) for p in patterns)), None)
+    return shared or (SERIAL_SCOPE if holds_serial_tests(ROOT / module) else module)
+
+
+#: Where the test ids' paths start (pytest's rootdir: the folder of pyproject.toml).
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def holds_serial_tests(path: Path) -> bool:
+    """Whether the test module at `path` marks a test serial (by its text, as the serial pass
+    selects its modules: pytest_ignore_collect)."""
+    return path.suffix == ".py" and path.is_file() and SERIAL_MARK in path.read_text(encoding="utf-8")
 
 
 def one_thread_per_worker() -> None:
@@ -181,29 +209,21 @@ def keep_the_collected_heap_out_of_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-#: The one way a test becomes serial: the marker, written in its module.
-SERIAL_MARK = "mark.serial"
-
-
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """The serial pass (`-m serial`, scripts/dev test) imports only the modules that mark a test
     serial: collecting every module (torch, vLLM, the library at import) cost that pass more
     CPU time than its 31 tests. None: pytest's own rules decide (never False, which would
     override them)."""
-    if config.getoption("markexpr", "") != SERIAL_GROUP or collection_path.suffix != ".py":
+    if config.getoption("markexpr", "") != SERIAL_MARKEXPR or collection_path.suffix != ".py":
         return None
-    if not collection_path.name.startswith("test_") or SERIAL_MARK in collection_path.read_text(encoding="utf-8"):
+    if not collection_path.name.startswith("test_") or holds_serial_tests(collection_path):
         return None
     return True
 
 
-# A wrapper: the groups are marked before xdist's worker reads them off the items and appends
-# them to the tests' ids, and the items are ordered after, by those ids.
+# A wrapper: the items are ordered after every other plugin has selected them.
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Any:
-    for item in items:
-        if item.get_closest_marker("serial") is not None:
-            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
     result = yield
     if os.environ.get("PYTEST_XDIST_WORKER"):
         items[:] = in_dispatch_order(items)

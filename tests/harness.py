@@ -136,8 +136,6 @@ def sglang_absent(exc: Exception, what: str) -> NoReturn:
 
 # -- vLLM, imported by the tests that use it, not at collection ------------------------------------
 
-#: The tests of vLLM's own code share one xdist worker: only that one pays vLLM's import (seconds).
-VLLM_GROUP = "vllm"
 VLLM_MISSING = "vllm 0.33.0 is not installed (scripts/dev installs it unless KVGEN_NO_ENGINES=1)"
 
 

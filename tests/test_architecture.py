@@ -27,7 +27,6 @@ import pytest
 from code_rules import (
     MODULES,
     PACKAGE,
-    SOURCE_TREES_GROUP,
     SOURCES,
     ImportSite,
     classes,
@@ -41,8 +40,6 @@ from code_rules import (
     source_nodes,
     third_party,
 )
-
-pytestmark = pytest.mark.xdist_group(SOURCE_TREES_GROUP)
 
 #: Shared, torch-free modules every stage may import.
 CORE = {"kvgen", "kvgen.errors", "kvgen.notation", "kvgen.names", "kvgen.interface", "kvgen.versions"}

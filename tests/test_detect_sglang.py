@@ -11,7 +11,6 @@ import importlib.util
 
 import pytest
 import torch
-from harness import VLLM_GROUP
 
 import kvgen
 from kvgen import generated
@@ -245,10 +244,12 @@ def test_from_sglang_refuses_a_vectorized_5d_pool_it_has_no_spec_for() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed: the checks run")
-@pytest.mark.xdist_group(VLLM_GROUP)  # verify's engine checks import vLLM: on the worker that has it already
-def test_kvgen_verify_says_the_sglang_checks_were_skipped_and_why(capsys: pytest.CaptureFixture[str]) -> None:
+def test_kvgen_verify_says_the_sglang_checks_were_skipped_and_why(capsys: pytest.CaptureFixture[str],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from kvgen.tools.verify import engines as verify_engines
 
+    # SGLang's checks alone (vLLM's: tests/test_engine_vllm.py)
+    monkeypatch.setattr(verify_engines, "ENGINES", {"SGLang": verify_engines.ENGINES["SGLang"]})
     assert verify_engines.run() == 0
     out = capsys.readouterr().out
     assert "SGLang 0.5.23 engine checks skipped: sglang is not installed in this Python" in out

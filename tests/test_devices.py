@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from code_rules import SOURCE_TREES_GROUP, source_nodes
+from code_rules import source_nodes
 from harness import (
     EXT,
     SCENARIOS,
@@ -224,7 +224,6 @@ def test_recording_backend_with_a_device_and_threads() -> None:
     assert ("copy", "main") in backend.events and ("sync", "main") in backend.events
 
 
-@pytest.mark.xdist_group(SOURCE_TREES_GROUP)  # with test_architecture, which parses these modules too
 def test_generated_code_talks_to_devices_only_through_the_runtime() -> None:
     """One connector serves every device: no generated module names a device API."""
     import ast

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import VLLM_GROUP, builtin_library, vllm_module
+from harness import builtin_library, vllm_module
 
 import kvgen
 from kvgen import generated
@@ -36,7 +36,6 @@ iface = vllm_module("vllm.v1.kv_cache_interface")
 planning = vllm_module("vllm.v1.core.kv_cache_planning")
 vllm_layouts = vllm_module("vllm.v1.kv_cache_layout")
 worker = vllm_module("vllm.v1.worker.utils")
-pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
 
 LIBRARY = builtin_library()
 #: No two extents equal: a swapped pair of axes changes a shape or a value.

@@ -24,10 +24,9 @@ from typing import Any
 
 import pytest
 import torch
-from harness import VLLM_GROUP, builtin_library, vllm_module
+from harness import builtin_library, vllm_module
 
 iface = vllm_module("vllm.v1.kv_cache_interface")
-pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
 
 DSV4_ATTENTION = "vllm.models.deepseek_v4.attention"
 dsv4_attention = vllm_module(DSV4_ATTENTION)

@@ -18,12 +18,10 @@ import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
 import torch
-from harness import VLLM_GROUP, builtin_library, vllm_module
+from harness import builtin_library, vllm_module
 
 iface = vllm_module("vllm.v1.kv_cache_interface")
-pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
 
 
 planning = vllm_module("vllm.v1.core.kv_cache_planning")

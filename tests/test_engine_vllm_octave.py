@@ -21,10 +21,9 @@ from typing import Any
 
 import pytest
 import torch
-from harness import VLLM_GROUP, builtin_library, vllm_module
+from harness import builtin_library, vllm_module
 
 iface = vllm_module("vllm.v1.kv_cache_interface")
-pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
 
 
 octave_attn = vllm_module("vllm.v1.attention.backends.rocm_octave_attn")

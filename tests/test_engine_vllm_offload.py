@@ -19,10 +19,9 @@ from typing import Any
 
 import pytest
 import torch
-from harness import VLLM_GROUP, vllm_module
+from harness import vllm_module
 
 cm = vllm_module("vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping")
-pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
 
 iface = vllm_module("vllm.v1.kv_cache_interface")
 planning = vllm_module("vllm.v1.core.kv_cache_planning")

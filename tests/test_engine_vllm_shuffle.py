@@ -29,10 +29,9 @@ from typing import Any
 
 import pytest
 import torch
-from harness import VLLM_GROUP, builtin_library, tile_codes, vllm_module
+from harness import builtin_library, tile_codes, vllm_module
 
 iface = vllm_module("vllm.v1.kv_cache_interface")
-pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
 planning = vllm_module("vllm.v1.core.kv_cache_planning")
 worker = vllm_module("vllm.v1.worker.utils")
 vllm_layouts = vllm_module("vllm.v1.kv_cache_layout")

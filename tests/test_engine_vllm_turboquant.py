@@ -25,10 +25,9 @@ from typing import Any
 
 import pytest
 import torch
-from harness import VLLM_GROUP, builtin_library, vllm_module
+from harness import builtin_library, vllm_module
 
 iface = vllm_module("vllm.v1.kv_cache_interface")
-pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
 
 tq_config = vllm_module("vllm.model_executor.layers.quantization.turboquant.config")
 tq_attn = vllm_module("vllm.v1.attention.backends.turboquant_attn")

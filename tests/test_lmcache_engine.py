@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 from forked import run_forked
-from harness import VLLM_GROUP, need_lmcache
+from harness import need_lmcache
 
 need_lmcache()
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(VLLM_GROUP)]
+pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).with_name("lmcache_engine.py")
 from kvgen.oracle.facts.vllm import KV_CACHE_LAYOUTS  # noqa: E402

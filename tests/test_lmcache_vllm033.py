@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import VLLM_GROUP, builtin_library, need_lmcache
+from harness import builtin_library, need_lmcache
 
 need_lmcache()
 
@@ -58,7 +58,6 @@ def test_cpu_attention_cache_with_heads_equal_to_block_size_and_no_hint_is_refus
     assert torch.equal(got, want)
 
 
-@pytest.mark.xdist_group(VLLM_GROUP)  # the one test here that imports vLLM
 def test_vllm_033_views_move_with_the_kv_cache_layout_in_layout_hints() -> None:
     vllm = pytest.importorskip("vllm.v1.kv_cache_layout", reason="vllm 0.33.0 is not installed (scripts/dev "
                                "installs it unless KVGEN_NO_ENGINES=1)")

@@ -10,10 +10,9 @@ import ctypes
 
 import pytest
 import torch
-from harness import VLLM_GROUP, vllm_module
+from harness import vllm_module
 
 vllm_module("vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping")
-pytestmark = pytest.mark.xdist_group(VLLM_GROUP)
 
 from kvgen import remote  # noqa: E402
 from kvgen.oracle.facts import vllm as facts_vllm  # noqa: E402
