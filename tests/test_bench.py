@@ -264,7 +264,6 @@ def test_plot_sweeps_chunk_sizes_unless_tokens_are_given() -> None:
     assert bench_plot.SWEEP_TOKENS[0] == 16 and bench_plot.SWEEP_TOKENS[-1] == 8192
 
 
-@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="`pip install 'kvgen[plot]'` draws plots")
 def test_plot_draws_gbps_against_tokens_per_connector(tmp_path: Path) -> None:
     image, doc = tmp_path / "p.png", tmp_path / "p.json"
     assert main(["bench", "--layouts", "NHD,HND", "--objects", "kv_2ltd", "--tokens", "8,16", *TINY,
