@@ -124,6 +124,7 @@ def scope_of(nodeid: str) -> str:
 
 @functools.cache
 def module_scope(module: str) -> str:
+    """scope_of for the test module at `module` (a path from ROOT, as test ids give it)."""
     name = PurePosixPath(module).name
     shared = next((scope for scope, patterns in SHARED_SCOPES.items()
                    if any(fnmatch.fnmatchcase(name, p) for p in patterns)), None)

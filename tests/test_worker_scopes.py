@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import SERIAL_SCOPE, SHARED_SCOPES, module_scope, scope_of
+from conftest import SERIAL_MARK, SERIAL_SCOPE, SHARED_SCOPES, module_scope, scope_of
 
 TESTS = Path(__file__).resolve().parent
 MODULES = sorted(f"tests/{p.name}" for p in TESTS.glob("test_*.py"))
@@ -40,7 +40,7 @@ def test_every_shared_scope_pattern_names_a_module() -> None:
 
 
 def test_the_modules_holding_serial_tests_share_one_scope() -> None:
-    serial = {m for m in MODULES if "mark.serial" in _text(m)}
+    serial = {m for m in MODULES if SERIAL_MARK in _text(m)}
     assert "tests/test_serial_pass.py" in serial
     assert {m for m in MODULES if module_scope(m) == SERIAL_SCOPE} == serial
 
