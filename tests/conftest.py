@@ -100,6 +100,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ScopeScheduling(config, log)
 
 
+#: Where the test ids' paths start (pytest's rootdir: the folder of pyproject.toml).
+ROOT = Path(__file__).resolve().parent.parent
+
+
 #: Test modules (file-name patterns) whose tests run on one worker, by the scope's name: each
 #: loads something that costs seconds in a process, so that only one worker pays for it.
 SHARED_SCOPES = {
@@ -129,10 +133,6 @@ def module_scope(module: str) -> str:
     shared = next((scope for scope, patterns in SHARED_SCOPES.items()
                    if any(fnmatch.fnmatchcase(name, p) for p in patterns)), None)
     return shared or (SERIAL_SCOPE if holds_serial_tests(ROOT / module) else module)
-
-
-#: Where the test ids' paths start (pytest's rootdir: the folder of pyproject.toml).
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @functools.cache
@@ -213,7 +213,7 @@ def keep_the_collected_heap_out_of_gc() -> None:
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """The serial pass (`-m serial`, scripts/dev test) imports only the modules that mark a test
     serial: collecting every module (torch, vLLM, the library at import) cost that pass more
-    CPU time than its 31 tests. None: pytest's own rules decide (never False, which would
+    CPU time than its tests. None: pytest's own rules decide (never False, which would
     override them)."""
     if config.getoption("markexpr", "") != SERIAL_MARKEXPR or collection_path.suffix != ".py":
         return None
